@@ -6,7 +6,8 @@ Legend: T tokens, D hidden size, F routed-expert FFN size, G = 2F (gate rows the
 E routed experts, K top-k, S shared-expert FFN size, H = 2S, N groups (n_group), B sequences.
 
 Numerics (what every backend must match up to GEMM accumulation order):
-  * Router: fp32 logits ``x.float() @ router_w_ED.float().T``; scores sigmoid or softmax in fp32.
+  * Router: fp32 logits ``x.float() @ router_w_ED.float().T``; scores sigmoid or softmax in fp32
+    (fp64 throughout for fp64 inputs, so that gradchecks are meaningful).
   * Expert e on rows X: ``h = silu(X @ W13[e, :F].T) * (X @ W13[e, F:].T)`` rounded to the
     activation dtype; ``y = h @ W2[e].T`` rounded to the activation dtype (one row per (token, slot)).
   * Combine: ``out[t] = cast(sum_{k=0..K-1} w[t,k] * float(y[t,k]) + float(shared[t]))`` with fp32
@@ -50,6 +51,11 @@ class RouterOutput:
     scores_TE: torch.Tensor
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 accumulation, except fp64 stays fp64 (so float64 gradchecks are meaningful)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _stable_topk(v: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries of the last dim; equal values go to the lower index."""
     return torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :k]
@@ -64,21 +70,24 @@ def _check_finite(logits_TE: torch.Tensor) -> None:
 
 
 def route(x_TD: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Tensor | None,
-          cfg: MoEConfig) -> RouterOutput:
+          cfg: MoEConfig, logits_TE: torch.Tensor | None = None) -> RouterOutput:
     """Top-k routing (DeepSeek-V3 / Qwen3 style). Differentiable w.r.t. x and router_w.
 
     The correction bias ``expert_bias_E`` (no gradient) only changes *which* experts are selected; the
     combine weights come from the unbiased scores. Group-limited routing keeps the ``topk_group`` best
     groups (non-kept experts are masked with -inf) before the expert top-k. No host sync on CUDA.
+    ``logits_TE`` (fp32 [T, E]) may be passed precomputed (e.g. by a batch-invariant kernel).
     """
     E, K = cfg.num_experts, cfg.top_k
-    logits_TE = x_TD.float() @ router_w_ED.float().t()
+    if logits_TE is None:
+        acc = _acc_dtype(x_TD.dtype)
+        logits_TE = x_TD.to(acc) @ router_w_ED.to(acc).t()
     if cfg.nan_policy == "raise":
         _check_finite(logits_TE)
     scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, dim=-1)
     sel_TE = scores_TE.detach()
     if expert_bias_E is not None:
-        sel_TE = sel_TE + expert_bias_E.detach().float()
+        sel_TE = sel_TE + expert_bias_E.detach().to(sel_TE.dtype)
     sel_TE = torch.where(torch.isnan(sel_TE), float("-inf"), sel_TE)  # NaN never wins, ids stay in range
     if cfg.n_group > 1:
         T = sel_TE.shape[0]
@@ -102,8 +111,12 @@ def route(x_TD: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Te
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, computed in fp32 and returned in the input dtype (Shazeer, arXiv 2002.05202)."""
-    return (F_.silu(gate.float()) * up.float()).to(gate.dtype)
+    """silu(gate) * up, computed in fp32 (fp64 for fp64 inputs), returned in the input dtype.
+
+    SwiGLU: Shazeer, "GLU Variants Improve Transformer", arXiv 2002.05202.
+    """
+    acc = _acc_dtype(gate.dtype)
+    return (F_.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)
 
 
 def expert_ffn(x_MD: torch.Tensor, w13_GD: torch.Tensor, w2_DF: torch.Tensor) -> torch.Tensor:
@@ -143,8 +156,7 @@ def shared_expert(x_TD: torch.Tensor, shared_w13_HD: torch.Tensor | None,
 def combine(y_TKD: torch.Tensor, topk_weights_TK: torch.Tensor, shared_TD: torch.Tensor | None,
             out_dtype: torch.dtype) -> torch.Tensor:
     """Deterministic combine: fp32 sum over slots in order k=0..K-1, plus the shared output, one cast."""
-    acc_TD = torch.zeros(y_TKD.shape[0], y_TKD.shape[2], dtype=torch.float32 if y_TKD.dtype != torch.float64
-                         else torch.float64, device=y_TKD.device)
+    acc_TD = torch.zeros(y_TKD.shape[0], y_TKD.shape[2], dtype=_acc_dtype(y_TKD.dtype), device=y_TKD.device)
     for k in range(y_TKD.shape[1]):
         acc_TD = acc_TD + topk_weights_TK[:, k:k + 1].to(acc_TD.dtype) * y_TKD[:, k].to(acc_TD.dtype)
     if shared_TD is not None:

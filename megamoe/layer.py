@@ -1,0 +1,195 @@
+"""``megamoe.MoE``: the DeepSeek-V3-style MoE layer as an ``nn.Module``.
+
+Legend: T tokens, D hidden, F expert FFN, G = 2F (gate rows then up rows), E routed experts, L = E / W
+local experts of this EP rank, W EP world size, K top-k, S shared FFN, H = 2S.
+
+The module only owns parameters and chooses a backend; the math lives in ``reference`` (plain PyTorch),
+``functional`` (fused single-GPU Triton path) and ``functional_ep`` (fused expert parallelism).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import reference as ref
+from .config import MoEConfig
+
+__all__ = ["MoE", "RouterStats"]
+
+BACKENDS = ("reference", "fused")
+
+
+@dataclass
+class RouterStats:
+    """Statistics of the last forward.
+
+    tokens_per_expert_E: int64 [E] device tensor, (token, slot) pairs of this rank's tokens per global expert.
+    aux_loss: scalar sequence-wise balance loss (DeepSeek-V3 eq. 17-20), or None when its coefficient is 0.
+    topk_ids_TK: int64 [T, K] routing of the last forward (detached), e.g. to save a routing trace.
+    """
+
+    tokens_per_expert_E: torch.Tensor
+    aux_loss: torch.Tensor | None
+    topk_ids_TK: torch.Tensor
+
+
+class MoE(nn.Module):
+    """Router + routed SwiGLU experts (sharded over an EP group) + shared expert, combined in fp32.
+
+    Args:
+        config: the layer's :class:`MoEConfig`.
+        backend: ``"reference"`` (plain PyTorch, any device, host-synchronous) or ``"fused"`` (Triton,
+            CUDA, no host sync, bitwise deterministic and batch-invariant).
+        group: expert-parallel process group (None: all experts on this device). Rank r of the group
+            owns global experts [r*L, (r+1)*L). Router, bias and shared expert are replicated.
+        device: where parameters are created. seed: parameter init seed (None: torch's global RNG).
+
+    Parameters (names carry shapes): ``router_w_ED`` fp32, ``w13_LGD`` / ``w2_LDF`` / ``shared_w13_HD``
+    / ``shared_w2_DS`` in ``config.dtype``; buffer ``expert_bias_E`` (fp32, selection only).
+
+    Forward: ``x [..., D]`` of any float dtype -> same shape and dtype. ``x`` is cast to
+    ``config.dtype`` for the experts (router math is fp32). Sequences for the balance loss are the
+    second-to-last dimension of ``x`` (all tokens form one sequence for 2-D input).
+
+    Raises ValueError for a bad backend, an E not divisible by the group size, or a wrong input shape
+    or device; TypeError for a non-floating input.
+    """
+
+    def __init__(self, config: MoEConfig, *, backend: str = "reference", group=None, device=None,
+                 seed: int | None = None):
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"megamoe.MoE: config must be a MoEConfig, got {type(config).__name__}")
+        if backend not in BACKENDS:
+            raise ValueError(f"megamoe.MoE: backend must be one of {BACKENDS}, got {backend!r}")
+        self.config = config
+        self.backend = backend
+        self.group = group
+        self.ep_size = dist.get_world_size(group) if group is not None else 1
+        self.ep_rank = dist.get_rank(group) if group is not None else 0
+        c = config
+        L = c.local_experts(self.ep_size)
+        self.num_local_experts = L
+        self.expert_offset = self.ep_rank * L
+        D, F, S, E = c.hidden_size, c.moe_intermediate_size, c.shared_intermediate_size, c.num_experts
+        kw = dict(device=device, dtype=c.dtype)
+        self.router_w_ED = nn.Parameter(torch.empty(E, D, device=device, dtype=torch.float32))
+        self.w13_LGD = nn.Parameter(torch.empty(L, 2 * F, D, **kw))
+        self.w2_LDF = nn.Parameter(torch.empty(L, D, F, **kw))
+        if S:
+            self.shared_w13_HD = nn.Parameter(torch.empty(2 * S, D, **kw))
+            self.shared_w2_DS = nn.Parameter(torch.empty(D, S, **kw))
+        else:
+            self.register_parameter("shared_w13_HD", None)
+            self.register_parameter("shared_w2_DS", None)
+        self.register_buffer("expert_bias_E", torch.zeros(E, device=device) if c.use_expert_bias else None)
+        self.register_buffer("counts_since_update_E", torch.zeros(E, dtype=torch.int64, device=device),
+                             persistent=False)
+        self.last_stats: RouterStats | None = None
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Normal init, std D^-1/2 for router / w13 / shared w13 and F^-1/2 (S^-1/2) for w2.
+
+        With a seed, global expert e is drawn from its own generator seeded by (seed, e), so the same
+        seed gives the same global weights at every EP size.
+        """
+        c = self.config
+        D, F, S = c.hidden_size, c.moe_intermediate_size, c.shared_intermediate_size
+        dev = self.w13_LGD.device
+
+        def gen(stream: int) -> torch.Generator | None:
+            if seed is None:
+                return None
+            g = torch.Generator(device=dev)
+            g.manual_seed((seed * 1_000_003 + stream) % (2**63))
+            return g
+
+        self.router_w_ED.normal_(0.0, D ** -0.5, generator=gen(10**6))
+        for i in range(self.num_local_experts):
+            e = self.expert_offset + i
+            self.w13_LGD[i].normal_(0.0, D ** -0.5, generator=gen(2 * e))
+            self.w2_LDF[i].normal_(0.0, F ** -0.5, generator=gen(2 * e + 1))
+        if S:
+            self.shared_w13_HD.normal_(0.0, D ** -0.5, generator=gen(10**6 + 1))
+            self.shared_w2_DS.normal_(0.0, S ** -0.5, generator=gen(10**6 + 2))
+        if self.expert_bias_E is not None:
+            self.expert_bias_E.zero_()
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"D={c.hidden_size}, F={c.moe_intermediate_size}, E={c.num_experts}, K={c.top_k}, "
+                f"local_experts={self.num_local_experts} (EP rank {self.ep_rank}/{self.ep_size}), "
+                f"shared_S={c.shared_intermediate_size}, score={c.score_func}, groups={c.n_group}/{c.topk_group}, "
+                f"scale={c.routed_scaling_factor}, dtype={c.dtype}, backend={self.backend}")
+
+    def _shared(self):
+        return self.shared_w13_HD, self.shared_w2_DS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"megamoe.MoE: input must be a floating-point tensor, got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
+        if x.dim() < 1 or x.shape[-1] != c.hidden_size:
+            raise ValueError(f"megamoe.MoE: input last dim must be D={c.hidden_size}, got shape {tuple(x.shape)}")
+        if x.device != self.w13_LGD.device:
+            raise ValueError(f"megamoe.MoE: input on {x.device}, parameters on {self.w13_LGD.device}")
+        in_dtype = x.dtype
+        x_TD = x.reshape(-1, c.hidden_size).to(c.dtype)
+        seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
+
+        if self.backend == "fused":
+            from .functional import router_logits
+            logits_TE = router_logits(x_TD, self.router_w_ED)
+        else:
+            logits_TE = None
+        r = ref.route(x_TD, self.router_w_ED, self.expert_bias_E, c, logits_TE=logits_TE)
+        args = (x_TD, r.topk_ids_TK, r.topk_weights_TK, self.w13_LGD, self.w2_LDF, *self._shared())
+        if self.group is not None and self.backend == "reference":
+            from .reference_ep import moe_experts_ep
+            out_TD = moe_experts_ep(*args, group=self.group)
+        elif self.group is not None:
+            from .functional_ep import moe_experts_ep
+            out_TD = moe_experts_ep(*args, group=self.group)
+        elif self.backend == "reference":
+            out_TD = ref.moe_experts(*args)
+        else:
+            from .functional import moe_experts
+            out_TD = moe_experts(*args, backend="fused")
+
+        counts_E = ref.tokens_per_expert(r.topk_ids_TK, c.num_experts)
+        with torch.no_grad():
+            self.counts_since_update_E += counts_E
+        aux = None
+        if c.seq_aux_loss_coef > 0 and x_TD.shape[0] > 0:
+            aux = ref.seq_balance_loss(r.scores_TE, r.topk_ids_TK, seq_len, c.top_k, c.seq_aux_loss_coef)
+        self.last_stats = RouterStats(counts_E, aux, r.topk_ids_TK.detach())
+        return out_TD.to(in_dtype).view(x.shape)
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """Aux-loss-free bias update from the counts accumulated since the last call, then reset them.
+
+        Counts are summed over ``group`` with an all-reduce (stream-ordered, no host sync), so every
+        rank applies the same update. No-op when the config has no expert bias.
+        """
+        counts_E = self.counts_since_update_E
+        if self.expert_bias_E is not None:
+            if self.group is not None:
+                counts_E = counts_E.clone()
+                dist.all_reduce(counts_E, group=self.group)
+            ref.update_expert_bias_(self.expert_bias_E, counts_E, self.config.bias_update_rate)
+        self.counts_since_update_E.zero_()
+
+
+def num_parameters(module: nn.Module) -> int:
+    """Parameter count of a module (helper for summaries)."""
+    return sum(p.numel() for p in module.parameters())
+
+

@@ -1,0 +1,88 @@
+"""Expert-parallel reference over ``torch.distributed`` (plain PyTorch, gloo on CPU or NCCL on GPU).
+
+Legend: T tokens on this rank, D hidden, F expert FFN, G = 2F, K top-k, W EP world size, L local
+experts (rank r owns global experts [r*L, (r+1)*L)), N = T*K (token, slot) pairs of this rank,
+R rows received by this rank.
+
+Global token numbering: rank r's local token t has global index ``sum_{q<r} T_q + t``, i.e. the global
+batch is the concatenation of the ranks' batches in rank order. The output of :func:`moe_experts_ep`
+is this rank's tokens, in the order of ``x_TD``.
+
+Protocol (the textbook NCCL recipe, host-synchronous by design: it is the oracle, not the fast path):
+  1. each (token, slot) pair goes to rank ``id // L``; pairs are sent sorted by (dest rank, token, slot);
+  2. send counts are exchanged with ``all_to_all_single`` and copied to the host to size buffers;
+  3. token rows are dispatched with the autograd-aware ``torch.distributed.nn.functional.all_to_all_single``;
+  4. the destination groups received rows by local expert with a stable sort, so every expert sees its rows
+     in (global token, slot) order, runs its SwiGLU, and sends the rows back (second all_to_all);
+  5. the owner puts each row back in its (token, slot) place and runs the reference ``combine``.
+Gradients flow through both all-to-alls; routed-expert weight gradients land on the owning rank, while
+the gradients of replicated parameters (shared expert, router) are per-rank partials whose sum over the
+group equals the single-process gradient (summing them is data parallelism's job).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+
+from .reference import combine, expert_ffn, shared_expert
+
+__all__ = ["moe_experts_ep", "global_token_offset"]
+
+
+def global_token_offset(num_tokens: int, group=None, device=None) -> tuple[int, list[int]]:
+    """(offset of this rank's first token in the global batch, token counts of all ranks). Host sync."""
+    W = dist.get_world_size(group)
+    t = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+    all_t = [torch.zeros_like(t) for _ in range(W)]
+    dist.all_gather(all_t, t, group=group)
+    counts = [int(c.item()) for c in all_t]
+    return sum(counts[: dist.get_rank(group)]), counts
+
+
+def moe_experts_ep(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD=None, shared_w2_DS=None,
+                   *, group=None) -> torch.Tensor:
+    """Routed + shared experts and combine with experts sharded over ``group``: [T, D] -> [T, D].
+
+    Args:
+        x_TD: this rank's tokens, any float dtype, any T >= 0 (ranks may differ).
+        topk_ids_TK: int64 global expert ids in [0, W*L). topk_weights_TK: fp32 combine weights.
+        w13_LGD, w2_LDF: this rank's L experts. shared_*: replicated shared expert or None.
+    Returns this rank's output rows in x's dtype. Deterministic; host-synchronous (reference only).
+    """
+    W = dist.get_world_size(group)
+    T, K = topk_ids_TK.shape
+    D = x_TD.shape[1]
+    L = w13_LGD.shape[0]
+    N = T * K
+    dev = x_TD.device
+    flat_ids_N = topk_ids_TK.reshape(-1).long()
+    dest_N = flat_ids_N // L
+    # Pairs sorted by (dest rank, token, slot): flat index n = t*K + k already orders (token, slot).
+    send_order_N = torch.sort(dest_N * max(N, 1) + torch.arange(N, device=dev)).indices
+    send_counts_W = torch.bincount(dest_N, minlength=W)
+    recv_counts_W = torch.empty_like(send_counts_W)
+    dist.all_to_all_single(recv_counts_W, send_counts_W, group=group)
+    send_splits, recv_splits = send_counts_W.tolist(), recv_counts_W.tolist()
+    R = sum(recv_splits)
+
+    send_x_ND = x_TD[send_order_N // K]
+    recv_x_RD = dist_fn.all_to_all_single(x_TD.new_empty(R, D), send_x_ND, recv_splits, send_splits, group=group)
+    send_e_N = (flat_ids_N % L)[send_order_N]
+    recv_e_R = send_e_N.new_empty(R)
+    dist.all_to_all_single(recv_e_R, send_e_N, recv_splits, send_splits, group=group)
+
+    # Received rows arrive in (source rank, token, slot) = (global token, slot) order; a stable sort by
+    # local expert keeps that order inside each expert.
+    y_RD = recv_x_RD.new_zeros(R, D)
+    by_expert_R = torch.sort(recv_e_R, stable=True).indices
+    for e in range(L):
+        rows = by_expert_R[recv_e_R[by_expert_R] == e]
+        if rows.numel():
+            y_RD = y_RD.index_copy(0, rows, expert_ffn(recv_x_RD[rows], w13_LGD[e], w2_LDF[e]))
+
+    back_ND = dist_fn.all_to_all_single(x_TD.new_empty(N, D), y_RD, send_splits, recv_splits, group=group)
+    y_ND = x_TD.new_zeros(N, D).index_copy(0, send_order_N, back_ND)
+    shared_TD = shared_expert(x_TD, shared_w13_HD, shared_w2_DS)
+    return combine(y_ND.view(T, K, D), topk_weights_TK, shared_TD, x_TD.dtype)

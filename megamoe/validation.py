@@ -1,0 +1,85 @@
+"""Input checks shared by every backend: clear errors instead of hangs or wrong answers.
+
+Legend: T tokens, D hidden, F expert FFN, G = 2F, E experts (L local experts under EP), K top-k,
+S shared FFN, H = 2S.
+
+All checks are on shapes, dtypes and devices (host metadata) except :func:`check_expert_ids`, which
+reads values: eagerly on CPU (raises ValueError), and on CUDA through ``torch._assert_async`` so that
+no host sync happens (a failing id becomes a device-side assertion naming megamoe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_expert_inputs", "check_expert_ids"]
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _need(cond: bool, msg: str, exc: type[Exception] = ValueError) -> None:
+    if not cond:
+        raise exc(f"megamoe: {msg}")
+
+
+def check_expert_ids(topk_ids_TK: torch.Tensor, num_experts: int) -> None:
+    """Every id in [0, num_experts). CPU: ValueError. CUDA: sync-free device assertion."""
+    if topk_ids_TK.numel() == 0:
+        return
+    ok = ((topk_ids_TK >= 0) & (topk_ids_TK < num_experts)).all()
+    msg = f"megamoe: expert ids out of range [0, {num_experts})"
+    if topk_ids_TK.is_cuda:
+        torch._assert_async(ok, msg)
+    elif not bool(ok):
+        bad = topk_ids_TK[(topk_ids_TK < 0) | (topk_ids_TK >= num_experts)]
+        raise ValueError(f"{msg}: found {bad[:8].tolist()}")
+
+
+def check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD=None,
+                        shared_w2_DS=None, *, num_experts: int | None = None) -> None:
+    """Validate the arguments of ``moe_experts``-style entries.
+
+    ``num_experts`` is the global E that ids index (defaults to ``w13_EGD.shape[0]``; under EP pass
+    W * L). Raises TypeError for wrong types/dtypes and ValueError for wrong shapes, devices or ids.
+    """
+    for name, t in (("x_TD", x_TD), ("topk_ids_TK", topk_ids_TK), ("topk_weights_TK", topk_weights_TK),
+                    ("w13_EGD", w13_EGD), ("w2_EDF", w2_EDF)):
+        _need(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    _need(x_TD.dim() == 2, f"x_TD must be 2-D [T, D], got shape {tuple(x_TD.shape)}")
+    _need(x_TD.dtype in _FLOAT_DTYPES, f"x_TD must be floating point, got {x_TD.dtype}", TypeError)
+    T, D = x_TD.shape
+    _need(w13_EGD.dim() == 3 and w2_EDF.dim() == 3,
+          f"w13_EGD [E, 2F, D] and w2_EDF [E, D, F] must be 3-D, got {tuple(w13_EGD.shape)} and {tuple(w2_EDF.shape)}")
+    E, G, D13 = w13_EGD.shape
+    E2, D2, F = w2_EDF.shape
+    _need(E == E2 and D13 == D and D2 == D and G == 2 * F,
+          f"weight shapes disagree: x_TD {tuple(x_TD.shape)}, w13_EGD {tuple(w13_EGD.shape)} (want [E, 2F, D]), "
+          f"w2_EDF {tuple(w2_EDF.shape)} (want [E, D, F])")
+    _need(w13_EGD.dtype == x_TD.dtype and w2_EDF.dtype == x_TD.dtype,
+          f"dtype mismatch: x {x_TD.dtype}, w13 {w13_EGD.dtype}, w2 {w2_EDF.dtype}", TypeError)
+    _need(topk_ids_TK.dim() == 2 and topk_ids_TK.shape[0] == T,
+          f"topk_ids_TK must be [T={T}, K], got {tuple(topk_ids_TK.shape)}")
+    _need(topk_ids_TK.dtype in (torch.int32, torch.int64), f"topk_ids_TK must be int32/int64, got {topk_ids_TK.dtype}",
+          TypeError)
+    _need(topk_weights_TK.shape == topk_ids_TK.shape,
+          f"topk_weights_TK {tuple(topk_weights_TK.shape)} must match topk_ids_TK {tuple(topk_ids_TK.shape)}")
+    _need(topk_weights_TK.dtype in _FLOAT_DTYPES, f"topk_weights_TK must be floating, got {topk_weights_TK.dtype}",
+          TypeError)
+    E_glob = E if num_experts is None else num_experts
+    K = topk_ids_TK.shape[1]
+    _need(1 <= K <= min(16, E_glob), f"top-k K={K} must be in [1, min(16, E={E_glob})]")
+    tensors = [x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF]
+    if (shared_w13_HD is None) != (shared_w2_DS is None):
+        raise ValueError("megamoe: pass both shared_w13_HD and shared_w2_DS, or neither")
+    if shared_w13_HD is not None:
+        H, Ds = shared_w13_HD.shape
+        Ds2, S = shared_w2_DS.shape
+        _need(Ds == D and Ds2 == D and H == 2 * S,
+              f"shared expert shapes {tuple(shared_w13_HD.shape)} / {tuple(shared_w2_DS.shape)} "
+              f"must be [2S, D={D}] / [D={D}, S]")
+        _need(shared_w13_HD.dtype == x_TD.dtype and shared_w2_DS.dtype == x_TD.dtype,
+              "shared expert weights must have x's dtype", TypeError)
+        tensors += [shared_w13_HD, shared_w2_DS]
+    devs = {t.device for t in tensors}
+    _need(len(devs) == 1, f"all tensors must be on one device, got {sorted(map(str, devs))}")
+    check_expert_ids(topk_ids_TK, E_glob)

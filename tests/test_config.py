@@ -1,0 +1,64 @@
+"""MoEConfig validation and preset numbers (checked against the published model configs)."""
+
+import pytest
+import torch
+
+from megamoe import PRESETS, MoEConfig, get_preset
+
+
+def test_presets_match_published_configs():
+    ds = PRESETS["deepseek-v3"]
+    assert (ds.hidden_size, ds.moe_intermediate_size, ds.num_experts, ds.top_k) == (7168, 2048, 256, 8)
+    assert (ds.n_group, ds.topk_group, ds.routed_scaling_factor, ds.shared_intermediate_size) == (8, 4, 2.5, 2048)
+    k2 = PRESETS["kimi-k2"]
+    assert (k2.num_experts, k2.top_k, k2.routed_scaling_factor, k2.n_group) == (384, 8, 2.827, 1)
+    q = PRESETS["qwen3-30b-a3b"]
+    assert (q.hidden_size, q.moe_intermediate_size, q.num_experts, q.top_k, q.score_func) == (2048, 768, 128, 8, "softmax")
+    assert q.shared_intermediate_size == 0
+    glm = PRESETS["glm-4.5"]
+    assert (glm.hidden_size, glm.moe_intermediate_size, glm.num_experts, glm.shared_intermediate_size) == (5120, 1536, 160, 1536)
+    mok = PRESETS["mok-bench"]
+    assert (mok.hidden_size, mok.moe_intermediate_size, mok.num_experts, mok.top_k, mok.shared_intermediate_size) == (
+        7168, 3072, 384, 6, 3072)
+    assert {"tiny", "small"} <= set(PRESETS)
+
+
+def test_routed_flops():
+    assert PRESETS["mok-bench"].routed_flops_fwd(2048) == 6 * 2048 * 6 * 7168 * 3072
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(top_k=9, num_experts=8), "top_k=9 > num_experts"),
+    (dict(top_k=17, num_experts=64), "top_k=17 > 16"),
+    (dict(num_experts=10, n_group=4), "not divisible by n_group"),
+    (dict(n_group=2, topk_group=3), "topk_group=3 > n_group"),
+    (dict(num_experts=8, top_k=6, n_group=4, topk_group=1), "do not fit"),
+    (dict(score_func="relu"), "score_func"),
+    (dict(hidden_size=0), "hidden_size must be a positive int"),
+    (dict(num_experts=1024, top_k=2), "> 512"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+    (dict(nan_policy="ignore"), "nan_policy"),
+    (dict(dtype=torch.int8), "dtype"),
+])
+def test_config_rejects_bad_values(kwargs, match):
+    base = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, top_k=2)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(**base)
+
+
+def test_config_frozen_and_replace():
+    c = get_preset("tiny")
+    with pytest.raises(Exception):
+        c.top_k = 3
+    c2 = c.replace(moe_intermediate_size=48)
+    assert c2.shared_intermediate_size == 48 and c.shared_intermediate_size == 32
+    with pytest.raises(KeyError, match="valid presets"):
+        get_preset("nope")
+
+
+def test_local_experts():
+    c = get_preset("deepseek-v3")
+    assert c.local_experts(8) == 32
+    with pytest.raises(ValueError, match="not divisible by the EP size 3"):
+        c.local_experts(3)

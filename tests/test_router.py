@@ -1,0 +1,127 @@
+"""Router edge cases, checked against an independent per-token brute-force implementation."""
+
+import pytest
+import torch
+
+from megamoe import get_preset
+from megamoe.reference import route
+
+
+def brute_route(logits_E, bias_E, cfg):
+    """Per-token, list-based restatement of the DeepSeek-V3 router (independent of reference.route)."""
+    E, K = cfg.num_experts, cfg.top_k
+    s = torch.sigmoid(logits_E) if cfg.score_func == "sigmoid" else torch.softmax(logits_E, -1)
+    sel = [float(s[e]) + (float(bias_E[e]) if bias_E is not None else 0.0) for e in range(E)]
+    allowed = set(range(E))
+    if cfg.n_group > 1:
+        per = E // cfg.n_group
+        gscore = []
+        for g in range(cfg.n_group):
+            vals = sorted(sel[g * per:(g + 1) * per], reverse=True)
+            gscore.append(vals[0] + vals[1] if cfg.score_func == "sigmoid" else vals[0])
+        kept = sorted(range(cfg.n_group), key=lambda g: (-gscore[g], g))[:cfg.topk_group]
+        allowed = {e for e in range(E) if e // per in kept}
+    ids = sorted(allowed, key=lambda e: (-sel[e], e))[:K]
+    w = torch.stack([s[e] for e in ids])
+    if cfg.norm_topk_prob:
+        w = w / (w.sum() + 1e-20)
+    return ids, w * cfg.routed_scaling_factor
+
+
+CONFIGS = {
+    "tiny-groups": get_preset("tiny"),
+    "small-groups": get_preset("small"),
+    "softmax-groups": get_preset("small").replace(score_func="softmax", n_group=4, topk_group=3),
+    "softmax-qwen": get_preset("small").replace(score_func="softmax", n_group=1, topk_group=1,
+                                                  routed_scaling_factor=1.0, use_expert_bias=False),
+    "k1": get_preset("tiny").replace(top_k=1),
+    "k-equals-e": get_preset("tiny").replace(top_k=8, n_group=1, topk_group=1),
+    "no-norm": get_preset("tiny").replace(norm_topk_prob=False),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_route_matches_brute_force(name, seed):
+    cfg = CONFIGS[name]
+    g = torch.Generator().manual_seed(seed)
+    T, D, E = 13, cfg.hidden_size, cfg.num_experts
+    x = torch.randn(T, D, generator=g)
+    w = torch.randn(E, D, generator=g) * D ** -0.5
+    bias = torch.randn(E, generator=g) * 0.1
+    r = route(x, w, bias, cfg)
+    logits = x @ w.t()
+    assert r.topk_ids_TK.dtype == torch.int64 and r.topk_ids_TK.shape == (T, cfg.top_k)
+    for t in range(T):
+        ids, wt = brute_route(logits[t], bias, cfg)
+        assert r.topk_ids_TK[t].tolist() == ids, f"token {t}"
+        torch.testing.assert_close(r.topk_weights_TK[t], wt, rtol=1e-6, atol=1e-7)
+
+
+def test_ties_go_to_lower_index():
+    cfg = get_preset("small").replace(n_group=1, topk_group=1)
+    x = torch.zeros(3, cfg.hidden_size)
+    r = route(x, torch.randn(cfg.num_experts, cfg.hidden_size), torch.zeros(cfg.num_experts), cfg)
+    assert r.topk_ids_TK.tolist() == [list(range(cfg.top_k))] * 3
+    # ties between groups as well: every group equal -> the lowest groups are kept
+    cfg_g = get_preset("small")
+    r = route(x, torch.randn(cfg_g.num_experts, cfg_g.hidden_size), torch.zeros(cfg_g.num_experts), cfg_g)
+    assert r.topk_ids_TK.tolist() == [list(range(cfg_g.top_k))] * 3
+    torch.testing.assert_close(r.topk_weights_TK, torch.full((3, cfg_g.top_k), cfg_g.routed_scaling_factor / cfg_g.top_k))
+
+
+def test_bias_changes_selection_not_weights():
+    cfg = get_preset("tiny").replace(n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)
+    E, D = cfg.num_experts, cfg.hidden_size
+    x, w = torch.randn(5, D), torch.randn(E, D)
+    bias = torch.zeros(E)
+    bias[6] = 10.0
+    r = route(x, w, bias, cfg)
+    assert (r.topk_ids_TK[:, 0] == 6).all()
+    torch.testing.assert_close(r.topk_weights_TK, torch.sigmoid(x @ w.t()).gather(1, r.topk_ids_TK))
+
+
+def test_group_limited_with_negative_scores():
+    """Biased scores all negative: masked groups must use -inf (a 0 mask would wrongly win)."""
+    cfg = get_preset("small")  # 16 experts, 4 groups, keep 2, top-4
+    E, D = cfg.num_experts, cfg.hidden_size
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(9, D, generator=g), torch.randn(E, D, generator=g)
+    bias = -5.0 - torch.rand(E, generator=g)
+    r = route(x, w, bias, cfg)
+    logits = x @ w.t()
+    per = E // cfg.n_group
+    for t in range(9):
+        ids, _ = brute_route(logits[t], bias, cfg)
+        assert r.topk_ids_TK[t].tolist() == ids
+        assert len({e // per for e in ids}) <= cfg.topk_group
+
+
+def test_tiny_sigmoid_with_large_bias():
+    cfg = get_preset("tiny").replace(n_group=1, topk_group=1)
+    E, D = cfg.num_experts, cfg.hidden_size
+    x = torch.ones(4, D)
+    w = torch.full((E, D), -10.0)  # logits -640 -> sigmoid underflows to 0
+    bias = torch.zeros(E)
+    bias[3], bias[5] = 1.0, 0.5
+    r = route(x, w, bias, cfg)
+    assert r.topk_ids_TK.tolist() == [[3, 5]] * 4
+    assert torch.isfinite(r.topk_weights_TK).all()
+
+
+def test_nan_logits_raise_by_default():
+    cfg = get_preset("tiny")
+    x = torch.randn(4, cfg.hidden_size)
+    x[2, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN/Inf"):
+        route(x, torch.randn(cfg.num_experts, cfg.hidden_size), None, cfg)
+
+
+def test_nan_logits_propagate_policy_keeps_ids_in_range():
+    cfg = get_preset("tiny").replace(nan_policy="propagate")
+    x = torch.randn(4, cfg.hidden_size)
+    x[2] = float("nan")
+    r = route(x, torch.randn(cfg.num_experts, cfg.hidden_size), torch.zeros(cfg.num_experts), cfg)
+    assert ((r.topk_ids_TK >= 0) & (r.topk_ids_TK < cfg.num_experts)).all()
+    assert torch.isnan(r.topk_weights_TK[2]).all()
+    assert torch.isfinite(r.topk_weights_TK[[0, 1, 3]]).all()
