@@ -136,7 +136,9 @@ def routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, w13_EGD: torch
     """
     T, K = topk_ids_TK.shape
     D = x_TD.shape[1]
-    y_ND = x_TD.new_zeros(T * K, D)
+    # The empty-slice sums are exactly 0; they keep every weight in the autograd graph, so weights get a
+    # zero gradient (not None) even when no expert receives a token.
+    y_ND = x_TD.new_zeros(T * K, D) + (x_TD[:0].sum() + w13_EGD[:0].sum() + w2_EDF[:0].sum())
     flat_ids = topk_ids_TK.reshape(-1)
     for e in range(w13_EGD.shape[0]):
         rows = (flat_ids == e).nonzero().squeeze(1)  # (t, k) order, since flat index = t*K + k

@@ -1,0 +1,96 @@
+"""megamoe.MoE (nn.Module) on the reference backend: API, errors, statistics, init."""
+
+import pytest
+import torch
+
+from megamoe import MoE, get_preset
+from megamoe import reference as ref
+
+
+@pytest.fixture
+def cfg():
+    return get_preset("tiny").replace(dtype=torch.float32)
+
+
+def test_forward_matches_functional_reference(cfg):
+    m = MoE(cfg, seed=0)
+    x = torch.randn(3, 5, cfg.hidden_size)
+    y = m(x)
+    out, r = ref.moe_layer(x.reshape(-1, cfg.hidden_size), m.router_w_ED, m.expert_bias_E, m.w13_LGD, m.w2_LDF,
+                           m.shared_w13_HD, m.shared_w2_DS, cfg)
+    assert torch.equal(y, out.view_as(x))
+    assert torch.equal(m.last_stats.tokens_per_expert_E, ref.tokens_per_expert(r.topk_ids_TK, cfg.num_experts))
+    torch.testing.assert_close(m.last_stats.aux_loss,
+                               ref.seq_balance_loss(r.scores_TE, r.topk_ids_TK, 5, cfg.top_k, cfg.seq_aux_loss_coef))
+
+
+def test_backward_reaches_every_parameter(cfg):
+    m = MoE(cfg, seed=0)
+    x = torch.randn(7, cfg.hidden_size, requires_grad=True)
+    (m(x).square().sum() + m.last_stats.aux_loss).backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert x.grad is not None
+
+
+def test_dtype_roundtrip_and_noncontiguous(cfg):
+    m = MoE(cfg.replace(dtype=torch.bfloat16), seed=1)
+    x = torch.randn(cfg.hidden_size, 6).t()  # fp32, non-contiguous
+    y = m(x)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    assert torch.equal(y, m(x.contiguous()))
+
+
+def test_bias_update_uses_accumulated_counts(cfg):
+    m = MoE(cfg, seed=0)
+    x = torch.randn(32, cfg.hidden_size)
+    m(x)
+    c1 = m.last_stats.tokens_per_expert_E.clone()
+    m(x)
+    expect = torch.zeros(cfg.num_experts)
+    ref.update_expert_bias_(expect, 2 * c1, cfg.bias_update_rate)
+    m.update_expert_bias()
+    assert torch.equal(m.expert_bias_E, expect)
+    assert int(m.counts_since_update_E.sum()) == 0
+
+
+def test_seeded_init_is_reproducible(cfg):
+    a, b = MoE(cfg, seed=3), MoE(cfg, seed=3)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+    assert not torch.equal(a.w13_LGD, MoE(cfg, seed=4).w13_LGD)
+
+
+def test_state_dict_and_repr(cfg):
+    m = MoE(cfg, seed=0)
+    keys = set(m.state_dict())
+    assert {"router_w_ED", "w13_LGD", "w2_LDF", "shared_w13_HD", "shared_w2_DS", "expert_bias_E"} == keys
+    assert "E=8" in repr(m) and "backend=reference" in repr(m)
+    no_shared = MoE(cfg.replace(n_shared_experts=0, shared_intermediate_size=0, use_expert_bias=False), seed=0)
+    assert no_shared.shared_w13_HD is None and no_shared.expert_bias_E is None
+    no_shared(torch.randn(4, cfg.hidden_size)).sum().backward()
+
+
+def test_bad_inputs(cfg):
+    with pytest.raises(ValueError, match="backend"):
+        MoE(cfg, backend="cuda")
+    with pytest.raises(TypeError, match="MoEConfig"):
+        MoE({"hidden_size": 64})
+    m = MoE(cfg, seed=0)
+    with pytest.raises(ValueError, match="last dim must be D=64"):
+        m(torch.randn(4, 32))
+    with pytest.raises(TypeError, match="floating-point"):
+        m(torch.ones(4, 64, dtype=torch.int64))
+    bad = torch.randn(4, 64)
+    bad[1, 3] = float("inf")
+    with pytest.raises(FloatingPointError, match="NaN/Inf"):
+        m(bad)
+
+
+def test_zero_tokens(cfg):
+    m = MoE(cfg, seed=0)
+    x = torch.randn(0, cfg.hidden_size, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert y.shape == (0, cfg.hidden_size)
+    assert m.w13_LGD.grad is not None and (m.w13_LGD.grad == 0).all()
