@@ -1,0 +1,174 @@
+"""``python -m megamoe.train``: train a small MoE language model end to end with megamoe layers.
+
+With no arguments it picks the best it can run on:
+  * CPU only            -> reference backend, preset "mini" (about 3 minutes on 2 cores);
+  * one CUDA GPU        -> fused backend, preset "small", bf16 experts, bf16 autocast elsewhere;
+  * ``torchrun --nproc-per-node N`` -> expert parallelism over the N ranks (EP=N, data parallel for
+    everything else), NCCL on GPUs (gloo on CPU, reference backend).
+
+Examples::
+
+    python -m megamoe.train                               # default run, writes runs/<preset>-ep<W>/
+    python -m megamoe.train --preset tiny --steps 50      # seconds
+    python -m megamoe.train --data ~/books/ --out runs/books
+    python -m megamoe.train --out runs/mini-ep1 --resume  # continue from the run's checkpoint
+    python -m megamoe.train --check                       # fused vs reference (and EP=W vs EP=1)
+    torchrun --nproc-per-node 2 -m megamoe.train --check
+
+See docs/train.md for the run folder's contents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .data import load_corpus
+from .loop import Dist, RunConfig, train
+from .model import MODEL_PRESETS, get_model_preset
+
+
+def _parser() -> argparse.ArgumentParser:
+    presets = ", ".join(f"{k} ({v.note})" for k, v in MODEL_PRESETS.items())
+    p = argparse.ArgumentParser(prog="python -m megamoe.train", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", help=f"model size: {presets}. Default: mini on CPU, small on GPU")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
+    p.add_argument("--batch-size", type=int, help="sequences per rank per step (default: the preset's)")
+    p.add_argument("--seq-len", type=int, help="bytes per sequence (default: the preset's)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
+    p.add_argument("--backend", choices=("auto", "reference", "fused"), default="auto",
+                   help="MoE backend; auto = fused on CUDA, reference on CPU")
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--out", help="run folder (default runs/<preset>-ep<W>); '' writes nothing")
+    p.add_argument("--data", help="text file or folder (default: this Python's standard library sources)")
+    p.add_argument("--eval-every", type=int, help="validation every N steps (default: the preset's)")
+    p.add_argument("--log-every", type=int, default=10, help="metrics / progress every N steps (default 10)")
+    p.add_argument("--ckpt-every", type=int, default=0, help="extra checkpoints every N steps (0: at the end)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after N steps, as if interrupted")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--check", action="store_true", help="compare backends (and EP=W with EP=1) and exit")
+    p.add_argument("--check-atol", type=float, default=2e-2, help="--check absolute slack on losses (nats)")
+    p.add_argument("--check-strict", action="store_true",
+                   help="--check also requires the whole EP=W and EP=1 loss trajectories to be bitwise equal")
+    return p
+
+
+def _setup_dist(device_arg: str | None) -> tuple[Dist, str]:
+    """Initialise torch.distributed under torchrun (WORLD_SIZE > 1); returns (Dist, device string)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() if device_arg is None else device_arg.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA GPU is available")
+    if world == 1:
+        return Dist(), ("cuda" if cuda else "cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), group=dist.group.WORLD), \
+        (f"cuda:{local}" if cuda else "cpu")
+
+
+def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
+    """CLI arguments -> RunConfig (device-dependent defaults). Raises SystemExit with a clear message."""
+    on_gpu = device.startswith("cuda")
+    backend = args.backend if args.backend != "auto" else ("fused" if on_gpu else "reference")
+    if backend == "fused" and not on_gpu:
+        raise SystemExit("error: --backend fused needs a CUDA GPU (use --backend reference on CPU)")
+    try:
+        cfg = get_model_preset(args.preset or ("small" if on_gpu else "mini"))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    changes = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("seq_len", args.seq_len),
+                                 ("lr", args.lr), ("eval_every", args.eval_every)) if v is not None}
+    for k, v in changes.items():
+        if (k == "lr" and not v > 0) or (k != "lr" and v <= 0):
+            raise SystemExit(f"error: --{k.replace('_', '-')} must be positive, got {v}")
+    cfg = cfg.replace(**changes, moe=cfg.moe.replace(dtype=torch.bfloat16 if on_gpu else torch.float32))
+    if cfg.moe.num_experts % dctx.world:
+        raise SystemExit(f"error: preset {cfg.name!r} has {cfg.moe.num_experts} experts, not divisible by "
+                         f"the EP size {dctx.world}")
+    out = args.out if args.out is not None else f"runs/{cfg.name}-ep{dctx.world}"
+    return RunConfig(model=cfg, backend=backend, device=device, seed=args.seed, data=args.data,
+                     out_dir=out or None, log_every=max(1, args.log_every), ckpt_every=args.ckpt_every,
+                     stop_after=args.stop_after, progress=not args.no_progress and dctx.main)
+
+
+def _resume_config(rc: RunConfig) -> RunConfig:
+    """On --resume the run's own config.json wins (same trajectory); only stop/progress come from the CLI."""
+    path = Path(rc.out_dir or "") / "config.json"
+    if not path.is_file():
+        raise SystemExit(f"error: --resume: {str(path)!r} not found (give the run folder with --out)")
+    saved = json.loads(path.read_text())
+    moe = rc.model.moe.replace(**{k: (getattr(torch, v.replace("torch.", "")) if k == "dtype" else v)
+                                  for k, v in saved["model"].pop("moe").items()})
+    model = get_model_preset(saved["model"]["name"]).replace(**saved["model"], moe=moe)
+    keep = {k: saved[k] for k in ("backend", "seed", "data", "log_every", "ckpt_every")}
+    return dataclasses.replace(rc, model=model, **keep)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dctx, device = _setup_dist(args.device)
+    say = print if dctx.main else (lambda *a, **k: None)
+    try:
+        rc = resolve(args, dctx, device)
+        if args.resume:
+            rc = _resume_config(rc)
+        try:
+            corpus = load_corpus(rc.data)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: {e}") from None
+        say(f"data: {corpus.describe()}")
+        if args.check:
+            from .check import run_check
+            steps = args.steps or 20
+            rc = dataclasses.replace(rc, model=rc.model.replace(steps=steps, eval_every=10**9, warmup=min(
+                rc.model.warmup, steps)))
+            return 0 if run_check(rc, dctx, corpus, atol=args.check_atol, strict=args.check_strict, say=say) else 1
+        return _train_and_report(rc, dctx, corpus, resume=args.resume, say=say)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train_and_report(rc: RunConfig, dctx: Dist, corpus, *, resume: bool, say) -> int:
+    from .plots import plot_run
+    from .report import ProgressBar, summary
+
+    cfg = rc.model
+    device_name = torch.cuda.get_device_name(rc.device) if rc.device.startswith("cuda") else "cpu"
+    say(f"training preset {cfg.name!r} for {cfg.steps} steps on {device_name} x{dctx.world} "
+        f"(backend {rc.backend}, EP={dctx.world}) -> {rc.out_dir or '(no run folder)'}")
+    bar = ProgressBar(total=rc.stop_after and min(rc.stop_after, cfg.steps) or cfg.steps, initial=0,
+                      enabled=rc.progress)
+    try:
+        res = train(rc, dctx, resume=resume, corpus=corpus, on_log=bar)
+    finally:
+        bar.close()
+    if dctx.main and rc.out_dir and rc.save_plot and (Path(rc.out_dir) / "metrics.jsonl").exists():
+        try:
+            plot_run(Path(rc.out_dir), title=f"megamoe.train {cfg.name}: {rc.backend} backend, EP={dctx.world}, "
+                                            f"{device_name}")
+        except ValueError as e:  # e.g. a resumed run with nothing left to do
+            say(f"(no plot: {e})")
+    say(summary(rc, res, world=dctx.world, device_name=device_name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""``python -m megamoe.train --check``: the same training steps on several backends, compared.
+
+Legend: W EP size of the job (torchrun ranks), P compared steps.
+
+Runs (same seed, data and steps; nothing written to disk):
+  candidate  the fused backend (experts in bf16) at EP=W;  on a CPU-only machine the reference backend;
+  reference  the plain-PyTorch reference backend, same expert dtype, EP=W;
+  exact      the reference backend with fp64 experts (fp32 on GPU, where fp64 GEMMs would crawl).
+The candidate passes when its largest per-step loss difference to ``exact`` is at most twice the
+reference's own difference to ``exact`` plus ``atol`` (the project's tolerance rule: the kernel's
+error may be at most 2x PyTorch's own error at the same dtype, plus a small absolute slack).
+
+At EP=W > 1 one more run, on every rank: the candidate at EP=1 on the global batch (all W ranks'
+data) with W virtual ranks (``GPT.forward(chunks=W)``: dense layers per rank slice, MoE layers on the
+whole batch), and the per-step loss trajectories are compared bit for bit. The first step's loss
+depends only on the forward pass and must be bitwise equal (megamoe's batch-invariance contract);
+later steps are equal only if every gradient is, and the gradients of replicated parameters (router,
+shared expert, dense layers) are summed over ranks in a different order than one EP=1 GEMM sums them,
+so the report states the first step where the trajectories part; ``strict`` makes any difference fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .data import Corpus
+from .loop import Dist, RunConfig, train
+
+__all__ = ["run_check"]
+
+
+def _variant(rc: RunConfig, *, backend: str, dtype: torch.dtype, virtual_ranks: int = 1) -> RunConfig:
+    model = rc.model.replace(moe=rc.model.moe.replace(dtype=dtype))
+    return dataclasses.replace(rc, model=model, backend=backend, virtual_ranks=virtual_ranks, out_dir=None,
+                               progress=False, save_trace=False, save_plot=False, stop_after=None)
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def _first_difference(a: list[float], b: list[float]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:  # Python floats hold the fp32 values exactly: != is a bitwise comparison here
+            return i
+    return None
+
+
+def run_check(rc: RunConfig, dctx: Dist, corpus: Corpus, *, atol: float = 2e-2, strict: bool = False,
+              say=print) -> bool:
+    """Run the comparison described in the module docstring; returns True when it passes.
+
+    ``rc`` gives model, steps and seed; its backend is ignored. ``say`` prints on rank 0 only.
+    """
+    on_gpu = torch.device(rc.device).type == "cuda"
+    cand_backend = "fused" if on_gpu else "reference"
+    low = torch.bfloat16 if on_gpu else torch.float32
+    high = torch.float32 if on_gpu else torch.float64
+    W = dctx.world
+    P = rc.model.steps
+    say(f"--check: {P} steps of preset {rc.model.name!r}, seed {rc.seed}, EP={W}, device {rc.device}")
+    runs = {}
+    plan = [("candidate", _variant(rc, backend=cand_backend, dtype=low)),
+            ("reference", _variant(rc, backend="reference", dtype=low)),
+            ("exact", _variant(rc, backend="reference", dtype=high))]
+    for name, v in plan:
+        say(f"  running {name:<10} backend={v.backend:<9} experts={str(v.model.moe.dtype).replace('torch.', '')}"
+            f" EP={W} ...")
+        runs[name] = train(v, dctx, corpus=corpus).losses
+    if W > 1:
+        v = _variant(rc, backend=cand_backend, dtype=low, virtual_ranks=W)
+        say(f"  running {'EP=1':<10} backend={v.backend:<9} on the global batch ({W} virtual ranks), every rank ...")
+        runs["ep1"] = train(v, Dist(), corpus=corpus).losses
+
+    err_cand = _max_diff(runs["candidate"], runs["exact"])
+    err_ref = _max_diff(runs["reference"], runs["exact"])
+    bound = 2 * err_ref + atol
+    ok = err_cand <= bound
+    say("")
+    say(f"  {'step':>5} {'candidate':>12} {'reference':>12} {'exact':>12}" + (f" {'EP=1':>12}" if W > 1 else ""))
+    for i in sorted({0, 1, P // 2, P - 1}):
+        row = f"  {i:>5} {runs['candidate'][i]:>12.6f} {runs['reference'][i]:>12.6f} {runs['exact'][i]:>12.6f}"
+        say(row + (f" {runs['ep1'][i]:>12.6f}" if W > 1 else ""))
+    say(f"  largest loss difference, {cand_backend} vs reference: "
+        f"{_max_diff(runs['candidate'], runs['reference']):.3e}")
+    say(f"  largest loss difference to exact: {cand_backend} {err_cand:.3e}, reference {err_ref:.3e}; "
+        f"bound 2 x reference + {atol:g} = {bound:.3e} -> {'PASS' if ok else 'FAIL'}")
+    if W > 1:
+        first = _first_difference(runs["candidate"], runs["ep1"])
+        if first is None:
+            say(f"  EP={W} vs EP=1: loss trajectories bitwise equal over all {P} steps -> PASS")
+        else:
+            say(f"  EP={W} vs EP=1: bitwise equal for the first {first} step(s), then differ "
+                f"(largest difference {_max_diff(runs['candidate'], runs['ep1']):.3e})")
+            forward_ok = first > 0
+            ok = ok and forward_ok and not strict
+            say(f"  first-step loss (forward only) bitwise equal: {'yes -> PASS' if forward_ok else 'no -> FAIL'}"
+                + ("; --check-strict requires all steps -> FAIL" if strict else ""))
+    say(f"--check {'PASSED' if ok else 'FAILED'}")
+    return ok

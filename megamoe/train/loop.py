@@ -1,0 +1,381 @@
+"""The training loop: model and optimizer setup, steps, evaluation, metrics, checkpoints, routing trace.
+
+Legend: B sequences per rank, S sequence length, V vocabulary, E experts, K top-k, L_ MoE layers
+(``n_layer``), W data-parallel ranks = EP size, C virtual ranks of an EP=1 run emulating EP=C.
+
+One optimizer step: batch(step, rank) -> forward (bf16 autocast on CUDA; MoE layers in their own dtype)
+-> loss = cross-entropy + the MoE layers' sequence-wise balance losses -> backward -> under EP, the
+replicated (dense, router, shared-expert) gradients are averaged over ranks with ``all_reduce`` and the
+rank's own expert gradients divided by W (each already sums every rank's tokens) -> AdamW ->
+aux-loss-free expert-bias update of every MoE layer from the counts of this step (all-reduced over the
+EP group inside the layer). Nothing in a step reads a value back to the host; logging does, every
+``log_every`` steps, in one transfer.
+
+Determinism: batches depend only on (seed, step, rank); parameter init only on the seed; nothing is
+timed or autotuned. A checkpoint holds model, optimizer, step and RNG states, so resuming gives the
+same trajectory as an uninterrupted run (tested on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F_
+
+from ..config import MoEConfig
+from .data import Corpus, load_corpus, train_batch, val_batches
+from .model import GPT, ModelConfig
+from .timing import StepTimer
+
+__all__ = ["RunConfig", "RunResult", "Dist", "train", "build_model"]
+
+
+@dataclass
+class Dist:
+    """This process's place in the job: rank / world size of the EP (= data-parallel) group."""
+
+    rank: int = 0
+    world: int = 1
+    group: object = None  # torch.distributed group when world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run depends on (the CLI resolves it; checkpoints store it)."""
+
+    model: ModelConfig
+    backend: str
+    device: str
+    seed: int = 0
+    data: str | None = None
+    out_dir: str | None = None
+    log_every: int = 10
+    ckpt_every: int = 0          # 0: checkpoint only at the end
+    stop_after: int | None = None  # stop (with a checkpoint) after this many steps, as if interrupted
+    virtual_ranks: int = 1       # C > 1: an EP=1 run computing what an EP=C run computes (see GPT.forward)
+    progress: bool = True
+    save_trace: bool = True
+    save_plot: bool = True
+
+
+@dataclass
+class RunResult:
+    """Per-step global train losses (fp32 values as Python floats), validation losses, speed numbers."""
+
+    losses: list[float] = field(default_factory=list)
+    aux_losses: list[float] = field(default_factory=list)
+    val: list[tuple[int, float]] = field(default_factory=list)
+    loads: list[list[list[int]]] = field(default_factory=list)   # [step][layer][expert] global counts
+    tokens_per_s: list[float] = field(default_factory=list)      # one per log interval
+    moe_share: list[float] = field(default_factory=list)
+    first_step: int = 0
+    seconds: float = 0.0
+    run_dir: Path | None = None
+    stopped_at: int = 0          # completed steps when the run ended
+    model: object = None         # the trained GPT (for summaries)
+
+
+def build_model(rc: RunConfig, dctx: Dist, device: torch.device) -> GPT:
+    """The model with MoE layers on ``rc.backend``, EP over ``dctx.group``; same init bits on every rank."""
+    from .. import MoE  # the layer imports triton lazily for the fused backend only
+
+    cfg = rc.model
+    group = dctx.group if dctx.world > 1 else None
+
+    def moe_factory(i: int):
+        return MoE(cfg.moe, backend=rc.backend, group=group, device="cpu", seed=rc.seed * 1000 + i)
+
+    return GPT(cfg, moe_factory, seed=rc.seed).to(device)
+
+
+def _expert_params(model: GPT) -> list[torch.nn.Parameter]:
+    return [m.w13_LGD for m in model.moe_layers()] + [m.w2_LDF for m in model.moe_layers()]
+
+
+def _make_optimizer(model: GPT, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+
+
+def lr_at(step: int, cfg: ModelConfig) -> float:
+    """Linear warmup over ``cfg.warmup`` steps, then cosine decay to 10% at ``cfg.steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac))))
+
+
+def _batch(corpus: Corpus, rc: RunConfig, dctx: Dist, step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This process's batch: its C virtual ranks' shards concatenated in rank order, [C*B, S]."""
+    C = rc.virtual_ranks
+    parts = [train_batch(corpus, step, batch_size=rc.model.batch_size, seq_len=rc.model.seq_len, seed=rc.seed,
+                         rank=dctx.rank * C + c, world_size=dctx.world * C) for c in range(C)]
+    x_BS = torch.cat([p[0] for p in parts]).to(device, non_blocking=True)
+    y_BS = torch.cat([p[1] for p in parts]).to(device, non_blocking=True)
+    return x_BS, y_BS
+
+
+def _loss(logits_BSV: torch.Tensor, y_BS: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(objective, per-chunk losses): the mean over the C chunks of each chunk's mean cross-entropy
+    (C = 1: the plain mean), fp32, and the C chunk losses (detached, fp32 [C]) for logging."""
+    per_chunk = [F_.cross_entropy(lg.float().flatten(0, 1), yc.flatten())
+                 for lg, yc in zip(logits_BSV.chunk(chunks), y_BS.chunk(chunks))]
+    objective = per_chunk[0] if chunks == 1 else torch.stack(per_chunk).sum() / chunks
+    return objective, torch.stack(per_chunk).detach()
+
+
+def _autocast(device: torch.device):
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+@torch.no_grad()
+def evaluate(model: GPT, batches, device, rc: RunConfig, dctx: Dist) -> float:
+    """Mean validation loss over the fixed batches (same on every rank); restores the MoE counters."""
+    model.eval()
+    saved = [m.counts_since_update_E.clone() for m in model.moe_layers()]
+    total = torch.zeros((), device=device)
+    for x_BS, y_BS in batches:
+        x_BS, y_BS = x_BS.to(device), y_BS.to(device)
+        with _autocast(device):
+            logits = model(x_BS)
+        total += F_.cross_entropy(logits.float().flatten(0, 1), y_BS.flatten())
+    for m, c in zip(model.moe_layers(), saved):
+        m.counts_since_update_E.copy_(c)
+    model.train()
+    return float(total / len(batches))
+
+
+def _ckpt_path(run_dir: Path, dctx: Dist) -> Path:
+    return run_dir / ("checkpoint.pt" if dctx.world == 1 else f"checkpoint_rank{dctx.rank}.pt")
+
+
+def save_checkpoint(run_dir: Path, dctx: Dist, model: GPT, opt, step: int, device: torch.device) -> Path:
+    """model + optimizer + completed steps + RNG states (data position = step), one file per rank."""
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+             "rng_cpu": torch.get_rng_state(),
+             "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+             "world": dctx.world, "rank": dctx.rank}
+    path = _ckpt_path(run_dir, dctx)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)  # atomic: an interrupted save never leaves a torn checkpoint
+    return path
+
+
+def load_checkpoint(run_dir: Path, dctx: Dist, model: GPT, opt, device: torch.device) -> int:
+    """Restore a checkpoint written by :func:`save_checkpoint`; returns the completed step count."""
+    path = _ckpt_path(run_dir, dctx)
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint {str(path)!r} (was the run started with this EP size?)")
+    state = torch.load(path, map_location=device, weights_only=False)
+    if state["world"] != dctx.world:
+        raise ValueError(f"--resume: checkpoint was written by {state['world']} ranks, this job has {dctx.world}")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng_cpu"])
+    if state["rng_cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["rng_cuda"].cpu(), device)
+    return int(state["step"])
+
+
+def _allreduce_grads(model: GPT, dctx: Dist) -> None:
+    """Average replicated gradients over the ranks; scale the rank's own experts' gradients by 1/W."""
+    W = dctx.world
+    expert = {id(p) for p in _expert_params(model)}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if id(p) not in expert:
+            dist.all_reduce(p.grad, group=dctx.group)
+        p.grad.div_(W)
+
+
+class _Interrupt:
+    """Ctrl-C finishes the current step, then the run saves a checkpoint and stops (single process)."""
+
+    def __init__(self, enabled: bool):
+        self.hit = False
+        self._old = signal.signal(signal.SIGINT, self._handler) if enabled else None
+
+    def _handler(self, signum, frame):
+        if self.hit:  # second Ctrl-C: give up immediately
+            raise KeyboardInterrupt
+        self.hit = True
+
+    def restore(self):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def run_config_dict(rc: RunConfig) -> dict:
+    d = asdict(rc)
+    d["model"]["moe"] = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(rc.model.moe).items()}
+    return d
+
+
+def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corpus: Corpus | None = None,
+          on_log=None) -> RunResult:
+    """Run (or resume) training; writes metrics / checkpoint / trace / plot under ``rc.out_dir`` if set.
+
+    ``on_log(result, step)`` is called on rank 0 after every log flush (the CLI's progress bar).
+    Returns the per-step global losses etc. on every rank (host values, gathered at log time).
+    """
+    dctx = dctx or Dist()
+    cfg = rc.model
+    device = torch.device(rc.device)
+    corpus = corpus if corpus is not None else load_corpus(rc.data)
+    run_dir = Path(rc.out_dir) if rc.out_dir else None
+    writes = run_dir is not None and dctx.main
+
+    torch.manual_seed(rc.seed)
+    model = build_model(rc, dctx, device)
+    opt = _make_optimizer(model, cfg.lr, cfg.weight_decay)
+    start = 0
+    if resume:
+        if run_dir is None:
+            raise ValueError("--resume needs the run folder (--out)")
+        start = load_checkpoint(run_dir, dctx, model, opt, device)
+    if writes:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(run_dir / "config.json", run_config_dict(rc))
+    metrics_path = run_dir / "metrics.jsonl" if writes else None
+    if metrics_path is not None:
+        kept = []
+        if resume and metrics_path.exists():  # drop records past the checkpoint: they are replayed exactly
+            kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] < start]
+        metrics_path.write_text("".join(ln + "\n" for ln in kept))
+
+    result = RunResult(first_step=start, run_dir=run_dir)
+    vbatches = val_batches(corpus, num_batches=cfg.eval_batches, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+    timer = StepTimer(device)
+    timer.attach(model.moe_layers())
+    interrupt = _Interrupt(enabled=dctx.world == 1 and rc.progress)
+    C = rc.virtual_ranks
+    tokens_per_step = cfg.batch_size * cfg.seq_len * dctx.world * C
+    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    t_log, t0 = time.perf_counter(), time.perf_counter()
+    last_ids_TK = None
+    stop = cfg.steps if rc.stop_after is None else min(cfg.steps, rc.stop_after)
+
+    def flush(step: int) -> None:  # one host transfer for all steps since the last flush
+        nonlocal t_log
+        if not pending:
+            return
+        # The logged loss of a step is the mean of all W*C rank/chunk losses, summed in fp64 (exact for
+        # fp32 inputs of similar size, so any order gives the same bits) and rounded once to fp32: an
+        # EP=W run and its EP=1 emulation log bitwise-equal losses whenever their chunk losses are equal.
+        loss_P = torch.stack([p[0] for p in pending]).double().sum(1)
+        aux_P = torch.stack([p[1] for p in pending]).double()
+        load_PLE = torch.stack([p[2] for p in pending])
+        if dctx.world > 1:
+            packed = torch.cat([loss_P, aux_P])
+            dist.all_reduce(packed, group=dctx.group)
+            dist.all_reduce(load_PLE, group=dctx.group)
+            loss_P, aux_P = packed.chunk(2)
+        loss_P = (loss_P / (dctx.world * C)).float()
+        aux_P = (aux_P / dctx.world).float()
+        losses, auxes, loads = loss_P.tolist(), aux_P.tolist(), load_PLE.tolist()
+        now = time.perf_counter()
+        step_ms, moe_ms = timer.collect()
+        tps = tokens_per_step * len(pending) / max(now - t_log, 1e-9)
+        share = moe_ms / step_ms if step_ms > 0 else float("nan")
+        first = step + 1 - len(pending)
+        result.losses += losses
+        result.aux_losses += auxes
+        result.loads += loads
+        result.tokens_per_s.append(tps)
+        result.moe_share.append(share)
+        if metrics_path is not None:
+            with metrics_path.open("a") as f:
+                for i, (lo, au, ld) in enumerate(zip(losses, auxes, loads)):
+                    s = first + i
+                    f.write(json.dumps({"step": s, "loss": lo, "aux_loss": au, "lr": lr_at(s, cfg),
+                                        "tokens_per_s": tps, "moe_share": share, "expert_counts": ld}) + "\n")
+        pending.clear()
+        if dctx.main and on_log is not None:
+            on_log(result, step)
+        t_log = time.perf_counter()
+
+    def log_val(step: int) -> None:
+        nonlocal t_log
+        v = evaluate(model, vbatches, device, rc, dctx)
+        timer.discard()
+        result.val.append((step, v))
+        if metrics_path is not None:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps({"step": step, "val_loss": v}) + "\n")
+        t_log = time.perf_counter()  # evaluation time does not count as training throughput
+
+    try:
+        for step in range(start, stop):
+            timer.step_begin()
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg)
+            x_BS, y_BS = _batch(corpus, rc, dctx, step, device)
+            with _autocast(device):
+                logits_BSV = model(x_BS, chunks=C)
+            loss, chunk_losses_C = _loss(logits_BSV, y_BS, C)
+            auxes = [m.last_stats.aux_loss for m in model.moe_layers() if m.last_stats.aux_loss is not None]
+            aux = torch.stack(auxes).sum() if auxes else torch.zeros((), device=device)
+            opt.zero_grad(set_to_none=True)
+            (loss + aux).backward()
+            if dctx.world > 1:
+                _allreduce_grads(model, dctx)
+            opt.step()
+            counts_LE = torch.stack([m.last_stats.tokens_per_expert_E for m in model.moe_layers()])
+            for m in model.moe_layers():
+                m.update_expert_bias()
+            timer.step_end()
+            pending.append((chunk_losses_C, aux.detach(), counts_LE))
+            if step == stop - 1:
+                last_ids_TK = model.moe_layers()[-1].last_stats.topk_ids_TK
+            done = step + 1
+            if done % rc.log_every == 0 or done == stop or interrupt.hit:
+                flush(step)
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                log_val(done)
+            if rc.ckpt_every and done % rc.ckpt_every == 0 and run_dir is not None and done != stop:
+                save_checkpoint(run_dir, dctx, model, opt, done, device)
+            if interrupt.hit:
+                stop = done
+                break
+    finally:
+        interrupt.restore()
+        timer.detach()
+    flush(stop - 1)
+    result.seconds = time.perf_counter() - t0
+
+    if run_dir is not None and stop > start:
+        if dctx.main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        if dctx.world > 1:
+            dist.barrier(group=dctx.group)
+        save_checkpoint(run_dir, dctx, model, opt, stop, device)
+        if writes and rc.save_trace and last_ids_TK is not None:
+            save_routing_trace(run_dir / "routing_trace.pt", last_ids_TK, cfg.moe, cfg.name)
+    result.model = model  # for summaries (parameter counts, expert bias)
+    result.stopped_at = stop
+    return result
+
+
+def save_routing_trace(path: Path, topk_ids_TK: torch.Tensor, moe: MoEConfig, preset: str) -> None:
+    """The last training batch's routing of the last MoE layer (rank 0's tokens), for megamoe.bench."""
+    torch.save({"topk_ids_TK": topk_ids_TK.detach().to("cpu", torch.int64), "num_experts": moe.num_experts,
+                "top_k": moe.top_k, "preset": preset}, path)

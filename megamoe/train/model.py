@@ -1,0 +1,227 @@
+"""A small byte-level decoder whose FFNs are ``megamoe.MoE`` layers, and its size presets.
+
+Legend: B sequences, S sequence length, D model width, V vocabulary (256 bytes), Hd head dim,
+nH heads, C virtual-rank chunks (see ``GPT.forward``).
+
+Architecture (pre-norm, as in Llama / DeepSeek-V3): token embedding -> n_layer x [x += attn(norm(x));
+x += moe(norm(x))] -> norm -> untied LM head. RMSNorm (Zhang & Sennrich, arXiv 1910.07467) in fp32;
+rotary position embedding (Su et al., arXiv 2104.09864, "rotate half" form); causal attention through
+``torch.nn.functional.scaled_dot_product_attention``. Every FFN is a DeepSeek-V3 MoE layer (router with
+group-limited sigmoid routing, aux-loss-free bias, shared expert; see ``megamoe.reference``).
+
+Precision: dense parameters are fp32 (bf16 autocast on GPU, set by the training loop); expert weights
+live in ``MoEConfig.dtype``. The MoE layer always runs with autocast disabled: it gets the fp32
+normalised activations, casts them to its own dtype itself and returns fp32, so its router math stays
+fp32 and the reference and fused backends see identical inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F_
+from torch import nn
+
+from ..config import MoEConfig, get_preset
+from .data import VOCAB_SIZE
+
+__all__ = ["ModelConfig", "MODEL_PRESETS", "get_model_preset", "GPT"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A model size plus the training defaults that go with it (one ``--preset`` dial).
+
+    n_layer decoder blocks of width D = ``moe.hidden_size`` with n_head heads; every FFN is an MoE with
+    config ``moe``. seq_len / batch_size (per rank) / steps / lr / warmup are the training defaults,
+    each overridable from the command line.
+    """
+
+    name: str
+    n_layer: int
+    n_head: int
+    moe: MoEConfig
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+    warmup: int = 20
+    weight_decay: float = 0.1
+    eval_every: int = 50
+    eval_batches: int = 4
+    vocab_size: int = VOCAB_SIZE
+    rope_base: float = 10000.0
+    note: str = field(default="", compare=False)
+
+    @property
+    def d_model(self) -> int:
+        return self.moe.hidden_size
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
+            raise ValueError(f"ModelConfig {self.name}: D={self.d_model} must split into {self.n_head} heads "
+                             "of even size")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return replace(self, **changes)
+
+
+def _moe(D: int, F: int, E: int, K: int, n_group: int, topk_group: int) -> MoEConfig:
+    # Router settings follow megamoe's "small" preset (DeepSeek-V3 style: sigmoid, scaling 2.5, one
+    # shared expert, aux-loss-free bias gamma 1e-3, sequence-wise balance loss alpha 1e-3).
+    return get_preset("small").replace(hidden_size=D, moe_intermediate_size=F, num_experts=E, top_k=K,
+                                       n_group=n_group, topk_group=topk_group, dtype=torch.float32)
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # Test-suite size: a few seconds for a few steps on one CPU thread.
+    "tiny": ModelConfig("tiny", n_layer=1, n_head=2, moe=_moe(64, 32, 8, 2, 2, 1), seq_len=32, batch_size=4,
+                        steps=30, lr=3e-3, warmup=5, eval_every=10, eval_batches=2,
+                        note="tests / CI"),
+    # CPU default: about 3 minutes on 2 cores with the reference backend.
+    "mini": ModelConfig("mini", n_layer=2, n_head=4, moe=_moe(128, 128, 8, 2, 2, 1), seq_len=128,
+                        batch_size=16, steps=200, lr=3e-3, warmup=20, eval_every=50, eval_batches=4,
+                        note="CPU default"),
+    # One-GPU default (fused backend, bf16 experts).
+    "small": ModelConfig("small", n_layer=6, n_head=8, moe=_moe(512, 256, 32, 4, 4, 2), seq_len=512,
+                         batch_size=32, steps=600, lr=2e-3, warmup=50, eval_every=100, eval_batches=8,
+                         note="GPU default"),
+    "medium": ModelConfig("medium", n_layer=8, n_head=8, moe=_moe(1024, 512, 64, 6, 8, 4), seq_len=1024,
+                          batch_size=32, steps=1000, lr=1.5e-3, warmup=100, eval_every=200, eval_batches=8,
+                          note="GPU, a few minutes"),
+    "large": ModelConfig("large", n_layer=12, n_head=16, moe=_moe(2048, 1024, 128, 8, 8, 4), seq_len=1024,
+                         batch_size=32, steps=2000, lr=1e-3, warmup=200, eval_every=250, eval_batches=8,
+                         note="GPU / EP, tens of minutes"),
+}
+
+
+def get_model_preset(name: str) -> ModelConfig:
+    """The named model preset. Raises ValueError listing the valid names."""
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"--preset: unknown preset {name!r}; valid: {', '.join(MODEL_PRESETS)}")
+    return MODEL_PRESETS[name]
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32, returned in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    ang_SH = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    ang_SH = torch.cat([ang_SH, ang_SH], dim=-1)
+    return ang_SH.cos().float(), ang_SH.sin().float()
+
+
+def _rotate(x_BnSH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
+    half = x_BnSH.shape[-1] // 2
+    rot = torch.cat([-x_BnSH[..., half:], x_BnSH[..., :half]], dim=-1)
+    return (x_BnSH.float() * cos_SH + rot.float() * sin_SH).to(x_BnSH.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with rotary positions, through SDPA."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D = cfg.d_model
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.proj = nn.Linear(D, D, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        q, k, v = self.qkv(x_BSD).view(B, S, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)
+        q, k = _rotate(q, cos_SH[:S], sin_SH[:S]), _rotate(k, cos_SH[:S], sin_SH[:S])
+        o_BnSH = F_.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(o_BnSH.transpose(1, 2).reshape(B, S, D))
+
+
+class Block(nn.Module):
+    """Pre-norm block: x += attn(norm(x)); x += moe(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, moe: nn.Module):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.moe_norm = RMSNorm(cfg.d_model)
+        self.moe = moe
+
+
+def _chunked(fn, x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """fn applied to ``chunks`` equal slices of the batch dim, concatenated (same per-chunk shapes)."""
+    if chunks == 1:
+        return fn(x)
+    return torch.cat([fn(c) for c in x.chunk(chunks, dim=0)], dim=0)
+
+
+class GPT(nn.Module):
+    """Byte-level MoE decoder.
+
+    Args:
+        cfg: the model preset. moe_factory(layer_index) -> nn.Module: builds each block's FFN (a
+            ``megamoe.MoE``), so the caller decides backend, EP group and init seed.
+        seed: init seed of the dense parameters (normal, std 0.02; output projections std
+            0.02 / sqrt(2 n_layer) as in GPT-2), drawn from a CPU generator so every device and rank
+            starts from the same bits.
+
+    ``forward(idx_BS, chunks=1) -> logits_BSV`` (fp32 or the autocast dtype). With ``chunks = C > 1``
+    every dense (non-MoE) computation runs separately on C equal slices of the batch while each MoE
+    layer sees the whole batch: an EP=1 process then computes exactly what the C ranks of an EP=C run
+    compute on their own slices (same GEMM shapes, hence the same bits), which ``--check`` relies on.
+    """
+
+    def __init__(self, cfg: ModelConfig, moe_factory, *, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.d_model
+        self.embed = nn.Embedding(cfg.vocab_size, D)
+        self.blocks = nn.ModuleList(Block(cfg, moe_factory(i)) for i in range(cfg.n_layer))
+        self.norm = RMSNorm(D)
+        self.head = nn.Linear(D, cfg.vocab_size, bias=False)
+        cos_SH, sin_SH = _rope_tables(cfg.seq_len, D // cfg.n_head, cfg.rope_base)
+        self.register_buffer("rope_cos_SH", cos_SH, persistent=False)
+        self.register_buffer("rope_sin_SH", sin_SH, persistent=False)
+        self._init_dense(seed)
+
+    @torch.no_grad()
+    def _init_dense(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        out_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for name, p in self.dense_named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            std = out_std if name.endswith("proj.weight") else 0.02
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def moe_layers(self) -> list[nn.Module]:
+        return [b.moe for b in self.blocks]
+
+    def dense_named_parameters(self):
+        """(name, parameter) of everything outside the MoE layers (replicated under EP)."""
+        return [(n, p) for n, p in self.named_parameters() if ".moe." not in n]
+
+    def forward(self, idx_BS: torch.Tensor, chunks: int = 1) -> torch.Tensor:
+        if idx_BS.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"GPT: sequence length {idx_BS.shape[1]} > preset seq_len {self.cfg.seq_len}")
+        if idx_BS.shape[0] % chunks:
+            raise ValueError(f"GPT: batch {idx_BS.shape[0]} is not divisible into {chunks} chunks")
+        cos_SH, sin_SH = self.rope_cos_SH, self.rope_sin_SH
+        x_BSD = self.embed(idx_BS).float()
+        for blk in self.blocks:
+            x_BSD = x_BSD + _chunked(lambda c: blk.attn(blk.attn_norm(c), cos_SH, sin_SH), x_BSD, chunks)
+            h_BSD = _chunked(blk.moe_norm, x_BSD, chunks)
+            with torch.autocast(device_type=x_BSD.device.type, enabled=False):
+                x_BSD = x_BSD + blk.moe(h_BSD).float()
+        return _chunked(lambda c: self.head(self.norm(c)), x_BSD, chunks)

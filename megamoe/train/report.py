@@ -1,0 +1,112 @@
+"""Terminal output of a training run: the progress bar and the one-screen summary at the end.
+
+Legend: L_ MoE layers, E experts.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from .loop import RunConfig, RunResult
+
+__all__ = ["ProgressBar", "param_counts", "summary"]
+
+
+class ProgressBar:
+    """tqdm bar over the steps, updated at every log flush with loss, tokens/s and the MoE time share."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+        self.done = initial
+
+    def __call__(self, result: RunResult, step: int) -> None:
+        if self.bar is None:
+            return
+        if self.done == 0 and result.first_step:  # resumed run: start the bar at the checkpoint
+            self.done = result.first_step
+            self.bar.update(self.done)
+        self.bar.update(step + 1 - self.done)
+        self.done = step + 1
+        post = {"loss": f"{result.losses[-1]:.3f}", "tok/s": f"{result.tokens_per_s[-1]:,.0f}",
+                "moe": f"{100 * result.moe_share[-1]:.0f}%"}
+        if result.val:
+            post["val"] = f"{result.val[-1][1]:.3f}"
+        self.bar.set_postfix(post, refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def param_counts(model) -> tuple[int, int]:
+    """(total parameters of this rank's model as if EP=1, parameters active per token)."""
+    total = active = 0
+    for name, p in model.named_parameters():
+        if ".moe.w13_LGD" in name or ".moe.w2_LDF" in name:
+            continue
+        total += p.numel()
+        active += p.numel()
+    for m in model.moe_layers():
+        c = m.config
+        per_expert = 3 * c.hidden_size * c.moe_intermediate_size
+        total += c.num_experts * per_expert
+        active += c.top_k * per_expert
+    return total, active
+
+
+def _balance(loads_LE: list[list[int]]) -> float:
+    """Mean over layers of max load / mean load (1.0 = perfectly balanced)."""
+    vals = []
+    for counts in loads_LE:
+        mean = sum(counts) / len(counts)
+        vals.append(max(counts) / mean if mean else float("nan"))
+    return sum(vals) / len(vals)
+
+
+def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str) -> str:
+    """The one-screen end-of-run report (plain text)."""
+    cfg, moe = rc.model, rc.model.moe
+    total, active = param_counts(res.model)
+    n = len(res.losses)
+    lines = ["", "=" * 78,
+             f"megamoe.train  preset={cfg.name}  backend={rc.backend}  device={device_name}  EP={world}",
+             f"model: {cfg.n_layer} layers, D={cfg.d_model}, {cfg.n_head} heads; MoE E={moe.num_experts} "
+             f"K={moe.top_k} F={moe.moe_intermediate_size} shared S={moe.shared_intermediate_size} "
+             f"groups {moe.topk_group}/{moe.n_group}, experts in {str(moe.dtype).replace('torch.', '')}",
+             f"params: {total / 1e6:.2f} M total, {active / 1e6:.2f} M active per token",
+             f"data: {cfg.batch_size} x {cfg.seq_len} bytes per rank per step, "
+             f"{cfg.batch_size * cfg.seq_len * world * rc.virtual_ranks:,} tokens per step"]
+    if n:
+        k = max(1, min(10, n // 5))
+        first = statistics.fmean(res.losses[:k])
+        last = statistics.fmean(res.losses[-k:])
+        lines.append(f"train loss: {first:.3f} -> {last:.3f} (mean of first / last {k} logged steps; "
+                     f"uniform bytes = {torch.log(torch.tensor(256.0)).item():.3f})")
+    if res.val:
+        lines.append("val loss:   " + "  ".join(f"{v:.3f}@{s}" for s, v in res.val[-6:]))
+    if res.tokens_per_s:
+        steady = res.tokens_per_s[1:] or res.tokens_per_s  # first interval includes compilation / warm-up
+        shares = [s for s in res.moe_share[1:] or res.moe_share if s == s]
+        lines.append(f"speed: {statistics.median(steady):,.0f} tokens/s (median over log intervals after the "
+                     f"first); MoE layers {100 * statistics.median(shares) if shares else float('nan'):.0f}% "
+                     f"of step time; wall {res.seconds:.0f} s")
+    if res.loads:
+        lines.append(f"expert balance (max/mean load, mean over layers): first step "
+                     f"{_balance(res.loads[0]):.2f} -> last step {_balance(res.loads[-1]):.2f}")
+        bias = [m.expert_bias_E for m in res.model.moe_layers() if m.expert_bias_E is not None]
+        if bias:
+            b = torch.stack([x.detach().float().cpu() for x in bias])
+            lines.append(f"expert bias range after training: [{b.min().item():+.4f}, {b.max().item():+.4f}]")
+    if res.run_dir is not None:
+        lines.append(f"run folder: {res.run_dir}/  (metrics.jsonl, checkpoint*.pt, routing_trace.pt, "
+                     "training.png, config.json)")
+        if res.stopped_at < cfg.steps:
+            lines.append(f"stopped after {res.stopped_at}/{cfg.steps} steps; continue with: "
+                         f"python -m megamoe.train --out {res.run_dir} --resume")
+    lines.append("=" * 78)
+    return "\n".join(lines)
