@@ -31,10 +31,12 @@ from .loop import Dist, RunConfig, train
 __all__ = ["run_check"]
 
 
-def _variant(rc: RunConfig, *, backend: str, dtype: torch.dtype, virtual_ranks: int = 1) -> RunConfig:
+def _variant(rc: RunConfig, *, backend: str, dtype: torch.dtype, init_dtype: torch.dtype,
+             virtual_ranks: int = 1) -> RunConfig:
     model = rc.model.replace(moe=rc.model.moe.replace(dtype=dtype))
     return dataclasses.replace(rc, model=model, backend=backend, virtual_ranks=virtual_ranks, out_dir=None,
-                               progress=False, save_trace=False, save_plot=False, stop_after=None)
+                               progress=False, save_trace=False, save_plot=False, stop_after=None,
+                               init_dtype=init_dtype)
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:
@@ -62,15 +64,15 @@ def run_check(rc: RunConfig, dctx: Dist, corpus: Corpus, *, atol: float = 2e-2, 
     P = rc.model.steps
     say(f"--check: {P} steps of preset {rc.model.name!r}, seed {rc.seed}, EP={W}, device {rc.device}")
     runs = {}
-    plan = [("candidate", _variant(rc, backend=cand_backend, dtype=low)),
-            ("reference", _variant(rc, backend="reference", dtype=low)),
-            ("exact", _variant(rc, backend="reference", dtype=high))]
+    plan = [("candidate", _variant(rc, backend=cand_backend, dtype=low, init_dtype=low)),
+            ("reference", _variant(rc, backend="reference", dtype=low, init_dtype=low)),
+            ("exact", _variant(rc, backend="reference", dtype=high, init_dtype=low))]
     for name, v in plan:
         say(f"  running {name:<10} backend={v.backend:<9} experts={str(v.model.moe.dtype).replace('torch.', '')}"
             f" EP={W} ...")
         runs[name] = train(v, dctx, corpus=corpus).losses
     if W > 1:
-        v = _variant(rc, backend=cand_backend, dtype=low, virtual_ranks=W)
+        v = _variant(rc, backend=cand_backend, dtype=low, init_dtype=low, virtual_ranks=W)
         say(f"  running {'EP=1':<10} backend={v.backend:<9} on the global batch ({W} virtual ranks), every rank ...")
         runs["ep1"] = train(v, Dist(), corpus=corpus).losses
 
@@ -79,13 +81,13 @@ def run_check(rc: RunConfig, dctx: Dist, corpus: Corpus, *, atol: float = 2e-2, 
     bound = 2 * err_ref + atol
     ok = err_cand <= bound
     say("")
-    say(f"  {'step':>5} {'candidate':>12} {'reference':>12} {'exact':>12}" + (f" {'EP=1':>12}" if W > 1 else ""))
+    say(f"  {'step':>5} {cand_backend:>12} {'reference':>12} {'exact':>12}" + (f" {'EP=1':>12}" if W > 1 else ""))
     for i in sorted({0, 1, P // 2, P - 1}):
         row = f"  {i:>5} {runs['candidate'][i]:>12.6f} {runs['reference'][i]:>12.6f} {runs['exact'][i]:>12.6f}"
         say(row + (f" {runs['ep1'][i]:>12.6f}" if W > 1 else ""))
-    say(f"  largest loss difference, {cand_backend} vs reference: "
+    say(f"  largest loss difference, candidate ({cand_backend}) vs reference: "
         f"{_max_diff(runs['candidate'], runs['reference']):.3e}")
-    say(f"  largest loss difference to exact: {cand_backend} {err_cand:.3e}, reference {err_ref:.3e}; "
+    say(f"  largest loss difference to exact: candidate {err_cand:.3e}, reference {err_ref:.3e}; "
         f"bound 2 x reference + {atol:g} = {bound:.3e} -> {'PASS' if ok else 'FAIL'}")
     if W > 1:
         first = _first_difference(runs["candidate"], runs["ep1"])

@@ -64,6 +64,7 @@ class RunConfig:
     ckpt_every: int = 0          # 0: checkpoint only at the end
     stop_after: int | None = None  # stop (with a checkpoint) after this many steps, as if interrupted
     virtual_ranks: int = 1       # C > 1: an EP=1 run computing what an EP=C run computes (see GPT.forward)
+    init_dtype: torch.dtype | None = None  # init experts in this dtype, then cast (same start, other dtype)
     progress: bool = True
     save_trace: bool = True
     save_plot: bool = True
@@ -96,7 +97,14 @@ def build_model(rc: RunConfig, dctx: Dist, device: torch.device) -> GPT:
     def moe_factory(i: int):
         return MoE(cfg.moe, backend=rc.backend, group=group, device="cpu", seed=rc.seed * 1000 + i)
 
-    return GPT(cfg, moe_factory, seed=rc.seed).to(device)
+    model = GPT(cfg, moe_factory, seed=rc.seed)
+    if rc.init_dtype is not None and rc.init_dtype != cfg.moe.dtype:
+        # Same initial values as a run with init_dtype experts (random draws depend on the dtype).
+        init_cfg = cfg.replace(moe=cfg.moe.replace(dtype=rc.init_dtype))
+        init = GPT(init_cfg, lambda i: MoE(init_cfg.moe, backend=rc.backend, group=group, device="cpu",
+                                           seed=rc.seed * 1000 + i), seed=rc.seed)
+        model.load_state_dict(init.state_dict())  # copy_ casts to each parameter's own dtype
+    return model.to(device)
 
 
 def _expert_params(model: GPT) -> list[torch.nn.Parameter]:
@@ -259,7 +267,9 @@ def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corp
     if metrics_path is not None:
         kept = []
         if resume and metrics_path.exists():  # drop records past the checkpoint: they are replayed exactly
-            kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] < start]
+            def before(rec):  # train record "step" = step index; validation "step" = steps completed
+                return rec["step"] <= start if "val_loss" in rec else rec["step"] < start
+            kept = [ln for ln in metrics_path.read_text().splitlines() if ln and before(json.loads(ln))]
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
 
     result = RunResult(first_step=start, run_dir=run_dir)
