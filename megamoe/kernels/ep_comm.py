@@ -1,0 +1,306 @@
+"""Triton kernels of the expert-parallel dispatch / combine protocol (``@triton.jit`` code only).
+
+Legend: W EP world size, E global experts, L = E / W local experts, T tokens of the owner, K top-k,
+D hidden, N = T*K (token, slot) rows, C receive capacity (rows per round), R rows received by a rank,
+q = l*W + s a receive segment (local expert l, source rank s), BM/BD/BT block sizes.
+
+Peer memory is reached through ``ptrs_ptr``, an int64 [W] table of every rank's pool base address as
+mapped in this process; region byte offsets come from ``megamoe.distributed``. The flags region sits at
+byte 0 of the pool: word 0 = epoch, word 1 = status, ``READY + s`` and ``READY + W + d`` the per-peer
+flags. Producer side: data stores, then (in a later kernel or after ``tl.debug_barrier``) one
+``atomic_xchg(flag, epoch, sem="release", scope="sys")``. Consumer side: a bounded spin of
+``atomic_add(flag, 0, sem="acquire", scope="sys")`` (lowered to ``ld.global.sys.acquire``). A wait that
+expires writes ``stage << 24 | peer << 16 | epoch & 0xffff`` into the status word (first error wins, by
+compare-and-swap) and later waits return at once, so a dead peer never hangs the stream.
+
+Schedule table (int32, local), offsets in :data:`SCHED_*`: ``[0]`` R, ``[1]`` epoch, ``TOK + s`` global
+token offset of rank s (``TOK + W`` = global T), and per segment q: ``SEG_CNT`` rows, ``SEG_START``
+first receive row, ``SEG_SRC`` first index in the source's expert-sorted row list; ``EXP_OFF + l``
+(l = 0..L) the receive offsets of the local experts. Receive rows are ordered by (local expert, source
+rank, source token, slot) = (expert, global token, slot).
+"""
+
+import triton
+import triton.language as tl
+
+SCHED_TOK = 8
+SCHED_SEG = 80  # SEG_CNT = 80, SEG_START = 80 + E, SEG_SRC = 80 + 2E, EXP_OFF = 80 + 3E
+
+STAGE_PLAN, STAGE_COMBINE, STAGE_BAD_ID, STAGE_OVERFLOW = 1, 2, 3, 4
+
+
+@triton.jit
+def _status_code(stage, peer, epoch):
+    return (stage << 24) | ((peer & 0xFF) << 16) | (epoch & 0xFFFF)
+
+
+@triton.jit
+def _wait_at_least(flag_ptr, target, status_ptr, code, max_iters, timeout_ns, USE_TIMER: tl.constexpr):
+    """Bounded acquire spin until ``*flag_ptr >= target``; on expiry record ``code`` in the status word.
+    Returns immediately when the status word is already set (an earlier wait failed)."""
+    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    st = tl.load(status_ptr, volatile=True)
+    it = 0
+    if USE_TIMER:
+        t0 = tl.extra.cuda.globaltimer()
+    go = (v < target) & (st == 0)
+    while go:
+        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        st = tl.load(status_ptr, volatile=True)
+        it += 1
+        if USE_TIMER:
+            late = (tl.extra.cuda.globaltimer() - t0) > timeout_ns
+        else:
+            late = it > max_iters
+        go = (v < target) & (st == 0) & (late == 0)
+    if (v < target) & (st == 0):
+        tl.atomic_cas(status_ptr, 0, code, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _peer_i32(base, byte_off):
+    return (base + byte_off).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def ep_plan_kernel(ids_ptr, plan_ptr, sorted_ptr, flags_ptr, N, T, E, rank, BLOCK: tl.constexpr):
+    """Owner's routing plan, one program per global expert e: ``plan[4 + e]`` = rows with id e and the
+    stable counting sort ``sorted[off_e + j]`` = j-th flat row ``t*K + k`` with id e (ascending). No
+    atomics, so positions are deterministic. Program 0 writes ``plan[0] = T`` and flags bad ids."""
+    e = tl.program_id(0)
+    lt = 0
+    eq = 0
+    bad = 0
+    start = 0
+    while start < N:
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < N
+        ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+        lt += tl.sum((m & (ids < e) & (ids >= 0)).to(tl.int32), axis=0)
+        eq += tl.sum((m & (ids == e)).to(tl.int32), axis=0)
+        bad += tl.sum((m & ((ids < 0) | (ids >= E))).to(tl.int32), axis=0)
+        start += BLOCK
+    run = 0
+    start = 0
+    while start < N:
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < N
+        ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+        hit = (m & (ids == e)).to(tl.int32)
+        pos = run + tl.cumsum(hit, axis=0) - 1
+        tl.store(sorted_ptr + lt + pos, offs, mask=hit != 0)
+        run += tl.sum(hit, axis=0)
+        start += BLOCK
+    tl.store(plan_ptr + 4 + e, eq)
+    if e == 0:
+        tl.store(plan_ptr, T)
+        if bad > 0:
+            epoch = tl.load(flags_ptr) + 1
+            tl.atomic_cas(flags_ptr + 1, 0, _status_code(3, rank, epoch), sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def ep_signal_kernel(ptrs_ptr, flags_ptr, rank, WORD0: tl.constexpr, W: tl.constexpr, BUMP: tl.constexpr):
+    """One program. ``BUMP``: advance the local epoch first (start of an exchange). Then publish the
+    epoch into word ``WORD0 + rank`` of every rank's flags (release, system scope): with
+    ``WORD0 = READY`` "my plan and rows are staged", with ``WORD0 = READY + W`` "my pushes are done"."""
+    epoch = tl.load(flags_ptr)
+    if BUMP:
+        epoch += 1
+        tl.store(flags_ptr, epoch)
+    tl.debug_barrier()
+    for s in tl.static_range(W):
+        base = tl.load(ptrs_ptr + s)
+        tl.atomic_xchg(_peer_i32(base, 0) + WORD0 + rank, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def ep_schedule_kernel(ptrs_ptr, flags_ptr, sched_ptr, rank, L, row_limit, max_iters, timeout_ns,
+                       PLAN_OFF, READY: tl.constexpr, W: tl.constexpr, E: tl.constexpr,
+                       W_PAD: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr,
+                       USE_TIMER: tl.constexpr):
+    """One program on the destination: wait for every source's plan, read the sources' per-expert
+    counts from their memory and build the schedule table (module docstring)."""
+    epoch = tl.load(flags_ptr)
+    status_ptr = flags_ptr + 1
+    for s in tl.static_range(W):
+        _wait_at_least(flags_ptr + READY + s, epoch, status_ptr, _status_code(1, s, epoch), max_iters,
+                       timeout_ns, USE_TIMER)
+    lw = tl.arange(0, L_PAD)
+    ws = tl.arange(0, W_PAD)
+    ei = tl.arange(0, E_PAD)
+    cnt = tl.zeros([L_PAD, W_PAD], dtype=tl.int32)
+    src0 = tl.zeros([L_PAD, W_PAD], dtype=tl.int32)
+    tok = tl.zeros([W_PAD], dtype=tl.int32)
+    for s in tl.static_range(W):
+        plan = _peer_i32(tl.load(ptrs_ptr + s), PLAN_OFF)
+        all_e = tl.load(plan + 4 + ei, mask=ei < E, other=0)
+        below = tl.sum(tl.where(ei < rank * L, all_e, 0), axis=0)  # rows of experts before ours
+        mine = tl.load(plan + 4 + rank * L + lw, mask=lw < L, other=0)
+        start = below + tl.cumsum(mine, axis=0) - mine
+        col = (ws == s)[None, :]
+        cnt = tl.where(col, mine[:, None], cnt)
+        src0 = tl.where(col, start[:, None], src0)
+        tok = tl.where(ws == s, tl.load(plan), tok)
+    exp_tot = tl.sum(cnt, axis=1)
+    exp_off = tl.cumsum(exp_tot, axis=0) - exp_tot
+    seg_start = exp_off[:, None] + tl.cumsum(cnt, axis=1) - cnt
+    total = tl.sum(exp_tot, axis=0)
+    q = lw[:, None] * W + ws[None, :]
+    m2 = (lw[:, None] < L) & (ws[None, :] < W)
+    tl.store(sched_ptr + 80 + q, cnt, mask=m2)
+    tl.store(sched_ptr + 80 + E + q, seg_start, mask=m2)
+    tl.store(sched_ptr + 80 + 2 * E + q, src0, mask=m2)
+    tl.store(sched_ptr + 80 + 3 * E + lw, exp_off, mask=lw < L)
+    tl.store(sched_ptr + 80 + 3 * E + L, total)
+    tl.store(sched_ptr + 8 + ws, tl.cumsum(tok, axis=0) - tok, mask=ws < W)
+    tl.store(sched_ptr + 8 + W, tl.sum(tok, axis=0))
+    tl.store(sched_ptr, total)
+    tl.store(sched_ptr + 1, epoch)
+    if total > row_limit:
+        tl.atomic_cas(status_ptr, 0, _status_code(4, rank, epoch), sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, dyr_ptr, round_start, C, D, K, L,
+                       SORTED_OFF, WEIGHTS_OFF, ROWS_OFF, CH1_ELEMS,
+                       W: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr,
+                       BM: tl.constexpr, BD: tl.constexpr, BWD: tl.constexpr):
+    """Pull receive rows ``[round_start, round_start + C)`` of the schedule into the local round buffer.
+
+    Row i: segment q (binary search by comparison), source s = q % W, flat source row read from the
+    source's sorted list, token = row // K, slot = row % K. Writes the row table ``rowtab[0/1/2, i]`` =
+    (source, token, slot) (-1 source for unused rows), the round's local expert offsets ``roff[0..L]``
+    (program 0), and copies x rows (``BWD``: also ``dy = (w * dout).to(dtype)`` rows, w read from the
+    source's weights). Programs of an unused round only mark their rows unused and exit.
+    """
+    pid = tl.program_id(0)
+    total = tl.load(sched_ptr)
+    if pid == 0:
+        lo = tl.arange(0, L_PAD)
+        eo = tl.load(sched_ptr + 80 + 3 * E + lo, mask=lo <= L, other=0)
+        eo = tl.minimum(tl.maximum(eo - round_start, 0), C)
+        tl.store(roff_ptr + lo, eo, mask=lo <= L)
+    i = pid * BM + tl.arange(0, BM)
+    g = round_start + i
+    valid = (i < C) & (g < total)
+    if round_start + pid * BM >= total:
+        tl.store(rowtab_ptr + i, -1, mask=i < C)
+        return
+    qi = tl.arange(0, E_PAD)
+    starts = tl.load(sched_ptr + 80 + E + qi, mask=qi < E, other=2147483647)
+    cnts = tl.load(sched_ptr + 80 + qi, mask=qi < E, other=0)
+    hit = (starts[None, :] <= g[:, None]) & (cnts[None, :] > 0)
+    q = tl.max(tl.where(hit, qi[None, :], -1), axis=1)
+    q = tl.where(valid, q, 0)
+    j = g - tl.load(sched_ptr + 80 + E + q)
+    s = q % W
+    base = tl.load(ptrs_ptr + s)
+    srow = tl.load(_peer_i32(base, SORTED_OFF) + tl.load(sched_ptr + 80 + 2 * E + q) + j, mask=valid, other=0)
+    tok = srow // K
+    slot = srow % K
+    tl.store(rowtab_ptr + i, tl.where(valid, s, -1), mask=i < C)
+    tl.store(rowtab_ptr + C + i, tok, mask=i < C)
+    tl.store(rowtab_ptr + 2 * C + i, slot, mask=i < C)
+    DT = xr_ptr.dtype.element_ty
+    src_rows = (base + ROWS_OFF).to(tl.pointer_type(DT)) + tok.to(tl.int64) * D
+    if BWD:
+        w = tl.load((base + WEIGHTS_OFF).to(tl.pointer_type(tl.float32)) + srow, mask=valid, other=0.0)
+    i64 = i.to(tl.int64)
+    d0 = 0
+    while d0 < D:
+        dd = d0 + tl.arange(0, BD)
+        m = valid[:, None] & (dd < D)[None, :]
+        x = tl.load(src_rows[:, None] + dd[None, :], mask=m, other=0.0)
+        tl.store(xr_ptr + i64[:, None] * D + dd[None, :], x, mask=m)
+        if BWD:
+            go = tl.load(src_rows[:, None] + CH1_ELEMS + dd[None, :], mask=m, other=0.0)
+            dy = (w[:, None] * go.to(tl.float32)).to(DT)
+            tl.store(dyr_ptr + i64[:, None] * D + dd[None, :], dy, mask=m)
+        d0 += BD
+
+
+@triton.jit
+def ep_push_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, y_ptr, round_start, C, D, K, SLOTS_OFF,
+                   BM: tl.constexpr, BD: tl.constexpr):
+    """Push round row i of ``y`` into slot (token, slot) of its owner's slot buffer (each slot once)."""
+    pid = tl.program_id(0)
+    total = tl.load(sched_ptr)
+    if round_start + pid * BM >= total:
+        return
+    i = pid * BM + tl.arange(0, BM)
+    valid = (i < C) & (round_start + i < total)
+    s = tl.load(rowtab_ptr + i, mask=valid, other=0)
+    valid = valid & (s >= 0)
+    s = tl.maximum(s, 0)
+    tok = tl.load(rowtab_ptr + C + i, mask=valid, other=0).to(tl.int64)
+    slot = tl.load(rowtab_ptr + 2 * C + i, mask=valid, other=0).to(tl.int64)
+    DT = y_ptr.dtype.element_ty
+    dst = (tl.load(ptrs_ptr + s) + SLOTS_OFF).to(tl.pointer_type(DT)) + (tok * K + slot) * D
+    i64 = i.to(tl.int64)
+    d0 = 0
+    while d0 < D:
+        dd = d0 + tl.arange(0, BD)
+        m = valid[:, None] & (dd < D)[None, :]
+        y = tl.load(y_ptr + i64[:, None] * D + dd[None, :], mask=m)
+        tl.store(dst[:, None] + dd[None, :], y, mask=m)
+        d0 += BD
+
+
+@triton.jit
+def ep_wait_done_kernel(flags_ptr, max_iters, timeout_ns, DONE: tl.constexpr, W: tl.constexpr,
+                        USE_TIMER: tl.constexpr):
+    """One program on the owner: wait until every rank has pushed all rows of this exchange."""
+    epoch = tl.load(flags_ptr)
+    for s in tl.static_range(W):
+        _wait_at_least(flags_ptr + DONE + s, epoch, flags_ptr + 1, _status_code(2, s, epoch), max_iters,
+                       timeout_ns, USE_TIMER)
+
+
+@triton.jit
+def ep_reduce_kernel(slots_ptr, w_ptr, shared_ptr, out_ptr, ysave_ptr, T, D, K,
+                     HAS_W: tl.constexpr, HAS_SHARED: tl.constexpr, SAVE: tl.constexpr,
+                     BT: tl.constexpr, BD: tl.constexpr):
+    """Owner's fixed-order reduction: ``out[t] = cast(sum_{k=0..K-1} w[t,k] * float(slot[t,k])
+    + float(shared[t]))`` with fp32 accumulation in slot order (no weights when not ``HAS_W``);
+    ``SAVE`` also copies the slots to ``ysave`` [T, K, D] (the forward's y for the backward)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    dd = tl.program_id(1) * BD + tl.arange(0, BD)
+    mt = t < T
+    m = mt[:, None] & (dd < D)[None, :]
+    t64 = t.to(tl.int64)
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    k = 0
+    while k < K:
+        off = (t64 * K + k)[:, None] * D + dd[None, :]
+        y = tl.load(slots_ptr + off, mask=m, other=0.0)
+        if SAVE:
+            tl.store(ysave_ptr + off, y, mask=m)
+        if HAS_W:
+            w = tl.load(w_ptr + t64 * K + k, mask=mt, other=0.0).to(tl.float32)
+            acc = acc + w[:, None] * y.to(tl.float32)
+        else:
+            acc = acc + y.to(tl.float32)
+        k += 1
+    if HAS_SHARED:
+        acc = acc + tl.load(shared_ptr + t64[:, None] * D + dd[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t64[:, None] * D + dd[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def ep_dweights_kernel(dout_ptr, y_ptr, dw_ptr, T, D, K, BT: tl.constexpr, BD: tl.constexpr):
+    """``dw[t, k] = sum_d float(dout[t, d]) * float(y[t, k, d])``, D walked in fixed BD chunks (fp32)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    k = tl.program_id(1)
+    mt = t < T
+    t64 = t.to(tl.int64)
+    acc = tl.zeros([BT], dtype=tl.float32)
+    d0 = 0
+    while d0 < D:
+        dd = d0 + tl.arange(0, BD)
+        m = mt[:, None] & (dd < D)[None, :]
+        g = tl.load(dout_ptr + t64[:, None] * D + dd[None, :], mask=m, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + (t64 * K + k)[:, None] * D + dd[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += tl.sum(g * y, axis=1)
+        d0 += BD
+    tl.store(dw_ptr + t64 * K + k, acc, mask=mt)

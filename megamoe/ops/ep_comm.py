@@ -1,0 +1,159 @@
+"""Host launchers of the expert-parallel protocol: validate, allocate, pick grids, launch.
+
+Legend: W EP world size, E global experts, L = E / W local experts, T tokens of this rank, K top-k,
+D hidden, C receive capacity in rows per round, R rows received by this rank, N = T*K.
+
+One *exchange* moves the rows of one MoE call to the experts' ranks and the results back:
+
+1. :func:`publish` (owner): stage token rows (and, backward, output-gradient rows and weights) in the
+   pool, build the expert-sorted routing plan on the device, advance the epoch, signal "ready" to all.
+2. :func:`build_schedule` (destination): wait for every source's "ready", derive the receive schedule.
+3. per round r < ``rounds``: :func:`dispatch_round` pulls receive rows ``[r*C, (r+1)*C)`` from the
+   owners, the caller runs the expert GEMMs on them, :func:`push_round` writes the results into the
+   owners' (token, slot) slots. Rounds past R exit at once (no host sync decides how many run).
+4. :func:`signal_done` (destination) then :func:`wait_done` + :func:`reduce_slots` (owner).
+
+Nothing here synchronises with the host; all waits are bounded device spins (see kernels/ep_comm.py).
+Tile sizes are constants (not autotuned), so results do not depend on timing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ..distributed import FLAG_READY, EPWorkspace
+from ..kernels import ep_comm as K_
+
+__all__ = ["ExchangeBuffers", "publish", "build_schedule", "dispatch_round", "push_round", "signal_done",
+           "wait_done", "reduce_slots", "dweights", "sched_size", "interpret_mode"]
+
+_BM, _BD, _BT = 16, 256, 16
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2(n: int, lo: int = 2) -> int:
+    return max(lo, triton.next_power_of_2(max(int(n), 1)))
+
+
+def _wait_args(timeout_s: float, device: torch.device) -> tuple[int, int, bool]:
+    """(max_iters, timeout_ns, use_timer): GPU waits read %globaltimer; the interpreter counts spins."""
+    if not (timeout_s > 0):
+        raise ValueError(f"megamoe EP: timeout_s must be > 0, got {timeout_s!r}")
+    use_timer = device.type == "cuda" and not interpret_mode()
+    max_iters = min(2**31 - 1, int(timeout_s * 20_000)) if not use_timer else 2**31 - 1
+    return max_iters, int(timeout_s * 1e9), use_timer
+
+
+def sched_size(num_experts: int, local_experts: int) -> int:
+    return K_.SCHED_SEG + 3 * num_experts + local_experts + 1
+
+
+class ExchangeBuffers:
+    """Local (non-symmetric) buffers of one exchange on the destination side, sized by capacity C.
+
+    sched: int32 schedule table; rowtab_3C: int32 [3, C] (source, token, slot) of the round's rows;
+    roff_L1: int32 [L + 1] round-local expert offsets; xr_CD / dyr_CD: received x and dy rows.
+    """
+
+    def __init__(self, ws: EPWorkspace, capacity_rows: int, backward: bool):
+        s = ws.spec
+        L, dev = s.num_experts // s.world, ws.device
+        self.C = capacity_rows
+        self.sched = torch.zeros(sched_size(s.num_experts, L), dtype=torch.int32, device=dev)
+        self.rowtab_3C = torch.empty(3, capacity_rows, dtype=torch.int32, device=dev)
+        self.roff_L1 = torch.zeros(L + 1, dtype=torch.int32, device=dev)
+        self.xr_CD = torch.empty(capacity_rows, s.hidden, dtype=s.dtype, device=dev)
+        self.dyr_CD = torch.empty_like(self.xr_CD) if backward else self.xr_CD
+
+
+def publish(ws: EPWorkspace, topk_ids_TK: torch.Tensor, x_TD: torch.Tensor, dout_TD: torch.Tensor | None = None,
+            topk_weights_TK: torch.Tensor | None = None) -> None:
+    """Owner: stage rows (+ backward extras), build the plan, advance the epoch, signal "ready"."""
+    s = ws.spec
+    T, K = topk_ids_TK.shape
+    if T > s.max_tokens:
+        raise ValueError(f"megamoe EP: T={T} tokens exceeds the workspace's max_tokens={s.max_tokens} "
+                         "(megamoe.distributed.reserve_workspace)")
+    if T:
+        ws.rows_2TD[0, :T].copy_(x_TD)
+        if dout_TD is not None:
+            ws.rows_2TD[1, :T].copy_(dout_TD)
+        if topk_weights_TK is not None:
+            ws.weights_N[:T * K].copy_(topk_weights_TK.reshape(-1))
+    ids = topk_ids_TK.reshape(-1)
+    K_.ep_plan_kernel[(s.num_experts,)](ids, ws.plan, ws.sorted_N, ws.flags, T * K, T, s.num_experts, ws.rank,
+                                        BLOCK=1024 if not interpret_mode() else 64)
+    K_.ep_signal_kernel[(1,)](ws.ptrs_W, ws.flags, ws.rank, WORD0=FLAG_READY, W=s.world, BUMP=True, num_warps=1)
+
+
+def build_schedule(ws: EPWorkspace, bufs: ExchangeBuffers, rounds: int, timeout_s: float) -> None:
+    """Destination: wait for all plans (bounded) and build ``bufs.sched`` (kernels/ep_comm.py)."""
+    s = ws.spec
+    L = s.num_experts // s.world
+    max_iters, timeout_ns, use_timer = _wait_args(timeout_s, ws.device)
+    K_.ep_schedule_kernel[(1,)](ws.ptrs_W, ws.flags, bufs.sched, ws.rank, L, rounds * bufs.C, max_iters, timeout_ns,
+                                ws.offsets["plan"], READY=FLAG_READY, W=s.world, E=s.num_experts,
+                                W_PAD=_pow2(s.world), E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1),
+                                USE_TIMER=use_timer, num_warps=4)
+
+
+def dispatch_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: bool) -> None:
+    """Pull round r's rows (x, and backward dy = w * dout) into ``bufs.xr_CD`` / ``bufs.dyr_CD``."""
+    s = ws.spec
+    L = s.num_experts // s.world
+    C = bufs.C
+    grid = (triton.cdiv(C, _BM),)
+    K_.ep_dispatch_kernel[grid](ws.ptrs_W, bufs.sched, bufs.rowtab_3C, bufs.roff_L1, bufs.xr_CD, bufs.dyr_CD,
+                                r * C, C, s.hidden, s.top_k, L, ws.offsets["sorted"], ws.offsets["weights"],
+                                ws.offsets["rows"], s.max_tokens * s.hidden, W=s.world, E=s.num_experts,
+                                E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM, BD=_BD, BWD=backward)
+
+
+def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tensor) -> None:
+    """Push round r's result rows into the owners' (token, slot) slots."""
+    s = ws.spec
+    C = bufs.C
+    K_.ep_push_kernel[(triton.cdiv(C, _BM),)](ws.ptrs_W, bufs.sched, bufs.rowtab_3C, y_CD, r * C, C, s.hidden,
+                                              s.top_k, ws.offsets["slots"], BM=_BM, BD=_BD)
+
+
+def signal_done(ws: EPWorkspace) -> None:
+    """Destination: tell every owner that all of this rank's pushes of the exchange are written."""
+    K_.ep_signal_kernel[(1,)](ws.ptrs_W, ws.flags, ws.rank, WORD0=FLAG_READY + ws.world, W=ws.world, BUMP=False,
+                              num_warps=1)
+
+
+def wait_done(ws: EPWorkspace, timeout_s: float) -> None:
+    """Owner: bounded wait until every rank signalled "done" for the current epoch."""
+    max_iters, timeout_ns, use_timer = _wait_args(timeout_s, ws.device)
+    K_.ep_wait_done_kernel[(1,)](ws.flags, max_iters, timeout_ns, DONE=FLAG_READY + ws.world, W=ws.world,
+                                 USE_TIMER=use_timer, num_warps=1)
+
+
+def reduce_slots(ws: EPWorkspace, T: int, weights_TK: torch.Tensor | None, shared_TD: torch.Tensor | None,
+                 out_TD: torch.Tensor, ysave_TKD: torch.Tensor | None = None) -> None:
+    """Owner: ``out[t] = cast(sum_k w[t,k] * slot[t,k] + shared[t])`` in fp32, slot order (after wait_done)."""
+    s = ws.spec
+    if T == 0:
+        return
+    grid = (triton.cdiv(T, _BT), triton.cdiv(s.hidden, _BD))
+    dummy = out_TD
+    K_.ep_reduce_kernel[grid](ws.slots_TKD, weights_TK if weights_TK is not None else dummy,
+                              shared_TD if shared_TD is not None else dummy, out_TD,
+                              ysave_TKD if ysave_TKD is not None else dummy, T, s.hidden, s.top_k,
+                              HAS_W=weights_TK is not None, HAS_SHARED=shared_TD is not None,
+                              SAVE=ysave_TKD is not None, BT=_BT, BD=_BD)
+
+
+def dweights(dout_TD: torch.Tensor, y_TKD: torch.Tensor, dw_TK: torch.Tensor) -> None:
+    """``dw[t, k] = sum_d dout[t, d] * y[t, k, d]`` in fp32 with a fixed D order."""
+    T, K = dw_TK.shape
+    if T == 0:
+        return
+    K_.ep_dweights_kernel[(triton.cdiv(T, _BT), K)](dout_TD, y_TKD, dw_TK, T, dout_TD.shape[1], K, BT=_BT, BD=_BD)
