@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -151,6 +152,8 @@ def _megamoe_fn():
 
 
 def _megamoe_unavailable(ctx: Context, prob) -> str | None:
+    if ctx.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "the fused Triton path needs CUDA (or TRITON_INTERPRET=1 on CPU)"
     try:
         if ctx.world_size > 1:
             importlib.import_module("megamoe.functional_ep").moe_experts_ep  # noqa: B018

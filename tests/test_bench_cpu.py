@@ -1,0 +1,150 @@
+"""CPU tests of the benchmark harness (``python -m megamoe.bench``), so it never rots.
+
+Runs every CPU-capable provider once at the tiny preset, single process and EP=2 over gloo (spawned
+processes), and checks the written CSV/JSON/PNG; checks the correctness gate rejects a wrong provider;
+checks the routing models. Run: ``python3 -m pytest -q tests/test_bench_cpu.py``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from megamoe.bench.__main__ import build_parser, main
+from megamoe.bench.check import check_provider
+from megamoe.bench.problem import make_problem
+from megamoe.bench.providers import torch_moe_experts
+from megamoe.bench.routing_models import fit_trace, load_stats, make_routing
+from megamoe.config import get_preset
+
+FAST = ["--device", "cpu", "--iters", "2", "--round-iters", "1", "--warmup", "1", "--quiet"]
+
+
+def _read(out_dir):
+    for ext in ("csv", "json", "png", "txt"):
+        assert os.path.getsize(os.path.join(out_dir, f"results.{ext}")) > 0, ext
+    with open(os.path.join(out_dir, "results.csv")) as f:
+        rows = list(csv.DictReader(f))
+    with open(os.path.join(out_dir, "results.json")) as f:
+        js = json.load(f)
+    return rows, js
+
+
+def _trace(path, E0=8, K0=2, T0=23):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(E0, generator=g)[:K0] for _ in range(T0)])
+    torch.save({"topk_ids_TK": ids, "num_experts": E0, "top_k": K0, "preset": "tiny"}, path)
+    return ids
+
+
+def test_single_process_all_cpu_providers(tmp_path):
+    trace = tmp_path / "routing.pt"
+    _trace(trace)
+    out = tmp_path / "out"
+    assert main(FAST + ["--cases", "tiny:37", "--routing", "uniform", "zipf:1.5", f"trace:{trace}",
+                        "--providers", "reference", "torch", "megamoe", "nccl", "--out", str(out)]) == 0
+    rows, js = _read(out)
+    assert len(rows) == 3 * 4
+    by = {(r["routing"], r["provider"]): r for r in rows}
+    for routing in ("uniform", "zipf:1.5", f"trace:{trace}"):
+        for p in ("reference", "torch"):
+            r = by[(routing, p)]
+            assert r["status"] == "ok", r
+            assert float(r["fwdbwd_ms"]) > 0 and float(r["tflops"]) > 0 and r["check_worst"]
+        assert by[(routing, "nccl")]["status"] == "skip"  # EP-only provider at W = 1
+        assert by[(routing, "megamoe")]["status"] in ("ok", "skip")  # skip until the fused path lands
+    assert float(by[("uniform", "reference")]["speedup_vs_torch"]) > 0
+    meta = js["meta"]
+    for k in ("gpu", "driver", "cuda", "torch", "triton", "commit", "world_size"):
+        assert k in meta
+    assert meta["world_size"] == 1 and js["ceilings"]["matmul_tflops"] > 0
+    assert rows[0]["routed_flops_fwd"] == str(6 * 37 * 2 * 64 * 32)
+
+
+def _ep_worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    rc = main(FAST + ["--cases", "tiny:16", "--routing", "zipf", "--providers", "reference", "nccl", "megamoe",
+                      "symm-vdev", "torch", "--no-ceilings", "--out", out_dir])
+    torch.distributed.destroy_process_group()
+    assert rc == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_ep2_gloo(tmp_path):
+    out = str(tmp_path / "ep2")
+    mp.spawn(_ep_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    rows, js = _read(out)
+    by = {r["provider"]: r for r in rows}
+    assert by["reference"]["status"] == "ok" and by["nccl"]["status"] == "ok", rows
+    assert by["torch"]["status"] == "skip" and by["symm-vdev"]["status"] == "skip"
+    assert float(by["reference"]["speedup_vs_nccl"]) > 0
+    assert js["meta"]["world_size"] == 2 and int(by["nccl"]["dispatch_bytes"]) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_check_accepts_torch_and_rejects_wrong(dtype):
+    cfg = get_preset("tiny")
+    prob = make_problem("tiny", cfg, 29, make_routing("uniform", cfg, 29, 1, 1), seed=1, dtype=dtype)
+    assert check_provider(torch_moe_experts, prob, check_tokens=8)["ok"]
+
+    def wrong_weights(x, ids, w, *rest):
+        return torch_moe_experts(x, ids, w * 1.02, *rest)
+
+    def swapped_slots(x, ids, w, *rest):
+        return torch_moe_experts(x, ids.flip(1), w, *rest)
+
+    for bad in (wrong_weights, swapped_slots):
+        res = check_provider(bad, prob, check_tokens=8)
+        assert not res["ok"], res["worst"]
+
+
+def test_routing_models_distinct_and_deterministic():
+    cfg = get_preset("small")
+    for spec in ("uniform", "zipf", "zipf:2"):
+        r1 = make_routing(spec, cfg, 50, 2, seed=4)
+        r2 = make_routing(spec, cfg, 50, 2, seed=4)
+        assert torch.equal(r1.topk_ids_MK, r2.topk_ids_MK)
+        ids = r1.topk_ids_MK
+        assert ids.shape == (100, cfg.top_k) and ids.min() >= 0 and ids.max() < cfg.num_experts
+        assert (ids.sort(1).values.diff(dim=1) > 0).all()  # distinct experts per token
+        w = r1.topk_weights_MK
+        torch.testing.assert_close(w.sum(1), torch.full((100,), cfg.routed_scaling_factor))
+    skew = load_stats(make_routing("zipf:2", cfg, 500, 1, 0).topk_ids_MK, cfg.num_experts)["expert_max_over_mean"]
+    flat = load_stats(make_routing("uniform", cfg, 500, 1, 0).topk_ids_MK, cfg.num_experts)["expert_max_over_mean"]
+    assert skew > flat
+
+
+def test_fit_trace(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    ids = _trace(tmp_path / "t.pt", E0=8, K0=2, T0=5)
+    assert torch.equal(fit_trace(ids, 8, 12, 2, 8, g), ids[torch.arange(12) % 5])  # identity + tiling
+    for K, E in ((1, 8), (4, 8), (2, 32), (3, 4)):
+        out = fit_trace(ids, 8, 12, K, E, g)
+        assert out.shape == (12, K) and out.min() >= 0 and out.max() < E
+        assert (out.sort(1).values.diff(dim=1) > 0).all()
+    with pytest.raises(ValueError, match="outside"):
+        fit_trace(ids, 4, 12, 2, 8, g)
+
+
+def test_cli_errors_and_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--help"])
+    assert e.value.code == 0
+    assert "nccl" in capsys.readouterr().out
+    assert main(["--device", "cpu", "--cases", "nope:4"]) == 2
+    assert main(["--device", "cpu", "--cases", "tiny:4", "--routing", "zipf:x"]) == 2
+    assert main(["--device", "cpu", "--cases", "tiny:4", "--providers", "bogus"]) == 2
