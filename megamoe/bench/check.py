@@ -142,9 +142,11 @@ def check_provider(fn, prob: Problem, *, check_tokens: int = 1024, group=None) -
     dw13_got, dw2_got = grads[2], grads[3]
     del out_TD, grads
 
-    truth = _Reference(prob, idx_C, torch.float64)
-    eager = _Reference(prob, idx_C, prob.dtype)
-    t_own, e_own = truth.own(), eager.own()
+    truth, eager = _Reference(prob, idx_C, torch.float64), _Reference(prob, idx_C, prob.dtype)
+    key = ("reference", check_tokens)
+    if key not in prob.extra:  # small ([C, D]); the per-expert weight grads are recomputed (too big to keep)
+        prob.extra[key] = (truth.own(), eager.own())
+    t_own, e_own = prob.extra[key]
     errors = {}
     for q in got:
         t64 = t_own[q]
@@ -153,8 +155,7 @@ def check_provider(fn, prob: Problem, *, check_tokens: int = 1024, group=None) -
         errors[q] = {"err": e_p, "torch_err": e_t, "atol": 1e-5 * _maxabs(t64)}
     acc = {"dw13": [0.0, 0.0, 0.0], "dw2": [0.0, 0.0, 0.0]}
     for j in range(prob.local_experts):
-        t13, t2 = truth.local_expert_grads(j)
-        e13, e2 = eager.local_expert_grads(j)
+        (t13, t2), (e13, e2) = truth.local_expert_grads(j), eager.local_expert_grads(j)
         for q, g_, t_, e_ in (("dw13", dw13_got[j], t13, e13), ("dw2", dw2_got[j], t2, e2)):
             a = acc[q]
             a[0] = max(a[0], _maxabs(g_.double() - t_))
