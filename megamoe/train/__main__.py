@@ -121,6 +121,9 @@ def _resume_config(rc: RunConfig) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # cuBLAS needs a fixed workspace for deterministic results (set before CUDA starts; see
+    # loop.deterministic_algorithms). An application-level setting, made only by this entry point.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.threads:
         torch.set_num_threads(args.threads)
     dctx, device = _setup_dist(args.device)

@@ -22,6 +22,7 @@ import json
 import math
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -131,9 +132,33 @@ def _batch(corpus: Corpus, rc: RunConfig, dctx: Dist, step: int, device) -> tupl
     C = rc.virtual_ranks
     parts = [train_batch(corpus, step, batch_size=rc.model.batch_size, seq_len=rc.model.seq_len, seed=rc.seed,
                          rank=dctx.rank * C + c, world_size=dctx.world * C) for c in range(C)]
-    x_BS = torch.cat([p[0] for p in parts]).to(device, non_blocking=True)
-    y_BS = torch.cat([p[1] for p in parts]).to(device, non_blocking=True)
-    return x_BS, y_BS
+    x_BS, y_BS = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    if device.type == "cuda":  # pinned host memory: the copy is asynchronous (a pageable one would sync)
+        x_BS, y_BS = x_BS.pin_memory(), y_BS.pin_memory()
+    return x_BS.to(device, non_blocking=True), y_BS.to(device, non_blocking=True)
+
+
+@contextmanager
+def deterministic_algorithms(device: torch.device):
+    """PyTorch's deterministic kernels for the dense model while training on CUDA, restored afterwards.
+
+    Needed for bit-reproducible runs: PyTorch's flash-attention and embedding backward kernels
+    accumulate with atomics unless deterministic algorithms are on. ``warn_only``: ops without a
+    deterministic version warn instead of failing; the fill of uninitialised memory is left off (cost).
+    """
+    if device.type != "cuda":
+        yield
+        return
+    import torch.utils.deterministic as det
+    old = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+           det.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old[0], warn_only=old[1])
+        det.fill_uninitialized_memory = old[2]
 
 
 def _loss(logits_BSV: torch.Tensor, y_BS: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,7 +358,8 @@ def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corp
                 f.write(json.dumps({"step": step, "val_loss": v}) + "\n")
         t_log = time.perf_counter()  # evaluation time does not count as training throughput
 
-    try:
+    def _steps() -> None:
+        nonlocal stop, last_ids_TK
         for step in range(start, stop):
             timer.step_begin()
             for g in opt.param_groups:
@@ -366,6 +392,10 @@ def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corp
             if interrupt.hit:
                 stop = done
                 break
+
+    try:
+        with deterministic_algorithms(device):
+            _steps()
     finally:
         interrupt.restore()
         timer.detach()

@@ -91,7 +91,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "medium": ModelConfig("medium", n_layer=8, n_head=8, moe=_moe(1024, 512, 64, 6, 8, 4), seq_len=1024,
                           batch_size=32, steps=1000, lr=1.5e-3, warmup=100, eval_every=200, eval_batches=8,
                           note="GPU, a few minutes"),
-    "large": ModelConfig("large", n_layer=12, n_head=16, moe=_moe(2048, 1024, 128, 8, 8, 4), seq_len=1024,
+    "large": ModelConfig("large", n_layer=8, n_head=16, moe=_moe(2048, 1024, 64, 6, 8, 4), seq_len=1024,
                          batch_size=32, steps=2000, lr=1e-3, warmup=200, eval_every=250, eval_batches=8,
                          note="GPU / EP, tens of minutes"),
 }
