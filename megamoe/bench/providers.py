@@ -41,10 +41,10 @@ class Context:
 
 @dataclass
 class Provider:
-    """A named implementation. ``ep``: it runs under expert parallelism (W > 1) rather than on one device."""
+    """A named implementation. ``ep_only``: it needs expert parallelism (W > 1, torchrun)."""
 
     name: str
-    ep: bool
+    ep_only: bool
     description: str
     unavailable: Callable[[Context, object], str | None]
     build: Callable[[object, Context], Callable]
