@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -241,6 +242,7 @@ class _Interrupt:
 
     def __init__(self, enabled: bool):
         self.hit = False
+        enabled = enabled and threading.current_thread() is threading.main_thread()
         self._old = signal.signal(signal.SIGINT, self._handler) if enabled else None
 
     def _handler(self, signum, frame):
