@@ -162,7 +162,7 @@ def ep_schedule_kernel(ptrs_ptr, flags_ptr, sched_ptr, rank, L, row_limit, max_i
 
 
 @triton.jit
-def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, dyr_ptr, round_start, C, D, K, L,
+def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr, wr_ptr, round_start, C, D, K, L,
                        SORTED_OFF, WEIGHTS_OFF, ROWS_OFF, CH1_ELEMS,
                        W: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr,
                        BM: tl.constexpr, BD: tl.constexpr, BWD: tl.constexpr):
@@ -171,8 +171,9 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, dyr_pt
     Row i: segment q (binary search by comparison), source s = q % W, flat source row read from the
     source's sorted list, token = row // K, slot = row % K. Writes the row table ``rowtab[0/1/2, i]`` =
     (source, token, slot) (-1 source for unused rows), the round's local expert offsets ``roff[0..L]``
-    (program 0), and copies x rows (``BWD``: also ``dy = (w * dout).to(dtype)`` rows, w read from the
-    source's weights). Programs of an unused round only mark their rows unused and exit.
+    (program 0), and copies x rows (``BWD``: also the owner's output-gradient rows into ``gr`` and the
+    row's routing weight into ``wr`` (fp32)). Programs of an unused round only mark their rows unused
+    and exit.
     """
     pid = tl.program_id(0)
     total = tl.load(sched_ptr)
@@ -206,6 +207,7 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, dyr_pt
     src_rows = (base + ROWS_OFF).to(tl.pointer_type(DT)) + tok.to(tl.int64) * D
     if BWD:
         w = tl.load((base + WEIGHTS_OFF).to(tl.pointer_type(tl.float32)) + srow, mask=valid, other=0.0)
+        tl.store(wr_ptr + i, w, mask=i < C)
     i64 = i.to(tl.int64)
     d0 = 0
     while d0 < D:
@@ -215,15 +217,16 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, dyr_pt
         tl.store(xr_ptr + i64[:, None] * D + dd[None, :], x, mask=m)
         if BWD:
             go = tl.load(src_rows[:, None] + CH1_ELEMS + dd[None, :], mask=m, other=0.0)
-            dy = (w[:, None] * go.to(tl.float32)).to(DT)
-            tl.store(dyr_ptr + i64[:, None] * D + dd[None, :], dy, mask=m)
+            tl.store(gr_ptr + i64[:, None] * D + dd[None, :], go, mask=m)
         d0 += BD
 
 
 @triton.jit
-def ep_push_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, y_ptr, round_start, C, D, K, SLOTS_OFF,
-                   BM: tl.constexpr, BD: tl.constexpr):
-    """Push round row i of ``y`` into slot (token, slot) of its owner's slot buffer (each slot once)."""
+def ep_push_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, y_ptr, dot_ptr, round_start, C, D, K, P, SLOTS_OFF, DOTS_OFF,
+                   BM: tl.constexpr, BD: tl.constexpr, HAS_DOT: tl.constexpr,
+                   P_POW2: tl.constexpr):
+    """Push round row i of ``y`` into slot (token, slot) of its owner's slot buffer (each slot once);
+    ``HAS_DOT``: also the row's P fp32 partial dots into the owner's ``dots[(token*K + slot)*P ...]``."""
     pid = tl.program_id(0)
     total = tl.load(sched_ptr)
     if round_start + pid * BM >= total:
@@ -236,8 +239,15 @@ def ep_push_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, y_ptr, round_start, C, D, K,
     tok = tl.load(rowtab_ptr + C + i, mask=valid, other=0).to(tl.int64)
     slot = tl.load(rowtab_ptr + 2 * C + i, mask=valid, other=0).to(tl.int64)
     DT = y_ptr.dtype.element_ty
-    dst = (tl.load(ptrs_ptr + s) + SLOTS_OFF).to(tl.pointer_type(DT)) + (tok * K + slot) * D
+    base = tl.load(ptrs_ptr + s)
+    dst = (base + SLOTS_OFF).to(tl.pointer_type(DT)) + (tok * K + slot) * D
     i64 = i.to(tl.int64)
+    if HAS_DOT:
+        pp = tl.arange(0, P_POW2)
+        mp = valid[:, None] & (pp < P)[None, :]
+        part = tl.load(dot_ptr + i64[:, None] * P + pp[None, :], mask=mp)
+        ddst = (base + DOTS_OFF).to(tl.pointer_type(tl.float32)) + (tok * K + slot) * P
+        tl.store(ddst[:, None] + pp[None, :], part, mask=mp)
     d0 = 0
     while d0 < D:
         dd = d0 + tl.arange(0, BD)
@@ -255,52 +265,3 @@ def ep_wait_done_kernel(flags_ptr, max_iters, timeout_ns, DONE: tl.constexpr, W:
     for s in tl.static_range(W):
         _wait_at_least(flags_ptr + DONE + s, epoch, flags_ptr + 1, _status_code(2, s, epoch), max_iters,
                        timeout_ns, USE_TIMER)
-
-
-@triton.jit
-def ep_reduce_kernel(slots_ptr, w_ptr, shared_ptr, out_ptr, ysave_ptr, T, D, K,
-                     HAS_W: tl.constexpr, HAS_SHARED: tl.constexpr, SAVE: tl.constexpr,
-                     BT: tl.constexpr, BD: tl.constexpr):
-    """Owner's fixed-order reduction: ``out[t] = cast(sum_{k=0..K-1} w[t,k] * float(slot[t,k])
-    + float(shared[t]))`` with fp32 accumulation in slot order (no weights when not ``HAS_W``);
-    ``SAVE`` also copies the slots to ``ysave`` [T, K, D] (the forward's y for the backward)."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    dd = tl.program_id(1) * BD + tl.arange(0, BD)
-    mt = t < T
-    m = mt[:, None] & (dd < D)[None, :]
-    t64 = t.to(tl.int64)
-    acc = tl.zeros([BT, BD], dtype=tl.float32)
-    k = 0
-    while k < K:
-        off = (t64 * K + k)[:, None] * D + dd[None, :]
-        y = tl.load(slots_ptr + off, mask=m, other=0.0)
-        if SAVE:
-            tl.store(ysave_ptr + off, y, mask=m)
-        if HAS_W:
-            w = tl.load(w_ptr + t64 * K + k, mask=mt, other=0.0).to(tl.float32)
-            acc = acc + w[:, None] * y.to(tl.float32)
-        else:
-            acc = acc + y.to(tl.float32)
-        k += 1
-    if HAS_SHARED:
-        acc = acc + tl.load(shared_ptr + t64[:, None] * D + dd[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t64[:, None] * D + dd[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def ep_dweights_kernel(dout_ptr, y_ptr, dw_ptr, T, D, K, BT: tl.constexpr, BD: tl.constexpr):
-    """``dw[t, k] = sum_d float(dout[t, d]) * float(y[t, k, d])``, D walked in fixed BD chunks (fp32)."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    k = tl.program_id(1)
-    mt = t < T
-    t64 = t.to(tl.int64)
-    acc = tl.zeros([BT], dtype=tl.float32)
-    d0 = 0
-    while d0 < D:
-        dd = d0 + tl.arange(0, BD)
-        m = mt[:, None] & (dd < D)[None, :]
-        g = tl.load(dout_ptr + t64[:, None] * D + dd[None, :], mask=m, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + (t64 * K + k)[:, None] * D + dd[None, :], mask=m, other=0.0).to(tl.float32)
-        acc += tl.sum(g * y, axis=1)
-        d0 += BD
-    tl.store(dw_ptr + t64 * K + k, acc, mask=mt)

@@ -11,7 +11,9 @@ One *exchange* moves the rows of one MoE call to the experts' ranks and the resu
 3. per round r < ``rounds``: :func:`dispatch_round` pulls receive rows ``[r*C, (r+1)*C)`` from the
    owners, the caller runs the expert GEMMs on them, :func:`push_round` writes the results into the
    owners' (token, slot) slots. Rounds past R exit at once (no host sync decides how many run).
-4. :func:`signal_done` (destination) then :func:`wait_done` + :func:`reduce_slots` (owner).
+4. :func:`signal_done` (destination) then :func:`wait_done` (owner); the owner then reduces its slots
+   with the single-GPU fixed-order kernels (``combine_fwd`` / ``slot_sum_bwd``) through
+   :func:`slot_views`.
 
 Nothing here synchronises with the host; all waits are bounded device spins (see kernels/ep_comm.py).
 Tile sizes are constants (not autotuned), so results do not depend on timing.
@@ -24,11 +26,11 @@ import os
 import torch
 import triton
 
-from ..distributed import FLAG_READY, EPWorkspace
+from ..distributed import FLAG_READY, P_MAX, EPWorkspace
 from ..kernels import ep_comm as K_
 
 __all__ = ["ExchangeBuffers", "publish", "build_schedule", "dispatch_round", "push_round", "signal_done",
-           "wait_done", "reduce_slots", "dweights", "sched_size", "interpret_mode"]
+           "wait_done", "slot_views", "sched_size", "interpret_mode"]
 
 _BM, _BD, _BT = 16, 256, 16
 
@@ -46,7 +48,7 @@ def _wait_args(timeout_s: float, device: torch.device) -> tuple[int, int, bool]:
     if not (timeout_s > 0):
         raise ValueError(f"megamoe EP: timeout_s must be > 0, got {timeout_s!r}")
     use_timer = device.type == "cuda" and not interpret_mode()
-    max_iters = min(2**31 - 1, int(timeout_s * 20_000)) if not use_timer else 2**31 - 1
+    max_iters = min(2**31 - 1, int(timeout_s * 3_000)) if not use_timer else 2**31 - 1
     return max_iters, int(timeout_s * 1e9), use_timer
 
 
@@ -58,7 +60,8 @@ class ExchangeBuffers:
     """Local (non-symmetric) buffers of one exchange on the destination side, sized by capacity C.
 
     sched: int32 schedule table; rowtab_3C: int32 [3, C] (source, token, slot) of the round's rows;
-    roff_L1: int32 [L + 1] round-local expert offsets; xr_CD / dyr_CD: received x and dy rows.
+    roff_L1: int32 [L + 1] round-local expert offsets; xr_CD: received x rows; backward only:
+    gr_CD received output-gradient rows, wr_C fp32 routing weight of each row.
     """
 
     def __init__(self, ws: EPWorkspace, capacity_rows: int, backward: bool):
@@ -69,7 +72,8 @@ class ExchangeBuffers:
         self.rowtab_3C = torch.empty(3, capacity_rows, dtype=torch.int32, device=dev)
         self.roff_L1 = torch.zeros(L + 1, dtype=torch.int32, device=dev)
         self.xr_CD = torch.empty(capacity_rows, s.hidden, dtype=s.dtype, device=dev)
-        self.dyr_CD = torch.empty_like(self.xr_CD) if backward else self.xr_CD
+        self.gr_CD = torch.empty_like(self.xr_CD) if backward else self.xr_CD
+        self.wr_C = torch.empty(capacity_rows if backward else 1, dtype=torch.float32, device=dev)
 
 
 def publish(ws: EPWorkspace, topk_ids_TK: torch.Tensor, x_TD: torch.Tensor, dout_TD: torch.Tensor | None = None,
@@ -104,23 +108,30 @@ def build_schedule(ws: EPWorkspace, bufs: ExchangeBuffers, rounds: int, timeout_
 
 
 def dispatch_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: bool) -> None:
-    """Pull round r's rows (x, and backward dy = w * dout) into ``bufs.xr_CD`` / ``bufs.dyr_CD``."""
+    """Pull round r's rows into ``bufs.xr_CD`` (backward: also output-gradient rows and weights)."""
     s = ws.spec
     L = s.num_experts // s.world
     C = bufs.C
     grid = (triton.cdiv(C, _BM),)
-    K_.ep_dispatch_kernel[grid](ws.ptrs_W, bufs.sched, bufs.rowtab_3C, bufs.roff_L1, bufs.xr_CD, bufs.dyr_CD,
+    K_.ep_dispatch_kernel[grid](ws.ptrs_W, bufs.sched, bufs.rowtab_3C, bufs.roff_L1, bufs.xr_CD, bufs.gr_CD,
+                                bufs.wr_C,
                                 r * C, C, s.hidden, s.top_k, L, ws.offsets["sorted"], ws.offsets["weights"],
                                 ws.offsets["rows"], s.max_tokens * s.hidden, W=s.world, E=s.num_experts,
                                 E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM, BD=_BD, BWD=backward)
 
 
-def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tensor) -> None:
-    """Push round r's result rows into the owners' (token, slot) slots."""
+def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tensor,
+               dots_CP: torch.Tensor | None = None) -> None:
+    """Push round r's result rows (and backward the routing-weight partial dots) into the owners' slots."""
     s = ws.spec
     C = bufs.C
-    K_.ep_push_kernel[(triton.cdiv(C, _BM),)](ws.ptrs_W, bufs.sched, bufs.rowtab_3C, y_CD, r * C, C, s.hidden,
-                                              s.top_k, ws.offsets["slots"], BM=_BM, BD=_BD)
+    P = dots_CP.shape[1] if dots_CP is not None else 1
+    if P > P_MAX:
+        raise ValueError(f"megamoe EP: {P} partial dots per row exceed the workspace's P_MAX={P_MAX}")
+    K_.ep_push_kernel[(triton.cdiv(C, _BM),)](ws.ptrs_W, bufs.sched, bufs.rowtab_3C, y_CD,
+                                              dots_CP if dots_CP is not None else y_CD, r * C, C, s.hidden,
+                                              s.top_k, P, ws.offsets["slots"], ws.offsets["dots"], BM=_BM, BD=_BD,
+                                              HAS_DOT=dots_CP is not None, P_POW2=_pow2(P))
 
 
 def signal_done(ws: EPWorkspace) -> None:
@@ -136,24 +147,12 @@ def wait_done(ws: EPWorkspace, timeout_s: float) -> None:
                                  USE_TIMER=use_timer, num_warps=1)
 
 
-def reduce_slots(ws: EPWorkspace, T: int, weights_TK: torch.Tensor | None, shared_TD: torch.Tensor | None,
-                 out_TD: torch.Tensor, ysave_TKD: torch.Tensor | None = None) -> None:
-    """Owner: ``out[t] = cast(sum_k w[t,k] * slot[t,k] + shared[t])`` in fp32, slot order (after wait_done)."""
+def slot_views(ws: EPWorkspace, T: int, P: int = 1):
+    """Owner-side views for the fixed-order reductions: (slot rows [T_cap*K, D], row_of [T, K] int32 with
+    ``row_of[t, k] = t*K + k``, partial dots [T_cap*K, P] fp32)."""
     s = ws.spec
-    if T == 0:
-        return
-    grid = (triton.cdiv(T, _BT), triton.cdiv(s.hidden, _BD))
-    dummy = out_TD
-    K_.ep_reduce_kernel[grid](ws.slots_TKD, weights_TK if weights_TK is not None else dummy,
-                              shared_TD if shared_TD is not None else dummy, out_TD,
-                              ysave_TKD if ysave_TKD is not None else dummy, T, s.hidden, s.top_k,
-                              HAS_W=weights_TK is not None, HAS_SHARED=shared_TD is not None,
-                              SAVE=ysave_TKD is not None, BT=_BT, BD=_BD)
-
-
-def dweights(dout_TD: torch.Tensor, y_TKD: torch.Tensor, dw_TK: torch.Tensor) -> None:
-    """``dw[t, k] = sum_d dout[t, d] * y[t, k, d]`` in fp32 with a fixed D order."""
-    T, K = dw_TK.shape
-    if T == 0:
-        return
-    K_.ep_dweights_kernel[(triton.cdiv(T, _BT), K)](dout_TD, y_TKD, dw_TK, T, dout_TD.shape[1], K, BT=_BT, BD=_BD)
+    K = s.top_k
+    rows = ws.slots_TKD.view(s.max_tokens * K, s.hidden)
+    row_of = torch.arange(T * K, dtype=torch.int32, device=ws.device).view(T, K)
+    dots = ws.dots_NP[:s.max_tokens * K * P].view(s.max_tokens * K, P)
+    return rows, row_of, dots

@@ -1,0 +1,143 @@
+"""Functional entries of megamoe: validate inputs, then run the chosen backend.
+
+Legend: T tokens, D hidden size, F expert FFN size, G = 2F ([gate | up]), E experts, K top-k,
+S shared-expert FFN size, H = 2S.
+
+* :func:`moe_experts`: routed + shared SwiGLU experts and the combine, for precomputed top-k ids and
+  weights (backends "fused": megamoe's Triton kernels, megamoe.autograd.MoEExpertsFunction;
+  "reference": megamoe.reference.moe_experts).
+* :func:`router_logits`: fp32 router logits through megamoe's own batch-invariant Triton GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+__all__ = ["moe_experts", "router_logits"]
+
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _tensor(name: str, t, dims: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"moe_experts: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"moe_experts: {name} must be {dims}-D, got shape {tuple(t.shape)}")
+
+
+def _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS) -> None:
+    _tensor("x_TD", x_TD, 2)
+    _tensor("topk_ids_TK", topk_ids_TK, 2)
+    _tensor("topk_weights_TK", topk_weights_TK, 2)
+    _tensor("w13_EGD", w13_EGD, 3)
+    _tensor("w2_EDF", w2_EDF, 3)
+    T, D = x_TD.shape
+    E, G, D13 = w13_EGD.shape
+    if not x_TD.is_floating_point():
+        raise TypeError(f"moe_experts: x_TD must be floating point, got {x_TD.dtype}")
+    if topk_ids_TK.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"moe_experts: topk_ids_TK must be int32 or int64, got {topk_ids_TK.dtype}")
+    if not topk_weights_TK.is_floating_point():
+        raise TypeError(f"moe_experts: topk_weights_TK must be floating point, got {topk_weights_TK.dtype}")
+    if topk_ids_TK.shape[0] != T or topk_weights_TK.shape != topk_ids_TK.shape:
+        raise ValueError(f"moe_experts: topk_ids_TK {tuple(topk_ids_TK.shape)} and topk_weights_TK "
+                         f"{tuple(topk_weights_TK.shape)} must both be (T={T}, K)")
+    if topk_ids_TK.shape[1] < 1:
+        raise ValueError("moe_experts: K (topk_ids_TK.shape[1]) must be >= 1")
+    if D13 != D or G % 2 or G == 0:
+        raise ValueError(f"moe_experts: w13_EGD must be (E, 2F, D={D}), got {tuple(w13_EGD.shape)}")
+    if tuple(w2_EDF.shape) != (E, D, G // 2):
+        raise ValueError(f"moe_experts: w2_EDF must be (E={E}, D={D}, F={G // 2}), got {tuple(w2_EDF.shape)}")
+    if (shared_w13_HD is None) != (shared_w2_DS is None):
+        raise ValueError("moe_experts: shared_w13_HD and shared_w2_DS must both be given or both be None")
+    tensors = {"x_TD": x_TD, "topk_ids_TK": topk_ids_TK, "topk_weights_TK": topk_weights_TK,
+               "w13_EGD": w13_EGD, "w2_EDF": w2_EDF}
+    if shared_w13_HD is not None:
+        _tensor("shared_w13_HD", shared_w13_HD, 2)
+        _tensor("shared_w2_DS", shared_w2_DS, 2)
+        H = shared_w13_HD.shape[0]
+        if H % 2 or H == 0 or shared_w13_HD.shape[1] != D or tuple(shared_w2_DS.shape) != (D, H // 2):
+            raise ValueError(f"moe_experts: shared_w13_HD must be (2S, D={D}) and shared_w2_DS (D, S), got "
+                             f"{tuple(shared_w13_HD.shape)} and {tuple(shared_w2_DS.shape)}")
+        tensors.update(shared_w13_HD=shared_w13_HD, shared_w2_DS=shared_w2_DS)
+    for name in ("w13_EGD", "w2_EDF", "shared_w13_HD", "shared_w2_DS"):
+        if name in tensors and tensors[name].dtype != x_TD.dtype:
+            raise TypeError(f"moe_experts: {name} dtype {tensors[name].dtype} differs from x_TD dtype {x_TD.dtype}")
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) != 1:
+        raise ValueError(f"moe_experts: all tensors must be on one device, got {devices}")
+    if topk_ids_TK.numel():
+        in_range = ((topk_ids_TK >= 0) & (topk_ids_TK < E)).all()
+        if topk_ids_TK.is_cuda:
+            torch._assert_async(in_range, f"moe_experts: topk_ids_TK has ids outside [0, {E})")  # no host sync
+        elif not bool(in_range):
+            raise ValueError(f"moe_experts: topk_ids_TK has ids outside [0, E={E})")
+
+
+def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                w13_EGD: torch.Tensor, w2_EDF: torch.Tensor, shared_w13_HD: torch.Tensor | None = None,
+                shared_w2_DS: torch.Tensor | None = None, *, backend: str = "fused") -> torch.Tensor:
+    """Routed + shared SwiGLU experts and combine for precomputed routing: (T, D) -> (T, D).
+
+    out[t] = cast(sum_{k=0..K-1} w[t,k] * y[t,k] + shared(x[t])),  y[t,k] = FFN_{ids[t,k]}(x[t]),
+    FFN_e(x) = w2[e] @ (silu(w13[e, :F] @ x) * (w13[e, F:] @ x)), with h and y rounded to x's dtype and
+    the combine in fp32, slot order, shared expert last (megamoe.reference numerics).
+
+    Args:
+        x_TD: (T, D) activations; bf16 / fp16 / fp32 for "fused" (fp64 only with "reference"). Any strides.
+        topk_ids_TK: (T, K) int32/int64 expert ids in [0, E) (duplicates allowed).
+        topk_weights_TK: (T, K) float routing weights (used in fp32); its gradient has its dtype.
+        w13_EGD: (E, 2F, D), x's dtype: rows [0, F) gate, [F, 2F) up.
+        w2_EDF: (E, D, F), x's dtype.
+        shared_w13_HD: optional (2S, D); shared_w2_DS: optional (D, S); both or neither.
+        backend: "fused" (Triton; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or "reference".
+
+    Returns:
+        out_TD: (T, D) in x's dtype. Differentiable w.r.t. x, topk_weights, w13, w2 and the shared weights.
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong types, shapes, dtypes, devices or backend;
+        ids out of range raise ValueError on CPU and a device-side assert on CUDA (no sync).
+
+    Determinism ("fused"): bitwise identical run to run; every token's output and input gradient is
+        independent of the other tokens in the batch; weight gradients reduce each expert's rows in
+        (token, slot) order; no float atomics. Sync ("fused"): none; CUDA-graph capturable.
+    """
+    if backend not in ("fused", "reference"):
+        raise ValueError(f"moe_experts: backend must be 'fused' or 'reference', got {backend!r}")
+    _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
+    if backend == "reference":
+        return reference.moe_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
+    if x_TD.dtype not in _FUSED_DTYPES:
+        raise TypeError(f"moe_experts: the fused backend supports bf16, fp16 and fp32, got x_TD dtype {x_TD.dtype}")
+    from .autograd import MoEExpertsFunction  # lazy: importing megamoe.functional does not import triton
+
+    c = torch.Tensor.contiguous
+    shared = (None, None) if shared_w13_HD is None else (c(shared_w13_HD), c(shared_w2_DS))
+    return MoEExpertsFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_EGD), c(w2_EDF), *shared)
+
+
+def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits ``x.float() @ router_w.float().T``: (T, D) x (E, D) -> (T, E) fp32.
+
+    Runs in megamoe's Triton GEMM with IEEE fp32 dots and a tile config that depends only on (D, E), so
+    a token's logits do not depend on the rest of the batch (bitwise equal for EP=1 and EP=W).
+    Differentiable w.r.t. x and router_w. CUDA tensors (or CPU under TRITON_INTERPRET=1). No sync.
+    Raises TypeError / ValueError naming the argument for wrong types, shapes or devices.
+    """
+    for name, t in (("x_TD", x_TD), ("router_w_ED", router_w_ED)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"router_logits: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2 or not t.is_floating_point():
+            raise ValueError(f"router_logits: {name} must be a 2-D floating tensor, got {t.dtype} {tuple(t.shape)}")
+    if x_TD.shape[1] != router_w_ED.shape[1]:
+        raise ValueError(f"router_logits: x_TD has D={x_TD.shape[1]} but router_w_ED is {tuple(router_w_ED.shape)}")
+    if x_TD.device != router_w_ED.device:
+        raise ValueError(f"router_logits: x_TD on {x_TD.device} but router_w_ED on {router_w_ED.device}")
+    if x_TD.dtype not in _FUSED_DTYPES:
+        raise TypeError(f"router_logits: x_TD dtype {x_TD.dtype} not supported (bf16, fp16, fp32)")
+    from .autograd import RouterLogitsFunction
+
+    return RouterLogitsFunction.apply(x_TD.contiguous(), router_w_ED.contiguous())

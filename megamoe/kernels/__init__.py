@@ -1,0 +1,6 @@
+"""Device code of the fused MoE path: ``@triton.jit`` kernels only (no allocation, no host logic).
+
+Host launchers that validate, allocate, pick tile configs and grids live in :mod:`megamoe.ops`.
+Modules: :mod:`.grouped_gemm` (m-grouped forward / dgrad GEMMs with fused SwiGLU epilogues, k-grouped
+weight-gradient GEMMs) and :mod:`.combine` (fixed-order slot reductions).
+"""

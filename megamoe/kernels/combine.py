@@ -1,0 +1,76 @@
+"""Fixed-order slot reductions of the fused MoE path (``@triton.jit`` only; launchers in megamoe.ops).
+
+Legend: T tokens, K slots (top-k), D hidden size, R rows of the expert-grouped buffer,
+P row-dot partials per row (N-tiles of the dgrad GEMM).
+
+* ``_combine_fwd_kernel``: ``out[t] = cast(sum_{k=0..K-1} w[t,k] * float(y[row_of[t,k]]) + float(shared[t]))``,
+  fp32, slots in order 0..K-1, shared expert added last, one cast: the formula of
+  ``megamoe.reference.combine``. Grid: (token blocks, D blocks).
+* ``_slot_sum_bwd_kernel``: ``dx[t] = cast(sum_k float(dx_rows[row_of[t,k]]) + float(dx_shared[t]))`` in
+  the same fixed order, and (programs of the first D block) the routing-weight gradient
+  ``dw[t,k] = sum_p part[row_of[t,k], p]``.
+
+Each element is computed by one program in a fixed order, from its own token's data only: bitwise
+deterministic and batch invariant; no atomics.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _combine_fwd_kernel(
+    y_ptr, row_of_ptr, w_ptr, shared_ptr,  # inputs: y [R, D], row_of [T, K], w [T, K], shared [T, D]
+    out_ptr,                               # output [T, D]
+    T, D, stride_y, stride_s, stride_o,
+    K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_t = offs_t < T
+    mask = mask_t[:, None] & (offs_d < D)[None, :]
+    tk = offs_t.to(tl.int64) * K
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k in tl.static_range(K):
+        row = tl.load(row_of_ptr + tk + k, mask=mask_t, other=0).to(tl.int64)
+        w = tl.load(w_ptr + tk + k, mask=mask_t, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + row[:, None] * stride_y + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc = acc + w[:, None] * y
+    if HAS_SHARED:
+        s_ptrs = shared_ptr + offs_t.to(tl.int64)[:, None] * stride_s + offs_d[None, :]
+        acc = acc + tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
+    o_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_o + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _slot_sum_bwd_kernel(
+    dxr_ptr, row_of_ptr, dxs_ptr, part_ptr,  # inputs: dx rows [R, D], row_of [T, K], dx shared [T, D], part [R, P]
+    dx_ptr, dw_ptr,                           # outputs: dx [T, D], dw [T, K]
+    T, D, P, stride_r, stride_s, stride_o,
+    K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
+    P_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_t = offs_t < T
+    mask = mask_t[:, None] & (offs_d < D)[None, :]
+    tk = offs_t.to(tl.int64) * K
+    if HAS_DX:
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for k in tl.static_range(K):
+            row = tl.load(row_of_ptr + tk + k, mask=mask_t, other=0).to(tl.int64)
+            acc = acc + tl.load(dxr_ptr + row[:, None] * stride_r + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_SHARED:
+            s_ptrs = dxs_ptr + offs_t.to(tl.int64)[:, None] * stride_s + offs_d[None, :]
+            acc = acc + tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
+        o_ptrs = dx_ptr + offs_t.to(tl.int64)[:, None] * stride_o + offs_d[None, :]
+        tl.store(o_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=mask)
+    if HAS_DW:
+        if tl.program_id(1) == 0:
+            offs_p = tl.arange(0, P_POW2)
+            mask_p = mask_t[:, None] & (offs_p < P)[None, :]
+            for k in tl.static_range(K):
+                row = tl.load(row_of_ptr + tk + k, mask=mask_t, other=0).to(tl.int64)
+                part = tl.load(part_ptr + row[:, None] * P + offs_p[None, :], mask=mask_p, other=0.0)
+                tl.store(dw_ptr + tk + k, tl.sum(part, axis=1).to(dw_ptr.dtype.element_ty), mask=mask_t)

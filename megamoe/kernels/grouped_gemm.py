@@ -1,0 +1,254 @@
+"""Grouped GEMM kernels for the routed experts (``@triton.jit`` only; launchers in megamoe.ops).
+
+Legend: R rows of an expert-grouped row buffer (expert e owns rows ``row_offsets[e]:row_offsets[e+1]``,
+ordered by (expert, token, slot)); E groups (experts); N output columns; K reduction size; F FFN width;
+G = 2F (gate columns [0, F), then up columns [F, 2F)); P number of N-tiles of a row-dot partial.
+
+Two kernel families (GEMM naming after DeepGEMM: which dimension is grouped):
+
+* ``_m_grouped_gemm_kernel``: ``C[r] = A[row(r)] @ B[e(r)]`` for every row r of the buffer, where B[e] is
+  addressed through strides, so the same kernel runs the "nt" forward GEMMs (B[e] stored [N, K], the
+  nn.Linear layout) and the "nn" dgrad GEMMs (B[e] stored [K, N]). ``row(r)`` is r, or
+  ``a_idx[r]`` when HAS_GATHER (rows are gathered straight from the token matrix, no permuted copy).
+  Persistent grid: program p walks the tiles p, p + num_programs, ...; a tile is (m-tile, n-tile)
+  with the n-tile fastest. M-tiles never straddle two experts: expert e owns ``ceil(count_e / BLOCK_M)``
+  m-tiles starting at ``tile_offsets[e]`` (exclusive prefix sum on the device), so the grid is sized
+  from a static bound on rows and programs past the real work exit. Epilogues:
+    0 PLAIN:      C = cast(acc [* scale[r]])
+    1 SWIGLU:     two accumulators (gate columns n, up columns N + n of B[e]); g, u rounded to the output
+                  dtype, ``h = cast(silu(g) * u)``; optionally stores [g | u] (the pre-activations) in AUX.
+    2 SWIGLU_BWD: acc = dY @ W2[e] (dh before scaling); reads the saved [g | u], recomputes h exactly as
+                  the forward did, writes the row-dot partial ``sum_n acc * h`` (routing-weight gradient),
+                  ``dh = cast(acc * scale)``, the SwiGLU backward ``[dg | du]`` into C ([R, 2N]) and
+                  ``cast(h * scale)`` into AUX (the down-projection weight-gradient operand).
+* ``_k_grouped_gemm_kernel``: ``C[e] = P[rows_e]^T @ Q[rows_e]`` (weight gradients). One program per
+  (expert, m-tile, n-tile); its reduction walks the expert's rows from the expert's first row in
+  BLOCK_K chunks, in row order, fp32 accumulation, one cast. No atomics, no split-K: bitwise
+  deterministic and independent of how many other experts / rows the buffer holds. An expert with no
+  rows stores exact zeros.
+
+Every output row of the m-grouped kernel depends only on its own input row (clamped rows past a group
+are computed and dropped, never mixed in; columns past N are zero-filled), and the K loop order is fixed by the tile config, so
+a token's result is independent of the rest of the batch (batch invariance, docs/design.md).
+SiLU: silu(x) = x * s, silu'(x) = s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x)) (PyTorch's backward formula) (Shazeer, arXiv 2002.05202 for SwiGLU).
+"""
+
+import triton
+import triton.language as tl
+
+PLAIN: tl.constexpr = tl.constexpr(0)
+SWIGLU: tl.constexpr = tl.constexpr(1)
+SWIGLU_BWD: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _expert_of_tile(tile_offsets_ptr, row_offsets_ptr, m_tile, num_experts,
+                    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first row, end row) of global m-tile ``m_tile``; empty experts own no tiles."""
+    offs_e = tl.arange(0, E_POW2)
+    tile_ends = tl.load(tile_offsets_ptr + 1 + offs_e, mask=offs_e < num_experts, other=2147483647)
+    expert = tl.sum((tile_ends <= m_tile).to(tl.int32), axis=0)
+    first_tile = tl.load(tile_offsets_ptr + expert)
+    row_start = tl.load(row_offsets_ptr + expert) + (m_tile - first_tile) * BLOCK_M
+    row_end = tl.load(row_offsets_ptr + expert + 1)
+    return expert, row_start, row_end
+
+
+@triton.jit
+def _load_2d(ptrs, mask_r, mask_c, FULL_R: tl.constexpr, FULL_C: tl.constexpr):
+    """Load a tile, masking (zero fill) only the dimensions that are not known to be full."""
+    if FULL_R and FULL_C:
+        tile = tl.load(ptrs)
+    elif FULL_R:
+        tile = tl.load(ptrs, mask=mask_c[None, :], other=0.0)
+    elif FULL_C:
+        tile = tl.load(ptrs, mask=mask_r[:, None], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=mask_r[:, None] & mask_c[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _mma(a, b, acc, FP32_DOT: tl.constexpr):
+    if FP32_DOT:  # fp32 operands (and every dtype under the interpreter, whose bf16 dot is wrong)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+
+@triton.jit
+def _swiglu_bwd_half(acc, offs_n, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
+                     stride_gm, stride_cm, stride_xm, HAS_SCALE: tl.constexpr):
+    """SwiGLU backward on a column block: stores [dg | du] and h * scale; returns sum_n acc * h per row."""
+    out_ty = c_ptr.dtype.element_ty
+    mask_n = offs_n < N
+    mask = mask_m[:, None] & mask_n[None, :]
+    g_ptrs = gu_ptr + rows[:, None] * stride_gm + offs_n[None, :]
+    gate = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
+    up = tl.load(g_ptrs + N, mask=mask_n[None, :], other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    h = (gate * sig * up).to(out_ty).to(tl.float32)  # bitwise the forward's h
+    part = tl.sum(tl.where(mask_n[None, :], acc * h, 0.0), axis=1)
+    x_ptrs = aux_ptr + out_rows[:, None] * stride_xm + offs_n[None, :]
+    if HAS_SCALE:
+        acc = acc * scale[:, None]
+        h = h * scale[:, None]
+    tl.store(x_ptrs, h.to(out_ty), mask=mask)
+    dh = acc.to(out_ty).to(tl.float32)
+    c_ptrs = c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs + N, (dh * (gate * sig)).to(out_ty), mask=mask)
+    d_gate = (dh * up) * sig * (1.0 + gate * (1.0 - sig))
+    tl.store(c_ptrs, d_gate.to(out_ty), mask=mask)
+    return part
+
+@triton.jit
+def _m_grouped_gemm_kernel(
+    # inputs
+    a_ptr, a_idx_ptr, b_ptr, row_offsets_ptr, tile_offsets_ptr, scale_ptr, gu_ptr,
+    # outputs
+    c_ptr, aux_ptr, dot_ptr,
+    # shapes (K is a compile-time constant: a weight dimension, D or F)
+    num_rows, N, num_experts, K: tl.constexpr,
+    # strides, in elements (the last dimension of C, AUX, GU is contiguous)
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_gm, stride_xm,
+    # variant
+    EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr,
+    HAS_DOT: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    E_POW2: tl.constexpr,
+    # tile config
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    out_ty = c_ptr.dtype.element_ty
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.load(tile_offsets_ptr + num_experts) * num_n_tiles
+    tile = tl.program_id(0)
+    while tile < num_tiles:
+        m_tile = tile // num_n_tiles
+        n_tile = tile % num_n_tiles
+        expert, row_start, row_end = _expert_of_tile(tile_offsets_ptr, row_offsets_ptr, m_tile, num_experts,
+                                                     E_POW2, BLOCK_M)
+        offs_m = row_start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < row_end
+        rows = tl.minimum(offs_m, num_rows - 1).to(tl.int64)  # clamped rows: computed, never stored
+        if HAS_GATHER:
+            a_rows = tl.load(a_idx_ptr + rows).to(tl.int64)
+        else:
+            a_rows = rows
+        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if EPILOGUE == SWIGLU:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = offs_k < K - k0
+            a = _load_2d(a_ptrs, mask_m, mask_k, True, EVEN_K)  # clamped rows are in bounds
+            b = _load_2d(b_ptrs, mask_k, mask_n, EVEN_K, EVEN_N)
+            acc = _mma(a, b, acc, FP32_DOT)
+            if EPILOGUE == SWIGLU:
+                b_up = _load_2d(b_ptrs + N * stride_bn, mask_k, mask_n, EVEN_K, EVEN_N)
+                acc_up = _mma(a, b_up, acc_up, FP32_DOT)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        mask = mask_m[:, None] & mask_n[None, :]
+        out_rows = offs_m.to(tl.int64)
+        c_ptrs = c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :]
+        if EPILOGUE == PLAIN:
+            if HAS_SCALE:
+                acc = acc * tl.load(scale_ptr + rows).to(tl.float32)[:, None]
+            tl.store(c_ptrs, acc.to(out_ty), mask=mask)
+        elif EPILOGUE == SWIGLU:
+            gate = acc.to(out_ty).to(tl.float32)
+            up = acc_up.to(out_ty).to(tl.float32)
+            if SAVE_AUX:
+                x_ptrs = aux_ptr + out_rows[:, None] * stride_xm + offs_n[None, :]
+                tl.store(x_ptrs, gate.to(out_ty), mask=mask)
+                tl.store(x_ptrs + N, up.to(out_ty), mask=mask)
+            h = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
+            tl.store(c_ptrs, h.to(out_ty), mask=mask)
+        else:  # SWIGLU_BWD: acc = dY @ W2[e], N = F, C = [dg | du] (R x 2F), AUX = h * scale (R x F)
+            # the epilogue runs on two column halves to halve its live registers (no spills at 128 x 128)
+            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            if HAS_SCALE:
+                scale = tl.load(scale_ptr + rows).to(tl.float32)
+            else:
+                scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+            offs_lo = n_tile * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            part = _swiglu_bwd_half(acc_lo, offs_lo, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
+                                    stride_gm, stride_cm, stride_xm, HAS_SCALE)
+            part += _swiglu_bwd_half(acc_hi, offs_lo + BLOCK_N // 2, rows, out_rows, mask_m, scale, gu_ptr, c_ptr,
+                                     aux_ptr, N, stride_gm, stride_cm, stride_xm, HAS_SCALE)
+            if HAS_DOT:
+                tl.store(dot_ptr + out_rows * num_n_tiles + n_tile, part, mask=mask_m)
+        tile += tl.num_programs(0)
+
+
+@triton.jit
+def _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m, mask_n,
+            stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr,
+            FP32_DOT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = row_start + it * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_r = rows < row_end
+    rows = tl.minimum(rows, row_end - 1).to(tl.int64)
+    if P_GATHER:
+        p_rows = tl.load(p_idx_ptr + rows).to(tl.int64)
+    else:
+        p_rows = rows
+    if Q_GATHER:
+        q_rows = tl.load(q_idx_ptr + rows).to(tl.int64)
+    else:
+        q_rows = rows
+    p = _load_2d(p_ptr + p_rows[:, None] * stride_pr + offs_m[None, :] * stride_pm, mask_r, mask_m, False, EVEN_M)
+    q = _load_2d(q_ptr + q_rows[:, None] * stride_qr + offs_n[None, :] * stride_qn, mask_r, mask_n, False, EVEN_N)
+    return _mma(tl.trans(p), q, acc, FP32_DOT)
+
+
+@triton.jit
+def _k_grouped_gemm_kernel(
+    # inputs
+    p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, row_offsets_ptr,
+    # output [E, M, N], last dimension contiguous
+    c_ptr,
+    # shapes
+    M, N,
+    # strides, in elements
+    stride_pr, stride_pm, stride_qr, stride_qn, stride_ce, stride_cm,
+    # variant
+    P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    # tile config
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles_per_expert = tl.cdiv(M, BLOCK_M) * num_n_tiles
+    expert = pid // tiles_per_expert  # experts slowest: concurrent programs share the expert's rows in L2
+    pid_m = (pid % tiles_per_expert) // num_n_tiles
+    pid_n = pid % num_n_tiles
+    row_start = tl.load(row_offsets_ptr + expert)
+    row_end = tl.load(row_offsets_ptr + expert + 1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    num_iters = tl.cdiv(row_end - row_start, BLOCK_K)
+    if INTERPRET:  # the interpreter cannot range() over a loaded bound
+        it = 0
+        while it < num_iters:
+            acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
+                          mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT,
+                          EVEN_M, EVEN_N, BLOCK_K)
+            it += 1
+    else:
+        for it in range(0, num_iters):
+            acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
+                          mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT,
+                          EVEN_M, EVEN_N, BLOCK_K)
+    mask = mask_m[:, None] & mask_n[None, :]
+    c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)

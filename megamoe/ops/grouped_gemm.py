@@ -1,0 +1,319 @@
+"""Host launchers of the grouped GEMMs (validate, allocate, pick config and grid, launch; no autograd).
+
+Legend: R rows of an expert-grouped row buffer (static upper bound; expert e owns rows
+``offsets_E1[e]:offsets_E1[e+1]``, rows past ``offsets_E1[E]`` are neither read for work nor written),
+T rows of a token matrix that rows are gathered from, E experts (groups), D hidden size, F expert FFN
+size, G = 2F ([gate | up]), M / N / K generic GEMM sizes, P = ceil(F / BLOCK_N) row-dot partials.
+
+GEMM grammar (DeepGEMM style): "m-grouped" = rows grouped by expert, one weight matrix per group
+(forward and dgrad); "k-grouped" = the reduction runs over each group's rows (weight gradients).
+"nt": ``C = A @ B[e].T`` with B[e] stored [N, K] (nn.Linear layout); "nn": ``C = A @ B[e]`` with B[e]
+stored [K, N].
+
+For the EP engineer: every launcher works on any expert-grouped buffer (for example rows received from
+peers) given device offsets; rows may be gathered from a token matrix through ``gather_idx_R``
+(int32, one token index per row) instead of being copied first. Nothing here reads device values on the
+host: no sync, CUDA-graph capturable. Determinism: no atomics; tile configs are a pure function of
+(kind, N, K, dtype) (megamoe.ops.tile_config), so results are bitwise reproducible and each row's
+result is independent of the other rows (batch invariance).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _m_grouped_gemm_kernel
+from ._common import check_device, is_interpreted, persistent_programs, pow2
+from .routing import tile_offsets_for
+from .tile_config import k_grouped_config, m_grouped_config
+
+__all__ = ["gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm"]
+
+_PLAIN, _SWIGLU, _SWIGLU_BWD = 0, 1, 2
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_2d(name: str, t: torch.Tensor, where: str, cols: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{where}: {name} must be 2-D, got shape {tuple(t.shape)}")
+    if cols is not None and t.shape[1] != cols:
+        raise ValueError(f"{where}: {name} must have {cols} columns, got shape {tuple(t.shape)}")
+    if t.dtype not in _SUPPORTED:
+        raise TypeError(f"{where}: {name} dtype {t.dtype} not supported (bf16, fp16, fp32)")
+    if t.shape[0] and t.stride(1) != 1:
+        raise ValueError(f"{where}: {name} must have a contiguous last dimension, strides {t.stride()}")
+
+
+def _check_weight(name: str, w: torch.Tensor, where: str) -> None:
+    if not isinstance(w, torch.Tensor) or w.dim() != 3:
+        raise ValueError(f"{where}: {name} must be a 3-D tensor [E, ., .], got "
+                         f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+    if w.dtype not in _SUPPORTED:
+        raise TypeError(f"{where}: {name} dtype {w.dtype} not supported (bf16, fp16, fp32)")
+    if not w.is_contiguous():
+        raise ValueError(f"{where}: {name} must be contiguous")
+
+
+def _check_index(name: str, idx: torch.Tensor | None, where: str) -> None:
+    if idx is not None and (idx.dim() != 1 or idx.dtype != torch.int32):
+        raise TypeError(f"{where}: {name} must be a 1-D int32 tensor, got {idx.dtype} {tuple(idx.shape)}")
+
+
+def _check_offsets(offsets_E1: torch.Tensor, num_groups: int, where: str) -> None:
+    if offsets_E1.dtype != torch.int32 or offsets_E1.shape != (num_groups + 1,):
+        raise ValueError(f"{where}: offsets_E1 must be int32 of shape ({num_groups + 1},), got "
+                         f"{offsets_E1.dtype} {tuple(offsets_E1.shape)}")
+
+
+def _alloc(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, name: str, where: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        raise ValueError(f"{where}: {name} must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
+def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows, N, K, offsets_E1, c, aux=None,
+                      dot=None, scale=None, gu=None, tile_offsets_E1=None):
+    """Launch the persistent m-grouped kernel. stride_b = (stride_e, stride_n, stride_k) of B, in elements."""
+    E = b.shape[0]
+    kernel = _m_grouped_gemm_kernel
+    interpret = is_interpreted(kernel)
+    cfg = m_grouped_config(kind, N, K, b.dtype, interpret=interpret)
+    if num_rows == 0 or N == 0:
+        return cfg
+    if tile_offsets_E1 is None:
+        tile_offsets_E1 = tile_offsets_for(offsets_E1, cfg.block_m)
+    bound = (triton_cdiv(num_rows, cfg.block_m) + E) * triton_cdiv(N, cfg.block_n)
+    grid = (persistent_programs(c.device, kernel, bound),)
+    fp32_dot = interpret or a.dtype == torch.float32 or b.dtype == torch.float32
+    dummy = c
+    kernel[grid](
+        a, a_idx if a_idx is not None else offsets_E1, b, offsets_E1, tile_offsets_E1,
+        scale if scale is not None else dummy, gu if gu is not None else dummy,
+        c, aux if aux is not None else dummy, dot if dot is not None else dummy,
+        num_rows, N, E, K,
+        a.stride(0), a.stride(1), stride_b[0], stride_b[1], stride_b[2], c.stride(0),
+        gu.stride(0) if gu is not None else 0, aux.stride(0) if aux is not None else 0,
+        EPILOGUE=epilogue, HAS_GATHER=a_idx is not None, HAS_SCALE=scale is not None,
+        SAVE_AUX=aux is not None, HAS_DOT=dot is not None, FP32_DOT=fp32_dot, EVEN_K=K % cfg.block_k == 0,
+        EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return cfg
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rows_of(a: torch.Tensor, gather_idx_R: torch.Tensor | None) -> int:
+    return a.shape[0] if gather_idx_R is None else gather_idx_R.shape[0]
+
+
+def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Tensor, *,
+                   gather_idx_R: torch.Tensor | None = None, save_preact: bool = True,
+                   out: torch.Tensor | None = None, preact_out: torch.Tensor | None = None,
+                   tile_offsets_E1: torch.Tensor | None = None):
+    """Gate/up projection with SwiGLU fused into the epilogue (m-grouped "nt").
+
+    ``gu[r] = A[row(r)] @ w13[e].T`` rounded to A's dtype, ``h[r] = cast(silu(gate) * up)`` in fp32.
+
+    Args:
+        a: (R, D) expert-grouped rows, or (T, D) token rows when ``gather_idx_R`` is given. bf16/fp16/fp32.
+        w13_EGD: (E, 2F, D) contiguous, same dtype: rows [0, F) gate, [F, 2F) up.
+        offsets_E1: (E+1,) int32 device group offsets into the R rows.
+        gather_idx_R: optional (R,) int32: row r reads ``a[gather_idx_R[r]]`` (no permuted copy).
+        save_preact: also return the pre-activations [gate | up] (R, 2F), what the backward needs.
+        out / preact_out: optional preallocated outputs (contiguous, right shape and dtype).
+        tile_offsets_E1: optional cached ``tile_offsets_for(offsets_E1, BLOCK_M)``.
+
+    Returns:
+        h_RF: (R, F) in a's dtype.  gu_RG: (R, 2F) or None.
+
+    Sync: none. Determinism: bitwise reproducible, batch invariant.
+    """
+    where = "gate_up_swiglu"
+    _check_2d("a", a, where)
+    _check_weight("w13_EGD", w13_EGD, where)
+    _check_index("gather_idx_R", gather_idx_R, where)
+    E, G, D = w13_EGD.shape
+    if G % 2 or a.shape[1] != D or a.dtype != w13_EGD.dtype:
+        raise ValueError(f"{where}: need a (., D) and w13 (E, 2F, D) of one dtype, got a {tuple(a.shape)} {a.dtype}, "
+                         f"w13 {tuple(w13_EGD.shape)} {w13_EGD.dtype}")
+    _check_offsets(offsets_E1, E, where)
+    dev = check_device(_m_grouped_gemm_kernel, where, a=a, w13_EGD=w13_EGD, offsets_E1=offsets_E1, gather_idx_R=gather_idx_R)
+    F = G // 2
+    R = _rows_of(a, gather_idx_R)
+    h = _alloc(out, (R, F), a.dtype, dev, "out", where)
+    gu = _alloc(preact_out, (R, G), a.dtype, dev, "preact_out", where) if save_preact else None
+    _launch_m_grouped(where=where, kind="gate_up", epilogue=_SWIGLU, a=a, a_idx=gather_idx_R, b=w13_EGD,
+                      stride_b=(G * D, D, 1), num_rows=R, N=F, K=D, offsets_E1=offsets_E1, c=h, aux=gu,
+                      tile_offsets_E1=tile_offsets_E1)
+    return h, gu
+
+
+def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor, *,
+                  gather_idx_R: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None, kind: str = "down",
+                  tile_offsets_E1: torch.Tensor | None = None) -> torch.Tensor:
+    """m-grouped ``C[r] = cast(A[row(r)] @ B[e].T [* row_scale[r]])``, B[e] stored (N, K).
+
+    a: (R, K) grouped rows or (T, K) with gather_idx_R (R,) int32. b_ENK: (E, N, K) contiguous.
+    row_scale_R: optional (R,) fp32, applied to the fp32 accumulator before the one cast.
+    Returns c_RN (R, N) in out_dtype (default a's dtype). fp32 operands use IEEE fp32 dots.
+    """
+    where = "grouped_mm_nt"
+    _check_2d("a", a, where)
+    _check_weight("b_ENK", b_ENK, where)
+    _check_index("gather_idx_R", gather_idx_R, where)
+    E, N, K = b_ENK.shape
+    if a.shape[1] != K:
+        raise ValueError(f"{where}: a has {a.shape[1]} columns, B[e] needs K={K}")
+    _check_offsets(offsets_E1, E, where)
+    dev = check_device(_m_grouped_gemm_kernel, where, a=a, b_ENK=b_ENK, offsets_E1=offsets_E1,
+                       gather_idx_R=gather_idx_R, row_scale_R=row_scale_R)
+    R = _rows_of(a, gather_idx_R)
+    if row_scale_R is not None and (row_scale_R.shape != (R,) or row_scale_R.dtype != torch.float32):
+        raise ValueError(f"{where}: row_scale_R must be fp32 of shape ({R},), got {row_scale_R.dtype} {tuple(row_scale_R.shape)}")
+    c = _alloc(out, (R, N), out_dtype or a.dtype, dev, "out", where)
+    _launch_m_grouped(where=where, kind=kind, epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_ENK,
+                      stride_b=(N * K, K, 1), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
+                      scale=row_scale_R, tile_offsets_E1=tile_offsets_E1)
+    return c
+
+
+def down_proj(h_RF: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor,
+              row_scale_R: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+              tile_offsets_E1: torch.Tensor | None = None) -> torch.Tensor:
+    """Down projection ``y[r] = cast(h[r] @ w2[e].T [* row_scale[r]])``: (R, F) x (E, D, F) -> (R, D).
+
+    Each (token, slot) row is written exactly once; with row_scale_R (fp32 routing weights) the scaling
+    happens on the fp32 accumulator. Sync: none. Determinism: bitwise, batch invariant.
+    """
+    return grouped_mm_nt(h_RF, w2_EDF, offsets_E1, row_scale_R=row_scale_R, out=out, kind="down",
+                         tile_offsets_E1=tile_offsets_E1)
+
+
+def grouped_mm_nn(a: torch.Tensor, b_EKN: torch.Tensor, offsets_E1: torch.Tensor, *,
+                  gather_idx_R: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                  out: torch.Tensor | None = None, tile_offsets_E1: torch.Tensor | None = None) -> torch.Tensor:
+    """m-grouped dgrad ``C[r] = cast(A[row(r)] @ B[e])``, B[e] stored (K, N): e.g. dx = dGU @ W13[e].
+
+    a: (R, K) or (T, K) with gather_idx_R. b_EKN: (E, K, N) contiguous. Returns (R, N).
+    """
+    where = "grouped_mm_nn"
+    _check_2d("a", a, where)
+    _check_weight("b_EKN", b_EKN, where)
+    _check_index("gather_idx_R", gather_idx_R, where)
+    E, K, N = b_EKN.shape
+    if a.shape[1] != K:
+        raise ValueError(f"{where}: a has {a.shape[1]} columns, B[e] needs K={K}")
+    _check_offsets(offsets_E1, E, where)
+    dev = check_device(_m_grouped_gemm_kernel, where, a=a, b_EKN=b_EKN, offsets_E1=offsets_E1, gather_idx_R=gather_idx_R)
+    R = _rows_of(a, gather_idx_R)
+    c = _alloc(out, (R, N), out_dtype or a.dtype, dev, "out", where)
+    _launch_m_grouped(where=where, kind="dgrad", epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_EKN,
+                      stride_b=(K * N, 1, N), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
+                      tile_offsets_E1=tile_offsets_E1)
+    return c
+
+
+def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor, gu_RG: torch.Tensor, *,
+                 gather_idx_R: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None,
+                 row_dot: bool = True, tile_offsets_E1: torch.Tensor | None = None):
+    """Down-projection dgrad with the SwiGLU backward fused (m-grouped "nn").
+
+    With ``acc = dY[row(r)] @ w2[e]`` (fp32) and h recomputed from the saved ``gu_RG`` exactly as
+    :func:`gate_up_swiglu` computed it:
+      * ``row_dot_RP[r, p] = sum over the p-th BLOCK_N columns of acc * h`` (fp32): summed over p, this is
+        ``<dY[row(r)], y[r]>``, the gradient of a routing weight that multiplied y[r];
+      * ``dh = cast(acc * s)``, ``dgu_RG = cast([dh * up * silu'(gate) | dh * silu(gate)])``;
+      * ``hs_RF = cast(h * s)`` (the operand of the w2 weight gradient ``dY^T @ (s * h)``),
+    where s = row_scale_R[r] (1 when None).
+
+    Args:
+        dy: (R, D) rows, or (T, D) with gather_idx_R (R,) int32 (the unscaled output gradient per token).
+        w2_EDF: (E, D, F). gu_RG: (R, 2F) saved pre-activations. row_scale_R: optional (R,) fp32.
+    Returns:
+        dgu_RG (R, 2F), hs_RF (R, F) in dy's dtype, row_dot_RP (R, P) fp32 or None.
+    Sync: none. Determinism: bitwise; no atomics (row_dot partials are reduced later in fixed order).
+    """
+    where = "swiglu_dgrad"
+    _check_2d("dy", dy, where)
+    _check_weight("w2_EDF", w2_EDF, where)
+    _check_index("gather_idx_R", gather_idx_R, where)
+    E, D, F = w2_EDF.shape
+    if dy.shape[1] != D:
+        raise ValueError(f"{where}: dy has {dy.shape[1]} columns, w2 needs D={D}")
+    _check_offsets(offsets_E1, E, where)
+    R = _rows_of(dy, gather_idx_R)
+    _check_2d("gu_RG", gu_RG, where, cols=2 * F)
+    if gu_RG.shape[0] != R:
+        raise ValueError(f"{where}: gu_RG must have {R} rows, got {gu_RG.shape[0]}")
+    if row_scale_R is not None and (row_scale_R.shape != (R,) or row_scale_R.dtype != torch.float32):
+        raise ValueError(f"{where}: row_scale_R must be fp32 of shape ({R},)")
+    dev = check_device(_m_grouped_gemm_kernel, where, dy=dy, w2_EDF=w2_EDF, offsets_E1=offsets_E1, gu_RG=gu_RG,
+                       gather_idx_R=gather_idx_R, row_scale_R=row_scale_R)
+    cfg = m_grouped_config("dgrad_swiglu", F, D, w2_EDF.dtype, interpret=is_interpreted(_m_grouped_gemm_kernel))
+    num_p = triton_cdiv(F, cfg.block_n)
+    dgu = torch.empty((R, 2 * F), dtype=dy.dtype, device=dev)
+    hs = torch.empty((R, F), dtype=dy.dtype, device=dev)
+    part = torch.empty((R, num_p), dtype=torch.float32, device=dev) if row_dot else None
+    _launch_m_grouped(where=where, kind="dgrad_swiglu", epilogue=_SWIGLU_BWD, a=dy, a_idx=gather_idx_R, b=w2_EDF,
+                      stride_b=(D * F, 1, F), num_rows=R, N=F, K=D, offsets_E1=offsets_E1, c=dgu, aux=hs,
+                      dot=part, scale=row_scale_R, gu=gu_RG, tile_offsets_E1=tile_offsets_E1)
+    return dgu, hs, part
+
+
+def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
+                 p_idx_R: torch.Tensor | None = None, q_idx_R: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """k-grouped weight gradient ``C[e] = cast(sum_{r in group e} P[prow(r)]^T Q[qrow(r)])``: [E, M, N].
+
+    Args:
+        p: (R, M) rows, or a token matrix with p_idx_R (R,) int32 (prow(r) = p_idx_R[r]).
+        q: (R, N) rows, or a token matrix with q_idx_R (R,) int32.
+        offsets_E1: (E+1,) int32 group offsets into the R rows; E = offsets_E1.numel() - 1.
+    Returns:
+        (E, M, N) in out_dtype (default p's dtype).
+    Determinism: each program reduces its expert's rows from the expert's first row, in row order, in
+    BLOCK_K chunks, fp32, one cast; no atomics, no split-K: bitwise reproducible and independent of the
+    other groups. An expert with no rows gets exact zeros. Sync: none.
+    """
+    where = "k_grouped_mm"
+    _check_2d("p", p, where)
+    _check_2d("q", q, where)
+    _check_index("p_idx_R", p_idx_R, where)
+    _check_index("q_idx_R", q_idx_R, where)
+    R = _rows_of(p, p_idx_R)
+    if _rows_of(q, q_idx_R) != R:
+        raise ValueError(f"{where}: p and q describe {R} and {_rows_of(q, q_idx_R)} rows")
+    if offsets_E1.dtype != torch.int32 or offsets_E1.dim() != 1 or offsets_E1.numel() < 2:
+        raise ValueError(f"{where}: offsets_E1 must be a 1-D int32 tensor of E+1 >= 2 entries")
+    E = offsets_E1.numel() - 1
+    M, N = p.shape[1], q.shape[1]
+    kernel = _k_grouped_gemm_kernel
+    dev = check_device(kernel, where, p=p, q=q, offsets_E1=offsets_E1, p_idx_R=p_idx_R, q_idx_R=q_idx_R)
+    c = _alloc(out, (E, M, N), out_dtype or p.dtype, dev, "out", where)
+    if c.numel() == 0:
+        return c
+    if R == 0:
+        return c.zero_()
+    interpret = is_interpreted(kernel)
+    dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
+    cfg = k_grouped_config(M, N, dtype, interpret=interpret)
+    grid = (E * triton_cdiv(M, cfg.block_m) * triton_cdiv(N, cfg.block_n),)
+    kernel[grid](
+        p, p_idx_R if p_idx_R is not None else offsets_E1, q, q_idx_R if q_idx_R is not None else offsets_E1,
+        offsets_E1, c, M, N, p.stride(0), p.stride(1), q.stride(0), q.stride(1), c.stride(0), c.stride(1),
+        P_GATHER=p_idx_R is not None, Q_GATHER=q_idx_R is not None,
+        FP32_DOT=interpret or dtype == torch.float32, INTERPRET=interpret,
+        EVEN_M=M % cfg.block_m == 0, EVEN_N=N % cfg.block_n == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return c

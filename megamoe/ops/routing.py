@@ -1,0 +1,100 @@
+"""Device-side routing plan: per-expert counts and offsets, expert-grouped row order, inverse map.
+
+Legend: T tokens, K slots (top-k), E experts, N = T*K (token, slot) rows, E1 = E + 1 (offsets).
+
+The plan is built with a handful of PyTorch device ops (a stable sort, a binary search, a scatter); no
+value is ever read back to the host, so it is CUDA-graph capturable and clean under
+``torch.cuda.set_sync_debug_mode("error")``. All outputs are fixed-size (N rows, E + 1 offsets) and
+exact (integers), bitwise equal to the plain-PyTorch construction in the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["RoutingPlan", "build_routing_plan", "tile_offsets_for", "single_group_offsets"]
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Expert-grouped order of the N = T*K (token, slot) rows, sorted by (expert, token, slot).
+
+    Fields (int32 device tensors unless noted):
+        counts_E: (E,) ``counts_E[e]`` is the number of rows routed to expert e.
+        offsets_E1: (E+1,) exclusive prefix sum of counts: expert e owns rows
+            ``offsets_E1[e]:offsets_E1[e+1]``; ``offsets_E1[E] == N``.
+        row_src_N: (N,) ``row_src_N[r] = t*K + k``: the flat (token, slot) index of row r (local t).
+        row_token_N: (N,) token index of row r, ``t + token_offset``.
+        row_slot_N: (N,) slot k of row r.
+        row_of_TK: (T, K) inverse map: the row of (t, k); ``row_src_N[row_of_TK[t, k]] == t*K + k``.
+        num_experts: E.  top_k: K.
+    """
+
+    counts_E: torch.Tensor
+    offsets_E1: torch.Tensor
+    row_src_N: torch.Tensor
+    row_token_N: torch.Tensor
+    row_slot_N: torch.Tensor
+    row_of_TK: torch.Tensor
+    num_experts: int
+    top_k: int
+    _tiles: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def tile_offsets(self, block_m: int) -> torch.Tensor:
+        """(E+1,) int32 exclusive prefix sum of ``ceil(counts_E / block_m)`` (cached per block_m)."""
+        if block_m not in self._tiles:
+            self._tiles[block_m] = tile_offsets_for(self.offsets_E1, block_m)
+        return self._tiles[block_m]
+
+
+def tile_offsets_for(offsets_E1: torch.Tensor, block_m: int) -> torch.Tensor:
+    """(E+1,) int32: ``tile_offsets[e]`` is the first m-tile of group e for BLOCK_M = block_m (no sync)."""
+    counts_E = offsets_E1[1:] - offsets_E1[:-1]
+    tiles_E1 = torch.zeros_like(offsets_E1)
+    torch.cumsum(torch.div(counts_E + (block_m - 1), block_m, rounding_mode="floor"), 0, out=tiles_E1[1:])
+    return tiles_E1
+
+
+def single_group_offsets(num_rows: int, device: torch.device) -> torch.Tensor:
+    """(2,) int32 [0, num_rows] built on the device without a host-to-device copy."""
+    return torch.arange(2, dtype=torch.int32, device=device) * num_rows
+
+
+def build_routing_plan(topk_ids_TK: torch.Tensor, num_experts: int, *, token_offset: int = 0) -> RoutingPlan:
+    """Build the routing plan of ``topk_ids_TK`` on its device, without a host sync.
+
+    Args:
+        topk_ids_TK: (T, K) int32 or int64 expert ids, each in [0, E) (not checked here: the functional
+            entry checks it with a sync-free device assert).
+        num_experts: E.
+        token_offset: added to the token index in ``row_token_N`` (a global token index for EP callers).
+
+    Returns:
+        RoutingPlan. Rows are ordered by (expert, token, slot): a stable sort of the flat ids, whose flat
+        index t*K + k already orders (token, slot).
+
+    Determinism: exact integer outputs, independent of run and device.
+    """
+    if topk_ids_TK.dim() != 2:
+        raise ValueError(f"build_routing_plan: topk_ids_TK must be 2-D (T, K), got shape {tuple(topk_ids_TK.shape)}")
+    if topk_ids_TK.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"build_routing_plan: topk_ids_TK must be int32/int64, got {topk_ids_TK.dtype}")
+    T, K = topk_ids_TK.shape
+    N = T * K
+    dev = topk_ids_TK.device
+    flat_N = topk_ids_TK.reshape(-1)
+    sorted_ids_N, order_N = torch.sort(flat_N, stable=True)
+    bounds = torch.arange(num_experts + 1, device=dev, dtype=sorted_ids_N.dtype)
+    offsets_E1 = torch.searchsorted(sorted_ids_N, bounds, out_int32=True)
+    counts_E = offsets_E1[1:] - offsets_E1[:-1]
+    row_src_N = order_N.to(torch.int32)
+    row_token_N = torch.div(row_src_N, K, rounding_mode="floor") if K > 1 else row_src_N.clone()
+    if token_offset:
+        row_token_N = row_token_N + token_offset
+    row_slot_N = row_src_N - torch.div(row_src_N, K, rounding_mode="floor") * K
+    row_of_N = torch.empty(N, dtype=torch.int32, device=dev)
+    row_of_N.scatter_(0, order_N, torch.arange(N, dtype=torch.int32, device=dev))
+    return RoutingPlan(counts_E, offsets_E1, row_src_N, row_token_N.to(torch.int32), row_slot_N,
+                       row_of_N.view(T, K), num_experts, K)

@@ -1,0 +1,87 @@
+"""Tile configurations of the fused MoE GEMMs: a checked-in table, chosen by a pure function of shape.
+
+Legend: D hidden size, F expert FFN size, G = 2F, E experts, N output columns, K reduction size.
+
+Determinism: a config fixes the K-loop order of every output element, so it is chosen only from
+(GEMM kind, N, K, dtype, interpreter or not): never from the number of tokens, the number of experts,
+the routing, or timing (no run-time autotuning). The same token therefore gets the same bits whatever
+else is in the batch, and every EP rank picks the same configs (docs/design.md, batch invariance).
+
+Sources of the values: BLOCK_M 128 / BLOCK_K 64 / 8 warps / 3-4 stages are the usual Hopper wgmma
+shapes of the Triton matmul tutorials (03, 09); entries in ``_OVERRIDES`` record the measurement that
+chose them (docs/perf.md, "Single-GPU fused path").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GemmConfig", "m_grouped_config", "k_grouped_config", "combine_block"]
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One Triton GEMM launch config. block_k is the reduction chunk (rows of an expert for k-grouped)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for v in (self.block_m, self.block_n, self.block_k):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig: block sizes must be powers of two >= 16, got {self}")
+
+
+# CPU interpreter (TRITON_INTERPRET=1): tiny tiles so that tiny test shapes still span several tiles.
+_INTERPRET = GemmConfig(16, 16, 16, 4, 1)
+# fp32 operands use input_precision="ieee" FMA dots (router logits, fp32 experts): small tiles.
+_FP32 = GemmConfig(64, 64, 32, 4, 3)
+
+# m-grouped kinds: "gate_up" (SwiGLU fwd, two accumulators, N = F, K = D), "down" (N = D, K = F),
+# "dgrad_swiglu" (dY @ W2, N = F, K = D, SwiGLU backward epilogue), "dgrad" (dGU @ W13, N = D, K = 2F).
+_M_GROUPED_BF16 = {
+    "gate_up": GemmConfig(128, 128, 64, 8, 3),       # 2 x (128x128) accumulators, 48 KiB smem / stage
+    "down": GemmConfig(128, 128, 64, 8, 4),
+    "dgrad_swiglu": GemmConfig(128, 128, 64, 8, 4),
+    "dgrad": GemmConfig(128, 128, 64, 8, 4),
+}
+_K_GROUPED_BF16 = GemmConfig(128, 128, 64, 8, 3)
+
+# (kind, N, K) -> config, measured on H200 (see docs/perf.md). Empty until measured.
+_OVERRIDES: dict[tuple[str, int, int], GemmConfig] = {}
+
+
+def _is_half(dtype: torch.dtype) -> bool:
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def m_grouped_config(kind: str, n: int, k: int, dtype: torch.dtype, *, interpret: bool) -> GemmConfig:
+    """Config of an m-grouped GEMM of ``kind`` with N output columns and reduction size K (pure function)."""
+    if kind not in _M_GROUPED_BF16:
+        raise ValueError(f"m_grouped_config: unknown kind {kind!r}; valid: {sorted(_M_GROUPED_BF16)}")
+    if interpret:
+        return _INTERPRET
+    if not _is_half(dtype):
+        return _FP32
+    return _OVERRIDES.get((kind, n, k), _M_GROUPED_BF16[kind])
+
+
+def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool) -> GemmConfig:
+    """Config of a k-grouped (weight-gradient) GEMM producing [E, M, N] (pure function of M, N, dtype)."""
+    if interpret:
+        return _INTERPRET
+    if not _is_half(dtype):
+        return _FP32
+    return _OVERRIDES.get(("wgrad", m, n), _K_GROUPED_BF16)
+
+
+def combine_block(d: int, *, interpret: bool) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_D) of the combine / slot-sum kernels; a pure function of D."""
+    if interpret:
+        return 8, 32
+    return 4, 1024 if d >= 1024 else 256
