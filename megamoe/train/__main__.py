@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--out", help="run folder (default runs/<preset>-ep<W>); '' writes nothing")
     p.add_argument("--data", help="text file or folder (default: this Python's standard library sources)")
+    p.add_argument("--seq-aux-coef", type=float,
+                   help="sequence-wise balance loss coefficient alpha (0 disables; default: the preset's 1e-3)")
     p.add_argument("--eval-every", type=int, help="validation every N steps (default: the preset's)")
     p.add_argument("--log-every", type=int, default=10, help="metrics / progress every N steps (default 10)")
     p.add_argument("--ckpt-every", type=int, default=0, help="extra checkpoints every N steps (0: at the end)")
@@ -96,7 +98,12 @@ def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
     for k, v in changes.items():
         if (k == "lr" and not v > 0) or (k != "lr" and v <= 0):
             raise SystemExit(f"error: --{k.replace('_', '-')} must be positive, got {v}")
-    cfg = cfg.replace(**changes, moe=cfg.moe.replace(dtype=torch.bfloat16 if on_gpu else torch.float32))
+    moe_changes = {"dtype": torch.bfloat16 if on_gpu else torch.float32}
+    if args.seq_aux_coef is not None:
+        if not args.seq_aux_coef >= 0:
+            raise SystemExit(f"error: --seq-aux-coef must be >= 0, got {args.seq_aux_coef}")
+        moe_changes["seq_aux_loss_coef"] = args.seq_aux_coef
+    cfg = cfg.replace(**changes, moe=cfg.moe.replace(**moe_changes))
     if cfg.moe.num_experts % dctx.world:
         raise SystemExit(f"error: preset {cfg.name!r} has {cfg.moe.num_experts} experts, not divisible by "
                          f"the EP size {dctx.world}")

@@ -81,8 +81,8 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                         steps=30, lr=3e-3, warmup=5, eval_every=10, eval_batches=2,
                         note="tests / CI"),
     # CPU default: about 3 minutes on 2 cores with the reference backend.
-    "mini": ModelConfig("mini", n_layer=2, n_head=4, moe=_moe(128, 128, 8, 2, 2, 1), seq_len=128,
-                        batch_size=16, steps=300, lr=3e-3, warmup=20, eval_every=50, eval_batches=4,
+    "mini": ModelConfig("mini", n_layer=3, n_head=4, moe=_moe(128, 128, 8, 2, 2, 1), seq_len=256,
+                        batch_size=16, steps=400, lr=3e-3, warmup=20, eval_every=100, eval_batches=4,
                         note="CPU default"),
     # One-GPU default (fused backend, bf16 experts).
     "small": ModelConfig("small", n_layer=6, n_head=8, moe=_moe(512, 256, 32, 4, 4, 2), seq_len=512,
