@@ -1,0 +1,212 @@
+"""The fused single-GPU path's Triton kernels on CPU, under TRITON_INTERPRET=1, on tiny fp32 shapes.
+
+Proves: the routing plan equals a plain-PyTorch construction bitwise (ties, empty experts, T = 0, token
+offset); forward and every gradient (x, topk weights, w13, w2, shared weights) match megamoe.reference in
+fp64 within 2x PyTorch's own fp32 error (+ a tiny absolute term) for edge cases (expert with no tokens ->
+exact zero weight gradient, all tokens on one expert, T = 0, T = 1, T not a multiple of any block, K = 1,
+K = E, non-contiguous input); NaN-poisoned output buffers are fully overwritten; results are bitwise
+repeatable; router logits and their gradients; bad input raises a clear error.
+
+Run: python -m pytest tests/test_kernels_interpret.py -q
+(the kernels must be created with TRITON_INTERPRET=1 before triton is imported, so a process that has not
+set it runs this file again in a subprocess that has.)
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+
+    def test_kernels_under_interpreter():
+        root = Path(__file__).resolve().parents[1]
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+        assert r.returncode == 0, f"interpreter run failed:\n{r.stdout[-8000:]}\n{r.stderr[-4000:]}"
+
+else:
+    from megamoe import reference
+    from megamoe.functional import moe_experts, router_logits
+    from megamoe.ops import (build_routing_plan, down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm,
+                             single_group_offsets, swiglu_dgrad)
+
+    NAMES = ("x", "topk_weights", "w13", "w2", "shared_w13", "shared_w2")
+
+    def _routing_ref(ids_TK, E, token_offset=0):
+        """Plain-Python plan: rows sorted by (expert, token, slot)."""
+        T, K = ids_TK.shape
+        rows = sorted((int(ids_TK[t, k]), t, k) for t in range(T) for k in range(K))
+        counts = [0] * E
+        for e, _, _ in rows:
+            counts[e] += 1
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        row_of = torch.empty(T, K, dtype=torch.int32)
+        for r, (_, t, k) in enumerate(rows):
+            row_of[t, k] = r
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        return dict(counts_E=i32(counts), offsets_E1=i32(offsets), row_src_N=i32([t * K + k for _, t, k in rows]),
+                    row_token_N=i32([t + token_offset for _, t, k in rows]), row_slot_N=i32([k for _, _, k in rows]),
+                    row_of_TK=row_of)
+
+    def _make(T, D, F, E, K, S, *, seed=0, ids=None, dtype=torch.float32):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(T, D, generator=g, dtype=dtype)
+        if ids is None:
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
+        w = torch.rand(T, K, generator=g, dtype=torch.float32) + 0.1
+        w13 = torch.randn(E, 2 * F, D, generator=g, dtype=dtype) / D ** 0.5
+        w2 = torch.randn(E, D, F, generator=g, dtype=dtype) / F ** 0.5
+        s13 = torch.randn(2 * S, D, generator=g, dtype=dtype) / D ** 0.5 if S else None
+        s2 = torch.randn(D, S, generator=g, dtype=dtype) / S ** 0.5 if S else None
+        return x, ids, w, w13, w2, s13, s2
+
+    def _run(fn, x, ids, w, w13, w2, s13, s2, dout):
+        params = [p.detach().clone().requires_grad_() if p is not None else None for p in (x, w, w13, w2, s13, s2)]
+        out = fn(params[0], ids, *params[1:])
+        live = [p for p in params if p is not None]
+        grads = torch.autograd.grad(out, live, dout, allow_unused=True) if out.numel() or True else None
+        it = iter(grads)
+        return out.detach(), [next(it) if p is not None else None for p in params]
+
+    def _check(case, *, x_view=None):
+        x, ids, w, w13, w2, s13, s2 = case
+        T, D = x.shape
+        dout = torch.randn(T, D, generator=torch.Generator().manual_seed(7))
+        xin = x if x_view is None else x_view
+        out, grads = _run(moe_experts, xin, ids, w, w13, w2, s13, s2, dout)
+        up = lambda t: t.double() if t is not None else None  # noqa: E731
+        ref64, g64 = _run(reference.moe_experts, up(x), ids, up(w), up(w13), up(w2), up(s13), up(s2), dout.double())
+        ref32, g32 = _run(reference.moe_experts, x, ids, w, w13, w2, s13, s2, dout)
+        for name, a, b64, b32 in zip(("out",) + NAMES, [out] + grads, [ref64] + g64, [ref32] + g32):
+            if b64 is None:
+                assert a is None
+                continue
+            assert a.shape == b64.shape and a.dtype == b32.dtype, name
+            assert torch.isfinite(a).all(), f"{name}: non-finite values"
+            err = (a.double() - b64).abs().max().item() if a.numel() else 0.0
+            err_pt = (b32.double() - b64).abs().max().item() if a.numel() else 0.0
+            scale = b64.abs().max().item() if a.numel() else 0.0
+            assert err <= 2 * err_pt + 1e-5 * scale + 1e-12, f"{name}: err {err:.3g} vs torch fp32 {err_pt:.3g}"
+        return out, grads
+
+    def test_routing_plan_exact():
+        g = torch.Generator().manual_seed(1)
+        for T, K, E, offset in ((0, 2, 4, 0), (1, 1, 3, 0), (13, 3, 5, 100), (40, 4, 8, 0)):
+            ids = torch.randint(0, E, (T, K), generator=g)
+            if T > 3:
+                ids[:, 0] = 1  # a hot expert and ties in the sort key
+                ids[ids == 2] = 0  # an empty expert
+            plan = build_routing_plan(ids.to(torch.int32), E, token_offset=offset)
+            for name, want in _routing_ref(ids, E, offset).items():
+                got = getattr(plan, name)
+                assert got.dtype == torch.int32 and torch.equal(got, want), name
+
+    def test_forward_backward_basic_with_shared():
+        _check(_make(37, 64, 32, 8, 3, 32))
+
+    def test_expert_with_no_tokens_gets_exact_zero_grad():
+        case = list(_make(21, 64, 32, 6, 2, 0, seed=2))
+        ids = case[1]
+        ids[ids == 4] = 5
+        ids[:, 0] = torch.where(ids[:, 1] == 0, 1, 0)  # keep slots distinct, expert 4 empty
+        case[1] = ids
+        _, grads = _check(tuple(case))
+        assert torch.count_nonzero(grads[2][4]) == 0 and torch.count_nonzero(grads[3][4]) == 0
+
+    def test_all_tokens_on_one_expert():
+        ids = torch.full((19, 2), 3, dtype=torch.int64)
+        _check(_make(19, 64, 32, 4, 2, 16, seed=3, ids=ids))
+
+    def test_single_token_and_k1_and_k_equals_e():
+        _check(_make(1, 64, 32, 4, 2, 16, seed=4))
+        _check(_make(17, 64, 32, 5, 1, 0, seed=5))
+        _check(_make(9, 64, 32, 4, 4, 16, seed=6))
+
+    def test_zero_tokens():
+        x, ids, w, w13, w2, s13, s2 = _make(0, 64, 32, 4, 2, 16)
+        out, grads = _run(moe_experts, x, ids, w, w13, w2, s13, s2, torch.zeros(0, 64))
+        assert out.shape == (0, 64)
+        for gr, p in zip(grads, (x, w, w13, w2, s13, s2)):
+            assert gr.shape == p.shape and torch.count_nonzero(gr) == 0
+
+    def test_non_contiguous_input():
+        case = _make(23, 64, 32, 4, 2, 0, seed=8)
+        big = torch.zeros(64, 2 * 23)
+        big[:, ::2] = case[0].t()
+        _check(case, x_view=big[:, ::2].t())
+
+    def test_odd_sizes():  # D, F, T not multiples of any block
+        _check(_make(11, 40, 24, 3, 2, 8, seed=9))
+
+    def test_deterministic():
+        # Batch invariance is checked on the GPU only: the interpreter's tl.dot is numpy's BLAS, whose
+        # result for a row depends on the row's position inside the tile (wgmma's does not).
+        x, ids, w, w13, w2, s13, s2 = _make(30, 64, 32, 6, 3, 16, seed=10)
+        dout = torch.randn(30, 64)
+        a = _run(moe_experts, x, ids, w, w13, w2, s13, s2, dout)
+        b = _run(moe_experts, x, ids, w, w13, w2, s13, s2, dout)
+        assert torch.equal(a[0], b[0]) and all(torch.equal(p, q) for p, q in zip(a[1], b[1]))
+
+    def test_poisoned_outputs_overwritten():
+        x, ids, w, w13, w2, s13, s2 = _make(29, 64, 32, 5, 2, 0, seed=11)
+        plan = build_routing_plan(ids, 5)
+        N = 29 * 2
+        h = torch.full((N, 32), float("nan"))
+        gu = torch.full((N, 64), float("nan"))
+        gate_up_swiglu(x, w13, plan.offsets_E1, gather_idx_R=plan.row_token_N, out=h, preact_out=gu)
+        y = down_proj(h, w2, plan.offsets_E1, out=torch.full((N, 64), float("nan")))
+        dw = k_grouped_mm(y, x, plan.offsets_E1, q_idx_R=plan.row_token_N, out=torch.full((5, 64, 64), float("nan")))
+        dgu, hs, part = swiglu_dgrad(x, w2, plan.offsets_E1, gu, gather_idx_R=plan.row_token_N)
+        dx = grouped_mm_nn(dgu, w13, plan.offsets_E1, out=torch.full((N, 64), float("nan")))
+        for t in (h, gu, y, dw, dgu, hs, part, dx):
+            assert torch.isfinite(t).all()
+        xs = x[plan.row_token_N.long()]
+        gu_ref = torch.cat([xs[a:b] @ w13[e].t() for e, (a, b) in enumerate(zip(plan.offsets_E1[:-1].tolist(), plan.offsets_E1[1:].tolist()))])
+        torch.testing.assert_close(gu, gu_ref, rtol=1e-5, atol=1e-5)
+
+    def test_router_logits_and_grads():
+        g = torch.Generator().manual_seed(12)
+        x = torch.randn(21, 64, generator=g).requires_grad_()
+        rw = torch.randn(6, 64, generator=g).requires_grad_()
+        lg = router_logits(x, rw)
+        dl = torch.randn(21, 6, generator=g)
+        gx, gw = torch.autograd.grad(lg, [x, rw], dl)
+        x64, rw64 = x.detach().double().requires_grad_(), rw.detach().double().requires_grad_()
+        l64 = x64 @ rw64.t()
+        gx64, gw64 = torch.autograd.grad(l64, [x64, rw64], dl.double())
+        for a, b in ((lg, l64), (gx, gx64), (gw, gw64)):
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+    def test_one_group_launchers_match_dense():
+        g = torch.Generator().manual_seed(13)
+        x = torch.randn(18, 64, generator=g)
+        w = torch.randn(1, 48, 64, generator=g)
+        one = single_group_offsets(18, x.device)
+        h, gu = gate_up_swiglu(x, w, one)
+        torch.testing.assert_close(gu, x @ w[0].t(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h, reference.swiglu(gu[:, :24], gu[:, 24:]), rtol=1e-5, atol=1e-5)
+
+    def test_bad_inputs_raise_clear_errors():
+        x, ids, w, w13, w2, s13, s2 = _make(5, 64, 32, 4, 2, 16)
+        with pytest.raises(ValueError, match="topk_ids_TK"):
+            moe_experts(x, ids + 4, w, w13, w2)
+        with pytest.raises(ValueError, match="w2_EDF"):
+            moe_experts(x, ids, w, w13, w2[:, :, :16])
+        with pytest.raises(TypeError, match="w13_EGD"):
+            moe_experts(x, ids, w, w13.double(), w2)
+        with pytest.raises(TypeError, match="topk_ids_TK"):
+            moe_experts(x, ids.float(), w, w13, w2)
+        with pytest.raises(ValueError, match="shared"):
+            moe_experts(x, ids, w, w13, w2, s13, None)
+        with pytest.raises(ValueError, match="backend"):
+            moe_experts(x, ids, w, w13, w2, backend="cuda")
+        with pytest.raises(TypeError, match="fused backend"):
+            moe_experts(x.double(), ids, w, w13.double(), w2.double())
