@@ -114,13 +114,14 @@ def test_cli_rejects_bad_arguments():
 
 # ---------------------------------------------------------------- training
 
-def test_tiny_run_learns_and_balances(corpus):
+def test_tiny_run_learns_and_updates_the_bias(corpus):
     with one_thread():
         res = train(tiny_rc(40), corpus=corpus)
     first, last = sum(res.losses[:5]) / 5, sum(res.losses[-5:]) / 5
     assert len(res.losses) == 40 and all(v == v for v in res.losses)
     assert last < first - 1.0, (first, last)
     assert res.val[-1][1] < res.val[0][1]
+    assert all(0 < share < 1 for share in res.moe_share) and all(t > 0 for t in res.tokens_per_s)
     bias = torch.cat([m.expert_bias_E for m in res.model.moe_layers()])
     assert bias.abs().max() > 0  # the aux-loss-free bias moved
     # counts are exact integers: K slots per token of the global batch, every layer, every step

@@ -352,8 +352,9 @@ def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corp
 
     def log_val(step: int) -> None:
         nonlocal t_log
+        marker = timer.checkpoint()
         v = evaluate(model, vbatches, device, rc, dctx)
-        timer.discard()
+        timer.discard_since(marker)
         result.val.append((step, v))
         if metrics_path is not None:
             with metrics_path.open("a") as f:

@@ -99,9 +99,13 @@ class StepTimer:
     def step_end(self) -> None:
         self._steps.append((self._begin, self._now()))
 
-    def discard(self) -> None:
-        """Forget the records (e.g. of evaluation forwards)."""
-        self._moe.clear()
+    def checkpoint(self) -> int:
+        """A marker for :meth:`discard_since` (the number of MoE records so far)."""
+        return len(self._moe)
+
+    def discard_since(self, marker: int) -> None:
+        """Forget the MoE records made after ``marker`` (e.g. by evaluation forwards)."""
+        del self._moe[marker:]
 
     def collect(self) -> tuple[float, float]:
         """(total step ms, total MoE ms) since the last collect. Call after a host sync on CUDA."""
