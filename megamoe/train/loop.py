@@ -214,14 +214,16 @@ def load_checkpoint(run_dir: Path, dctx: Dist, model: GPT, opt, device: torch.de
     path = _ckpt_path(run_dir, dctx)
     if not path.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint {str(path)!r} (was the run started with this EP size?)")
-    state = torch.load(path, map_location=device, weights_only=False)
+    # Load to CPU: load_state_dict moves tensors to each parameter's device, and the optimizer keeps its
+    # step counters on the host as a fresh AdamW does (a CUDA step counter would force a sync per step).
+    state = torch.load(path, map_location="cpu", weights_only=True)
     if state["world"] != dctx.world:
         raise ValueError(f"--resume: checkpoint was written by {state['world']} ranks, this job has {dctx.world}")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng_cpu"])
     if state["rng_cuda"] is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(state["rng_cuda"].cpu(), device)
+        torch.cuda.set_rng_state(state["rng_cuda"], device)
     return int(state["step"])
 
 
