@@ -5,7 +5,8 @@ Legend: W EP size of the job (torchrun ranks), P compared steps.
 Runs (same seed, data and steps; nothing written to disk):
   candidate  the fused backend (experts in bf16) at EP=W;  on a CPU-only machine the reference backend;
   reference  the plain-PyTorch reference backend, same expert dtype, EP=W;
-  exact      the reference backend with fp64 experts (fp32 on GPU, where fp64 GEMMs would crawl).
+  exact      the reference backend with fp64 experts (fp32 on GPU, where fp64 GEMMs would crawl),
+             initialised from the same values as the other two (cast up from their dtype).
 The candidate passes when its largest per-step loss difference to ``exact`` is at most twice the
 reference's own difference to ``exact`` plus ``atol`` (the project's tolerance rule: the kernel's
 error may be at most 2x PyTorch's own error at the same dtype, plus a small absolute slack).
@@ -82,7 +83,7 @@ def run_check(rc: RunConfig, dctx: Dist, corpus: Corpus, *, atol: float = 2e-2, 
     ok = err_cand <= bound
     say("")
     say(f"  {'step':>5} {cand_backend:>12} {'reference':>12} {'exact':>12}" + (f" {'EP=1':>12}" if W > 1 else ""))
-    for i in sorted({0, 1, P // 2, P - 1}):
+    for i in sorted({0, 1, P // 2, P - 1} & set(range(P))):
         row = f"  {i:>5} {runs['candidate'][i]:>12.6f} {runs['reference'][i]:>12.6f} {runs['exact'][i]:>12.6f}"
         say(row + (f" {runs['ep1'][i]:>12.6f}" if W > 1 else ""))
     say(f"  largest loss difference, candidate ({cand_backend}) vs reference: "
