@@ -74,7 +74,7 @@ def _setup_dist(device_arg: str | None) -> tuple[Dist, str]:
     if cuda and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA GPU is available")
     if world == 1:
-        return Dist(), ("cuda" if cuda else "cpu")
+        return Dist(), (device_arg or ("cuda" if cuda else "cpu"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local)
