@@ -111,11 +111,12 @@ def sweep(name, T, args):
         "wgrad(w13)": (lambda: k_grouped_mm(dgu, x, off, q_idx_R=tok), "wgrad", 2 * F, D, 4 * N * D * F),
         "wgrad(w2)": (lambda: k_grouped_mm(dy, hw, off, p_idx_R=tok), "wgrad", D, F, 2 * N * D * F),
     }
-    alts = {"gate_up": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 64, 64, 4, 4)],
-            "down": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 128, 64, 8, 3)],
-            "dgrad_swiglu": [GemmConfig(128, 64, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3)],
+    alts = {"gate_up": [GemmConfig(128, 128, 64, 8, 4)],
+            "down": [GemmConfig(128, 128, 64, 8, 4)],
+            "dgrad_swiglu": [GemmConfig(64, 128, 64, 4, 4), GemmConfig(64, 128, 64, 4, 3)],
             "dgrad": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 128, 64, 8, 3)],
-            "wgrad": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 128, 32, 8, 4), GemmConfig(128, 128, 64, 4, 3)]}
+            "wgrad": [GemmConfig(128, 128, 64, 4, 3), GemmConfig(128, 128, 64, 4, 2), GemmConfig(128, 128, 64, 8, 2),
+                      GemmConfig(128, 64, 64, 4, 2)]}
     rows = []
     for label, (fn, kind, n, k, fl) in gemm.items():
         key = (kind, n, k)
