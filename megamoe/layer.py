@@ -164,8 +164,9 @@ class MoE(nn.Module):
             out_TD = moe_experts(*args, backend="fused")
 
         counts_E = ref.tokens_per_expert(r.topk_ids_TK, c.num_experts)
-        with torch.no_grad():
-            self.counts_since_update_E += counts_E
+        if self.training:  # eval forwards do not steer the aux-loss-free bias
+            with torch.no_grad():
+                self.counts_since_update_E += counts_E
         aux = None
         if c.seq_aux_loss_coef > 0 and x_TD.shape[0] > 0:
             aux = ref.seq_balance_loss(r.scores_TE, r.topk_ids_TK, seq_len, c.top_k, c.seq_aux_loss_coef)
@@ -174,7 +175,7 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
-        """Aux-loss-free bias update from the counts accumulated since the last call, then reset them.
+        """Aux-loss-free bias update from the counts of training-mode forwards since the last call.
 
         Counts are summed over ``group`` with an all-reduce (stream-ordered, no host sync), so every
         rank applies the same update. No-op when the config has no expert bias.

@@ -94,3 +94,9 @@ def test_zero_tokens(cfg):
     y.sum().backward()
     assert y.shape == (0, cfg.hidden_size)
     assert m.w13_LGD.grad is not None and (m.w13_LGD.grad == 0).all()
+
+
+def test_eval_forward_does_not_count(cfg):
+    m = MoE(cfg, seed=0).eval()
+    m(torch.randn(8, cfg.hidden_size))
+    assert int(m.counts_since_update_E.sum()) == 0 and int(m.last_stats.tokens_per_expert_E.sum()) == 8 * cfg.top_k

@@ -177,17 +177,14 @@ def _autocast(device: torch.device):
 
 @torch.no_grad()
 def evaluate(model: GPT, batches, device, rc: RunConfig, dctx: Dist) -> float:
-    """Mean validation loss over the fixed batches (same on every rank); restores the MoE counters."""
+    """Mean validation loss over the fixed batches (same on every rank); eval mode leaves MoE counters alone."""
     model.eval()
-    saved = [m.counts_since_update_E.clone() for m in model.moe_layers()]
     total = torch.zeros((), device=device)
     for x_BS, y_BS in batches:
         x_BS, y_BS = x_BS.to(device), y_BS.to(device)
         with _autocast(device):
             logits = model(x_BS)
         total += F_.cross_entropy(logits.float().flatten(0, 1), y_BS.flatten())
-    for m, c in zip(model.moe_layers(), saved):
-        m.counts_since_update_E.copy_(c)
     model.train()
     return float(total / len(batches))
 
