@@ -20,10 +20,12 @@ region         dtype / shape                written by / read by
 ``rows``       act dtype [2, T_cap, D]      owner: channel 0 = x, channel 1 = output gradient
 ``slots``      act dtype [T_cap, K, D]      peers push expert outputs / input gradients into slot
                                             ``(t, k)`` of the owner, each slot written exactly once
+``dots``       fp32 [T_cap * K, P_MAX]      backward: peers push each row's routing-weight partial
+                                            dot products (P = ceil(F / BLOCK_N) <= P_MAX = 64)
 =============  ===========================  ===================================================
 
-Total bytes ~= ``T_cap*D*es*(2 + K) + 8*T_cap*K + 4*E`` (es = element size), e.g. 603 MB for the
-deepseek-v3 shape (D 7168, K 8, bf16) at T_cap = 4096.
+Total bytes = ``T_cap*D*es*(2 + K) + T_cap*K*(8 + 4*P_MAX) + 4*E`` + alignment (es = element size),
+e.g. 611 MB for the deepseek-v3 shape (D 7168, K 8, bf16) at T_cap = 4096.
 
 Synchronisation: flags only grow (the epoch counter lives on the device and each exchange adds one),
 so nothing is ever reset and CUDA graphs replay. Every cross-GPU handoff is a release store at system
@@ -45,11 +47,12 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["WorkspaceSpec", "EPWorkspace", "EPTimeoutError", "get_workspace", "reserve_workspace",
-           "STAGE_NAMES", "FLAG_READY", "FLAG_DONE", "FLAG_EPOCH", "FLAG_STATUS"]
+           "STAGE_NAMES", "P_MAX", "FLAG_READY", "FLAG_DONE", "FLAG_EPOCH", "FLAG_STATUS"]
 
 FLAG_EPOCH, FLAG_STATUS, FLAG_READY = 0, 1, 16
 FLAG_DONE = None  # 16 + W, see EPWorkspace.done_word
 _ALIGN = 256
+P_MAX = 64  # routing-weight partial dots per row that the backward can carry
 
 # Stage ids written into the status word (kept in sync with kernels/ep_comm.py).
 STAGE_NAMES = {1: "dispatch: waiting for the peer's routing plan and token rows",
@@ -96,7 +99,7 @@ class WorkspaceSpec:
         n_cap = self.max_tokens * self.top_k
         sizes = [("flags", 4 * (16 + 2 * self.world)), ("plan", 4 * (4 + self.num_experts)),
                  ("sorted", 4 * n_cap), ("weights", 4 * n_cap), ("rows", es * 2 * self.max_tokens * self.hidden),
-                 ("slots", es * n_cap * self.hidden)]
+                 ("slots", es * n_cap * self.hidden), ("dots", 4 * n_cap * P_MAX)]
         out, off = {}, 0
         for name, size in sizes:
             out[name] = (off, size)
@@ -114,7 +117,7 @@ class EPWorkspace:
 
     Attributes: ``rank``, ``world``, ``spec``, ``offsets`` ({region: byte offset}), ``ptrs_W`` (int64
     [W] device tensor: base address of every rank's pool as mapped in this process), and local tensor
-    views ``flags``, ``plan``, ``sorted_N``, ``weights_N``, ``rows_2TD``, ``slots_TKD``.
+    views ``flags``, ``plan``, ``sorted_N``, ``weights_N``, ``rows_2TD``, ``slots_TKD``, ``dots_NP`` (flat).
     """
 
     def __init__(self, spec: WorkspaceSpec, rank: int, buffer_u8: torch.Tensor, peer_base_ptrs: list[int],
@@ -143,6 +146,7 @@ class EPWorkspace:
         self.weights_N = view("weights", torch.float32, (T * K,))
         self.rows_2TD = view("rows", spec.dtype, (2, T, D))
         self.slots_TKD = view("slots", spec.dtype, (T, K, D))
+        self.dots_NP = view("dots", torch.float32, (T * K * P_MAX,))
         self._pending: list[tuple[torch.Tensor, object]] = []  # (pinned status copy, event)
         self.timeout_s = 10.0
 

@@ -1,0 +1,122 @@
+"""Functional entry of the fused expert-parallel MoE (experts sharded over an NVLink EP group).
+
+Legend: T tokens of this rank, D hidden, F expert FFN, G = 2F, W EP world size, L = E / W local experts,
+E = W * L global experts, K top-k, S shared FFN, H = 2S, C receive capacity (rows per round).
+
+Protocol, buffer sizes in bytes and guarantees: docs/ep.md. Layering: this module validates and resolves
+the workspace, megamoe.autograd_ep wires forward/backward, megamoe.ops.ep_* launch the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .validation import check_expert_inputs
+
+__all__ = ["moe_experts_ep", "moe_experts_ep_workspace"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                   w13_LGD: torch.Tensor, w2_LDF: torch.Tensor, shared_w13_HD: torch.Tensor | None = None,
+                   shared_w2_DS: torch.Tensor | None = None, *, group, capacity_rows: int | None = None,
+                   timeout_s: float = 10.0) -> torch.Tensor:
+    """Routed + shared SwiGLU experts and combine with the routed experts sharded over ``group``.
+
+    Rank r of ``group`` owns global experts [r*L, (r+1)*L). Each rank passes its own tokens; the global
+    batch is the concatenation of the ranks' tokens in rank order (global token index = sum of T of
+    lower ranks + local index, computed on the device from an exchanged count table).
+
+    Args:
+        x_TD: (T, D) this rank's tokens, bf16 / fp16 / fp32, any T >= 0 (ranks may differ), any strides.
+        topk_ids_TK: (T, K) int32/int64 global expert ids in [0, W*L).
+        topk_weights_TK: (T, K) float routing weights (used in fp32).
+        w13_LGD: (L, 2F, D) this rank's experts, x's dtype (rows [0, F) gate, [F, 2F) up).
+        w2_LDF: (L, D, F) this rank's experts, x's dtype.
+        shared_w13_HD / shared_w2_DS: optional replicated shared expert, (2S, D) / (D, S).
+        group: the EP process group (every rank of it must call with the same layer sequence).
+        capacity_rows: receive-buffer rows per round C (default: ``distributed.default_capacity_rows``,
+            which covers the worst case in one round for W <= 2). More rows are processed in further
+            rounds, launched ahead and exiting at once when unused.
+        timeout_s: bound of every cross-rank wait (> 0).
+
+    Returns:
+        out_TD: (T, D) in x's dtype, this rank's tokens. Differentiable w.r.t. x, topk_weights, the
+        local experts and the shared expert (per-rank partial gradient for the latter).
+
+    Raises:
+        TypeError / ValueError naming the argument (types, shapes, dtypes, devices, ids on CPU,
+        capacity, timeout, T above the workspace's max_tokens). A wait that expires (dead or
+        diverging peer) or a device-found bad id is reported as megamoe.distributed.EPTimeoutError
+        naming this rank, the stage and the peer: at the next call on this rank (lazy, no sync), or at
+        once through ``megamoe.distributed.get_workspace(...).check()``.
+
+    Determinism: bitwise reproducible; output, input gradient and (one round) routed-expert weight
+        gradients bitwise equal to the single-GPU fused path on the global batch. Sync: none after the
+        first call (which creates the workspace: a collective); CUDA-graph capturable afterwards.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("moe_experts_ep: torch.distributed is not initialised (group)")
+    from .distributed import get_workspace
+
+    W = dist.get_world_size(group)
+    _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS, W)
+    if not x_TD.is_cuda:
+        raise ValueError("moe_experts_ep: the fused EP path needs CUDA tensors (symmetric memory); use "
+                         "megamoe.reference_ep on CPU")
+    ws = get_workspace(group, num_tokens=x_TD.shape[0], hidden=x_TD.shape[1], top_k=topk_ids_TK.shape[1],
+                       num_experts=W * w13_LGD.shape[0], dtype=x_TD.dtype, device=x_TD.device)
+    return moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD,
+                                    shared_w2_DS, workspace=ws, capacity_rows=capacity_rows, timeout_s=timeout_s,
+                                    validated=True)
+
+
+def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD=None,
+                             shared_w2_DS=None, *, workspace, capacity_rows: int | None = None,
+                             timeout_s: float = 10.0, validated: bool = False) -> torch.Tensor:
+    """:func:`moe_experts_ep` on an explicit :class:`megamoe.distributed.EPWorkspace` (also a CPU
+    workspace of shared-memory buffers under TRITON_INTERPRET=1, for tests). Same contract."""
+    from .autograd_ep import MoEExpertsEPFunction
+    from .distributed import default_capacity_rows, max_rounds
+
+    ws = workspace
+    s = ws.spec
+    if not validated:
+        _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS, s.world)
+    T, D = x_TD.shape
+    if (D, topk_ids_TK.shape[1], w13_LGD.shape[0] * s.world, x_TD.dtype) != (s.hidden, s.top_k, s.num_experts, s.dtype):
+        raise ValueError(f"moe_experts_ep: workspace is for D={s.hidden}, K={s.top_k}, E={s.num_experts}, {s.dtype}; "
+                         f"got D={D}, K={topk_ids_TK.shape[1]}, E={w13_LGD.shape[0] * s.world}, {x_TD.dtype}")
+    if T > s.max_tokens:
+        raise ValueError(f"moe_experts_ep: x_TD has T={T} tokens, above the workspace's max_tokens={s.max_tokens} "
+                         "(megamoe.distributed.reserve_workspace before the first call)")
+    if capacity_rows is None:
+        capacity_rows = default_capacity_rows(s)
+    if not isinstance(capacity_rows, int) or isinstance(capacity_rows, bool) or capacity_rows <= 0:
+        raise ValueError(f"moe_experts_ep: capacity_rows must be a positive int, got {capacity_rows!r}")
+    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"moe_experts_ep: timeout_s must be > 0, got {timeout_s!r}")
+    ws.timeout_s = float(timeout_s)
+    ws.check_lazy()
+    rounds = max_rounds(s, capacity_rows)
+    c = torch.Tensor.contiguous
+    shared = (None, None) if shared_w13_HD is None else (c(shared_w13_HD), c(shared_w2_DS))
+    out = MoEExpertsEPFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_LGD), c(w2_LDF), *shared,
+                                     ws, capacity_rows, rounds, float(timeout_s))
+    if not out.is_cuda:
+        ws.check()  # CPU simulation: errors surface at once
+    return out
+
+
+def _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS, W: int) -> None:
+    for name, t in (("x_TD", x_TD), ("w13_LGD", w13_LGD)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"moe_experts_ep: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if w13_LGD.dim() != 3:
+        raise ValueError(f"moe_experts_ep: w13_LGD must be (L, 2F, D), got shape {tuple(w13_LGD.shape)}")
+    check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS,
+                        num_experts=W * w13_LGD.shape[0])
+    if x_TD.dtype not in _DTYPES:
+        raise TypeError(f"moe_experts_ep: x_TD dtype {x_TD.dtype} not supported (bf16, fp16, fp32)")

@@ -1,0 +1,126 @@
+"""Host side of the expert-parallel MoE: one exchange per forward and one per backward.
+
+Legend: W EP world size, T tokens of this rank, K top-k, D hidden, F expert FFN, G = 2F, L local
+experts, C receive capacity (rows per round), P routing-weight partial dots per row, S shared FFN,
+H = 2S.
+
+Forward (every rank is both owner of its tokens and host of its L experts)::
+
+    publish(x, ids)                       stage x, routing plan, epoch += 1, "ready" -> all
+    shared = down(swiglu(x @ sw13))       local, overlaps the peers' pulls
+    build_schedule                        wait "ready" of all, receive order (expert, global token, slot)
+    for round r < rounds:                 rows [r*C, (r+1)*C) of the schedule; unused rounds exit at once
+        xr = pull rows;  h = gate_up_swiglu(xr);  y = down_proj(h);  push y -> owner slot (t, k)
+    signal_done; wait_done                every owner waits for all pushes
+    out = combine_fwd(slots, w, shared)   fp32, slot order, shared last, one cast
+
+Backward: the same exchange with x and the output gradient staged; the destination recomputes gu from
+the pulled x (nothing routed is saved between forward and backward: memory stays bounded by C), runs
+``swiglu_dgrad`` (row scale = w), the weight gradients over its rows and ``dx_rows = dgu @ w13``, and
+pushes dx rows plus the P partial dots of each row; the owner reduces with ``slot_sum_bwd``.
+
+The expert GEMMs are megamoe's batch-invariant kernels (megamoe.ops.grouped_gemm), so with one round
+(always the case for W <= 2 at the default capacity) the output, the input gradient and the expert
+weight gradients are bitwise those of the single-GPU fused path on the global batch. With several rounds
+the weight gradients are sums of per-round fp32 partials (equal up to fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed import EPWorkspace
+from . import ep_comm as X
+from .combine import combine_fwd, slot_sum_bwd
+from .grouped_gemm import down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm, swiglu_dgrad
+from .routing import single_group_offsets
+
+__all__ = ["ep_moe_forward", "ep_moe_backward"]
+
+
+def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS,
+                   *, capacity_rows: int, rounds: int, timeout_s: float) -> torch.Tensor:
+    """Forward exchange; returns out_TD in x's dtype. Inputs contiguous and validated. No host sync."""
+    T, D = x_TD.shape
+    F = w2_LDF.shape[2]
+    dev = x_TD.device
+    X.publish(ws, topk_ids_TK, x_TD)
+    shared_TD = None
+    if shared_w13_HD is not None and T:
+        one_2 = single_group_offsets(T, dev)
+        hs_TS, _ = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=False)
+        shared_TD = down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2)
+    bufs = X.ExchangeBuffers(ws, capacity_rows, backward=False)
+    X.build_schedule(ws, bufs, rounds, timeout_s)
+    h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
+    y_CD = torch.empty(capacity_rows, D, dtype=x_TD.dtype, device=dev)
+    for r in range(rounds):
+        X.dispatch_round(ws, bufs, r, backward=False)
+        gate_up_swiglu(bufs.xr_CD, w13_LGD, bufs.roff_L1, save_preact=False, out=h_CF)
+        down_proj(h_CF, w2_LDF, bufs.roff_L1, out=y_CD)
+        X.push_round(ws, bufs, r, y_CD)
+    X.signal_done(ws)
+    X.wait_done(ws, timeout_s)
+    rows, row_of_TK, _ = X.slot_views(ws, T)
+    return combine_fwd(rows, row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype)
+
+
+def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD,
+                    shared_w2_DS, *, capacity_rows: int, rounds: int, timeout_s: float, need_w: bool = True,
+                    need_w13: bool = True, need_w2: bool = True, need_shared: bool = True):
+    """Backward exchange: (dx_TD, dw_TK, dw13_LGD, dw2_LDF, dshared_w13_HD, dshared_w2_DS); None where
+    not needed. dx is always computed (every rank must take part in the exchange). No host sync."""
+    T, D = x_TD.shape
+    L, G, _ = w13_LGD.shape
+    F = G // 2
+    dev = x_TD.device
+    X.publish(ws, topk_ids_TK, x_TD, dout_TD=dout_TD, topk_weights_TK=topk_weights_TK)
+
+    ds13 = ds2 = dxs_TD = None
+    if shared_w13_HD is not None and T:
+        one_2 = single_group_offsets(T, dev)
+        _, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=True)
+        dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False)
+        if need_shared:
+            ds2 = k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype)[0]
+            ds13 = k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype)[0]
+        dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2)
+        del gus_TH, dgus_TH, hs_TS
+    elif shared_w13_HD is not None and need_shared:
+        ds13, ds2 = torch.zeros_like(shared_w13_HD), torch.zeros_like(shared_w2_DS)
+
+    bufs = X.ExchangeBuffers(ws, capacity_rows, backward=True)
+    X.build_schedule(ws, bufs, rounds, timeout_s)
+    one_round = rounds == 1
+    wdt = None if one_round else torch.float32
+    dw13 = dw2 = None
+    if not one_round:
+        dw13 = torch.zeros(L, G, D, dtype=torch.float32, device=dev) if need_w13 else None
+        dw2 = torch.zeros(L, D, F, dtype=torch.float32, device=dev) if need_w2 else None
+    h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
+    gu_CG = torch.empty(capacity_rows, G, dtype=x_TD.dtype, device=dev)
+    P = 1
+    for r in range(rounds):
+        X.dispatch_round(ws, bufs, r, backward=True)
+        roff = bufs.roff_L1
+        gate_up_swiglu(bufs.xr_CD, w13_LGD, roff, save_preact=True, out=h_CF, preact_out=gu_CG)
+        dgu_CG, hw_CF, part_CP = swiglu_dgrad(bufs.gr_CD, w2_LDF, roff, gu_CG, row_scale_R=bufs.wr_C, row_dot=True)
+        if need_w2:
+            g = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=wdt or w2_LDF.dtype)
+            dw2 = g if one_round else dw2.add_(g)
+        if need_w13:
+            g = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=wdt or w13_LGD.dtype)
+            dw13 = g if one_round else dw13.add_(g)
+        dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff)
+        P = part_CP.shape[1]
+        X.push_round(ws, bufs, r, dx_CD, part_CP)
+        del dgu_CG, hw_CF, part_CP, dx_CD
+    X.signal_done(ws)
+    X.wait_done(ws, timeout_s)
+    if not one_round:
+        dw13 = dw13.to(w13_LGD.dtype) if dw13 is not None else None
+        dw2 = dw2.to(w2_LDF.dtype) if dw2 is not None else None
+    rows, row_of_TK, dots = X.slot_views(ws, T, P)
+    dx_TD, dw_TK = slot_sum_bwd(rows, row_of_TK, dxs_TD, dots if need_w else None, num_cols=D,
+                                dx_dtype=x_TD.dtype, dw_dtype=topk_weights_TK.dtype)
+    return dx_TD, dw_TK, dw13, dw2, ds13, ds2
