@@ -2,7 +2,7 @@
 # Single-GPU fused MoE path on a CUDA machine: the GPU tests, then a quick timing of forward and
 # forward+backward against the eager torch path (sort + torch._grouped_mm, megamoe.bench.providers)
 # for qwen3-30b-a3b T=16384 and deepseek-v3 T=4096, plus a per-GEMM tile-config sweep.
-# Usage: scripts/gpu_fused.sh [all|tests|bench]   Logs go to $OUT (default /tmp/gpu_fused).
+# Usage: [SWEEP=0] scripts/gpu_fused.sh [all|tests|bench]   Logs go to $OUT (default /tmp/gpu_fused).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -18,7 +18,7 @@ if [[ "$MODE" == all || "$MODE" == tests ]]; then
   tail -4 "$OUT/tests.log"
 fi
 if [[ "$MODE" == all || "$MODE" == bench ]]; then
-  timeout "${BENCH_TIMEOUT:-300}" python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/bench.log"
+  timeout "${BENCH_TIMEOUT:-300}" python3 - "$OUT" "${SWEEP:-1}" <<'PY' 2>&1 | tee "$OUT/bench.log"
 import json, statistics, sys, time
 import torch
 from megamoe.config import get_preset
@@ -142,7 +142,7 @@ def sweep(name, T, args):
 for name, T in (("qwen3-30b-a3b", 16384), ("deepseek-v3", 4096)):
     row, args = bench_layer(name, T)
     results[name] = row
-    if "--no-sweep" not in sys.argv:
+    if sys.argv[2] == "1":  # SWEEP=0 skips the per-GEMM config sweep
         results[name]["sweep"] = sweep(name, T, args)
     del args
     torch.cuda.empty_cache()

@@ -53,8 +53,13 @@ _M_GROUPED_BF16 = {
 }
 _K_GROUPED_BF16 = GemmConfig(128, 128, 64, 8, 3)
 
-# (kind, N, K) -> config, measured on H200 (see docs/perf.md). Empty until measured.
-_OVERRIDES: dict[tuple[str, int, int], GemmConfig] = {}
+# (kind, N, K) -> config (for "wgrad": (M, N) of the [E, M, N] output), measured on H200 (docs/perf.md).
+_OVERRIDES: dict[tuple[str, int, int], GemmConfig] = {
+    # deepseek-v3 (D 7168, F 2048): ~128 rows per expert, so a wgrad program runs ~2 K-steps; 2 stages beat 3
+    # (H200 2026-11-30, T=4096: dW13 9.03 vs 10.18 ms, dW2 4.97 vs 5.28 ms).
+    ("wgrad", 4096, 7168): GemmConfig(128, 128, 64, 8, 2),
+    ("wgrad", 7168, 2048): GemmConfig(128, 128, 64, 8, 2),
+}
 
 
 def _is_half(dtype: torch.dtype) -> bool:
