@@ -148,6 +148,7 @@ class EPWorkspace:
         self.slots_TKD = view("slots", spec.dtype, (T, K, D))
         self.dots_NP = view("dots", torch.float32, (T * K * P_MAX,))
         self._pending: list[tuple[torch.Tensor, object]] = []  # (pinned status copy, event)
+        self._pinned, self._slot = None, 0
         self.timeout_s = 10.0
 
     # ----------------------------------------------------------------------------------- builders
@@ -201,6 +202,8 @@ class EPWorkspace:
         queue an asynchronous copy of the current word; on CPU, check now. Raises EPTimeoutError."""
         if not self.flags.is_cuda:
             return self.check()
+        if torch.cuda.is_current_stream_capturing():
+            return None  # no event queries or copies inside graph capture
         keep = []
         for host, ev in self._pending:
             if ev.query():
@@ -210,13 +213,15 @@ class EPWorkspace:
                     raise EPTimeoutError(msg)
             else:
                 keep.append((host, ev))
-        self._pending = keep[-4:]
-        if not torch.cuda.is_current_stream_capturing():
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            host.copy_(self.flags[FLAG_STATUS:FLAG_STATUS + 1], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            self._pending.append((host, ev))
+        self._pending = keep[-3:]
+        if self._pinned is None:
+            self._pinned = torch.zeros(8, dtype=torch.int32, pin_memory=True)
+        host = self._pinned[self._slot % 8:self._slot % 8 + 1]
+        self._slot += 1
+        host.copy_(self.flags[FLAG_STATUS:FLAG_STATUS + 1], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._pending.append((host, ev))
 
 
 def default_capacity_rows(spec: WorkspaceSpec) -> int:
@@ -261,27 +266,29 @@ def reserve_workspace(group, max_tokens: int) -> None:
 
 def get_workspace(group, *, num_tokens: int, hidden: int, top_k: int, num_experts: int, dtype: torch.dtype,
                   device: torch.device) -> EPWorkspace:
-    """The workspace of ``group`` (created on first use: a collective over ``group``; never inside CUDA
-    graph capture). Raises ValueError if ``num_tokens`` exceeds the workspace's ``max_tokens``."""
+    """The workspace of ``group`` for this layer shape, created on first use.
+
+    Creation is a collective over ``group`` (an all-reduce of the largest T, unless
+    :func:`reserve_workspace` fixed it, then symmetric allocation and rendezvous), so it must not happen
+    inside CUDA graph capture. The token capacity is ``max(largest T, 4096)`` rounded up to 256. A call
+    with T above the capacity grows the workspace, again collectively: fine when every rank sees the
+    larger T in the same call (equal T per rank, the usual case); otherwise reserve the capacity up front.
+    """
     import torch.distributed._symmetric_memory as symm_mem
 
     key = _ws_key(group, hidden, top_k, num_experts, dtype)
     W = dist.get_world_size(group)
     ws = _WORKSPACES.get(key)
-    if ws is not None and ws.spec.covers(WorkspaceSpec(W, max(num_tokens, 1), hidden, top_k, num_experts, dtype)):
+    if ws is not None and num_tokens <= ws.spec.max_tokens:
         return ws
-    if ws is not None and ws.spec.world == W and ws.spec.hidden == hidden and ws.spec.top_k == top_k \
-            and ws.spec.num_experts == num_experts and ws.spec.dtype == dtype:
-        raise ValueError(f"megamoe EP: num_tokens={num_tokens} exceeds the workspace's max_tokens="
-                         f"{ws.spec.max_tokens}; call megamoe.distributed.reserve_workspace(group, max_tokens=...) "
-                         "on every rank before the first call")
     if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("megamoe EP: the workspace must be created before CUDA graph capture (run one eager step)")
+        raise RuntimeError("megamoe EP: the workspace must be created (or grown) before CUDA graph capture; run one "
+                           "eager step with the largest token count first")
     t_cap = _RESERVED.get(_group_key(group))
-    if t_cap is None:
+    if t_cap is None or num_tokens > t_cap:
         t = torch.tensor([max(num_tokens, 1)], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        t_cap = (int(t.item()) + 255) // 256 * 256
+        t_cap = (max(int(t.item()), 4096 if t_cap is None else t_cap) + 255) // 256 * 256
     spec = WorkspaceSpec(W, t_cap, hidden, top_k, num_experts, dtype)
     buf = symm_mem.empty(spec.nbytes, dtype=torch.uint8, device=device)
     buf.zero_()

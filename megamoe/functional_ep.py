@@ -55,7 +55,9 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
 
     Determinism: bitwise reproducible; output, input gradient and (one round) routed-expert weight
         gradients bitwise equal to the single-GPU fused path on the global batch. Sync: none after the
-        first call (which creates the workspace: a collective); CUDA-graph capturable afterwards.
+        first call (which creates the workspace: a collective, token capacity max(largest T, 4096); a
+        larger T later grows it collectively, see megamoe.distributed.get_workspace); CUDA-graph
+        capturable afterwards.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("moe_experts_ep: torch.distributed is not initialised (group)")
