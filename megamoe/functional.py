@@ -14,66 +14,11 @@ from __future__ import annotations
 import torch
 
 from . import reference
+from .validation import check_expert_inputs
 
 __all__ = ["moe_experts", "router_logits"]
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _tensor(name: str, t, dims: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"moe_experts: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"moe_experts: {name} must be {dims}-D, got shape {tuple(t.shape)}")
-
-
-def _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS) -> None:
-    _tensor("x_TD", x_TD, 2)
-    _tensor("topk_ids_TK", topk_ids_TK, 2)
-    _tensor("topk_weights_TK", topk_weights_TK, 2)
-    _tensor("w13_EGD", w13_EGD, 3)
-    _tensor("w2_EDF", w2_EDF, 3)
-    T, D = x_TD.shape
-    E, G, D13 = w13_EGD.shape
-    if not x_TD.is_floating_point():
-        raise TypeError(f"moe_experts: x_TD must be floating point, got {x_TD.dtype}")
-    if topk_ids_TK.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"moe_experts: topk_ids_TK must be int32 or int64, got {topk_ids_TK.dtype}")
-    if not topk_weights_TK.is_floating_point():
-        raise TypeError(f"moe_experts: topk_weights_TK must be floating point, got {topk_weights_TK.dtype}")
-    if topk_ids_TK.shape[0] != T or topk_weights_TK.shape != topk_ids_TK.shape:
-        raise ValueError(f"moe_experts: topk_ids_TK {tuple(topk_ids_TK.shape)} and topk_weights_TK "
-                         f"{tuple(topk_weights_TK.shape)} must both be (T={T}, K)")
-    if topk_ids_TK.shape[1] < 1:
-        raise ValueError("moe_experts: K (topk_ids_TK.shape[1]) must be >= 1")
-    if D13 != D or G % 2 or G == 0:
-        raise ValueError(f"moe_experts: w13_EGD must be (E, 2F, D={D}), got {tuple(w13_EGD.shape)}")
-    if tuple(w2_EDF.shape) != (E, D, G // 2):
-        raise ValueError(f"moe_experts: w2_EDF must be (E={E}, D={D}, F={G // 2}), got {tuple(w2_EDF.shape)}")
-    if (shared_w13_HD is None) != (shared_w2_DS is None):
-        raise ValueError("moe_experts: shared_w13_HD and shared_w2_DS must both be given or both be None")
-    tensors = {"x_TD": x_TD, "topk_ids_TK": topk_ids_TK, "topk_weights_TK": topk_weights_TK,
-               "w13_EGD": w13_EGD, "w2_EDF": w2_EDF}
-    if shared_w13_HD is not None:
-        _tensor("shared_w13_HD", shared_w13_HD, 2)
-        _tensor("shared_w2_DS", shared_w2_DS, 2)
-        H = shared_w13_HD.shape[0]
-        if H % 2 or H == 0 or shared_w13_HD.shape[1] != D or tuple(shared_w2_DS.shape) != (D, H // 2):
-            raise ValueError(f"moe_experts: shared_w13_HD must be (2S, D={D}) and shared_w2_DS (D, S), got "
-                             f"{tuple(shared_w13_HD.shape)} and {tuple(shared_w2_DS.shape)}")
-        tensors.update(shared_w13_HD=shared_w13_HD, shared_w2_DS=shared_w2_DS)
-    for name in ("w13_EGD", "w2_EDF", "shared_w13_HD", "shared_w2_DS"):
-        if name in tensors and tensors[name].dtype != x_TD.dtype:
-            raise TypeError(f"moe_experts: {name} dtype {tensors[name].dtype} differs from x_TD dtype {x_TD.dtype}")
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) != 1:
-        raise ValueError(f"moe_experts: all tensors must be on one device, got {devices}")
-    if topk_ids_TK.numel():
-        in_range = ((topk_ids_TK >= 0) & (topk_ids_TK < E)).all()
-        if topk_ids_TK.is_cuda:
-            torch._assert_async(in_range, f"moe_experts: topk_ids_TK has ids outside [0, {E})")  # no host sync
-        elif not bool(in_range):
-            raise ValueError(f"moe_experts: topk_ids_TK has ids outside [0, E={E})")
 
 
 def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
@@ -107,7 +52,7 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
     """
     if backend not in ("fused", "reference"):
         raise ValueError(f"moe_experts: backend must be 'fused' or 'reference', got {backend!r}")
-    _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
+    check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
     if backend == "reference":
         return reference.moe_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
     if x_TD.dtype not in _FUSED_DTYPES:

@@ -27,7 +27,7 @@ def check_expert_ids(topk_ids_TK: torch.Tensor, num_experts: int) -> None:
     if topk_ids_TK.numel() == 0:
         return
     ok = ((topk_ids_TK >= 0) & (topk_ids_TK < num_experts)).all()
-    msg = f"megamoe: expert ids out of range [0, {num_experts})"
+    msg = f"megamoe: topk_ids_TK has expert ids out of range [0, {num_experts})"
     if topk_ids_TK.is_cuda:
         torch._assert_async(ok, msg)
     elif not bool(ok):
@@ -56,7 +56,7 @@ def check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, sha
           f"weight shapes disagree: x_TD {tuple(x_TD.shape)}, w13_EGD {tuple(w13_EGD.shape)} (want [E, 2F, D]), "
           f"w2_EDF {tuple(w2_EDF.shape)} (want [E, D, F])")
     _need(w13_EGD.dtype == x_TD.dtype and w2_EDF.dtype == x_TD.dtype,
-          f"dtype mismatch: x {x_TD.dtype}, w13 {w13_EGD.dtype}, w2 {w2_EDF.dtype}", TypeError)
+          f"dtype mismatch: x_TD {x_TD.dtype}, w13_EGD {w13_EGD.dtype}, w2_EDF {w2_EDF.dtype}", TypeError)
     _need(topk_ids_TK.dim() == 2 and topk_ids_TK.shape[0] == T,
           f"topk_ids_TK must be [T={T}, K], got {tuple(topk_ids_TK.shape)}")
     _need(topk_ids_TK.dtype in (torch.int32, torch.int64), f"topk_ids_TK must be int32/int64, got {topk_ids_TK.dtype}",
@@ -69,8 +69,12 @@ def check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, sha
     K = topk_ids_TK.shape[1]
     _need(1 <= K <= min(16, E_glob), f"top-k K={K} must be in [1, min(16, E={E_glob})]")
     tensors = [x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF]
+    if shared_w13_HD is not None or shared_w2_DS is not None:
+        for name, t in (("shared_w13_HD", shared_w13_HD), ("shared_w2_DS", shared_w2_DS)):
+            _need(t is None or (isinstance(t, torch.Tensor) and t.dim() == 2),
+                  f"{name} must be a 2-D torch.Tensor or None", TypeError)
     if (shared_w13_HD is None) != (shared_w2_DS is None):
-        raise ValueError("megamoe: pass both shared_w13_HD and shared_w2_DS, or neither")
+        raise ValueError("megamoe: pass both shared_w13_HD and shared_w2_DS (the shared expert), or neither")
     if shared_w13_HD is not None:
         H, Ds = shared_w13_HD.shape
         Ds2, S = shared_w2_DS.shape
