@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 MODE="${1:-all}"
 rc=0
 if [[ "$MODE" == all || "$MODE" == tests ]]; then
-  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_ep_gpu.py -q -ra -x --durations=5 2>&1 | tee "$OUT/tests.log"
+  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_ep_gpu.py -q -ra --durations=5 2>&1 | tee "$OUT/tests.log"
   rc=${PIPESTATUS[0]}
 fi
 if [[ "$MODE" == all || "$MODE" == comm ]]; then
