@@ -60,6 +60,8 @@ for name in ("deepseek-v3", "mok-bench"):
     out = exchange(); torch.cuda.synchronize()
     ok = torch.allclose(out.float(), (w.sum(1, keepdim=True) * x.float()), rtol=2e-2, atol=2e-2)
     R = int(bufs.sched[0].item()); nbytes = R * D * 2
+    L = E // W; cnt = bufs.sched[80:80 + E].view(L, W).sum(0).tolist()
+    remote = (R - cnt[rank]) * D * 2  # rows that crossed NVLink (the rest come from this rank's own memory)
     tx = t_ms(exchange)
     tdo = []
     for _ in range(10):
@@ -72,8 +74,10 @@ for name in ("deepseek-v3", "mok-bench"):
     tp = t_ms(lambda: loc.copy_(peer))
     peer_gbs = peer.numel() / tp / 1e6
     if rank == 0:
-        print(f"{name}: T={T}/rank R={R} rows  dispatch {t_disp:.3f} ms {nbytes / t_disp / 1e6:.0f} GB/s  "
-              f"combine(+reduce) {t_comb:.3f} ms {nbytes / t_comb / 1e6:.0f} GB/s  peer copy {peer_gbs:.0f} GB/s  "
+        print(f"{name}: T={T}/rank R={R} rows ({remote / nbytes:.0%} remote)  dispatch {t_disp:.3f} ms "
+              f"{nbytes / t_disp / 1e6:.0f} GB/s all rows, {remote / t_disp / 1e6:.0f} GB/s NVLink  "
+              f"combine(+reduce) {t_comb:.3f} ms {nbytes / t_comb / 1e6:.0f} GB/s all rows, "
+              f"{remote / t_comb / 1e6:.0f} GB/s NVLink  peer copy {peer_gbs:.0f} GB/s  "
               f"exchange {tx:.3f} ms  correct={ok}", flush=True)
 dist.barrier(); dist.destroy_process_group()
 PY
