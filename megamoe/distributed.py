@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["WorkspaceSpec", "EPWorkspace", "EPTimeoutError", "get_workspace", "reserve_workspace",
-           "STAGE_NAMES", "P_MAX", "FLAG_READY", "FLAG_DONE", "FLAG_EPOCH", "FLAG_STATUS"]
+           "STAGE_NAMES", "P_MAX", "FLAG_READY", "FLAG_EPOCH", "FLAG_STATUS",
+           "default_capacity_rows", "max_rounds"]
 
 FLAG_EPOCH, FLAG_STATUS, FLAG_READY = 0, 1, 16
-FLAG_DONE = None  # 16 + W, see EPWorkspace.done_word
 _ALIGN = 256
 P_MAX = 64  # routing-weight partial dots per row that the backward can carry
 

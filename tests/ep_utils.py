@@ -107,9 +107,9 @@ def model_schedule(ids_per_rank: list[torch.Tensor], rank: int, L: int) -> list[
 
 
 def routing(kind: str, T: int, K: int, E: int, seed: int, rank: int = 0) -> torch.Tensor:
-    """int64 [T, K] distinct expert ids per token: 'uniform', 'zipf', 'hot' (expert 0 in every token),
-    'one_rank' (only experts of rank 0's range... the first max(K, E // W) experts: pass E = that range),
-    'ties' (all tokens pick experts 0..K-1)."""
+    """int64 [T, K] distinct expert ids per token: 'uniform', 'zipf' (exponent 1.2), 'hot' (expert 0 in
+    every token), 'ties' (all tokens pick experts 0..K-1). For "all tokens on rank 0's experts", call
+    'uniform' with E = L (rank 0's range)."""
     g = torch.Generator().manual_seed(seed * 7919 + rank)
     if T == 0:
         return torch.zeros(0, K, dtype=torch.int64)
