@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The one GPU script: installs nothing; runs the GPU tests, the benchmarks and the training demo on a
+# 1- or 2-GPU H200 machine and writes logs under $OUT (bundled into $OUT/logs.tar.gz at the end).
+# Usage: scripts/gpu_all.sh [STAGE ...]   stages: tests bench1 bench2 train trainck (default: all)
+# Each stage has its own time limit (seconds, env LIMIT_<STAGE>); a stage that fails does not stop the rest.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/megamoe_gpu}"
+mkdir -p "$OUT/logs"
+STAGES=("$@")
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(tests bench1 bench2 train trainck)
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+ITERS="${ITERS:-10}"
+summary="$OUT/summary.txt"
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git rev-parse --short HEAD 2>/dev/null;
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } > "$summary" 2>&1
+
+stage() {  # stage NAME LIMIT CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$summary"
+  timeout "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$summary"
+  tail -n "${TAIL:-25}" "$OUT/logs/$name.log" | tee -a "$summary"
+}
+
+for s in "${STAGES[@]}"; do
+  case $s in
+    tests) stage tests "${LIMIT_TESTS:-300}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=10 \
+              tests/test_fused_gpu.py tests/test_ep_gpu.py ;;
+    bench1) stage bench1 "${LIMIT_BENCH1:-200}" python3 -m megamoe.bench --quiet --iters "$ITERS" \
+              --cases qwen3-30b-a3b:16384 deepseek-v3:4096 mok-bench:2048 --out "$OUT/logs/bench1" ;;
+    bench2) [[ $NGPU -ge 2 ]] && stage bench2 "${LIMIT_BENCH2:-240}" python3 -m torch.distributed.run --standalone \
+              --nproc-per-node 2 -m megamoe.bench --quiet --iters "$ITERS" --providers megamoe nccl \
+              --cases deepseek-v3:4096 deepseek-v3:2048 mok-bench:4096 mok-bench:2048 --out "$OUT/logs/bench2" ;;
+    train) stage train "${LIMIT_TRAIN:-150}" python3 -m megamoe.train --no-progress --steps "${TRAIN_STEPS:-200}" \
+              --out "$OUT/logs/train" ;;
+    trainck) stage trainck1 "${LIMIT_TRAINCK:-120}" python3 -m megamoe.train --check --no-progress \
+               --steps "${CHECK_STEPS:-30}" --out ""
+             [[ $NGPU -ge 2 ]] && stage trainck2 "${LIMIT_TRAINCK:-120}" python3 -m torch.distributed.run --standalone \
+              --nproc-per-node 2 -m megamoe.train --check --no-progress --steps "${CHECK_STEPS:-30}" --out "" ;;
+    *) echo "unknown stage $s" | tee -a "$summary" ;;
+  esac
+done
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+cat "$summary"
