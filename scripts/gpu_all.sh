@@ -45,5 +45,5 @@ for s in "${STAGES[@]}"; do
     *) echo "unknown stage $s" | tee -a "$summary" ;;
   esac
 done
-tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+find "$OUT/logs" -name "*.pt" -delete; tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
 cat "$summary"
