@@ -7,6 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export MEGAMOE_COMMIT="${MEGAMOE_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null)}"
 OUT="${OUT:-/tmp/megamoe_gpu}"
 mkdir -p "$OUT/logs"
 STAGES=("$@")

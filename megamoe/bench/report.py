@@ -102,7 +102,8 @@ def run_metadata(device: torch.device, world_size: int, args: dict) -> dict:
         triton_v = triton.__version__
     except Exception:  # noqa: BLE001
         triton_v = "n/a"
-    commit = _sh(["git", "rev-parse", "--short=12", "HEAD"]) or "unknown"
+    # MEGAMOE_COMMIT names the commit where the tree has no .git (e.g. a copied working tree on a GPU host)
+    commit = os.environ.get("MEGAMOE_COMMIT") or _sh(["git", "rev-parse", "--short=12", "HEAD"]) or "unknown"
     if commit != "unknown" and _sh(["git", "status", "--porcelain", "--untracked-files=no"]):
         commit += "-dirty"
     cuda = device.type == "cuda"
