@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one GPU script: installs nothing; runs the GPU tests, the benchmarks and the training demo on a
 # 1- or 2-GPU H200 machine and writes logs under $OUT (bundled into $OUT/logs.tar.gz at the end).
-# Usage: scripts/gpu_all.sh [STAGE ...]   stages: tests bench1 bench2 train trainck (default: all)
+# Usage: scripts/gpu_all.sh [STAGE ...]
+#   stages: tests bench1 bench2 train trainck (the default set), and trainref (reference-backend tokens/s),
+#   benchroute (zipf + the routing trace written by the train stage), snippet (README snippet verbatim)
 # Each stage has its own time limit (seconds, env LIMIT_<STAGE>); a stage that fails does not stop the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +45,12 @@ for s in "${STAGES[@]}"; do
                --steps "${CHECK_STEPS:-30}" --out ""
              [[ $NGPU -ge 2 ]] && stage trainck2 "${LIMIT_TRAINCK:-120}" python3 -m torch.distributed.run --standalone \
               --nproc-per-node 2 -m megamoe.train --check --no-progress --steps "${CHECK_STEPS:-30}" --out "" ;;
+    trainref) stage trainref "${LIMIT_TRAINREF:-120}" python3 -m megamoe.train --no-progress --backend reference \
+               --steps "${TRAINREF_STEPS:-40}" --out "" ;;
+    benchroute) stage benchroute "${LIMIT_BENCHROUTE:-150}" python3 -m megamoe.bench --quiet --iters "$ITERS" \
+               --cases qwen3-30b-a3b:16384 --routing zipf:1.2 "trace:$OUT/logs/train/routing_trace.pt" \
+               --out "$OUT/logs/benchroute" ;;
+    snippet) stage snippet "${LIMIT_SNIPPET:-90}" python3 -m pytest -q -ra -m gpu tests/test_readme.py ;;
     *) echo "unknown stage $s" | tee -a "$summary" ;;
   esac
 done
