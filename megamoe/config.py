@@ -29,8 +29,8 @@ class MoEConfig:
     """Frozen, validated description of one DeepSeek-V3-style MoE layer.
 
     Attributes:
-        hidden_size: D, the model width. Must be a positive multiple of 64 for the fused backend
-            (the reference accepts any positive D).
+        hidden_size: D, the model width (any positive int; the fused backend is tested on GPUs with
+            multiples of 64: 64, 256, 2048, 7168).
         moe_intermediate_size: F, the FFN width of one routed SwiGLU expert.
         num_experts: E, routed experts (1..512).
         top_k: K, experts selected per token (1..min(16, E)).
@@ -46,8 +46,9 @@ class MoEConfig:
         bias_update_rate: gamma of the aux-loss-free bias update (DeepSeek-V3 §2.1.2).
         seq_aux_loss_coef: alpha of the sequence-wise balance loss (0 disables it).
         nan_policy: ``"raise"``: non-finite router logits are an error (host check on CPU, a
-            sync-free device assert on CUDA). ``"propagate"``: a non-finite score never selects an
-            out-of-range expert (it ranks last, ties to the lower index) and its token's output is NaN.
+            sync-free device assert on CUDA). ``"propagate"``: ids stay in range (a NaN score ranks
+            last, ties to the lower index) and a token with any non-finite logit gets NaN combine
+            weights, so its output is NaN: visible, never a silent reroute.
         dtype: parameter / activation dtype of the experts (router math is always fp32).
     """
 
@@ -99,10 +100,15 @@ class MoEConfig:
             object.__setattr__(self, "shared_intermediate_size", self.n_shared_experts * self.moe_intermediate_size)
         if self.shared_intermediate_size < 0 or (self.n_shared_experts == 0) != (self.shared_intermediate_size == 0):
             bad("shared_intermediate_size must be > 0 exactly when n_shared_experts > 0")
-        if not self.routed_scaling_factor > 0:
+        if not (isinstance(self.routed_scaling_factor, (int, float)) and 0 < self.routed_scaling_factor < float("inf")):
             bad(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
-        if self.bias_update_rate < 0 or self.seq_aux_loss_coef < 0:
-            bad("bias_update_rate and seq_aux_loss_coef must be >= 0")
+        for name in ("bias_update_rate", "seq_aux_loss_coef"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):  # rejects NaN too
+                bad(f"{name} must be a finite number >= 0, got {v!r}")
+        for name in ("norm_topk_prob", "use_expert_bias"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.nan_policy not in ("raise", "propagate"):
             bad(f"nan_policy must be 'raise' or 'propagate', got {self.nan_policy!r}")
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):

@@ -9,6 +9,7 @@ The module only owns parameters and chooses a backend; the math lives in ``refer
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from .config import MoEConfig
 __all__ = ["MoE", "RouterStats"]
 
 BACKENDS = ("reference", "fused")
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass
@@ -66,6 +68,12 @@ class MoE(nn.Module):
             raise TypeError(f"megamoe.MoE: config must be a MoEConfig, got {type(config).__name__}")
         if backend not in BACKENDS:
             raise ValueError(f"megamoe.MoE: backend must be one of {BACKENDS}, got {backend!r}")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"megamoe.MoE: group must be a torch.distributed.ProcessGroup or None, got "
+                            f"{type(group).__name__}")
+        if backend == "fused" and config.dtype not in FUSED_DTYPES:
+            raise ValueError(f"megamoe.MoE: backend='fused' supports dtypes {FUSED_DTYPES}, config has {config.dtype}; "
+                             "use backend='reference' for float64")
         self.config = config
         self.backend = backend
         self.group = group
@@ -140,6 +148,9 @@ class MoE(nn.Module):
             raise ValueError(f"megamoe.MoE: input last dim must be D={c.hidden_size}, got shape {tuple(x.shape)}")
         if x.device != self.w13_LGD.device:
             raise ValueError(f"megamoe.MoE: input on {x.device}, parameters on {self.w13_LGD.device}")
+        if self.backend == "fused" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"megamoe.MoE: backend='fused' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), "
+                             f"got an input on {x.device}; use backend='reference' on CPU")
         in_dtype = x.dtype
         x_TD = x.reshape(-1, c.hidden_size).to(c.dtype)
         seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]

@@ -107,6 +107,8 @@ def route(x_TD: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Te
     elif cfg.norm_topk_prob:
         w_TK = w_TK / (w_TK + 1e-20)
     w_TK = w_TK * cfg.routed_scaling_factor
+    if cfg.nan_policy == "propagate":  # a token with any non-finite logit must not look healthy
+        w_TK = torch.where(torch.isfinite(logits_TE).all(-1, keepdim=True), w_TK, float("nan"))
     return RouterOutput(topk_ids_TK, w_TK, scores_TE)
 
 

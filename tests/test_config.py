@@ -62,3 +62,15 @@ def test_local_experts():
     assert c.local_experts(8) == 32
     with pytest.raises(ValueError, match="not divisible by the EP size 3"):
         c.local_experts(3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(bias_update_rate=float("nan")), "bias_update_rate"),
+    (dict(seq_aux_loss_coef=float("nan")), "seq_aux_loss_coef"),
+    (dict(seq_aux_loss_coef=-1.0), "seq_aux_loss_coef"),
+    (dict(norm_topk_prob="no"), "norm_topk_prob must be a bool"),
+    (dict(routed_scaling_factor=float("inf")), "routed_scaling_factor"),
+])
+def test_config_rejects_nan_and_non_bool(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(64, 32, 8, 2, **kwargs)

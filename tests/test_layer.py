@@ -100,3 +100,14 @@ def test_eval_forward_does_not_count(cfg):
     m = MoE(cfg, seed=0).eval()
     m(torch.randn(8, cfg.hidden_size))
     assert int(m.counts_since_update_E.sum()) == 0 and int(m.last_stats.tokens_per_expert_E.sum()) == 8 * cfg.top_k
+
+
+def test_bad_setups_fail_early_and_clearly(cfg, monkeypatch):
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        MoE(cfg, group=1)
+    with pytest.raises(ValueError, match="float64"):
+        MoE(cfg.replace(dtype=torch.float64), backend="fused")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    m = MoE(cfg, backend="fused", seed=0)
+    with pytest.raises(ValueError, match="use backend='reference' on CPU"):
+        m(torch.randn(4, cfg.hidden_size))

@@ -125,3 +125,13 @@ def test_nan_logits_propagate_policy_keeps_ids_in_range():
     assert ((r.topk_ids_TK >= 0) & (r.topk_ids_TK < cfg.num_experts)).all()
     assert torch.isnan(r.topk_weights_TK[2]).all()
     assert torch.isfinite(r.topk_weights_TK[[0, 1, 3]]).all()
+
+
+def test_nan_in_one_router_row_propagates_to_every_token():
+    """A NaN router weight row: the expert is never selected, but no token may silently look healthy."""
+    cfg = get_preset("tiny").replace(nan_policy="propagate", n_group=1, topk_group=1)
+    w = torch.randn(cfg.num_experts, cfg.hidden_size)
+    w[5] = float("nan")
+    r = route(torch.randn(6, cfg.hidden_size), w, torch.zeros(cfg.num_experts), cfg)
+    assert (r.topk_ids_TK != 5).all() and ((r.topk_ids_TK >= 0) & (r.topk_ids_TK < cfg.num_experts)).all()
+    assert torch.isnan(r.topk_weights_TK).all()

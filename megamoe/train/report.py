@@ -30,13 +30,13 @@ class ProgressBar:
         if self.done == 0 and result.first_step:  # resumed run: start the bar at the checkpoint
             self.done = result.first_step
             self.bar.update(self.done)
-        self.bar.update(step + 1 - self.done)
-        self.done = step + 1
         post = {"loss": f"{result.losses[-1]:.3f}", "tok/s": f"{result.tokens_per_s[-1]:,.0f}",
                 "moe": f"{100 * result.moe_share[-1]:.0f}%"}
         if result.val:
             post["val"] = f"{result.val[-1][1]:.3f}"
-        self.bar.set_postfix(post, refresh=False)
+        self.bar.set_postfix(post, refresh=False)  # before update(), which redraws: no one-interval lag
+        self.bar.update(step + 1 - self.done)
+        self.done = step + 1
 
     def close(self) -> None:
         if self.bar is not None:
