@@ -16,6 +16,10 @@ STAGES=("$@")
 [[ ${#STAGES[@]} -eq 0 ]] && STAGES=(tests bench1 bench2 train trainck)
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 ITERS="${ITERS:-10}"
+EP="${EP:-2}"   # EP size of the bench2 stage; the tests stage takes MEGAMOE_TEST_EP_SIZES (default "2")
+# 8-GPU run (issue 7): EP=8 MEGAMOE_TEST_EP_SIZES=2,4,8 \
+#   BENCH2_CASES="deepseek-v3:4096 deepseek-v3:2048 kimi-k2:4096 kimi-k2:2048 mok-bench:4096 mok-bench:2048" \
+#   scripts/gpu_all.sh tests bench2
 summary="$OUT/summary.txt"
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git rev-parse --short HEAD 2>/dev/null;
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } > "$summary" 2>&1
@@ -36,9 +40,10 @@ for s in "${STAGES[@]}"; do
               tests/test_fused_gpu.py tests/test_ep_gpu.py ;;
     bench1) stage bench1 "${LIMIT_BENCH1:-200}" python3 -m megamoe.bench --quiet --iters "$ITERS" \
               --cases qwen3-30b-a3b:16384 deepseek-v3:4096 mok-bench:2048 --out "$OUT/logs/bench1" ;;
-    bench2) [[ $NGPU -ge 2 ]] && stage bench2 "${LIMIT_BENCH2:-240}" python3 -m torch.distributed.run --standalone \
-              --nproc-per-node 2 -m megamoe.bench --quiet --iters "$ITERS" --providers megamoe nccl \
-              --cases deepseek-v3:4096 deepseek-v3:2048 mok-bench:4096 mok-bench:2048 --out "$OUT/logs/bench2" ;;
+    bench2) [[ $NGPU -ge $EP ]] && stage bench2 "${LIMIT_BENCH2:-240}" python3 -m torch.distributed.run --standalone \
+              --nproc-per-node "$EP" -m megamoe.bench --quiet --iters "$ITERS" --providers ${BENCH2_PROVIDERS:-megamoe nccl} \
+              --cases ${BENCH2_CASES:-deepseek-v3:4096 deepseek-v3:2048 mok-bench:4096 mok-bench:2048} \
+              --out "$OUT/logs/bench2" ;;
     train) stage train "${LIMIT_TRAIN:-150}" python3 -m megamoe.train --no-progress --steps "${TRAIN_STEPS:-200}" \
               --out "$OUT/logs/train" ;;
     trainck) stage trainck1 "${LIMIT_TRAINCK:-120}" python3 -m megamoe.train --check --no-progress \

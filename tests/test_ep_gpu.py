@@ -1,7 +1,9 @@
-"""Expert parallelism on 2 GPUs (one spawned process per GPU, NCCL + symmetric memory).
+"""Expert parallelism on W GPUs (one spawned process per GPU, NCCL + symmetric memory).
 
-One spawned pair runs every case (process start and NCCL init cost more than the cases) and returns a
-report; the tests below assert on it. Proves, for W = 2, bf16:
+The EP sizes come from the launch: ``MEGAMOE_TEST_EP_SIZES`` (comma-separated, default "2"; e.g. "2,4,8"
+on an 8-GPU machine); sizes larger than the visible GPU count are skipped. For each W one spawned group
+runs every case (process start and NCCL init cost more than the cases) and returns a report; the tests
+below assert on it. Proves, for each W, bf16:
   * output, input gradient, routing-weight gradient and the local experts' weight gradients are bitwise
     equal to the single-GPU fused path on the global batch (every rank recomputes it from the seed);
     the shared expert's per-rank gradients sum to the EP=1 gradient within fp32 rounding;
@@ -14,6 +16,7 @@ report; the tests below assert on it. Proves, for W = 2, bf16:
 Legend: W ranks, T tokens of a rank, K top-k, D hidden, F FFN, E experts, L = E / W, S shared FFN.
 """
 
+import os
 import time
 
 import pytest
@@ -23,10 +26,18 @@ from ep_utils import routing, spawn_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
-D, F, E, K, S = 256, 128, 16, 4, 128
+D, F, K, S = 256, 128, 4, 128
+EP_SIZES = [int(w) for w in os.environ.get("MEGAMOE_TEST_EP_SIZES", "2").split(",") if w.strip()]
+
+
+def _num_experts(W: int) -> int:
+    """16, or 4 per rank when W > 4 (the one-rank case needs L >= K distinct experts on rank 0)."""
+    return max(16, K * W)
 
 
 def _inputs(Ts, kind, seed, dev, dtype=torch.bfloat16):
+    W = len(Ts)
+    E = _num_experts(W)
     g = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(E, 2 * F, D, generator=g) * D ** -0.5).to(dev, dtype)
     w2 = (torch.randn(E, D, F, generator=g) * F ** -0.5).to(dev, dtype)
@@ -34,7 +45,7 @@ def _inputs(Ts, kind, seed, dev, dtype=torch.bfloat16):
     s2 = (torch.randn(D, S, generator=g) * S ** -0.5).to(dev, dtype)
     xs = [torch.randn(T, D, generator=g).to(dev, dtype) for T in Ts]
     if kind == "one_rank":
-        ids = [routing("uniform", T, K, E // 2, seed, r).to(dev) for r, T in enumerate(Ts)]
+        ids = [routing("uniform", T, K, E // W, seed, r).to(dev) for r, T in enumerate(Ts)]
     else:
         ids = [routing(kind, T, K, E, seed, r).to(dev) for r, T in enumerate(Ts)]
     ws = [(torch.rand(T, K, generator=g) + 0.1).to(dev) for T in Ts]
@@ -52,7 +63,7 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1):
     from megamoe.functional_ep import moe_experts_ep
 
     dev = torch.device("cuda", rank)
-    L = E // W
+    L = _num_experts(W) // W
     w13, w2, s13, s2, xs, ids, ws, gos = _inputs(Ts, kind, seed, dev)
     x, w = _leaf(xs[rank]), _leaf(ws[rank])
     l13, l2, p13, p2 = _leaf(w13[rank * L:(rank + 1) * L]), _leaf(w2[rank * L:(rank + 1) * L]), _leaf(s13), _leaf(s2)
@@ -95,14 +106,18 @@ def _suite(rank, W):
 
     group = dist.group.WORLD
     rep = {}
-    cases = {"uniform": ([64, 48], "uniform", None, 1), "zipf": ([80, 80], "zipf", None, 1),
-             "hot": ([64, 64], "hot", None, 1), "one_rank": ([64, 64], "one_rank", None, 1),
-             "zero_tokens": ([96, 0], "uniform", None, 1), "ties": ([40, 56], "ties", None, 1),
-             "rounds": ([64, 64], "one_rank", 128, 1), "repeat50": ([64, 48], "uniform", None, 50)}
+    def per_rank(*pattern):  # token counts of the W ranks, cycling through the pattern
+        return [pattern[r % len(pattern)] for r in range(W)]
+
+    E = _num_experts(W)
+    cases = {"uniform": (per_rank(64, 48), "uniform", None, 1), "zipf": (per_rank(80), "zipf", None, 1),
+             "hot": (per_rank(64), "hot", None, 1), "one_rank": (per_rank(64), "one_rank", None, 1),
+             "zero_tokens": (per_rank(96, 0), "uniform", None, 1), "ties": (per_rank(40, 56), "ties", None, 1),
+             "rounds": (per_rank(64), "one_rank", 128, 1), "repeat50": (per_rank(64, 48), "uniform", None, 50)}
     for name, (Ts, kind, cap, reps) in cases.items():
         rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps)
     dev = torch.device("cuda", rank)
-    w13, w2, s13, s2, xs, ids, ws, gos = _inputs([64, 64], "uniform", 7, dev)
+    w13, w2, s13, s2, xs, ids, ws, gos = _inputs([64] * W, "uniform", 7, dev)
     L = E // W
     l13, l2 = w13[rank * L:(rank + 1) * L].contiguous(), w2[rank * L:(rank + 1) * L].contiguous()
     args = lambda x: (x, ids[rank], ws[rank], l13, l2, s13, s2)  # noqa: E731
@@ -156,11 +171,12 @@ def _suite(rank, W):
     return rep
 
 
-@pytest.fixture(scope="module")
-def report():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    return spawn_ranks(_suite, 2, cuda=True, timeout=400)
+@pytest.fixture(scope="module", params=EP_SIZES, ids=[f"W{w}" for w in EP_SIZES])
+def report(request):
+    W = request.param
+    if torch.cuda.device_count() < W:
+        pytest.skip(f"EP size {W} needs {W} GPUs, {torch.cuda.device_count()} visible")
+    return spawn_ranks(_suite, W, cuda=True, timeout=400)
 
 
 CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50"]
@@ -178,7 +194,7 @@ def test_bitwise_equal_to_single_gpu_fused(report, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_shared_expert_partial_gradients_sum(report, case):
-    got = [a + b for a, b in zip(report[0][case]["shared"], report[1][case]["shared"])]
+    got = [sum(parts) for parts in zip(*(rep[case]["shared"] for rep in report))]
     for a, b in zip(got, report[0][case]["shared_ref"]):
         # two bf16-rounded partials summed vs one bf16 rounding of the whole sum: a few bf16 ulps of the
         # gradient's scale (bf16 has 8 significant bits)
@@ -199,5 +215,5 @@ def test_sync_free_and_cuda_graph(report):
 
 def test_silent_peer_times_out(report):
     msg, secs = report[0]["timeout"]
-    assert "rank 0 of 2" in msg and "from rank 1" in msg and "dispatch" in msg, msg
+    assert f"rank 0 of {len(report)}" in msg and "from rank" in msg and "dispatch" in msg, msg
     assert secs < 10, secs
