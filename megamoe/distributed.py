@@ -46,6 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .validation import check_same_across_ranks
+
 __all__ = ["WorkspaceSpec", "EPWorkspace", "EPTimeoutError", "get_workspace", "reserve_workspace",
            "STAGE_NAMES", "P_MAX", "FLAG_READY", "FLAG_EPOCH", "FLAG_STATUS",
            "default_capacity_rows", "max_rounds"]
@@ -284,6 +286,8 @@ def get_workspace(group, *, num_tokens: int, hidden: int, top_k: int, num_expert
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("megamoe EP: the workspace must be created (or grown) before CUDA graph capture; run one "
                            "eager step with the largest token count first")
+    check_same_across_ranks(group, "EP workspace", {"hidden": hidden, "top_k": top_k, "num_experts": num_experts,
+                                                    "dtype": dtype}, device)
     t_cap = _RESERVED.get(_group_key(group))
     if t_cap is None or num_tokens > t_cap:
         t = torch.tensor([max(num_tokens, 1)], dtype=torch.int64, device=device)

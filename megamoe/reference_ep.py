@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .reference import combine, expert_ffn, shared_expert
+from .validation import check_same_across_ranks
 
 __all__ = ["moe_experts_ep", "global_token_offset", "all_to_all_rows"]
 
@@ -77,6 +78,10 @@ def moe_experts_ep(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w
     T, K = topk_ids_TK.shape
     D = x_TD.shape[1]
     L = w13_LGD.shape[0]
+    check_same_across_ranks(group, "reference EP", {"hidden": D, "top_k": K, "local_experts": L,
+                                                    "ffn": w2_LDF.shape[2], "dtype": x_TD.dtype,
+                                                    "shared": 0 if shared_w2_DS is None else shared_w2_DS.shape[1]},
+                            x_TD.device)
     N = T * K
     dev = x_TD.device
     flat_ids_N = topk_ids_TK.reshape(-1).long()

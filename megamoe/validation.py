@@ -87,3 +87,32 @@ def check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, sha
     devs = {t.device for t in tensors}
     _need(len(devs) == 1, f"all tensors must be on one device, got {sorted(map(str, devs))}")
     check_expert_ids(topk_ids_TK, E_glob)
+
+
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def check_same_across_ranks(group, what: str, values: dict, device=None) -> None:
+    """Raise ValueError on every rank when the ranks of ``group`` passed different ``values``.
+
+    ``values`` maps names to ints or torch dtypes (e.g. hidden size, top-k, experts, dtype). One
+    all-gather and one device-to-host copy: call it where a collective already happens (workspace
+    creation, the host-synchronous reference), not in a hot path. The error names every disagreeing
+    field with each rank's value, so a mismatched config never turns into a hang or corrupt memory.
+    """
+    import torch.distributed as dist
+
+    names = list(values)
+    enc = [_DTYPE_CODES.get(values[n], -1) if isinstance(values[n], torch.dtype) else int(values[n]) for n in names]
+    mine = torch.tensor(enc, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).cpu()
+    diff = [i for i in range(len(names)) if bool((table[:, i] != table[0, i]).any())]
+    if diff:
+        decode = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
+        parts = []
+        for i in diff:
+            show = (lambda v: decode.get(v, v)) if isinstance(values[names[i]], torch.dtype) else (lambda v: v)
+            parts.append(f"{names[i]}: " + ", ".join(f"rank {r}={show(int(table[r, i]))}" for r in range(len(table))))
+        raise ValueError(f"megamoe ({what}): ranks of the EP group disagree on " + "; ".join(parts))

@@ -100,3 +100,24 @@ def _worker(rank, world, port, tokens_per_rank, routing):
 ])
 def test_ep_reference_matches_single_process(world, tokens, routing):
     mp.spawn(_worker, args=(world, _free_port(), tokens, routing), nprocs=world, join=True)
+
+
+def _mismatch_worker(rank, world, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        D = 16 if rank == 0 else 32  # rank 1 was built with another hidden size
+        x = torch.randn(3, D)
+        ids = torch.zeros(3, 2, dtype=torch.long)
+        w = torch.ones(3, 2)
+        with pytest.raises(ValueError, match="disagree on hidden: rank 0=16, rank 1=32"):
+            moe_experts_ep(x, ids, w, torch.randn(2, 16, D), torch.randn(2, D, 8), group=None)
+        from megamoe.validation import check_same_across_ranks
+        check_same_across_ranks(None, "same", {"hidden": 16, "dtype": torch.bfloat16})  # agreeing ranks pass
+        with pytest.raises(ValueError, match=r"dtype: rank 0=bfloat16, rank 1=float32"):
+            check_same_across_ranks(None, "dtypes", {"dtype": torch.bfloat16 if rank == 0 else torch.float32})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mismatched_configs_across_ranks_raise_clear_errors():
+    mp.spawn(_mismatch_worker, args=(2, _free_port()), nprocs=2, join=True)
