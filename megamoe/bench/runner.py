@@ -126,8 +126,9 @@ def run(args) -> list[Row]:
               f"CUDA {meta['cuda']}, driver {meta['driver']}, commit {meta['commit']}")
     ceilings = measure_ceilings(timer, _DTYPES.get(args.dtype, torch.bfloat16), ctx.rank) if not args.no_ceilings \
         else {"matmul_tflops": math.nan, "copy_gbs": math.nan, "peer_copy_gbs": math.nan}
-    _log(ctx, "ceilings: dense matmul {matmul_tflops:.4g} TFLOP/s, device copy {copy_gbs:.4g} GB/s, "
-              "peer copy {peer_copy_gbs:.4g} GB/s".format(**ceilings))
+    shown = {k: "n/a" if math.isnan(v) else f"{v:.4g}" for k, v in ceilings.items()}  # nan: not measurable here
+    _log(ctx, "ceilings: dense matmul {matmul_tflops} TFLOP/s, device copy {copy_gbs} GB/s, "
+              "peer copy {peer_copy_gbs} GB/s".format(**shown))
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
@@ -166,6 +167,8 @@ def run(args) -> list[Row]:
                 reason = p.unavailable(ctx, prob)
                 if reason:
                     row.status, row.note = "skip", reason
+                    if bar:
+                        bar.update(rounds + 1)  # its check and timing rounds will not happen
                     continue
                 fn, err = None, None
                 try:
@@ -183,6 +186,8 @@ def run(args) -> list[Row]:
                     row.status = "fail" if err and err.startswith("check") else "error"
                     row.note = err or "failed on another rank"
                     if not (args.time_failed and row.status == "fail"):
+                        if bar:
+                            bar.update(rounds + 1)
                         continue
                 live[n] = _modes(fn, prob)
                 if bar:
