@@ -152,7 +152,7 @@ class MoE(nn.Module):
             raise ValueError(f"megamoe.MoE: backend='fused' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), "
                              f"got an input on {x.device}; use backend='reference' on CPU")
         in_dtype = x.dtype
-        x_TD = x.reshape(-1, c.hidden_size).to(c.dtype)
+        x_TD = x.reshape(-1, c.hidden_size).to(c.dtype).contiguous()  # strided input: one copy, same math
         seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
 
         if self.backend == "fused":
