@@ -18,7 +18,7 @@ from .validation import check_expert_inputs
 
 __all__ = ["moe_experts", "router_logits"]
 
-_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
@@ -55,7 +55,7 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
     check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
     if backend == "reference":
         return reference.moe_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
-    if x_TD.dtype not in _FUSED_DTYPES:
+    if x_TD.dtype not in FUSED_DTYPES:
         raise TypeError(f"moe_experts: the fused backend supports bf16, fp16 and fp32, got x_TD dtype {x_TD.dtype}")
     from .autograd import MoEExpertsFunction  # lazy: importing megamoe.functional does not import triton
 
@@ -81,7 +81,7 @@ def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor
         raise ValueError(f"router_logits: x_TD has D={x_TD.shape[1]} but router_w_ED is {tuple(router_w_ED.shape)}")
     if x_TD.device != router_w_ED.device:
         raise ValueError(f"router_logits: x_TD on {x_TD.device} but router_w_ED on {router_w_ED.device}")
-    if x_TD.dtype not in _FUSED_DTYPES:
+    if x_TD.dtype not in FUSED_DTYPES:
         raise TypeError(f"router_logits: x_TD dtype {x_TD.dtype} not supported (bf16, fp16, fp32)")
     from .autograd import RouterLogitsFunction
 

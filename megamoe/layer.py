@@ -18,11 +18,11 @@ from torch import nn
 
 from . import reference as ref
 from .config import MoEConfig
+from .functional import FUSED_DTYPES
 
 __all__ = ["MoE", "RouterStats"]
 
 BACKENDS = ("reference", "fused")
-FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass
@@ -198,10 +198,3 @@ class MoE(nn.Module):
                 dist.all_reduce(counts_E, group=self.group)
             ref.update_expert_bias_(self.expert_bias_E, counts_E, self.config.bias_update_rate)
         self.counts_since_update_E.zero_()
-
-
-def num_parameters(module: nn.Module) -> int:
-    """Parameter count of a module (helper for summaries)."""
-    return sum(p.numel() for p in module.parameters())
-
-

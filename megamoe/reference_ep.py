@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .reference import combine, expert_ffn, shared_expert
 from .validation import check_same_across_ranks
 
-__all__ = ["moe_experts_ep", "global_token_offset", "all_to_all_rows"]
+__all__ = ["moe_experts_ep", "all_to_all_rows"]
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -52,16 +52,6 @@ class _AllToAllRows(torch.autograd.Function):
 def all_to_all_rows(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None) -> torch.Tensor:
     """Differentiable ``all_to_all_single`` over rows: sends ``in_splits[r]`` rows to rank r."""
     return _AllToAllRows.apply(x_ND, list(out_splits), list(in_splits), group)
-
-
-def global_token_offset(num_tokens: int, group=None, device=None) -> tuple[int, list[int]]:
-    """(offset of this rank's first token in the global batch, token counts of all ranks). Host sync."""
-    W = dist.get_world_size(group)
-    t = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-    all_t = [torch.zeros_like(t) for _ in range(W)]
-    dist.all_gather(all_t, t, group=group)
-    counts = [int(c.item()) for c in all_t]
-    return sum(counts[: dist.get_rank(group)]), counts
 
 
 def moe_experts_ep(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD=None, shared_w2_DS=None,

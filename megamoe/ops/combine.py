@@ -7,16 +7,13 @@ Determinism: fp32 sums in slot order 0..K-1, shared expert last, one cast; no at
 from __future__ import annotations
 
 import torch
+import triton
 
 from ..kernels.combine import _combine_fwd_kernel, _slot_sum_bwd_kernel
 from ._common import check_device, is_interpreted, pow2
 from .tile_config import combine_block
 
 __all__ = ["combine_fwd", "slot_sum_bwd"]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def combine_fwd(y_RD: torch.Tensor, row_of_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
@@ -48,7 +45,7 @@ def combine_fwd(y_RD: torch.Tensor, row_of_TK: torch.Tensor, topk_weights_TK: to
         return out
     w = topk_weights_TK.contiguous()
     bt, bd = combine_block(D, interpret=is_interpreted(_combine_fwd_kernel))
-    grid = (_cdiv(T, bt), _cdiv(D, bd))
+    grid = (triton.cdiv(T, bt), triton.cdiv(D, bd))
     _combine_fwd_kernel[grid](
         y_RD, row_of_TK, w, shared_TD if shared_TD is not None else y_RD, out,
         T, D, y_RD.stride(0), shared_TD.stride(0) if shared_TD is not None else 0, out.stride(0),
@@ -78,7 +75,7 @@ def slot_sum_bwd(dx_rows_RD: torch.Tensor | None, row_of_TK: torch.Tensor, dx_sh
         return dx, dw
     bt, bd = combine_block(D, interpret=is_interpreted(_slot_sum_bwd_kernel))
     num_p = row_dot_RP.shape[1] if has_dw else 1
-    grid = (_cdiv(T, bt), _cdiv(D, bd) if has_dx else 1)
+    grid = (triton.cdiv(T, bt), triton.cdiv(D, bd) if has_dx else 1)
     anyt = dx_rows_RD if has_dx else row_dot_RP
     _slot_sum_bwd_kernel[grid](
         dx_rows_RD if has_dx else anyt, row_of_TK, dx_shared_TD if dx_shared_TD is not None else anyt,

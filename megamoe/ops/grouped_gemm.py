@@ -21,6 +21,7 @@ result is independent of the other rows (batch invariance).
 from __future__ import annotations
 
 import torch
+import triton
 
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _m_grouped_gemm_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
@@ -87,7 +88,7 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         return cfg
     if tile_offsets_E1 is None:
         tile_offsets_E1 = tile_offsets_for(offsets_E1, cfg.block_m)
-    bound = (triton_cdiv(num_rows, cfg.block_m) + E) * triton_cdiv(N, cfg.block_n)
+    bound = (triton.cdiv(num_rows, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
     grid = (persistent_programs(c.device, kernel, bound),)
     fp32_dot = interpret or a.dtype == torch.float32 or b.dtype == torch.float32
     dummy = c
@@ -104,10 +105,6 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return cfg
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _rows_of(a: torch.Tensor, gather_idx_R: torch.Tensor | None) -> int:
@@ -259,7 +256,7 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
     dev = check_device(_m_grouped_gemm_kernel, where, dy=dy, w2_EDF=w2_EDF, offsets_E1=offsets_E1, gu_RG=gu_RG,
                        gather_idx_R=gather_idx_R, row_scale_R=row_scale_R)
     cfg = m_grouped_config("dgrad_swiglu", F, D, w2_EDF.dtype, interpret=is_interpreted(_m_grouped_gemm_kernel))
-    num_p = triton_cdiv(F, cfg.block_n)
+    num_p = triton.cdiv(F, cfg.block_n)
     dgu = torch.empty((R, 2 * F), dtype=dy.dtype, device=dev)
     hs = torch.empty((R, F), dtype=dy.dtype, device=dev)
     part = torch.empty((R, num_p), dtype=torch.float32, device=dev) if row_dot else None
@@ -306,7 +303,7 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     interpret = is_interpreted(kernel)
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
     cfg = k_grouped_config(M, N, dtype, interpret=interpret)
-    grid = (E * triton_cdiv(M, cfg.block_m) * triton_cdiv(N, cfg.block_n),)
+    grid = (E * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     kernel[grid](
         p, p_idx_R if p_idx_R is not None else offsets_E1, q, q_idx_R if q_idx_R is not None else offsets_E1,
         offsets_E1, c, M, N, p.stride(0), p.stride(1), q.stride(0), q.stride(1), c.stride(0), c.stride(1),
