@@ -13,7 +13,11 @@ Two kernel families (GEMM naming after DeepGEMM: which dimension is grouped):
   Persistent grid: program p walks the tiles p, p + num_programs, ...; a tile is (m-tile, n-tile)
   with the n-tile fastest. M-tiles never straddle two experts: expert e owns ``ceil(count_e / BLOCK_M)``
   m-tiles starting at ``tile_offsets[e]`` (exclusive prefix sum on the device), so the grid is sized
-  from a static bound on rows and programs past the real work exit. Epilogues:
+  from a static bound on rows and programs past the real work exit. Operand loads: pointer loads, or
+  (TMA_B) the weight tile through a TMA tensor descriptor over the 2-D view of B, (TMA_A) also the A tile
+  when A's rows are not gathered; the hardware zero-fills past the view's edges, and rows of a
+  neighbouring expert or token only ever reach output rows / columns that are masked at the store.
+  Epilogues:
     0 PLAIN:      C = cast(acc [* scale[r]])
     1 SWIGLU:     two accumulators (gate columns n, up columns N + n of B[e]); g, u rounded to the output
                   dtype, ``h = cast(silu(g) * u)``; optionally stores [g | u] (the pre-activations) in AUX.
@@ -105,7 +109,7 @@ def _swiglu_bwd_half(acc, offs_n, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, 
 @triton.jit
 def _m_grouped_gemm_kernel(
     # inputs
-    a_ptr, a_idx_ptr, b_ptr, row_offsets_ptr, tile_offsets_ptr, scale_ptr, gu_ptr,
+    a_ptr, a_desc, a_idx_ptr, b_ptr, b_desc, row_offsets_ptr, tile_offsets_ptr, scale_ptr, gu_ptr,
     # outputs
     c_ptr, aux_ptr, dot_ptr,
     # shapes (K is a compile-time constant: a weight dimension, D or F)
@@ -115,7 +119,7 @@ def _m_grouped_gemm_kernel(
     # variant
     EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr,
     HAS_DOT: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    E_POW2: tl.constexpr,
+    E_POW2: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, B_ROWS: tl.constexpr,
     # tile config
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -140,16 +144,28 @@ def _m_grouped_gemm_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        b_row = expert * B_ROWS + n_tile * BLOCK_N  # TMA_B == 1: row of B viewed as (E * B_ROWS, K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if EPILOGUE == SWIGLU:
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             mask_k = offs_k < K - k0
-            a = _load_2d(a_ptrs, mask_m, mask_k, True, EVEN_K)  # clamped rows are in bounds
-            b = _load_2d(b_ptrs, mask_k, mask_n, EVEN_K, EVEN_N)
+            if TMA_A:  # rows [row_start, row_start + BLOCK_M) of A (R, K); rows past R zero-filled
+                a = a_desc.load([row_start, k0])
+            else:
+                a = _load_2d(a_ptrs, mask_m, mask_k, True, EVEN_K)  # clamped rows are in bounds
+            if TMA_B == 1:  # B[e] stored (N, K): tile (BLOCK_N, BLOCK_K) of the (E * B_ROWS, K) view
+                b = tl.trans(b_desc.load([b_row, k0]))
+            elif TMA_B == 2:  # B[e] stored (K, N): tile (BLOCK_K, BLOCK_N) of the (E * K, N) view (EVEN_K)
+                b = b_desc.load([expert * K + k0, n_tile * BLOCK_N])
+            else:
+                b = _load_2d(b_ptrs, mask_k, mask_n, EVEN_K, EVEN_N)
             acc = _mma(a, b, acc, FP32_DOT)
             if EPILOGUE == SWIGLU:
-                b_up = _load_2d(b_ptrs + N * stride_bn, mask_k, mask_n, EVEN_K, EVEN_N)
+                if TMA_B == 1:
+                    b_up = tl.trans(b_desc.load([b_row + N, k0]))
+                else:
+                    b_up = _load_2d(b_ptrs + N * stride_bn, mask_k, mask_n, EVEN_K, EVEN_N)
                 acc_up = _mma(a, b_up, acc_up, FP32_DOT)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
@@ -252,3 +268,4 @@ def _k_grouped_gemm_kernel(
     mask = mask_m[:, None] & mask_n[None, :]
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+

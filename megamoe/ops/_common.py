@@ -38,9 +38,9 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def persistent_programs(device: torch.device, kernel, bound: int) -> int:
-    """Grid of a persistent kernel: one program per SM (interpreter: INTERPRET_PROGRAMS), at most ``bound``."""
-    cap = INTERPRET_PROGRAMS if is_interpreted(kernel) else _sm_count(device.index or 0)
+def persistent_programs(device: torch.device, kernel, bound: int, per_sm: int = 1) -> int:
+    """Grid of a persistent kernel: per_sm programs per SM (interpreter: INTERPRET_PROGRAMS), at most ``bound``."""
+    cap = INTERPRET_PROGRAMS if is_interpreted(kernel) else per_sm * _sm_count(device.index or 0)
     return max(1, min(cap, bound))
 
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _m_grouped_gemm_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .routing import tile_offsets_for
@@ -89,11 +91,15 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
     if tile_offsets_E1 is None:
         tile_offsets_E1 = tile_offsets_for(offsets_E1, cfg.block_m)
     bound = (triton.cdiv(num_rows, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
-    grid = (persistent_programs(c.device, kernel, bound),)
+    grid = (persistent_programs(c.device, kernel, bound, cfg.programs_per_sm),)
     fp32_dot = interpret or a.dtype == torch.float32 or b.dtype == torch.float32
+    tma_b, b_desc, b_rows = _weight_descriptor(cfg, b, stride_b, K, fp32_dot)
+    tma_a = (cfg.tma_a and tma_b != 0 and a_idx is None and a.stride(1) == 1 and a.data_ptr() % 16 == 0
+             and (a.stride(0) * a.element_size()) % 16 == 0)
+    a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [cfg.block_m, cfg.block_k]) if tma_a else a
     dummy = c
     kernel[grid](
-        a, a_idx if a_idx is not None else offsets_E1, b, offsets_E1, tile_offsets_E1,
+        a, a_desc, a_idx if a_idx is not None else offsets_E1, b, b_desc, offsets_E1, tile_offsets_E1,
         scale if scale is not None else dummy, gu if gu is not None else dummy,
         c, aux if aux is not None else dummy, dot if dot is not None else dummy,
         num_rows, N, E, K,
@@ -101,10 +107,31 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         gu.stride(0) if gu is not None else 0, aux.stride(0) if aux is not None else 0,
         EPILOGUE=epilogue, HAS_GATHER=a_idx is not None, HAS_SCALE=scale is not None,
         SAVE_AUX=aux is not None, HAS_DOT=dot is not None, FP32_DOT=fp32_dot, EVEN_K=K % cfg.block_k == 0,
-        EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return cfg
+
+
+def _weight_descriptor(cfg, b: torch.Tensor, stride_b, K: int, fp32_dot: bool):
+    """(TMA_B, B argument, rows per expert of the 2-D view) for the m-grouped kernel.
+
+    TMA_B 1: B[e] stored (N, K) ("nt"), descriptor over the (E * b.shape[1], K) view, tiles (BLOCK_N, BLOCK_K);
+    TMA_B 2: B[e] stored (K, N) ("nn"), descriptor over (E * K, N), tiles (BLOCK_K, BLOCK_N), only when
+    BLOCK_K divides K (a tile must not reach into the next expert's rows). Otherwise 0: pointer loads.
+    Out-of-range tiles are zero-filled by the hardware at the view's edges; rows of a neighbouring
+    expert read by an N-tail tile only reach output columns that are masked at the store.
+    """
+    if not cfg.tma_b or fp32_dot or b.dtype not in (torch.bfloat16, torch.float16) or b.data_ptr() % 16:
+        return 0, b, 1
+    E, r, c = b.shape
+    if (c * b.element_size()) % 16:
+        return 0, b, 1
+    if stride_b[2] == 1:  # nt
+        return 1, TensorDescriptor(b, [E * r, c], [c, 1], [cfg.block_n, cfg.block_k]), r
+    if stride_b[1] == 1 and K % cfg.block_k == 0:  # nn
+        return 2, TensorDescriptor(b, [E * r, c], [c, 1], [cfg.block_k, cfg.block_n]), r
+    return 0, b, 1
 
 
 def _rows_of(a: torch.Tensor, gather_idx_R: torch.Tensor | None) -> int:

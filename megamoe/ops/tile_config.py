@@ -23,13 +23,26 @@ __all__ = ["GemmConfig", "m_grouped_config", "k_grouped_config", "combine_block"
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One Triton GEMM launch config. block_k is the reduction chunk (rows of an expert for k-grouped)."""
+    """One Triton GEMM launch config. block_k is the reduction chunk (rows of an expert for k-grouped).
+
+    m-grouped only (bf16/fp16 on CUDA): ``tma_b`` loads the weight operand B through a TMA tensor
+    descriptor instead of pointer loads; ``tma_a`` (with tma_b) also A, when A's rows are not gathered
+    (gathered rows always use pointer loads); ``programs_per_sm`` sizes the persistent grid.
+
+    Bits: only block_k (the K order) can change results. block_m, block_n, the stage count, the load path
+    and the grid were verified to give bitwise the same outputs and gradients on H200
+    (tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape), as expected from wgmma: every
+    64-row x N slab accumulates the same K sequence whatever the tile around it.
+    """
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    tma_b: bool = False
+    tma_a: bool = False
+    programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
         for v in (self.block_m, self.block_n, self.block_k):
@@ -44,12 +57,18 @@ _FP32 = GemmConfig(64, 64, 32, 4, 3)
 
 # m-grouped kinds: "gate_up" (SwiGLU fwd, two accumulators, N = F, K = D), "down" (N = D, K = F),
 # "dgrad_swiglu" (dY @ W2, N = F, K = D, SwiGLU backward epilogue), "dgrad" (dGU @ W13, N = D, K = 2F).
+# TMA for the weights (and for A where rows are not gathered): scripts/gemm_sweep.py, three H200 runs of
+# 2026-11-30 (session 2), deepseek-v3 T=4096 / qwen3 T=16384, ms (docs/perf.md "TMA and tile shapes"):
+#   gate_up  tma_b        5.55-5.73 vs 5.78-6.01        | 1.67-1.90 vs 1.75-1.93
+#   down     tma_a+tma_b  3.03 vs 3.17 (3.02 vs 2.95 b) | 0.97 vs 0.91 (within run-to-run spread)
+#   dgrad    128x256 tma  5.70 vs 6.18                  | 1.55 vs 1.73
+#   dgrad_swiglu with tma_b: 1-4% slower (its epilogue, not the loads, limits it): pointer loads kept.
 _M_GROUPED_BF16 = {
-    "gate_up": GemmConfig(128, 128, 64, 8, 3),       # 2 x (128x128) accumulators, 48 KiB smem / stage
+    "gate_up": GemmConfig(128, 128, 64, 8, 3, tma_b=True),  # 2 x (128x128) accumulators, 48 KiB smem / stage
     # 128x256x64/3 stages beat 128x128x64/4 on H200 (2026-11-30): qwen3 1.00 vs 1.04 ms, deepseek-v3 2.88 vs 3.25 ms
-    "down": GemmConfig(128, 256, 64, 8, 3),
+    "down": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
     "dgrad_swiglu": GemmConfig(128, 128, 64, 8, 4),
-    "dgrad": GemmConfig(128, 128, 64, 8, 4),
+    "dgrad": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
 }
 _K_GROUPED_BF16 = GemmConfig(128, 128, 64, 8, 3)
 
