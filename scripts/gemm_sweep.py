@@ -7,7 +7,8 @@ never bits: batch invariance and EP=1 == EP=W rely on it). Uniform random top-k 
 deepseek-v3 also "balanced" routing (every expert exactly T*K/E rows) to separate the cost of partial
 m-tiles from the rest. Writes a JSON next to the log.
 
-Usage: python scripts/gemm_sweep.py OUT_DIR [preset:T ...]   (needs a CUDA GPU; installs nothing)
+Usage: python scripts/gemm_sweep.py OUT_DIR [preset[+balanced][+nolayer]:T ...] [--only=GEMM ...]
+(needs a CUDA GPU; installs nothing; GEMM names: gate_up down dgrad_swiglu dgrad wgrad13 wgrad2)
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ def candidates(kind):
         "down": [G(128, 256, 64, 8, 3), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True)],
         "dgrad_swiglu": [G(128, 128, 64, 8, 4, tma_b=True)],
         "dgrad": [G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True)],
-        "wgrad": [G(128, 128, 64, 8, 3), G(128, 256, 64, 8, 2)],
+        "wgrad": [G(128, 128, 128, 8, 1), G(128, 128, 128, 8, 2), G(64, 128, 64, 4, 2), G(64, 256, 64, 8, 2),
+                  G(128, 128, 64, 8, 3)],
     }
     return c[kind]
 
 
-def sweep(name, T, balanced, log):
+def sweep(name, T, balanced, log, only=None):
     cfg = get_preset(name)
     D, F, E, K = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
     g = torch.Generator(device=dev).manual_seed(0)
@@ -90,6 +92,8 @@ def sweep(name, T, balanced, log):
     rows = []
     tag = f"{name} T={T}{' balanced' if balanced else ''}"
     for label, (fn, key, flop, wbytes) in gemms.items():
+        if only and not any(label.startswith(o) for o in only):
+            continue
         base_cfg = tile_config._OVERRIDES.pop(key, None)
         ref = None
         for cand in [base_cfg] + candidates(key[0]):
@@ -159,7 +163,8 @@ def layer(name, T, rows, log):
 
 def main():
     out_dir = sys.argv[1]
-    cases = sys.argv[2:] or ["deepseek-v3:4096", "qwen3-30b-a3b:16384"]
+    only = [a[len("--only="):] for a in sys.argv[2:] if a.startswith("--only=")]
+    cases = [a for a in sys.argv[2:] if not a.startswith("--only=")] or ["deepseek-v3:4096", "qwen3-30b-a3b:16384"]
     lines = []
 
     def log(s):
@@ -172,7 +177,7 @@ def main():
         name, T = case.split(":")
         balanced, nolayer = "+balanced" in name, "+nolayer" in name
         name = name.replace("+balanced", "").replace("+nolayer", "")
-        rows += sweep(name, int(T), balanced, log)
+        rows += sweep(name, int(T), balanced, log, only)
         torch.cuda.empty_cache()
         if not (balanced or nolayer):
             rows.append(layer(name, int(T), rows, log))
