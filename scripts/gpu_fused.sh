@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Single-GPU fused MoE path on a CUDA machine: the GPU tests, then a quick timing of forward and
 # forward+backward against the eager torch path (sort + torch._grouped_mm, megamoe.bench.providers)
-# for qwen3-30b-a3b T=16384 and deepseek-v3 T=4096, plus a per-GEMM tile-config sweep.
+# for qwen3-30b-a3b T=16384 and deepseek-v3 T=4096, plus the per-GEMM tile-config sweep (scripts/gemm_sweep.py).
 # Usage: [SWEEP=0] scripts/gpu_fused.sh [all|tests|bench]   Logs go to $OUT (default /tmp/gpu_fused).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,8 +24,6 @@ import torch
 from megamoe.config import get_preset
 from megamoe.functional import moe_experts
 from megamoe.bench.providers import torch_moe_experts
-from megamoe.ops import (build_routing_plan, down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm, swiglu_dgrad,
-                         GemmConfig, tile_config)
 
 out_dir = sys.argv[1]
 dev = torch.device("cuda")
@@ -90,60 +88,9 @@ def bench_layer(name, T):
     return row, args
 
 
-def sweep(name, T, args):
-    """Per-GEMM times for the default config and alternatives (chooses the checked-in table)."""
-    x, ids, w, w13, w2, s13, s2 = args
-    x, w13, w2 = x.detach(), w13.detach(), w2.detach()
-    _, D, F = w2.shape
-    N = ids.numel()
-    plan = build_routing_plan(ids, w13.shape[0])
-    off, tok = plan.offsets_E1, plan.row_token_N
-    h, gu = gate_up_swiglu(x, w13, off, gather_idx_R=tok)
-    dy = torch.randn_like(x)
-    scale = w.detach().reshape(-1).index_select(0, plan.row_src_N).float()
-    dgu, hw, _ = swiglu_dgrad(dy, w2, off, gu, gather_idx_R=tok, row_scale_R=scale)
-    gemm = {
-        "gate_up(gather)": (lambda: gate_up_swiglu(x, w13, off, gather_idx_R=tok), "gate_up", F, D, 4 * N * D * F),
-        "gate_up(copy+gemm)": (lambda: gate_up_swiglu(x.index_select(0, tok), w13, off), "gate_up", F, D, 4 * N * D * F),
-        "down": (lambda: down_proj(h, w2, off), "down", D, F, 2 * N * D * F),
-        "dgrad_swiglu": (lambda: swiglu_dgrad(dy, w2, off, gu, gather_idx_R=tok, row_scale_R=scale), "dgrad_swiglu", F, D, 2 * N * D * F),
-        "dgrad(dx)": (lambda: grouped_mm_nn(dgu, w13, off), "dgrad", D, 2 * F, 4 * N * D * F),
-        "wgrad(w13)": (lambda: k_grouped_mm(dgu, x, off, q_idx_R=tok), "wgrad", 2 * F, D, 4 * N * D * F),
-        "wgrad(w2)": (lambda: k_grouped_mm(dy, hw, off, p_idx_R=tok), "wgrad", D, F, 2 * N * D * F),
-    }
-    alts = {"gate_up": [GemmConfig(128, 128, 64, 8, 4)],
-            "down": [GemmConfig(128, 128, 64, 8, 4)],
-            "dgrad_swiglu": [GemmConfig(64, 128, 64, 4, 4), GemmConfig(64, 128, 64, 4, 3)],
-            "dgrad": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 128, 64, 8, 3)],
-            "wgrad": [GemmConfig(128, 128, 64, 4, 3), GemmConfig(128, 128, 64, 4, 2), GemmConfig(128, 128, 64, 8, 2),
-                      GemmConfig(128, 64, 64, 4, 2)]}
-    rows = []
-    for label, (fn, kind, n, k, fl) in gemm.items():
-        key = (kind, n, k)
-        base = tile_config._OVERRIDES.pop(key, None)
-        cands = [None] + (alts[kind] if "copy" not in label else [])
-        for cfg in cands:
-            if cfg is not None:
-                tile_config._OVERRIDES[key] = cfg
-            try:
-                t = timeit(fn, iters=5, warm=2)[0]
-                rows.append((label, str(cfg) if cfg else "default", t, fl / t / 1e9))
-                print(f"  {name:14s} {label:18s} {str(cfg) if cfg else 'default':60s} {t:8.3f} ms {fl / t / 1e9:6.0f} TF/s", flush=True)
-            except Exception as exc:  # noqa: BLE001 - record and go on
-                print(f"  {name:14s} {label:18s} {cfg} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            tile_config._OVERRIDES.pop(key, None)
-        if base is not None:
-            tile_config._OVERRIDES[key] = base
-    t = timeit(lambda: build_routing_plan(ids, w13.shape[0]), iters=5)[0]
-    print(f"  {name:14s} routing plan {t:.3f} ms", flush=True)
-    return rows
-
-
 for name, T in (("qwen3-30b-a3b", 16384), ("deepseek-v3", 4096)):
     row, args = bench_layer(name, T)
     results[name] = row
-    if sys.argv[2] == "1":  # SWEEP=0 skips the per-GEMM config sweep
-        results[name]["sweep"] = sweep(name, T, args)
     del args
     torch.cuda.empty_cache()
     json.dump(results, open(f"{out_dir}/bench.json", "w"), indent=1, default=str)
@@ -151,5 +98,8 @@ print("done")
 PY
   brc=${PIPESTATUS[0]}
   [[ $rc -eq 0 ]] && rc=$brc
+  if [[ "${SWEEP:-1}" == 1 ]]; then  # per-GEMM tile-config sweep with bitwise checks (SWEEP=0 skips it)
+    timeout "${SWEEP_TIMEOUT:-400}" python3 scripts/gemm_sweep.py "$OUT" 2>&1 | tee "$OUT/sweep.log"
+  fi
 fi
 exit $rc
