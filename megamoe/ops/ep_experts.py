@@ -14,10 +14,11 @@ Forward (every rank is both owner of its tokens and host of its L experts)::
     signal_done; wait_done                every owner waits for all pushes
     out = combine_fwd(slots, w, shared)   fp32, slot order, shared last, one cast
 
-Backward: the same exchange with x and the output gradient staged; the destination recomputes gu from
-the pulled x (nothing routed is saved between forward and backward: memory stays bounded by C), runs
-``swiglu_dgrad`` (row scale = w), the weight gradients over its rows and ``dx_rows = dgu @ w13``, and
-pushes dx rows plus the P partial dots of each row; the owner reduces with ``slot_sum_bwd``.
+Backward: the same exchange with x and the output gradient staged; the destination uses the forward's
+gu of round 0 (kept when ``save_preact``: C x 2F elements between the passes) or recomputes it from the
+pulled x, runs ``swiglu_dgrad`` (row scale = w), the weight gradients over its rows
+(on a side stream, megamoe.ops.streams) and ``dx_rows = dgu @ w13``, and pushes dx rows plus the P
+partial dots of each row; the owner reduces with ``slot_sum_bwd``.
 
 The expert GEMMs are megamoe's batch-invariant kernels (megamoe.ops.grouped_gemm), so with one round
 (always the case for W <= 2 at the default capacity) the output, the input gradient and the expert
@@ -31,6 +32,7 @@ import torch
 
 from ..distributed import EPWorkspace
 from . import ep_comm as X
+from . import streams
 from .combine import combine_fwd, slot_sum_bwd
 from .grouped_gemm import down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm, swiglu_dgrad
 from .routing import single_group_offsets
@@ -39,8 +41,13 @@ __all__ = ["ep_moe_forward", "ep_moe_backward"]
 
 
 def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS,
-                   *, capacity_rows: int, rounds: int, timeout_s: float) -> torch.Tensor:
-    """Forward exchange; returns out_TD in x's dtype. Inputs contiguous and validated. No host sync."""
+                   *, capacity_rows: int, rounds: int, timeout_s: float, save_preact: bool = False):
+    """Forward exchange; returns (out_TD in x's dtype, gu_CG or None). Inputs contiguous and validated.
+
+    save_preact: also return the gate/up pre-activations gu_CG (C, 2F) of round 0's received rows (all
+    of them unless the routing overflowed the capacity), which :func:`ep_moe_backward` then uses instead
+    of recomputing them (C * 2F elements of x's dtype held from forward to backward, whatever W and
+    the number of rounds). No host sync."""
     T, D = x_TD.shape
     F = w2_LDF.shape[2]
     dev = x_TD.device
@@ -54,22 +61,28 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     X.build_schedule(ws, bufs, rounds, timeout_s)
     h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
     y_CD = torch.empty(capacity_rows, D, dtype=x_TD.dtype, device=dev)
+    gu_CG = torch.empty(capacity_rows, 2 * F, dtype=x_TD.dtype, device=dev) if save_preact else None
     for r in range(rounds):
         X.dispatch_round(ws, bufs, r, backward=False)
-        gate_up_swiglu(bufs.xr_CD, w13_LGD, bufs.roff_L1, save_preact=False, out=h_CF)
+        keep = gu_CG is not None and r == 0
+        gate_up_swiglu(bufs.xr_CD, w13_LGD, bufs.roff_L1, save_preact=keep, out=h_CF,
+                       preact_out=gu_CG if keep else None)
         down_proj(h_CF, w2_LDF, bufs.roff_L1, out=y_CD)
         X.push_round(ws, bufs, r, y_CD)
     X.signal_done(ws)
     X.wait_done(ws, timeout_s)
     rows, row_of_TK, _ = X.slot_views(ws, T)
-    return combine_fwd(rows, row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype)
+    return combine_fwd(rows, row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype), gu_CG
 
 
 def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD,
                     shared_w2_DS, *, capacity_rows: int, rounds: int, timeout_s: float, need_w: bool = True,
-                    need_w13: bool = True, need_w2: bool = True, need_shared: bool = True):
+                    need_w13: bool = True, need_w2: bool = True, need_shared: bool = True, gu_CG=None):
     """Backward exchange: (dx_TD, dw_TK, dw13_LGD, dw2_LDF, dshared_w13_HD, dshared_w2_DS); None where
-    not needed. dx is always computed (every rank must take part in the exchange). No host sync."""
+    not needed. dx is always computed (every rank must take part in the exchange). gu_CG: the forward's
+    saved pre-activations of round 0 (the schedule, hence the row order, is rebuilt identically from the
+    same ids); other rounds, or all without it, recompute them from the pulled x. The weight gradients of a round run on a side
+    stream (megamoe.ops.streams), overlapping the dx GEMM and the push. No host sync."""
     T, D = x_TD.shape
     L, G, _ = w13_LGD.shape
     F = G // 2
@@ -97,30 +110,44 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     if not one_round:
         dw13 = torch.zeros(L, G, D, dtype=torch.float32, device=dev) if need_w13 else None
         dw2 = torch.zeros(L, D, F, dtype=torch.float32, device=dev) if need_w2 else None
-    h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
-    gu_CG = torch.empty(capacity_rows, G, dtype=x_TD.dtype, device=dev)
+    gu_saved_CG, h_CF, gu_CG = gu_CG, None, None
     P = 1
+    side = held = None
     for r in range(rounds):
+        if side is not None:  # the previous round's weight gradients read bufs, which this round overwrites
+            streams.join(side)
+            held = None
         X.dispatch_round(ws, bufs, r, backward=True)
         roff = bufs.roff_L1
-        gate_up_swiglu(bufs.xr_CD, w13_LGD, roff, save_preact=True, out=h_CF, preact_out=gu_CG)
+        if r == 0 and gu_saved_CG is not None:
+            gu_CG = gu_saved_CG
+        else:
+            if h_CF is None:
+                h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
+                gu_CG = torch.empty(capacity_rows, G, dtype=x_TD.dtype, device=dev)
+            gate_up_swiglu(bufs.xr_CD, w13_LGD, roff, save_preact=True, out=h_CF, preact_out=gu_CG)
         dgu_CG, hw_CF, part_CP = swiglu_dgrad(bufs.gr_CD, w2_LDF, roff, gu_CG, row_scale_R=bufs.wr_C, row_dot=True)
-        if need_w2:
-            g = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=wdt or w2_LDF.dtype)
-            dw2 = g if one_round else dw2.add_(g)
-        if need_w13:
-            g = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=wdt or w13_LGD.dtype)
-            dw13 = g if one_round else dw13.add_(g)
+        side = streams.fork(dev)
+        with streams.on(side):
+            if need_w2:
+                g = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=wdt or w2_LDF.dtype)
+                dw2 = g if one_round else dw2.add_(g)
+            if need_w13:
+                g = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=wdt or w13_LGD.dtype)
+                dw13 = g if one_round else dw13.add_(g)
+        held = (dgu_CG, hw_CF, roff)  # read on the side stream: referenced until the join
         dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff)
         P = part_CP.shape[1]
         X.push_round(ws, bufs, r, dx_CD, part_CP)
         del dgu_CG, hw_CF, part_CP, dx_CD
     X.signal_done(ws)
     X.wait_done(ws, timeout_s)
-    if not one_round:
-        dw13 = dw13.to(w13_LGD.dtype) if dw13 is not None else None
-        dw2 = dw2.to(w2_LDF.dtype) if dw2 is not None else None
     rows, row_of_TK, dots = X.slot_views(ws, T, P)
     dx_TD, dw_TK = slot_sum_bwd(rows, row_of_TK, dxs_TD, dots if need_w else None, num_cols=D,
                                 dx_dtype=x_TD.dtype, dw_dtype=topk_weights_TK.dtype)
+    streams.join(side)
+    del held, bufs
+    if not one_round:
+        dw13 = dw13.to(w13_LGD.dtype) if dw13 is not None else None
+        dw2 = dw2.to(w2_LDF.dtype) if dw2 is not None else None
     return dx_TD, dw_TK, dw13, dw2, ds13, ds2
