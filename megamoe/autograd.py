@@ -11,9 +11,9 @@ N = T*K (token, slot) rows in expert-grouped order, S shared-expert FFN size, H 
             hs, gus = gate_up_swiglu(x, shared_w13); ys = down_proj(hs, shared_w2)   (one group)
             out   = combine_fwd(y, w, ys)                            (fp32, slot order, shared last, one cast)
   backward  dgu, hw, part = swiglu_dgrad(dout[row_token], w2, gu, scale=w)   (dh, SwiGLU bwd, row dots)
-            dw2  = k_grouped_mm(dout[row_token], hw)                 (sum over the expert's rows, fixed order;
-            dw13 = k_grouped_mm(dgu, x[row_token])                    side CUDA stream, see megamoe.ops.streams)
-            dx_rows = grouped_mm_nn(dgu, w13)                         (concurrently on the current stream)
+            dw2  = k_grouped_mm(dout[row_token], hw)                 (sum over the expert's rows, fixed order)
+            dw13 = k_grouped_mm(dgu, x[row_token])
+            dx_rows = grouped_mm_nn(dgu, w13)
             (shared expert: the same four launchers with one group)
             dx, dw = slot_sum_bwd(dx_rows, dx_shared, part)          (fp32, slot order, one cast)
 
@@ -23,8 +23,7 @@ anyway): the routed pre-activations gu (K * 2F elements of x's dtype), the share
 In bf16 that is 4KF + 4S + 12K bytes per token: qwen3-30b-a3b (F 768, K 8, S 0) 24.7 KB,
 deepseek-v3 (F 2048, K 8, S 2048) 73.8 KB. h (K*F) and y (K*D) are not kept: h is recomputed bitwise
 from gu in the dgrad epilogue; y is only needed through <dout, y>, which the dgrad epilogue gets as
-<dout @ w2, h>. Transient peak in backward: dgu (N x 2F), hw (N x F), dx_rows (N x D) in x's dtype (dgu and
-hw are held until the side stream's weight gradients are done).
+<dout @ w2, h>. Transient peak in backward: dgu (N x 2F), hw (N x F), dx_rows (N x D) in x's dtype.
 
 Numerics: h and y are rounded to x's dtype exactly where megamoe.reference rounds them; the combine and
 the slot sums are fp32 in slot order. dh is computed as cast(w * (dout @ w2)) (reference:
@@ -40,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from .ops import (build_routing_plan, combine_fwd, down_proj, gate_up_swiglu, grouped_mm_nn, grouped_mm_nt,
-                  k_grouped_mm, single_group_offsets, slot_sum_bwd, streams, swiglu_dgrad)
+                  k_grouped_mm, single_group_offsets, slot_sum_bwd, swiglu_dgrad)
 
 __all__ = ["MoEExpertsFunction", "RouterLogitsFunction"]
 
@@ -79,13 +78,11 @@ class MoEExpertsFunction(torch.autograd.Function):
         scale_N = topk_weights_TK.reshape(-1).index_select(0, row_src_N).float()
         dgu_NG, hw_NF, part_NP = swiglu_dgrad(dout_TD, w2_EDF, offsets_E1, gu_NG, gather_idx_R=row_token_N,
                                               row_scale_R=scale_N, row_dot=need_w)
-        # the routed weight gradients (latency-bound k-grouped GEMMs) run on a side stream, overlapping the
-        # dx GEMM, the shared expert's backward and the slot sums; their inputs stay referenced until join
-        side = streams.fork(x_TD.device)
-        with streams.on(side):
-            dw2 = k_grouped_mm(dout_TD, hw_NF, offsets_E1, p_idx_R=row_token_N, out_dtype=w2_EDF.dtype) if need_w2 else None
-            dw13 = k_grouped_mm(dgu_NG, x_TD, offsets_E1, q_idx_R=row_token_N, out_dtype=w13_EGD.dtype) if need_w13 else None
+        dw2 = k_grouped_mm(dout_TD, hw_NF, offsets_E1, p_idx_R=row_token_N, out_dtype=w2_EDF.dtype) if need_w2 else None
+        del hw_NF
+        dw13 = k_grouped_mm(dgu_NG, x_TD, offsets_E1, q_idx_R=row_token_N, out_dtype=w13_EGD.dtype) if need_w13 else None
         dx_ND = grouped_mm_nn(dgu_NG, w13_EGD, offsets_E1) if need_x else None
+        del dgu_NG
         ds13 = ds2 = dxs_TD = None
         if shared_w13_HD is not None and (need_x or need_s13 or need_s2):
             one_2 = single_group_offsets(T, x_TD.device)
@@ -98,8 +95,6 @@ class MoEExpertsFunction(torch.autograd.Function):
                 dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2)
         dx_TD, dw_TK = slot_sum_bwd(dx_ND, row_of_TK, dxs_TD, part_NP if need_w else None, num_cols=D,
                                     dx_dtype=x_TD.dtype, dw_dtype=topk_weights_TK.dtype)
-        streams.join(side)
-        del dgu_NG, hw_NF  # read on the side stream: released only after the join
         return dx_TD, None, dw_TK, dw13, dw2, ds13, ds2
 
 

@@ -1,18 +1,17 @@
-"""A/B of the backward's scheduling choices, forward+backward of the fused layer, bitwise-checked.
+"""A/B of the EP backward's choice to keep or recompute the routed pre-activations, bitwise-checked.
 
-Variants: ``overlap`` (weight gradients on a side stream, megamoe.ops.streams.OVERLAP) on / off, and under
-EP ``save_preact`` (keep the routed gate/up pre-activations from forward to backward) on / off. Each
-variant's output and gradients must be bitwise those of the first variant; times are medians of the
-slowest rank with megamoe.bench's Timer (L2 flush, barrier), interleaved over rounds.
+Variants: ``save_preact`` True / False of megamoe.functional_ep.moe_experts_ep (keep round 0's gate/up
+pre-activations from forward to backward, or recompute them from the pulled x). Each variant's output and
+gradients must be bitwise those of the first; times are forward+backward medians of the slowest rank with
+megamoe.bench's Timer (L2 flush, barrier), interleaved over rounds. With one GPU (W = 1) it times the fused
+single-GPU layer once (it always keeps its pre-activations), as a reference point.
 
-Usage (one GPU):  python scripts/ab_backward.py OUT_DIR deepseek-v3:4096 qwen3-30b-a3b:16384
-      (EP = 2):   torchrun --nproc-per-node 2 scripts/ab_backward.py OUT_DIR deepseek-v3:4096 mok-bench:2048
+Usage (EP = 2):  torchrun --nproc-per-node 2 scripts/ab_backward.py OUT_DIR deepseek-v3:4096 mok-bench:2048
 Needs CUDA GPUs; installs nothing. Writes OUT_DIR/ab_backward_w{W}.json.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import statistics
@@ -23,7 +22,6 @@ import torch.distributed as dist
 
 from megamoe.bench.timing import Timer
 from megamoe.config import get_preset
-from megamoe.ops import streams
 
 
 def main():
@@ -55,14 +53,12 @@ def main():
         s2 = (torch.randn(D, S, generator=gw, device=dev) / S ** 0.5).bfloat16().requires_grad_() if S else None
         params = [p for p in (x, w, w13, w2, s13, s2) if p is not None]
         dout = torch.randn(T, D, generator=g, device=dev).bfloat16()
-        saves = (True, False) if W > 1 else (None,)
-        variants = list(itertools.product((True, False), saves))
+        variants = [True, False] if W > 1 else [None]
 
         def run(variant):
-            streams.OVERLAP = variant[0]
             if W > 1:
                 from megamoe.functional_ep import moe_experts_ep
-                out = moe_experts_ep(x, ids, w, w13, w2, s13, s2, group=group, save_preact=variant[1])
+                out = moe_experts_ep(x, ids, w, w13, w2, s13, s2, group=group, save_preact=variant)
             else:
                 from megamoe.functional import moe_experts
                 out = moe_experts(x, ids, w, w13, w2, s13, s2, backend="fused")
@@ -77,14 +73,12 @@ def main():
         for _ in range(4):  # interleaved rounds
             for v in variants:
                 samples[v] += timer.time(lambda _s, v=v: run(v), iters=3)
-        streams.OVERLAP = True
         for v in variants:
             ms = statistics.median(samples[v])
-            r = dict(case=f"{name} T={T} W={W}", overlap=v[0], save_preact=v[1], ms=ms,
-                     bitwise_equal_to_first=same.get(v, True))
+            r = dict(case=f"{name} T={T} W={W}", save_preact=v, ms=ms, bitwise_equal_to_first=same.get(v, True))
             rows.append(r)
             if rank == 0:
-                print(f"{r['case']:28s} overlap={v[0]!s:5s} save_preact={v[1]!s:5s} fwd+bwd {ms:7.2f} ms  "
+                print(f"{r['case']:28s} save_preact={v!s:5s} fwd+bwd {ms:7.2f} ms  "
                       f"bitwise {'==' if r['bitwise_equal_to_first'] else 'DIFFERENT'}", flush=True)
         del x, w, w13, w2, s13, s2, params
         torch.cuda.empty_cache()

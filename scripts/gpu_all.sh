@@ -4,7 +4,7 @@
 # Usage: scripts/gpu_all.sh [STAGE ...]
 #   stages: tests bench1 bench2 train trainck (the default set), and trainref (reference-backend tokens/s),
 #   benchroute (zipf + the routing trace written by the train stage), snippet (README snippet verbatim),
-#   ab (scripts/ab_backward.py: side-stream weight gradients and kept pre-activations on / off, W=1 and 2)
+#   ab (scripts/ab_backward.py: EP=2 with the routed pre-activations kept vs recomputed)
 # Each stage has its own time limit (seconds, env LIMIT_<STAGE>); a stage that fails does not stop the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,8 +56,7 @@ for s in "${STAGES[@]}"; do
     benchroute) stage benchroute "${LIMIT_BENCHROUTE:-150}" python3 -m megamoe.bench --quiet --iters "$ITERS" \
                --cases qwen3-30b-a3b:16384 --routing zipf:1.2 "trace:$OUT/logs/train/routing_trace.pt" \
                --out "$OUT/logs/benchroute" ;;
-    ab) stage ab1 "${LIMIT_AB:-150}" python3 scripts/ab_backward.py "$OUT/logs" deepseek-v3:4096 qwen3-30b-a3b:16384
-        [[ $NGPU -ge 2 ]] && stage ab2 "${LIMIT_AB:-150}" python3 -m torch.distributed.run --standalone \
+    ab) [[ $NGPU -ge 2 ]] && stage ab2 "${LIMIT_AB:-150}" python3 -m torch.distributed.run --standalone \
               --nproc-per-node 2 scripts/ab_backward.py "$OUT/logs" deepseek-v3:4096 mok-bench:2048 ;;
     snippet) stage snippet "${LIMIT_SNIPPET:-90}" python3 -m pytest -q -ra -m gpu tests/test_readme.py ;;
     *) echo "unknown stage $s" | tee -a "$summary" ;;

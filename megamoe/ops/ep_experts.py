@@ -16,9 +16,9 @@ Forward (every rank is both owner of its tokens and host of its L experts)::
 
 Backward: the same exchange with x and the output gradient staged; the destination uses the forward's
 gu of round 0 (kept when ``save_preact``: C x 2F elements between the passes) or recomputes it from the
-pulled x, runs ``swiglu_dgrad`` (row scale = w), the weight gradients over its rows
-(on a side stream, megamoe.ops.streams) and ``dx_rows = dgu @ w13``, and pushes dx rows plus the P
-partial dots of each row; the owner reduces with ``slot_sum_bwd``.
+pulled x, runs ``swiglu_dgrad`` (row scale = w), the weight gradients over its rows and
+``dx_rows = dgu @ w13``, and pushes dx rows plus the P partial dots of each row; the owner reduces with
+``slot_sum_bwd``.
 
 The expert GEMMs are megamoe's batch-invariant kernels (megamoe.ops.grouped_gemm), so with one round
 (always the case for W <= 2 at the default capacity) the output, the input gradient and the expert
@@ -32,7 +32,6 @@ import torch
 
 from ..distributed import EPWorkspace
 from . import ep_comm as X
-from . import streams
 from .combine import combine_fwd, slot_sum_bwd
 from .grouped_gemm import down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm, swiglu_dgrad
 from .routing import single_group_offsets
@@ -81,8 +80,7 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     """Backward exchange: (dx_TD, dw_TK, dw13_LGD, dw2_LDF, dshared_w13_HD, dshared_w2_DS); None where
     not needed. dx is always computed (every rank must take part in the exchange). gu_CG: the forward's
     saved pre-activations of round 0 (the schedule, hence the row order, is rebuilt identically from the
-    same ids); other rounds, or all without it, recompute them from the pulled x. The weight gradients of a round run on a side
-    stream (megamoe.ops.streams), overlapping the dx GEMM and the push. No host sync."""
+    same ids); other rounds, or all without it, recompute them from the pulled x. No host sync."""
     T, D = x_TD.shape
     L, G, _ = w13_LGD.shape
     F = G // 2
@@ -112,11 +110,7 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
         dw2 = torch.zeros(L, D, F, dtype=torch.float32, device=dev) if need_w2 else None
     gu_saved_CG, h_CF, gu_CG = gu_CG, None, None
     P = 1
-    side = held = None
     for r in range(rounds):
-        if side is not None:  # the previous round's weight gradients read bufs, which this round overwrites
-            streams.join(side)
-            held = None
         X.dispatch_round(ws, bufs, r, backward=True)
         roff = bufs.roff_L1
         if r == 0 and gu_saved_CG is not None:
@@ -127,15 +121,12 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
                 gu_CG = torch.empty(capacity_rows, G, dtype=x_TD.dtype, device=dev)
             gate_up_swiglu(bufs.xr_CD, w13_LGD, roff, save_preact=True, out=h_CF, preact_out=gu_CG)
         dgu_CG, hw_CF, part_CP = swiglu_dgrad(bufs.gr_CD, w2_LDF, roff, gu_CG, row_scale_R=bufs.wr_C, row_dot=True)
-        side = streams.fork(dev)
-        with streams.on(side):
-            if need_w2:
-                g = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=wdt or w2_LDF.dtype)
-                dw2 = g if one_round else dw2.add_(g)
-            if need_w13:
-                g = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=wdt or w13_LGD.dtype)
-                dw13 = g if one_round else dw13.add_(g)
-        held = (dgu_CG, hw_CF, roff)  # read on the side stream: referenced until the join
+        if need_w2:
+            g = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=wdt or w2_LDF.dtype)
+            dw2 = g if one_round else dw2.add_(g)
+        if need_w13:
+            g = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=wdt or w13_LGD.dtype)
+            dw13 = g if one_round else dw13.add_(g)
         dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff)
         P = part_CP.shape[1]
         X.push_round(ws, bufs, r, dx_CD, part_CP)
@@ -145,8 +136,6 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     rows, row_of_TK, dots = X.slot_views(ws, T, P)
     dx_TD, dw_TK = slot_sum_bwd(rows, row_of_TK, dxs_TD, dots if need_w else None, num_cols=D,
                                 dx_dtype=x_TD.dtype, dw_dtype=topk_weights_TK.dtype)
-    streams.join(side)
-    del held, bufs
     if not one_round:
         dw13 = dw13.to(w13_LGD.dtype) if dw13 is not None else None
         dw2 = dw2.to(w2_LDF.dtype) if dw2 is not None else None
