@@ -44,7 +44,8 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
         save_preact: keep the gate/up pre-activations of the received rows (round 0) from forward to
             backward, C x 2F elements of x's dtype per call (512 MiB for deepseek-v3 at the default
             C = 65536), so the backward does not recompute them; False recomputes them (the least memory).
-            Same bits either way.
+            Same bits either way. Nothing is kept when no backward can follow (grad mode off, or no
+            input requires grad).
 
     Returns:
         out_TD: (T, D) in x's dtype, this rank's tokens. Differentiable w.r.t. x, topk_weights, the
@@ -111,8 +112,12 @@ def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF
     rounds = max_rounds(s, capacity_rows)
     c = torch.Tensor.contiguous
     shared = (None, None) if shared_w13_HD is None else (c(shared_w13_HD), c(shared_w2_DS))
+    # keeping pre-activations only pays when a backward will run
+    keep = save_preact and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (x_TD, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS))
     out = MoEExpertsEPFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_LGD), c(w2_LDF), *shared,
-                                     ws, capacity_rows, rounds, float(timeout_s), save_preact)
+                                     ws, capacity_rows, rounds, float(timeout_s), keep)
     if not out.is_cuda:
         ws.check()  # CPU simulation: errors surface at once
     return out

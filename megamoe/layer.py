@@ -49,6 +49,10 @@ class MoE(nn.Module):
         group: expert-parallel process group (None: all experts on this device). Rank r of the group
             owns global experts [r*L, (r+1)*L). Router, bias and shared expert are replicated.
         device: where parameters are created. seed: parameter init seed (None: torch's global RNG).
+        ep_save_preact: fused backend with a group only: keep the routed gate/up pre-activations of
+            the received rows from forward to backward (C x 2F elements per call, e.g. 537 MB for
+            deepseek-v3 at the default capacity) instead of recomputing them in the backward; same bits
+            either way (megamoe.functional_ep.moe_experts_ep, ``save_preact``).
 
     Parameters (names carry shapes): ``router_w_ED`` fp32, ``w13_LGD`` / ``w2_LDF`` / ``shared_w13_HD``
     / ``shared_w2_DS`` in ``config.dtype``; buffer ``expert_bias_E`` (fp32, selection only).
@@ -58,11 +62,11 @@ class MoE(nn.Module):
     second-to-last dimension of ``x`` (all tokens form one sequence for 2-D input).
 
     Raises ValueError for a bad backend, an E not divisible by the group size, or a wrong input shape
-    or device; TypeError for a non-floating input.
+    or device; TypeError for a non-floating input or a non-bool ep_save_preact.
     """
 
     def __init__(self, config: MoEConfig, *, backend: str = "reference", group=None, device=None,
-                 seed: int | None = None):
+                 seed: int | None = None, ep_save_preact: bool = True):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"megamoe.MoE: config must be a MoEConfig, got {type(config).__name__}")
@@ -74,8 +78,11 @@ class MoE(nn.Module):
         if backend == "fused" and config.dtype not in FUSED_DTYPES:
             raise ValueError(f"megamoe.MoE: backend='fused' supports dtypes {FUSED_DTYPES}, config has {config.dtype}; "
                              "use backend='reference' for float64")
+        if not isinstance(ep_save_preact, bool):
+            raise TypeError(f"megamoe.MoE: ep_save_preact must be a bool, got {ep_save_preact!r}")
         self.config = config
         self.backend = backend
+        self.ep_save_preact = ep_save_preact
         self.group = group
         self.ep_size = dist.get_world_size(group) if group is not None else 1
         self.ep_rank = dist.get_rank(group) if group is not None else 0
@@ -167,7 +174,7 @@ class MoE(nn.Module):
             out_TD = moe_experts_ep(*args, group=self.group)
         elif self.group is not None:
             from .functional_ep import moe_experts_ep
-            out_TD = moe_experts_ep(*args, group=self.group)
+            out_TD = moe_experts_ep(*args, group=self.group, save_preact=self.ep_save_preact)
         elif self.backend == "reference":
             out_TD = ref.moe_experts(*args)
         else:
