@@ -5,7 +5,8 @@ H = 2S, W EP world size, C receive capacity rows.
 
 Saved for backward: the inputs (x, ids, weights and the parameters) and, when ``save_preact``, the gate/up
 pre-activations of round 0's received rows (all rows unless the routing overflowed the capacity),
-gu_CG: C x 2F elements of x's dtype, e.g. 512 MiB for deepseek-v3 with the default C = 65536 rows. The backward runs a second exchange (megamoe.ops.ep_experts.ep_moe_backward) that pulls x and the
+gu_CG: C x 2F elements of x's dtype, e.g. 537 MB (512 MiB) for deepseek-v3 with the default C = 65536
+rows. The backward runs a second exchange (megamoe.ops.ep_experts.ep_moe_backward) that pulls x and the
 output gradient again and recomputes the pre-activations it does not have on the expert's rank. Either
 way memory per call is bounded by the capacity C, whatever the routing, and the results are bitwise the
 same (gu is produced by the same kernel on the same rows in the same order).

@@ -25,7 +25,7 @@ region         dtype / shape                written by / read by
 =============  ===========================  ===================================================
 
 Total bytes = ``T_cap*D*es*(2 + K) + T_cap*K*(8 + 4*P_MAX) + 4*E`` + alignment (es = element size),
-e.g. 611 MB for the deepseek-v3 shape (D 7168, K 8, bf16) at T_cap = 4096.
+e.g. 596 MB for the deepseek-v3 shape (D 7168, K 8, bf16) at T_cap = 4096.
 
 Synchronisation: flags only grow (the epoch counter lives on the device and each exchange adds one),
 so nothing is ever reset and CUDA graphs replay. Every cross-GPU handoff is a release store at system

@@ -42,7 +42,7 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
             rounds, launched ahead and exiting at once when unused.
         timeout_s: bound of every cross-rank wait (> 0).
         save_preact: keep the gate/up pre-activations of the received rows (round 0) from forward to
-            backward, C x 2F elements of x's dtype per call (512 MiB for deepseek-v3 at the default
+            backward, C x 2F elements of x's dtype per call (537 MB = 512 MiB for deepseek-v3 at the default
             C = 65536), so the backward does not recompute them; False recomputes them (the least memory).
             Same bits either way. Nothing is kept when no backward can follow (grad mode off, or no
             input requires grad).

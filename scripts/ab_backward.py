@@ -3,7 +3,8 @@
 Variants: ``save_preact`` True / False of megamoe.functional_ep.moe_experts_ep (keep round 0's gate/up
 pre-activations from forward to backward, or recompute them from the pulled x). Each variant's output and
 gradients must be bitwise those of the first; times are forward+backward medians of the slowest rank with
-megamoe.bench's Timer (L2 flush, barrier), interleaved over rounds. With one GPU (W = 1) it times the fused
+megamoe.bench's Timer (L2 flush, barrier), interleaved over rounds. Under scripts/gpu_all.sh this is the
+``ab`` stage (log ``ab2.log``). With one GPU (W = 1) it times the fused
 single-GPU layer once (it always keeps its pre-activations), as a reference point.
 
 Usage (EP = 2):  torchrun --nproc-per-node 2 scripts/ab_backward.py OUT_DIR deepseek-v3:4096 mok-bench:2048
@@ -25,6 +26,9 @@ from megamoe.config import get_preset
 
 
 def main():
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
     out_dir, cases = sys.argv[1], sys.argv[2:]
     W = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

@@ -5,7 +5,8 @@ dgrad dx, weight gradients dW13 and dW2) this times the checked-in config and th
 checks that every candidate gives bitwise the same result as the checked-in one (a config may change speed,
 never bits: batch invariance and EP=1 == EP=W rely on it). Uniform random top-k routing, and for
 deepseek-v3 also "balanced" routing (every expert exactly T*K/E rows) to separate the cost of partial
-m-tiles from the rest. Writes a JSON next to the log.
+m-tiles from the rest. The table goes to stdout; OUT_DIR/gemm_sweep.json holds every row (rewritten after
+each case).
 
 Usage: python scripts/gemm_sweep.py OUT_DIR [preset[+balanced][+nolayer]:T ...] [--only=GEMM ...]
 (needs a CUDA GPU; installs nothing; GEMM names: gate_up down dgrad_swiglu dgrad wgrad13 wgrad2)
@@ -162,6 +163,9 @@ def layer(name, T, rows, log):
 
 
 def main():
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
     out_dir = sys.argv[1]
     only = [a[len("--only="):] for a in sys.argv[2:] if a.startswith("--only=")]
     cases = [a for a in sys.argv[2:] if not a.startswith("--only=")] or ["deepseek-v3:4096", "qwen3-30b-a3b:16384"]

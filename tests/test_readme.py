@@ -14,7 +14,7 @@ def _snippet() -> str:
 
 
 def test_readme_snippet_on_cpu_reference_backend():
-    code = (_snippet().replace('"deepseek-v3"', '"small"').replace("7168", "256")
+    code = (_snippet().replace('"deepseek-v3"', '"small"')
             .replace('backend="fused"', 'backend="reference"').replace('device="cuda"', 'device="cpu"'))
     ns: dict = {}
     exec(compile(code, "README.md", "exec"), ns)
