@@ -1,0 +1,49 @@
+"""The tile table and the host-side choice of the operand load path (pure host logic, runs on CPU).
+
+Proves: configs are a pure function of (kind, N, K, dtype) and never of token counts; block sizes are
+validated; the TMA descriptor is used only where it is safe (bf16/fp16, 16-byte aligned rows, and for
+"nn" weights only when BLOCK_K divides K, so a tile never reaches into the next expert's K rows) and
+pointer loads are the fallback everywhere else (fp32, misaligned rows, odd K).
+"""
+
+import pytest
+import torch
+
+from megamoe.ops import GemmConfig, k_grouped_config, m_grouped_config
+from megamoe.ops.grouped_gemm import _weight_descriptor
+
+BF16 = torch.bfloat16
+
+
+def test_table_is_pure_function_of_shape():
+    for kind in ("gate_up", "down", "dgrad_swiglu", "dgrad"):
+        a = m_grouped_config(kind, 2048, 7168, BF16, interpret=False)
+        assert a == m_grouped_config(kind, 2048, 7168, BF16, interpret=False)
+        assert m_grouped_config(kind, 2048, 7168, torch.float32, interpret=False).tma_b is False
+        assert m_grouped_config(kind, 2048, 7168, BF16, interpret=True).tma_b is False
+    assert k_grouped_config(4096, 7168, BF16, interpret=False) == k_grouped_config(4096, 7168, BF16, interpret=False)
+    with pytest.raises(ValueError, match="unknown kind"):
+        m_grouped_config("nope", 1, 1, BF16, interpret=False)
+    with pytest.raises(ValueError, match="powers of two"):
+        GemmConfig(96, 128, 64, 8, 3)
+
+
+def test_weight_descriptor_choice():
+    tma = GemmConfig(128, 128, 64, 8, 3, tma_b=True)
+    E, F, D = 3, 192, 256
+    w13 = torch.zeros(E, 2 * F, D, dtype=BF16)  # "nt": B[e] stored (N, K) = (2F, D)
+    mode, desc, rows = _weight_descriptor(tma, w13, (2 * F * D, D, 1), D, fp32_dot=False)
+    assert mode == 1 and rows == 2 * F and list(desc.shape) == [E * 2 * F, D]
+    assert list(desc.block_shape) == [128, 64]
+    # "nn": B[e] stored (K, N); K = 2F = 384 is a multiple of BLOCK_K 64 -> TMA, tiles (BLOCK_K, BLOCK_N)
+    mode, desc, rows = _weight_descriptor(tma, w13, (2 * F * D, 1, D), 2 * F, fp32_dot=False)
+    assert mode == 2 and list(desc.shape) == [E * 2 * F, D] and list(desc.block_shape) == [64, 128]
+    # "nn" with K not a multiple of BLOCK_K: a tile would read the next expert's rows -> pointer loads
+    odd = torch.zeros(E, 200, D, dtype=BF16)
+    assert _weight_descriptor(tma, odd, (200 * D, 1, D), 200, fp32_dot=False)[0] == 0
+    # fp32 dots, fp32 weights, rows that are not 16-byte multiples, or a config without tma_b -> pointer loads
+    assert _weight_descriptor(tma, w13, (2 * F * D, D, 1), D, fp32_dot=True)[0] == 0
+    assert _weight_descriptor(tma, w13.float(), (2 * F * D, D, 1), D, fp32_dot=False)[0] == 0
+    narrow = torch.zeros(E, 2 * F, 36, dtype=BF16)  # 72-byte rows
+    assert _weight_descriptor(tma, narrow, (2 * F * 36, 36, 1), 36, fp32_dot=False)[0] == 0
+    assert _weight_descriptor(GemmConfig(128, 128, 64, 8, 3), w13, (2 * F * D, D, 1), D, fp32_dot=False)[0] == 0
