@@ -268,4 +268,3 @@ def _k_grouped_gemm_kernel(
     mask = mask_m[:, None] & mask_n[None, :]
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-

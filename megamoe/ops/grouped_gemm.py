@@ -138,6 +138,22 @@ def _rows_of(a: torch.Tensor, gather_idx_R: torch.Tensor | None) -> int:
     return a.shape[0] if gather_idx_R is None else gather_idx_R.shape[0]
 
 
+def _check_plain_operands(where: str, a, b_name: str, b, k_dim: int, offsets_E1, gather_idx_R, **more):
+    """Checks shared by the plain-epilogue m-grouped launchers (``grouped_mm_nt`` / ``grouped_mm_nn``):
+    A rows with K = b.shape[k_dim] columns, a 3-D contiguous B, an int32 gather index, the group offsets,
+    one device. Returns (device, R)."""
+    _check_2d("a", a, where)
+    _check_weight(b_name, b, where)
+    _check_index("gather_idx_R", gather_idx_R, where)
+    K = b.shape[k_dim]
+    if a.shape[1] != K:
+        raise ValueError(f"{where}: a has {a.shape[1]} columns, B[e] needs K={K}")
+    _check_offsets(offsets_E1, b.shape[0], where)
+    dev = check_device(_m_grouped_gemm_kernel, where, a=a, **{b_name: b}, offsets_E1=offsets_E1,
+                       gather_idx_R=gather_idx_R, **more)
+    return dev, _rows_of(a, gather_idx_R)
+
+
 def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Tensor, *,
                    gather_idx_R: torch.Tensor | None = None, save_preact: bool = True,
                    out: torch.Tensor | None = None, preact_out: torch.Tensor | None = None,
@@ -191,16 +207,8 @@ def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor
     Returns c_RN (R, N) in out_dtype (default a's dtype). fp32 operands use IEEE fp32 dots.
     """
     where = "grouped_mm_nt"
-    _check_2d("a", a, where)
-    _check_weight("b_ENK", b_ENK, where)
-    _check_index("gather_idx_R", gather_idx_R, where)
+    dev, R = _check_plain_operands(where, a, "b_ENK", b_ENK, 2, offsets_E1, gather_idx_R, row_scale_R=row_scale_R)
     E, N, K = b_ENK.shape
-    if a.shape[1] != K:
-        raise ValueError(f"{where}: a has {a.shape[1]} columns, B[e] needs K={K}")
-    _check_offsets(offsets_E1, E, where)
-    dev = check_device(_m_grouped_gemm_kernel, where, a=a, b_ENK=b_ENK, offsets_E1=offsets_E1,
-                       gather_idx_R=gather_idx_R, row_scale_R=row_scale_R)
-    R = _rows_of(a, gather_idx_R)
     if row_scale_R is not None and (row_scale_R.shape != (R,) or row_scale_R.dtype != torch.float32):
         raise ValueError(f"{where}: row_scale_R must be fp32 of shape ({R},), got {row_scale_R.dtype} {tuple(row_scale_R.shape)}")
     c = _alloc(out, (R, N), out_dtype or a.dtype, dev, "out", where)
@@ -230,15 +238,8 @@ def grouped_mm_nn(a: torch.Tensor, b_EKN: torch.Tensor, offsets_E1: torch.Tensor
     a: (R, K) or (T, K) with gather_idx_R. b_EKN: (E, K, N) contiguous. Returns (R, N).
     """
     where = "grouped_mm_nn"
-    _check_2d("a", a, where)
-    _check_weight("b_EKN", b_EKN, where)
-    _check_index("gather_idx_R", gather_idx_R, where)
+    dev, R = _check_plain_operands(where, a, "b_EKN", b_EKN, 1, offsets_E1, gather_idx_R)
     E, K, N = b_EKN.shape
-    if a.shape[1] != K:
-        raise ValueError(f"{where}: a has {a.shape[1]} columns, B[e] needs K={K}")
-    _check_offsets(offsets_E1, E, where)
-    dev = check_device(_m_grouped_gemm_kernel, where, a=a, b_EKN=b_EKN, offsets_E1=offsets_E1, gather_idx_R=gather_idx_R)
-    R = _rows_of(a, gather_idx_R)
     c = _alloc(out, (R, N), out_dtype or a.dtype, dev, "out", where)
     _launch_m_grouped(where=where, kind="dgrad", epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_EKN,
                       stride_b=(K * N, 1, N), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
