@@ -49,6 +49,6 @@ class MoEExpertsEPFunction(torch.autograd.Function):
         dx, dw, dw13, dw2, ds13, ds2 = ep_moe_backward(
             ctx.ws, dout_TD, x_TD, ids_TK, w_TK, w13_LGD, w2_LDF, sw13_HD, sw2_DS, capacity_rows=ctx.capacity_rows,
             rounds=ctx.rounds, timeout_s=ctx.timeout_s, need_w=need[2], need_w13=need[3], need_w2=need[4],
-            need_shared=need[5] or need[6], gu_CG=gu_CG)
+            need_shared=need[5] or need[6], saved_gu_CG=gu_CG)
         return (dx if need[0] else None, None, dw if need[2] else None, dw13, dw2, ds13 if need[5] else None,
                 ds2 if need[6] else None, None, None, None, None, None)

@@ -76,10 +76,10 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
 
 def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD,
                     shared_w2_DS, *, capacity_rows: int, rounds: int, timeout_s: float, need_w: bool = True,
-                    need_w13: bool = True, need_w2: bool = True, need_shared: bool = True, gu_CG=None):
+                    need_w13: bool = True, need_w2: bool = True, need_shared: bool = True, saved_gu_CG=None):
     """Backward exchange: (dx_TD, dw_TK, dw13_LGD, dw2_LDF, dshared_w13_HD, dshared_w2_DS); None where
-    not needed. dx is always computed (every rank must take part in the exchange). gu_CG: the forward's
-    saved pre-activations of round 0 (the schedule, hence the row order, is rebuilt identically from the
+    not needed. dx is always computed (every rank must take part in the exchange). saved_gu_CG: the forward's
+    pre-activations of round 0 (the schedule, hence the row order, is rebuilt identically from the
     same ids); other rounds, or all without it, recompute them from the pulled x. No host sync."""
     T, D = x_TD.shape
     L, G, _ = w13_LGD.shape
@@ -108,13 +108,13 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     if not one_round:
         dw13 = torch.zeros(L, G, D, dtype=torch.float32, device=dev) if need_w13 else None
         dw2 = torch.zeros(L, D, F, dtype=torch.float32, device=dev) if need_w2 else None
-    gu_saved_CG, h_CF, gu_CG = gu_CG, None, None
+    h_CF = gu_CG = None  # recompute buffers, allocated only for a round without saved pre-activations
     P = 1
     for r in range(rounds):
         X.dispatch_round(ws, bufs, r, backward=True)
         roff = bufs.roff_L1
-        if r == 0 and gu_saved_CG is not None:
-            gu_CG = gu_saved_CG
+        if r == 0 and saved_gu_CG is not None:
+            gu_CG = saved_gu_CG
         else:
             if h_CF is None:
                 h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
@@ -133,10 +133,10 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
         del dgu_CG, hw_CF, part_CP, dx_CD
     X.signal_done(ws)
     X.wait_done(ws, timeout_s)
-    rows, row_of_TK, dots = X.slot_views(ws, T, P)
-    dx_TD, dw_TK = slot_sum_bwd(rows, row_of_TK, dxs_TD, dots if need_w else None, num_cols=D,
-                                dx_dtype=x_TD.dtype, dw_dtype=topk_weights_TK.dtype)
     if not one_round:
         dw13 = dw13.to(w13_LGD.dtype) if dw13 is not None else None
         dw2 = dw2.to(w2_LDF.dtype) if dw2 is not None else None
+    rows, row_of_TK, dots = X.slot_views(ws, T, P)
+    dx_TD, dw_TK = slot_sum_bwd(rows, row_of_TK, dxs_TD, dots if need_w else None, num_cols=D,
+                                dx_dtype=x_TD.dtype, dw_dtype=topk_weights_TK.dtype)
     return dx_TD, dw_TK, dw13, dw2, ds13, ds2
