@@ -19,31 +19,22 @@ if [[ "$MODE" == all || "$MODE" == tests ]]; then
 fi
 if [[ "$MODE" == all || "$MODE" == bench ]]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 - "$OUT" "${SWEEP:-1}" <<'PY' 2>&1 | tee "$OUT/bench.log"
-import json, statistics, sys, time
+import json, sys
 import torch
 from megamoe.config import get_preset
 from megamoe.functional import moe_experts
 from megamoe.bench.providers import torch_moe_experts
+
+sys.path.insert(0, "scripts")
+from gemm_sweep import timeit  # noqa: E402 - median of CUDA-event times after warm-ups (shared with the sweep)
 
 out_dir = sys.argv[1]
 dev = torch.device("cuda")
 results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
 
 
-def timeit(fn, iters=10, warm=3):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts), min(ts), max(ts)
-
-
 a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16); b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-ms = timeit(lambda: a @ b, iters=20)[0]
+ms = timeit(lambda: a @ b, iters=20, warm=3)
 dense = 2 * 8192 ** 3 / ms / 1e9
 results["dense_bf16_tflops"] = dense
 print(f"dense bf16 8192^3: {ms:.3f} ms  {dense:.0f} TFLOP/s")
@@ -75,8 +66,8 @@ def bench_layer(name, T):
         torch.cuda.reset_peak_memory_stats()
         f = lambda: fn(x, ids, w, w13, w2, s13, s2)
         fb = lambda: torch.autograd.grad(f(), params, dout)
-        tf = timeit(f)[0]
-        tfb = timeit(fb)[0]
+        tf = timeit(f, iters=10, warm=3)
+        tfb = timeit(fb, iters=10, warm=3)
         mem = torch.cuda.max_memory_allocated() / 2 ** 30
         row[prov] = {"fwd_ms": tf, "fwdbwd_ms": tfb, "fwd_tflops": flops / tf / 1e9,
                      "fwdbwd_tflops": 3 * flops / tfb / 1e9, "peak_gib": mem}
