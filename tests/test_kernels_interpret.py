@@ -171,6 +171,29 @@ else:
         gu_ref = torch.cat([xs[a:b] @ w13[e].t() for e, (a, b) in enumerate(zip(plan.offsets_E1[:-1].tolist(), plan.offsets_E1[1:].tolist()))])
         torch.testing.assert_close(gu, gu_ref, rtol=1e-5, atol=1e-5)
 
+    def test_weight_gradient_kernels_agree_bitwise():
+        # Experts of 0, 5, 16, 17, 33, 48, 64 and 65 rows against BLOCK_K 16: the resident kernel with 1-4
+        # chunks on chip (estimate 10 / 20 / 35 / 50 rows), including experts past its chunks (per-tile
+        # fallback inside it), against the per-tile kernel (estimate too large) and a float64 reference;
+        # P and Q gathered from token matrices or read as row buffers.
+        g = torch.Generator().manual_seed(21)
+        counts = [0, 5, 16, 17, 33, 48, 64, 65]
+        off = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+        R, M, N, T = sum(counts), 40, 24, 70
+        p_rows, q_rows = torch.randn(R, M, generator=g), torch.randn(R, N, generator=g)
+        p_tok, q_tok = torch.randn(T, M, generator=g), torch.randn(T, N, generator=g)
+        idx = torch.randint(0, T, (R,), generator=g, dtype=torch.int32)
+        for p, q, kw in ((p_rows, q_rows, {}), (p_tok, q_rows, dict(p_idx_R=idx)), (p_rows, q_tok, dict(q_idx_R=idx))):
+            pr = p[idx.long()] if "p_idx_R" in kw else p
+            qr = q[idx.long()] if "q_idx_R" in kw else q
+            want = torch.stack([pr[a:b].double().t() @ qr[a:b].double() for a, b in zip(off[:-1].tolist(), off[1:].tolist())])
+            per_tile = k_grouped_mm(p, q, off, rows_per_group=1e9, **kw)
+            torch.testing.assert_close(per_tile.double(), want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(per_tile[0], torch.zeros(M, N))
+            for est in (10, 20, 35, 50):
+                got = k_grouped_mm(p, q, off, rows_per_group=est, out=torch.full((8, M, N), float("nan")), **kw)
+                assert torch.equal(got, per_tile), f"resident kernel (estimate {est} rows) differs, {kw.keys()}"
+
     def test_router_logits_and_grads():
         g = torch.Generator().manual_seed(12)
         x = torch.randn(21, 64, generator=g).requires_grad_()

@@ -1,6 +1,7 @@
 """The tile table and the host-side choice of the operand load path (pure host logic, runs on CPU).
 
-Proves: configs are a pure function of (kind, N, K, dtype) and never of token counts; block sizes are
+Proves: configs are a pure function of (kind, N, K, dtype) (weight gradients: also of a host-side
+rows-per-expert estimate, which moves only the kernel structure, never block_k); block sizes are
 validated; the TMA descriptor is used only where it is safe (bf16/fp16, 16-byte aligned rows, and for
 "nn" weights only when BLOCK_K divides K, so a tile never reaches into the next expert's K rows) and
 pointer loads are the fallback everywhere else (fp32, misaligned rows, odd K).
@@ -22,6 +23,18 @@ def test_table_is_pure_function_of_shape():
         assert m_grouped_config(kind, 2048, 7168, torch.float32, interpret=False).tma_b is False
         assert m_grouped_config(kind, 2048, 7168, BF16, interpret=True).tma_b is False
     assert k_grouped_config(4096, 7168, BF16, interpret=False) == k_grouped_config(4096, 7168, BF16, interpret=False)
+    # weight gradients: few rows per expert -> the resident kernel, sized for 1.25x the estimate; many
+    # rows, no estimate, or fp32 -> the per-tile kernel; block_k (the only bit-relevant field) never moves
+    few = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=128)
+    assert few.resident_chunks == 3 and few.block_k == 64
+    assert k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=40).resident_chunks == 1
+    for many in (None, 0, 210, 4096):
+        cfg = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=many)
+        assert cfg.resident_chunks == 0 and cfg.block_k == 64
+    assert k_grouped_config(4096, 7168, torch.float32, interpret=False, rows_per_group=128).resident_chunks == 0
+    assert k_grouped_config(64, 64, torch.float32, interpret=True, rows_per_group=10).resident_chunks == 1
+    with pytest.raises(ValueError, match="resident_chunks"):
+        GemmConfig(128, 128, 64, 8, 2, resident_chunks=5)
     with pytest.raises(ValueError, match="unknown kind"):
         m_grouped_config("nope", 1, 1, BF16, interpret=False)
     with pytest.raises(ValueError, match="powers of two"):

@@ -30,6 +30,12 @@ Two kernel families (GEMM naming after DeepGEMM: which dimension is grouped):
   BLOCK_K chunks, in row order, fp32 accumulation, one cast. No atomics, no split-K: bitwise
   deterministic and independent of how many other experts / rows the buffer holds. An expert with no
   rows stores exact zeros.
+* ``_k_grouped_resident_kernel``: the same sums, for experts with few rows. One program per (expert,
+  m-tile) walks all n-tiles; when the expert has at most CHUNKS * BLOCK_K rows, its P chunks are loaded
+  once and stay on chip while Q's n-tiles stream past, so each output byte costs ~rows / BLOCK_M bytes of
+  loads instead of ~rows * (1 / BLOCK_M + 1 / BLOCK_N). Larger experts take the per-tile reduction above
+  inside the same program. Both paths add the same BLOCK_K chunks in the same order (a chunk past the
+  expert's rows is skipped, not added as zeros), so the bits equal ``_k_grouped_gemm_kernel``'s.
 
 Every output row of the m-grouped kernel depends only on its own input row (clamped rows past a group
 are computed and dropped, never mixed in; columns past N are zero-filled), and the K loop order is fixed by the tile config, so
@@ -268,3 +274,170 @@ def _k_grouped_gemm_kernel(
     mask = mask_m[:, None] & mask_n[None, :]
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _chunk_rows(idx_ptr, row_start, row_end, chunk, GATHER: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Source rows (int64) and row mask of reduction chunk ``chunk`` of an expert's rows."""
+    rows = row_start + chunk * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_r = rows < row_end
+    if GATHER:
+        src = tl.load(idx_ptr + rows, mask=mask_r, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    return src, mask_r
+
+
+@triton.jit
+def _p_chunk(p_ptr, p_idx_ptr, row_start, row_end, chunk, offs_m, mask_m, stride_pr, stride_pm,
+             P_GATHER: tl.constexpr, EVEN_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """P^T chunk (BLOCK_M, BLOCK_K) of an expert (zeros past its rows)."""
+    src, mask_r = _chunk_rows(p_idx_ptr, row_start, row_end, chunk, P_GATHER, BLOCK_K)
+    return tl.trans(_load_2d(p_ptr + src[:, None] * stride_pr + offs_m[None, :] * stride_pm, mask_r, mask_m,
+                             False, EVEN_M))
+
+
+@triton.jit
+def _q_chunk(q_ptr, q_src, mask_r, offs_n, mask_n, stride_qr, stride_qn, EVEN_N: tl.constexpr):
+    return _load_2d(q_ptr + q_src[:, None] * stride_qr + offs_n[None, :] * stride_qn, mask_r, mask_n, False, EVEN_N)
+
+
+@triton.jit
+def _resident_tile(n_tile, p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, q_ptr, c_rows, mask_m, N, stride_qr,
+                   stride_qn, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, NUM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One n-tile: NUM dots of the resident P^T chunks with freshly loaded Q chunks, in row order; store."""
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _mma(p0, _q_chunk(q_ptr, q0, r0, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
+    if NUM > 1:
+        acc = _mma(p1, _q_chunk(q_ptr, q1, r1, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
+    if NUM > 2:
+        acc = _mma(p2, _q_chunk(q_ptr, q2, r2, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
+    if NUM > 3:
+        acc = _mma(p3, _q_chunk(q_ptr, q3, r3, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
+    tl.store(c_rows + offs_n[None, :], acc.to(c_rows.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, row_start, row_end, offs_m, mask_m, N,
+                     stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr,
+                     FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                     NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """All n-tiles of one (expert, m-tile) whose rows span exactly NUM BLOCK_K chunks: the NUM P^T chunks
+    are loaded once (they stay in shared memory), each n-tile streams NUM Q chunks and adds NUM dots in
+    row order; a separate loop per NUM keeps the loop free of branches, so its loads are pipelined."""
+    p0 = _p_chunk(p_ptr, p_idx_ptr, row_start, row_end, 0, offs_m, mask_m, stride_pr, stride_pm, P_GATHER, EVEN_M,
+                  BLOCK_K)
+    q0, r0 = _chunk_rows(q_idx_ptr, row_start, row_end, 0, Q_GATHER, BLOCK_K)
+    p1, q1, r1 = p0, q0, r0  # unused unless NUM > 1 (likewise below)
+    p2, q2, r2 = p0, q0, r0
+    p3, q3, r3 = p0, q0, r0
+    if NUM > 1:
+        p1 = _p_chunk(p_ptr, p_idx_ptr, row_start, row_end, 1, offs_m, mask_m, stride_pr, stride_pm, P_GATHER,
+                      EVEN_M, BLOCK_K)
+        q1, r1 = _chunk_rows(q_idx_ptr, row_start, row_end, 1, Q_GATHER, BLOCK_K)
+    if NUM > 2:
+        p2 = _p_chunk(p_ptr, p_idx_ptr, row_start, row_end, 2, offs_m, mask_m, stride_pr, stride_pm, P_GATHER,
+                      EVEN_M, BLOCK_K)
+        q2, r2 = _chunk_rows(q_idx_ptr, row_start, row_end, 2, Q_GATHER, BLOCK_K)
+    if NUM > 3:
+        p3 = _p_chunk(p_ptr, p_idx_ptr, row_start, row_end, 3, offs_m, mask_m, stride_pr, stride_pm, P_GATHER,
+                      EVEN_M, BLOCK_K)
+        q3, r3 = _chunk_rows(q_idx_ptr, row_start, row_end, 3, Q_GATHER, BLOCK_K)
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    if INTERPRET:  # the interpreter cannot range() over a run-time bound
+        n_tile = 0
+        while n_tile < num_n_tiles:
+            _resident_tile(n_tile, p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, q_ptr, c_rows, mask_m, N, stride_qr,
+                           stride_qn, FP32_DOT, EVEN_N, NUM, BLOCK_M, BLOCK_N)
+            n_tile += 1
+    else:
+        for n_tile in range(0, num_n_tiles):
+            _resident_tile(n_tile, p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, q_ptr, c_rows, mask_m, N, stride_qr,
+                           stride_qn, FP32_DOT, EVEN_N, NUM, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _per_tile_reduction(n_tile, num_iters, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, offs_m,
+                        mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER: tl.constexpr,
+                        Q_GATHER: tl.constexpr, FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr,
+                        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """One n-tile of an (expert, m-tile) reduced as _k_grouped_gemm_kernel does (P and Q chunks both loaded)."""
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if INTERPRET:
+        it = 0
+        while it < num_iters:
+            acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
+                          mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, EVEN_M,
+                          EVEN_N, BLOCK_K)
+            it += 1
+    else:
+        for it in range(0, num_iters):
+            acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
+                          mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, EVEN_M,
+                          EVEN_N, BLOCK_K)
+    tl.store(c_rows + offs_n[None, :], acc.to(c_rows.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _k_grouped_resident_kernel(
+    # inputs
+    p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, row_offsets_ptr,
+    # output [E, M, N], last dimension contiguous
+    c_ptr,
+    # shapes
+    M, N,
+    # strides, in elements
+    stride_pr, stride_pm, stride_qr, stride_qn, stride_ce, stride_cm,
+    # variant
+    P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, CHUNKS: tl.constexpr,
+    # tile config
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tl.static_assert(CHUNKS >= 1 and CHUNKS <= 4)
+    pid = tl.program_id(0)
+    num_m_tiles = tl.cdiv(M, BLOCK_M)
+    expert = pid // num_m_tiles  # experts slowest: neighbouring programs stream the same Q rows
+    pid_m = pid % num_m_tiles
+    row_start = tl.load(row_offsets_ptr + expert)
+    row_end = tl.load(row_offsets_ptr + expert + 1)
+    num_iters = tl.cdiv(row_end - row_start, BLOCK_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    c_rows = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm
+    if num_iters == 1:
+        _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, row_start, row_end, offs_m, mask_m, N,
+                         stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, INTERPRET, EVEN_M,
+                         EVEN_N, 1, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif CHUNKS > 1 and num_iters == 2:
+        _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, row_start, row_end, offs_m, mask_m, N,
+                         stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, INTERPRET, EVEN_M,
+                         EVEN_N, 2, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif CHUNKS > 2 and num_iters == 3:
+        _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, row_start, row_end, offs_m, mask_m, N,
+                         stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, INTERPRET, EVEN_M,
+                         EVEN_N, 3, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif CHUNKS > 3 and num_iters == 4:
+        _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, row_start, row_end, offs_m, mask_m, N,
+                         stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, INTERPRET, EVEN_M,
+                         EVEN_N, 4, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:  # no rows (exact zeros), or more rows than stay on chip: the per-tile reduction, n-tiles in turn
+        num_n_tiles = tl.cdiv(N, BLOCK_N)
+        if INTERPRET:
+            n_tile = 0
+            while n_tile < num_n_tiles:
+                _per_tile_reduction(n_tile, num_iters, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows,
+                                    offs_m, mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER,
+                                    FP32_DOT, INTERPRET, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
+                n_tile += 1
+        else:
+            for n_tile in range(0, num_n_tiles):
+                _per_tile_reduction(n_tile, num_iters, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows,
+                                    offs_m, mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER,
+                                    FP32_DOT, INTERPRET, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)

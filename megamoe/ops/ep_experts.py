@@ -109,6 +109,9 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
         dw13 = torch.zeros(L, G, D, dtype=torch.float32, device=dev) if need_w13 else None
         dw2 = torch.zeros(L, D, F, dtype=torch.float32, device=dev) if need_w2 else None
     h_CF = gu_CG = None  # recompute buffers, allocated only for a round without saved pre-activations
+    # rows per local expert if every rank routes like this one (a host-side estimate for the kernel choice
+    # of the weight gradients; it never changes bits)
+    rows_est = min(T * topk_ids_TK.shape[1], capacity_rows) / L
     P = 1
     for r in range(rounds):
         X.dispatch_round(ws, bufs, r, backward=True)
@@ -122,10 +125,10 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
             gate_up_swiglu(bufs.xr_CD, w13_LGD, roff, save_preact=True, out=h_CF, preact_out=gu_CG)
         dgu_CG, hw_CF, part_CP = swiglu_dgrad(bufs.gr_CD, w2_LDF, roff, gu_CG, row_scale_R=bufs.wr_C, row_dot=True)
         if need_w2:
-            g = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=wdt or w2_LDF.dtype)
+            g = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=wdt or w2_LDF.dtype, rows_per_group=rows_est)
             dw2 = g if one_round else dw2.add_(g)
         if need_w13:
-            g = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=wdt or w13_LGD.dtype)
+            g = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=wdt or w13_LGD.dtype, rows_per_group=rows_est)
             dw13 = g if one_round else dw13.add_(g)
         dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff)
         P = part_CP.shape[1]

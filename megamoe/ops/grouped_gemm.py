@@ -25,7 +25,7 @@ import triton
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _m_grouped_gemm_kernel
+from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .routing import tile_offsets_for
 from .tile_config import k_grouped_config, m_grouped_config
@@ -296,18 +296,21 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
 
 def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
                  p_idx_R: torch.Tensor | None = None, q_idx_R: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+                 rows_per_group: float | None = None) -> torch.Tensor:
     """k-grouped weight gradient ``C[e] = cast(sum_{r in group e} P[prow(r)]^T Q[qrow(r)])``: [E, M, N].
 
     Args:
         p: (R, M) rows, or a token matrix with p_idx_R (R,) int32 (prow(r) = p_idx_R[r]).
         q: (R, N) rows, or a token matrix with q_idx_R (R,) int32.
         offsets_E1: (E+1,) int32 group offsets into the R rows; E = offsets_E1.numel() - 1.
+        rows_per_group: host-side estimate of the rows per group (default R / E) that picks the kernel
+            (few rows: the P rows stay on chip while a program walks the n-tiles); never changes bits.
     Returns:
         (E, M, N) in out_dtype (default p's dtype).
-    Determinism: each program reduces its expert's rows from the expert's first row, in row order, in
-    BLOCK_K chunks, fp32, one cast; no atomics, no split-K: bitwise reproducible and independent of the
-    other groups. An expert with no rows gets exact zeros. Sync: none.
+    Determinism: each output element reduces its expert's rows from the expert's first row, in row order,
+    in BLOCK_K chunks, fp32, one cast; no atomics, no split-K: bitwise reproducible, independent of the
+    other groups and of the kernel variant. An expert with no rows gets exact zeros. Sync: none.
     """
     where = "k_grouped_mm"
     _check_2d("p", p, where)
@@ -323,6 +326,8 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     M, N = p.shape[1], q.shape[1]
     kernel = _k_grouped_gemm_kernel
     dev = check_device(kernel, where, p=p, q=q, offsets_E1=offsets_E1, p_idx_R=p_idx_R, q_idx_R=q_idx_R)
+    if rows_per_group is None:
+        rows_per_group = R / E
     c = _alloc(out, (E, M, N), out_dtype or p.dtype, dev, "out", where)
     if c.numel() == 0:
         return c
@@ -330,8 +335,14 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         return c.zero_()
     interpret = is_interpreted(kernel)
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
-    cfg = k_grouped_config(M, N, dtype, interpret=interpret)
-    grid = (E * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group)
+    extra = {}
+    if cfg.resident_chunks:
+        kernel = _k_grouped_resident_kernel
+        grid = (E * triton.cdiv(M, cfg.block_m),)
+        extra = dict(CHUNKS=cfg.resident_chunks)
+    else:
+        grid = (E * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     kernel[grid](
         p, p_idx_R if p_idx_R is not None else offsets_E1, q, q_idx_R if q_idx_R is not None else offsets_E1,
         offsets_E1, c, M, N, p.stride(0), p.stride(1), q.stride(0), q.stride(1), c.stride(0), c.stride(1),
@@ -339,6 +350,6 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         FP32_DOT=interpret or dtype == torch.float32, INTERPRET=interpret,
         EVEN_M=M % cfg.block_m == 0, EVEN_N=N % cfg.block_n == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     return c

@@ -2,18 +2,22 @@
 
 Legend: D hidden size, F expert FFN size, G = 2F, E experts, N output columns, K reduction size.
 
-Determinism: a config fixes the K-loop order of every output element, so it is chosen only from
-(GEMM kind, N, K, dtype, interpreter or not): never from the number of tokens, the number of experts,
-the routing, or timing (no run-time autotuning). The same token therefore gets the same bits whatever
-else is in the batch, and every EP rank picks the same configs (docs/design.md, batch invariance).
+Determinism: the only part of a config that can change bits is BLOCK_K (the K-loop order); it is fixed
+by (GEMM kind, dtype, interpreter or not), never by the number of tokens, the routing, or timing (no
+run-time autotuning). The rest (BLOCK_M, BLOCK_N, stages, load path, grid, and for the weight gradients
+the kernel structure) was verified on H200 not to change bits (tests/test_fused_gpu.py::
+test_bits_do_not_depend_on_tile_shape), so the weight-gradient choice may also use a host-known static
+estimate of rows per expert. The same token therefore gets the same bits whatever else is in the batch,
+and every EP rank gets the same bits (docs/design.md, batch invariance).
 
 Sources of the values: BLOCK_M 128 / BLOCK_K 64 / 8 warps / 3-4 stages are the usual Hopper wgmma
-shapes of the Triton matmul tutorials (03, 09); entries in ``_OVERRIDES`` record the measurement that
-chose them (docs/perf.md, "Single-GPU fused path").
+shapes of the Triton matmul tutorials (03, 09); the shape-specific entries record the measurement that
+chose them (docs/perf.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +33,11 @@ class GemmConfig:
     descriptor instead of pointer loads; ``tma_a`` (with tma_b) also A, when A's rows are not gathered
     (gathered rows always use pointer loads); ``programs_per_sm`` sizes the persistent grid.
 
+    k-grouped only: ``resident_chunks`` > 0 runs the weight gradient with one program per (expert,
+    m-tile) that keeps an expert's P rows on chip while it walks the n-tiles, for experts of at most
+    resident_chunks * block_k rows (larger experts fall back to the per-tile reduction inside the same
+    program); 0 runs one program per (expert, m-tile, n-tile).
+
     Bits: only block_k (the K order) can change results. block_m, block_n, the stage count, the load path
     and the grid were verified to give bitwise the same outputs and gradients on H200
     (tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape), as expected from wgmma: every
@@ -43,11 +52,14 @@ class GemmConfig:
     tma_b: bool = False
     tma_a: bool = False
     programs_per_sm: int = 1
+    resident_chunks: int = 0
 
     def __post_init__(self) -> None:
         for v in (self.block_m, self.block_n, self.block_k):
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GemmConfig: block sizes must be powers of two >= 16, got {self}")
+        if self.resident_chunks not in (0, 1, 2, 3, 4):
+            raise ValueError(f"GemmConfig: resident_chunks must be 0..4, got {self}")
 
 
 # CPU interpreter (TRITON_INTERPRET=1): tiny tiles so that tiny test shapes still span several tiles.
@@ -71,13 +83,19 @@ _M_GROUPED_BF16 = {
     "dgrad": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
 }
 _K_GROUPED_BF16 = GemmConfig(128, 128, 64, 8, 3)
+# few rows per expert (weight gradients at W = 1, 2): P chunks kept on chip, see k_grouped_config
+_K_GROUPED_RESIDENT = GemmConfig(128, 128, 64, 8, 2)
+_RESIDENT_MAX_CHUNKS = 4
 
-# (kind, N, K) -> config (for "wgrad": (M, N) of the [E, M, N] output), measured on H200 (docs/perf.md).
-_OVERRIDES: dict[tuple[str, int, int], GemmConfig] = {
-    # deepseek-v3 (D 7168, F 2048): ~128 rows per expert, so a wgrad program runs ~2 K-steps; 2 stages beat 3
-    # (H200 2026-11-30, T=4096: dW13 9.03 vs 10.18 ms, dW2 4.97 vs 5.28 ms).
-    ("wgrad", 4096, 7168): GemmConfig(128, 128, 64, 8, 2),
-    ("wgrad", 7168, 2048): GemmConfig(128, 128, 64, 8, 2),
+# (kind, N, K) -> config (for "wgrad": (M, N) of the [E, M, N] output): explicit entries, they win.
+_OVERRIDES: dict[tuple[str, int, int], GemmConfig] = {}
+
+# per-tile weight-gradient kernel at shapes where it was measured (docs/perf.md): deepseek-v3 (D 7168, F 2048),
+# ~128 rows per expert, so a program runs ~2 K-steps; 2 stages beat 3 (H200 2026-11-30, T=4096: dW13 9.03 vs
+# 10.18 ms, dW2 4.97 vs 5.28 ms). Used when the rows per expert are too many for the resident kernel.
+_K_GROUPED_PER_TILE: dict[tuple[int, int], GemmConfig] = {
+    (4096, 7168): GemmConfig(128, 128, 64, 8, 2),
+    (7168, 2048): GemmConfig(128, 128, 64, 8, 2),
 }
 
 
@@ -96,13 +114,37 @@ def m_grouped_config(kind: str, n: int, k: int, dtype: torch.dtype, *, interpret
     return _OVERRIDES.get((kind, n, k), _M_GROUPED_BF16[kind])
 
 
-def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool) -> GemmConfig:
-    """Config of a k-grouped (weight-gradient) GEMM producing [E, M, N] (pure function of M, N, dtype)."""
+def _resident_chunks(rows_per_group: float | None, block_k: int) -> int:
+    """Chunks of block_k rows kept on chip for ``rows_per_group`` expected rows (0: per-tile kernel).
+
+    Sized for 1.25x the expected rows (uniform routing puts ~all experts under it); 0 when that needs
+    more than 4 chunks, where the per-tile kernel already reuses each load over enough rows."""
+    if rows_per_group is None or rows_per_group <= 0:
+        return 0
+    chunks = -(-int(1.25 * rows_per_group) // block_k)
+    return max(1, chunks) if chunks <= _RESIDENT_MAX_CHUNKS else 0
+
+
+def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool,
+                     rows_per_group: float | None = None) -> GemmConfig:
+    """Config of a k-grouped (weight-gradient) GEMM producing [E, M, N].
+
+    A pure function of (M, N, dtype, rows_per_group), where rows_per_group is a host-known static
+    estimate (buffer rows / groups; never read from the device). The estimate only picks the kernel
+    structure and tile shape, which do not change bits (block_k, hence the reduction order, is fixed per
+    dtype), so ranks or batches that estimate differently still agree bitwise. An ``_OVERRIDES`` entry
+    for ("wgrad", M, N) wins (sweeps, tests)."""
     if interpret:
-        return _INTERPRET
+        chunks = _resident_chunks(rows_per_group, _INTERPRET.block_k)
+        return dataclasses.replace(_INTERPRET, resident_chunks=chunks)
     if not _is_half(dtype):
         return _FP32
-    return _OVERRIDES.get(("wgrad", m, n), _K_GROUPED_BF16)
+    if ("wgrad", m, n) in _OVERRIDES:
+        return _OVERRIDES[("wgrad", m, n)]
+    chunks = _resident_chunks(rows_per_group, _K_GROUPED_RESIDENT.block_k)
+    if chunks:
+        return dataclasses.replace(_K_GROUPED_RESIDENT, resident_chunks=chunks)
+    return _K_GROUPED_PER_TILE.get((m, n), _K_GROUPED_BF16)
 
 
 def combine_block(d: int, *, interpret: bool) -> tuple[int, int]:
