@@ -83,9 +83,14 @@ _M_GROUPED_BF16 = {
     "dgrad": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
 }
 _K_GROUPED_BF16 = GemmConfig(128, 128, 64, 8, 3)
-# few rows per expert (weight gradients at W = 1, 2): P chunks kept on chip, see k_grouped_config
-_K_GROUPED_RESIDENT = GemmConfig(128, 128, 64, 8, 2)
-_RESIDENT_MAX_CHUNKS = 4
+# few rows per expert (weight gradients at W = 1, 2): P chunks kept on chip, see k_grouped_config. Stages
+# matter most (H200 2026-11-30 session 3, deepseek-v3 T=4096, ~128 rows per expert, 3 chunks: dW13 6.36 ms
+# with 3 stages vs 9.81 with 2 and 9.01 for the per-tile kernel; dW2 3.48 vs 5.01 vs 4.86). 3 chunks and 3
+# stages fill the shared memory (224 KiB); at ~256 rows per expert (4 chunks, which only fit with 2 stages)
+# the per-tile kernel was faster (12.4 vs 18.7 ms), so the resident kernel stops at 3 chunks.
+_K_GROUPED_RESIDENT = GemmConfig(128, 128, 64, 8, 3)
+_RESIDENT_MAX_CHUNKS = 3
+_RESIDENT_STAGES = {1: 4, 2: 4, 3: 3}
 
 # (kind, N, K) -> config (for "wgrad": (M, N) of the [E, M, N] output): explicit entries, they win.
 _OVERRIDES: dict[tuple[str, int, int], GemmConfig] = {}
@@ -118,7 +123,7 @@ def _resident_chunks(rows_per_group: float | None, block_k: int) -> int:
     """Chunks of block_k rows kept on chip for ``rows_per_group`` expected rows (0: per-tile kernel).
 
     Sized for 1.25x the expected rows (uniform routing puts ~all experts under it); 0 when that needs
-    more than 4 chunks, where the per-tile kernel already reuses each load over enough rows."""
+    more than _RESIDENT_MAX_CHUNKS chunks, where the per-tile kernel was measured faster."""
     if rows_per_group is None or rows_per_group <= 0:
         return 0
     chunks = -(-int(1.25 * rows_per_group) // block_k)
@@ -143,7 +148,7 @@ def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool,
         return _OVERRIDES[("wgrad", m, n)]
     chunks = _resident_chunks(rows_per_group, _K_GROUPED_RESIDENT.block_k)
     if chunks:
-        return dataclasses.replace(_K_GROUPED_RESIDENT, resident_chunks=chunks)
+        return dataclasses.replace(_K_GROUPED_RESIDENT, resident_chunks=chunks, num_stages=_RESIDENT_STAGES[chunks])
     return _K_GROUPED_PER_TILE.get((m, n), _K_GROUPED_BF16)
 
 
