@@ -1,0 +1,67 @@
+"""Run one weight-gradient GEMM (dW13 = dGU^T @ x[rows]) of a preset a few times, for a profiler.
+
+Usage: python scripts/profile_wgrad.py PRESET T CONFIG [CONFIG ...]
+  CONFIG: "table" or BLOCK_MxBLOCK_NxBLOCK_K/WARPS/STAGES[/rR] (R = resident chunks, 0 = per-tile kernel)
+Example (Nsight Compute, one launch per config after a warm-up):
+  ncu --clock-control none --kernel-name regex:k_grouped --launch-skip 1 --launch-count 1 \\
+      --section SpeedOfLight python scripts/profile_wgrad.py deepseek-v3 8192 128x128x64/8/2
+Uniform random top-k routing; prints the median time of each config (CUDA events). Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from megamoe.config import get_preset
+from megamoe.ops import GemmConfig, build_routing_plan, k_grouped_mm, tile_config
+
+
+def parse(spec: str) -> GemmConfig | None:
+    if spec == "table":
+        return None
+    parts = spec.split("/")
+    m, n, k = (int(v) for v in parts[0].split("x"))
+    chunks = int(parts[3][1:]) if len(parts) > 3 else 0
+    return GemmConfig(m, n, k, int(parts[1]), int(parts[2]), resident_chunks=chunks)
+
+
+def main() -> None:
+    if len(sys.argv) < 4 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
+    cfg = get_preset(sys.argv[1])
+    T = int(sys.argv[2])
+    D, F, E, K = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, D, generator=g, device=dev).bfloat16()
+    ids = torch.rand(T, E, generator=g, device=dev).topk(K, dim=1).indices
+    plan = build_routing_plan(ids, E)
+    dgu = torch.randn(T * K, 2 * F, generator=g, device=dev).bfloat16()
+    out = torch.empty(E, 2 * F, D, device=dev, dtype=torch.bfloat16)
+    key = ("wgrad", 2 * F, D)
+    for spec in sys.argv[3:]:
+        c = parse(spec)
+        if c is not None:
+            tile_config._OVERRIDES[key] = c
+        run = lambda: k_grouped_mm(dgu, x, plan.offsets_E1, q_idx_R=plan.row_token_N, out=out)  # noqa: E731
+        run()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(5):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            run()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e))
+        tile_config._OVERRIDES.pop(key, None)
+        flop = 2 * T * K * 2 * F * D
+        print(f"{sys.argv[1]} T={T} dW13 {spec:24s} {sorted(ts)[2]:7.3f} ms {flop / sorted(ts)[2] / 1e9:5.0f} TFLOP/s",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
