@@ -57,11 +57,10 @@ def candidates(kind):
         "down": [G(128, 256, 64, 8, 3), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True)],
         "dgrad_swiglu": [G(128, 128, 64, 8, 4, tma_b=True)],
         "dgrad": [G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True)],
-        # per-tile and resident kernels (chunks of P rows on chip), pointer or TMA stores of the output
-        "wgrad": [G(128, 128, 64, 8, 2), G(128, 128, 64, 8, 2, tma_c=True), G(128, 128, 64, 8, 3, tma_c=True),
-                  G(128, 128, 64, 8, 3, resident_chunks=3), G(128, 128, 64, 8, 3, resident_chunks=3, tma_c=True),
-                  G(128, 128, 64, 8, 4, resident_chunks=2, tma_c=True), G(128, 128, 64, 8, 4, resident_chunks=1, tma_c=True),
-                  G(128, 64, 64, 8, 4, resident_chunks=4, tma_c=True)],
+        # per-tile kernel (stages, wider tiles), then the resident kernel with 1-4 chunks of P rows on chip
+        "wgrad": [G(128, 128, 64, 8, 2), G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 2), G(256, 128, 64, 8, 2),
+                  G(128, 128, 64, 8, 3, resident_chunks=3), G(128, 128, 64, 8, 4, resident_chunks=2),
+                  G(128, 128, 64, 8, 4, resident_chunks=1), G(128, 64, 64, 8, 4, resident_chunks=4)],
     }
     return c[kind]
 

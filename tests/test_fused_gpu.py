@@ -251,8 +251,6 @@ def test_bits_do_not_depend_on_tile_shape():
         {"wgrad": G(128, 128, 64, 8, 2, resident_chunks=1)},  # every expert takes the in-program fallback
         {"wgrad": G(64, 128, 64, 4, 2, resident_chunks=2)},  # some experts on chip, some not
         {"wgrad": G(128, 128, 64, 8, 2)},  # per-tile kernel (the table picks the resident one here)
-        {"wgrad": G(128, 128, 64, 8, 2, tma_c=True)},  # TMA stores of the output tiles
-        {"wgrad": G(128, 128, 64, 8, 3, resident_chunks=2, tma_c=True)},
     ]
     keys = {"gate_up": [("gate_up", F, D), ("gate_up", S, D)], "down": [("down", D, F), ("down", D, S)],
             "dgrad_swiglu": [("dgrad_swiglu", F, D), ("dgrad_swiglu", S, D)], "dgrad": [("dgrad", D, 2 * F), ("dgrad", D, 2 * S)],

@@ -230,29 +230,18 @@ def _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, off
 
 
 @triton.jit
-def _store_c(acc, c_rows, c_desc, c_row0, offs_n, mask_m, mask_n, n_tile, TMA_C: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """Store a weight-gradient tile: pointer stores, or (TMA_C) one TMA store through the descriptor over
-    the (E * M, N) view (only used when BLOCK_M divides M, so a tile never reaches the next expert)."""
-    if TMA_C:
-        c_desc.store([c_row0, n_tile * BLOCK_N], acc.to(c_rows.dtype.element_ty))
-    else:
-        tl.store(c_rows + offs_n[None, :], acc.to(c_rows.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
 def _k_grouped_gemm_kernel(
     # inputs
     p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, row_offsets_ptr,
-    # output [E, M, N], last dimension contiguous (c_desc: TMA descriptor over its (E * M, N) view, or c_ptr)
-    c_ptr, c_desc,
+    # output [E, M, N], last dimension contiguous
+    c_ptr,
     # shapes
     M, N,
     # strides, in elements
     stride_pr, stride_pm, stride_qr, stride_qn, stride_ce, stride_cm,
     # variant
     P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, TMA_C: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     # tile config
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -282,8 +271,9 @@ def _k_grouped_gemm_kernel(
             acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
                           mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT,
                           EVEN_M, EVEN_N, BLOCK_K)
-    c_rows = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm
-    _store_c(acc, c_rows, c_desc, expert * M + pid_m * BLOCK_M, offs_n, mask_m, mask_n, pid_n, TMA_C, BLOCK_N)
+    mask = mask_m[:, None] & mask_n[None, :]
+    c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -313,9 +303,9 @@ def _q_chunk(q_ptr, q_src, mask_r, offs_n, mask_n, stride_qr, stride_qn, EVEN_N:
 
 
 @triton.jit
-def _resident_tile(n_tile, p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, q_ptr, c_rows, c_desc, c_row0, mask_m, N,
-                   stride_qr, stride_qn, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, TMA_C: tl.constexpr,
-                   NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _resident_tile(n_tile, p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, q_ptr, c_rows, mask_m, N, stride_qr,
+                   stride_qn, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, NUM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One n-tile: NUM dots of the resident P^T chunks with freshly loaded Q chunks, in row order; store."""
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -327,15 +317,14 @@ def _resident_tile(n_tile, p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, q_ptr
         acc = _mma(p2, _q_chunk(q_ptr, q2, r2, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
     if NUM > 3:
         acc = _mma(p3, _q_chunk(q_ptr, q3, r3, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
-    _store_c(acc, c_rows, c_desc, c_row0, offs_n, mask_m, mask_n, n_tile, TMA_C, BLOCK_N)
+    tl.store(c_rows + offs_n[None, :], acc.to(c_rows.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, c_desc, c_row0, row_start, row_end, offs_m, mask_m,
-                     N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr,
+def _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, row_start, row_end, offs_m, mask_m, N,
+                     stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr,
                      FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                     TMA_C: tl.constexpr, NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """All n-tiles of one (expert, m-tile) whose rows span exactly NUM BLOCK_K chunks: the NUM P^T chunks
     are loaded once (they stay in shared memory), each n-tile streams NUM Q chunks and adds NUM dots in
     row order; a separate loop per NUM keeps the loop free of branches, so its loads are pipelined."""
@@ -361,21 +350,21 @@ def _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, c_desc, c_row0,
     if INTERPRET:  # the interpreter cannot range() over a run-time bound
         n_tile = 0
         while n_tile < num_n_tiles:
-            _resident_tile(n_tile, p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, q_ptr, c_rows, c_desc, c_row0, mask_m,
-                           N, stride_qr, stride_qn, FP32_DOT, EVEN_N, TMA_C, NUM, BLOCK_M, BLOCK_N)
+            _resident_tile(n_tile, p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, q_ptr, c_rows, mask_m, N, stride_qr,
+                           stride_qn, FP32_DOT, EVEN_N, NUM, BLOCK_M, BLOCK_N)
             n_tile += 1
     else:
         for n_tile in range(0, num_n_tiles):
-            _resident_tile(n_tile, p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, q_ptr, c_rows, c_desc, c_row0, mask_m,
-                           N, stride_qr, stride_qn, FP32_DOT, EVEN_N, TMA_C, NUM, BLOCK_M, BLOCK_N)
+            _resident_tile(n_tile, p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, q_ptr, c_rows, mask_m, N, stride_qr,
+                           stride_qn, FP32_DOT, EVEN_N, NUM, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def _per_tile_reduction(n_tile, num_iters, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, c_desc,
-                        c_row0, offs_m, mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER: tl.constexpr,
+def _per_tile_reduction(n_tile, num_iters, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, offs_m,
+                        mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER: tl.constexpr,
                         Q_GATHER: tl.constexpr, FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr,
-                        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, TMA_C: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     """One n-tile of an (expert, m-tile) reduced as _k_grouped_gemm_kernel does (P and Q chunks both loaded)."""
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -392,22 +381,22 @@ def _per_tile_reduction(n_tile, num_iters, row_start, row_end, p_ptr, p_idx_ptr,
             acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
                           mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, EVEN_M,
                           EVEN_N, BLOCK_K)
-    _store_c(acc, c_rows, c_desc, c_row0, offs_n, mask_m, mask_n, n_tile, TMA_C, BLOCK_N)
+    tl.store(c_rows + offs_n[None, :], acc.to(c_rows.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _k_grouped_resident_kernel(
     # inputs
     p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, row_offsets_ptr,
-    # output [E, M, N], last dimension contiguous (c_desc: TMA descriptor over its (E * M, N) view, or c_ptr)
-    c_ptr, c_desc,
+    # output [E, M, N], last dimension contiguous
+    c_ptr,
     # shapes
     M, N,
     # strides, in elements
     stride_pr, stride_pm, stride_qr, stride_qn, stride_ce, stride_cm,
     # variant
     P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, TMA_C: tl.constexpr, CHUNKS: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, CHUNKS: tl.constexpr,
     # tile config
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -422,36 +411,33 @@ def _k_grouped_resident_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     c_rows = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm
-    c_row0 = expert * M + pid_m * BLOCK_M
     if num_iters == 1:
-        _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, c_desc, c_row0, row_start, row_end, offs_m,
-                         mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, INTERPRET,
-                         EVEN_M, EVEN_N, TMA_C, 1, BLOCK_M, BLOCK_N, BLOCK_K)
+        _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, row_start, row_end, offs_m, mask_m, N,
+                         stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, INTERPRET, EVEN_M,
+                         EVEN_N, 1, BLOCK_M, BLOCK_N, BLOCK_K)
     elif CHUNKS > 1 and num_iters == 2:
-        _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, c_desc, c_row0, row_start, row_end, offs_m,
-                         mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, INTERPRET,
-                         EVEN_M, EVEN_N, TMA_C, 2, BLOCK_M, BLOCK_N, BLOCK_K)
+        _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, row_start, row_end, offs_m, mask_m, N,
+                         stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, INTERPRET, EVEN_M,
+                         EVEN_N, 2, BLOCK_M, BLOCK_N, BLOCK_K)
     elif CHUNKS > 2 and num_iters == 3:
-        _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, c_desc, c_row0, row_start, row_end, offs_m,
-                         mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, INTERPRET,
-                         EVEN_M, EVEN_N, TMA_C, 3, BLOCK_M, BLOCK_N, BLOCK_K)
+        _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, row_start, row_end, offs_m, mask_m, N,
+                         stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, INTERPRET, EVEN_M,
+                         EVEN_N, 3, BLOCK_M, BLOCK_N, BLOCK_K)
     elif CHUNKS > 3 and num_iters == 4:
-        _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, c_desc, c_row0, row_start, row_end, offs_m,
-                         mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, INTERPRET,
-                         EVEN_M, EVEN_N, TMA_C, 4, BLOCK_M, BLOCK_N, BLOCK_K)
+        _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, row_start, row_end, offs_m, mask_m, N,
+                         stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, INTERPRET, EVEN_M,
+                         EVEN_N, 4, BLOCK_M, BLOCK_N, BLOCK_K)
     else:  # no rows (exact zeros), or more rows than stay on chip: the per-tile reduction, n-tiles in turn
         num_n_tiles = tl.cdiv(N, BLOCK_N)
         if INTERPRET:
             n_tile = 0
             while n_tile < num_n_tiles:
                 _per_tile_reduction(n_tile, num_iters, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows,
-                                    c_desc, c_row0, offs_m, mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn,
-                                    P_GATHER, Q_GATHER, FP32_DOT, INTERPRET, EVEN_M, EVEN_N, TMA_C, BLOCK_M, BLOCK_N,
-                                    BLOCK_K)
+                                    offs_m, mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER,
+                                    FP32_DOT, INTERPRET, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
                 n_tile += 1
         else:
             for n_tile in range(0, num_n_tiles):
                 _per_tile_reduction(n_tile, num_iters, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows,
-                                    c_desc, c_row0, offs_m, mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn,
-                                    P_GATHER, Q_GATHER, FP32_DOT, INTERPRET, EVEN_M, EVEN_N, TMA_C, BLOCK_M, BLOCK_N,
-                                    BLOCK_K)
+                                    offs_m, mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER,
+                                    FP32_DOT, INTERPRET, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)

@@ -336,9 +336,6 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     interpret = is_interpreted(kernel)
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
     cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group)
-    tma_c = (cfg.tma_c and not interpret and c.dtype in (torch.bfloat16, torch.float16) and M % cfg.block_m == 0
-             and c.is_contiguous() and c.data_ptr() % 16 == 0 and (N * c.element_size()) % 16 == 0)
-    c_desc = TensorDescriptor(c, [E * M, N], [N, 1], [cfg.block_m, cfg.block_n]) if tma_c else c
     extra = {}
     if cfg.resident_chunks:
         kernel = _k_grouped_resident_kernel
@@ -348,10 +345,10 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         grid = (E * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     kernel[grid](
         p, p_idx_R if p_idx_R is not None else offsets_E1, q, q_idx_R if q_idx_R is not None else offsets_E1,
-        offsets_E1, c, c_desc, M, N, p.stride(0), p.stride(1), q.stride(0), q.stride(1), c.stride(0), c.stride(1),
+        offsets_E1, c, M, N, p.stride(0), p.stride(1), q.stride(0), q.stride(1), c.stride(0), c.stride(1),
         P_GATHER=p_idx_R is not None, Q_GATHER=q_idx_R is not None,
         FP32_DOT=interpret or dtype == torch.float32, INTERPRET=interpret,
-        EVEN_M=M % cfg.block_m == 0, EVEN_N=N % cfg.block_n == 0, TMA_C=tma_c,
+        EVEN_M=M % cfg.block_m == 0, EVEN_N=N % cfg.block_n == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )

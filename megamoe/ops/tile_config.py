@@ -36,8 +36,7 @@ class GemmConfig:
     k-grouped only: ``resident_chunks`` > 0 runs the weight gradient with one program per (expert,
     m-tile) that keeps an expert's P rows on chip while it walks the n-tiles, for experts of at most
     resident_chunks * block_k rows (larger experts fall back to the per-tile reduction inside the same
-    program); 0 runs one program per (expert, m-tile, n-tile). ``tma_c`` stores the output tiles through
-    a TMA descriptor (bf16/fp16 outputs whose M is a multiple of block_m; pointer stores otherwise).
+    program); 0 runs one program per (expert, m-tile, n-tile).
 
     Bits: only block_k (the K order) can change results. block_m, block_n, the stage count, the load path
     and the grid were verified to give bitwise the same outputs and gradients on H200
@@ -54,7 +53,6 @@ class GemmConfig:
     tma_a: bool = False
     programs_per_sm: int = 1
     resident_chunks: int = 0
-    tma_c: bool = False
 
     def __post_init__(self) -> None:
         for v in (self.block_m, self.block_n, self.block_k):
