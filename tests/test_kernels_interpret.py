@@ -5,7 +5,9 @@ offset); forward and every gradient (x, topk weights, w13, w2, shared weights) m
 fp64 within 2x PyTorch's own fp32 error (+ a tiny absolute term) for edge cases (expert with no tokens ->
 exact zero weight gradient, all tokens on one expert, T = 0, T = 1, T not a multiple of any block, K = 1,
 K = E, non-contiguous input); NaN-poisoned output buffers are fully overwritten; results are bitwise
-repeatable; router logits and their gradients; bad input raises a clear error.
+repeatable; the two weight-gradient kernels (per-tile, and resident with 1-4 chunks on chip and its
+fallback) agree bitwise and match float64; router logits and their gradients; bad input raises a clear
+error.
 
 Run: python -m pytest tests/test_kernels_interpret.py -q
 (the kernels must be created with TRITON_INTERPRET=1 before triton is imported, so a process that has not
