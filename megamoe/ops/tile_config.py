@@ -98,9 +98,12 @@ _OVERRIDES: dict[tuple[str, int, int], GemmConfig] = {}
 # per-tile weight-gradient kernel at shapes where it was measured (docs/perf.md): deepseek-v3 (D 7168, F 2048),
 # ~128 rows per expert, so a program runs ~2 K-steps; 2 stages beat 3 (H200 2026-11-30, T=4096: dW13 9.03 vs
 # 10.18 ms, dW2 4.97 vs 5.28 ms). Used when the rows per expert are too many for the resident kernel.
+# qwen3-30b-a3b dW13 (2F 1536, D 2048), ~1024 rows per expert: 2 stages beat 3 in all four session-3 sweeps
+# (1.94-2.03 vs 2.09-2.22 ms); its dW2 stays at 3 (1.13-1.23 vs 1.22-1.30 ms with 2).
 _K_GROUPED_PER_TILE: dict[tuple[int, int], GemmConfig] = {
     (4096, 7168): GemmConfig(128, 128, 64, 8, 2),
     (7168, 2048): GemmConfig(128, 128, 64, 8, 2),
+    (1536, 2048): GemmConfig(128, 128, 64, 8, 2),
 }
 
 
