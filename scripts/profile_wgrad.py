@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from gemm_sweep import timeit  # scripts/ is on sys.path when this file is run as a script
 
 from megamoe.config import get_preset
 from megamoe.ops import GemmConfig, build_routing_plan, k_grouped_mm, tile_config
@@ -46,21 +47,10 @@ def main() -> None:
         c = parse(spec)
         if c is not None:
             tile_config._OVERRIDES[key] = c
-        run = lambda: k_grouped_mm(dgu, x, plan.offsets_E1, q_idx_R=plan.row_token_N, out=out)  # noqa: E731
-        run()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(5):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            run()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e))
+        ms = timeit(lambda: k_grouped_mm(dgu, x, plan.offsets_E1, q_idx_R=plan.row_token_N, out=out), iters=5, warm=1)
         tile_config._OVERRIDES.pop(key, None)
         flop = 2 * T * K * 2 * F * D
-        print(f"{sys.argv[1]} T={T} dW13 {spec:24s} {sorted(ts)[2]:7.3f} ms {flop / sorted(ts)[2] / 1e9:5.0f} TFLOP/s",
-              flush=True)
+        print(f"{sys.argv[1]} T={T} dW13 {spec:24s} {ms:7.3f} ms {flop / ms / 1e9:5.0f} TFLOP/s", flush=True)
 
 
 if __name__ == "__main__":

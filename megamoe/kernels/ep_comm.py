@@ -69,7 +69,6 @@ def ep_plan_kernel(ids_ptr, plan_ptr, sorted_ptr, flags_ptr, N, T, E, rank, BLOC
     atomics, so positions are deterministic. Program 0 writes ``plan[0] = T`` and flags bad ids."""
     e = tl.program_id(0)
     lt = 0
-    eq = 0
     bad = 0
     start = 0
     while start < N:
@@ -77,7 +76,6 @@ def ep_plan_kernel(ids_ptr, plan_ptr, sorted_ptr, flags_ptr, N, T, E, rank, BLOC
         m = offs < N
         ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
         lt += tl.sum((m & (ids < e) & (ids >= 0)).to(tl.int32), axis=0)
-        eq += tl.sum((m & (ids == e)).to(tl.int32), axis=0)
         bad += tl.sum((m & ((ids < 0) | (ids >= E))).to(tl.int32), axis=0)
         start += BLOCK
     run = 0
@@ -91,7 +89,7 @@ def ep_plan_kernel(ids_ptr, plan_ptr, sorted_ptr, flags_ptr, N, T, E, rank, BLOC
         tl.store(sorted_ptr + lt + pos, offs, mask=hit != 0)
         run += tl.sum(hit, axis=0)
         start += BLOCK
-    tl.store(plan_ptr + 4 + e, eq)
+    tl.store(plan_ptr + 4 + e, run)  # rows with id e
     if e == 0:
         tl.store(plan_ptr, T)
         if bad > 0:

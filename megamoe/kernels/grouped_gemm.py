@@ -230,6 +230,33 @@ def _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, off
 
 
 @triton.jit
+def _per_tile_reduction(n_tile, num_iters, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, offs_m,
+                        mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER: tl.constexpr,
+                        Q_GATHER: tl.constexpr, FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr,
+                        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """One (expert, m-tile, n-tile) output tile: the expert's rows in BLOCK_K chunks, P and Q chunks both
+    loaded per step, fp32 accumulation, one cast and store (the whole of _k_grouped_gemm_kernel's work, and
+    the resident kernel's fallback for experts with more rows than it keeps on chip)."""
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if INTERPRET:  # the interpreter cannot range() over a loaded bound
+        it = 0
+        while it < num_iters:
+            acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
+                          mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, EVEN_M,
+                          EVEN_N, BLOCK_K)
+            it += 1
+    else:
+        for it in range(0, num_iters):
+            acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
+                          mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, EVEN_M,
+                          EVEN_N, BLOCK_K)
+    tl.store(c_rows + offs_n[None, :], acc.to(c_rows.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def _k_grouped_gemm_kernel(
     # inputs
     p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, row_offsets_ptr,
@@ -254,26 +281,11 @@ def _k_grouped_gemm_kernel(
     row_start = tl.load(row_offsets_ptr + expert)
     row_end = tl.load(row_offsets_ptr + expert + 1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
-    mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    num_iters = tl.cdiv(row_end - row_start, BLOCK_K)
-    if INTERPRET:  # the interpreter cannot range() over a loaded bound
-        it = 0
-        while it < num_iters:
-            acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
-                          mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT,
-                          EVEN_M, EVEN_N, BLOCK_K)
-            it += 1
-    else:
-        for it in range(0, num_iters):
-            acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
-                          mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT,
-                          EVEN_M, EVEN_N, BLOCK_K)
-    mask = mask_m[:, None] & mask_n[None, :]
-    c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    c_rows = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm
+    _per_tile_reduction(pid_n, tl.cdiv(row_end - row_start, BLOCK_K), row_start, row_end, p_ptr, p_idx_ptr, q_ptr,
+                        q_idx_ptr, c_rows, offs_m, mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER,
+                        Q_GATHER, FP32_DOT, INTERPRET, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -357,31 +369,6 @@ def _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, row_start, row_
         for n_tile in range(0, num_n_tiles):
             _resident_tile(n_tile, p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, q_ptr, c_rows, mask_m, N, stride_qr,
                            stride_qn, FP32_DOT, EVEN_N, NUM, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def _per_tile_reduction(n_tile, num_iters, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, offs_m,
-                        mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER: tl.constexpr,
-                        Q_GATHER: tl.constexpr, FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr,
-                        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    """One n-tile of an (expert, m-tile) reduced as _k_grouped_gemm_kernel does (P and Q chunks both loaded)."""
-    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if INTERPRET:
-        it = 0
-        while it < num_iters:
-            acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
-                          mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, EVEN_M,
-                          EVEN_N, BLOCK_K)
-            it += 1
-    else:
-        for it in range(0, num_iters):
-            acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
-                          mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, EVEN_M,
-                          EVEN_N, BLOCK_K)
-    tl.store(c_rows + offs_n[None, :], acc.to(c_rows.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
