@@ -32,7 +32,9 @@ from ..kernels import ep_comm as K_
 __all__ = ["ExchangeBuffers", "publish", "build_schedule", "dispatch_round", "push_round", "signal_done",
            "wait_done", "slot_views", "sched_size", "interpret_mode"]
 
-_BM, _BD, _BT = 16, 256, 16
+# rows per program, columns per copy step, warps of the dispatch (pull) and push kernels; combine's rows per
+# program. Copies only: these never change bits (scripts/comm_bench.py times alternatives).
+_BM, _BD, _NW, _BT = 16, 256, 4, 16
 
 
 def interpret_mode() -> bool:
@@ -117,7 +119,8 @@ def dispatch_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: boo
                                 bufs.wr_C,
                                 r * C, C, s.hidden, s.top_k, L, ws.offsets["sorted"], ws.offsets["weights"],
                                 ws.offsets["rows"], s.max_tokens * s.hidden, W=s.world, E=s.num_experts,
-                                E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM, BD=_BD, BWD=backward)
+                                E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM, BD=_BD, BWD=backward,
+                                num_warps=_NW)
 
 
 def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tensor,
@@ -131,7 +134,7 @@ def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tenso
     K_.ep_push_kernel[(triton.cdiv(C, _BM),)](ws.ptrs_W, bufs.sched, bufs.rowtab_3C, y_CD,
                                               dots_CP if dots_CP is not None else y_CD, r * C, C, s.hidden,
                                               s.top_k, P, ws.offsets["slots"], ws.offsets["dots"], BM=_BM, BD=_BD,
-                                              HAS_DOT=dots_CP is not None, P_POW2=_pow2(P))
+                                              HAS_DOT=dots_CP is not None, P_POW2=_pow2(P), num_warps=_NW)
 
 
 def signal_done(ws: EPWorkspace) -> None:

@@ -1,0 +1,149 @@
+"""Dispatch (pull) and combine (push) bandwidth per rank, against the NVLink peer-copy rate of the same run.
+
+Run under torchrun on 2 GPUs (needs CUDA; installs nothing):
+    torchrun --standalone --nproc-per-node 2 scripts/comm_bench.py [--sweep]
+
+Identity experts (the received rows are pushed straight back), deepseek-v3 and mok-bench rows, T = 4096
+tokens per rank, uniform top-k routing, the default capacity (one round). Per preset it reports, slowest
+rank, medians of 10:
+  * dispatch = publish + schedule + pull; "pull" alone (events around the rounds);
+  * combine = push + signal + wait + the owner's fixed-order combine;
+  * GB/s over all received rows and over the rows that crossed NVLink (half of them at W = 2), and the
+    peer copy rate (``copy_`` of a peer's symmetric buffer, i.e. the copy engines) measured in the same run.
+``--sweep`` also times other copy shapes of the dispatch / push kernels (rows per program, columns per
+step, warps; module constants of megamoe.ops.ep_comm) and checks that each receives bitwise the same rows.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megamoe.config import get_preset
+from megamoe.distributed import default_capacity_rows, get_workspace, max_rounds, reserve_workspace
+from megamoe.ops import ep_comm as X
+from megamoe.ops.combine import combine_fwd
+
+SHAPES = [(16, 256, 4), (32, 256, 4), (16, 512, 4), (32, 512, 8), (64, 512, 8), (8, 1024, 4), (16, 1024, 8)]
+
+
+def main() -> None:
+    rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", device_id=dev)
+    sweep = "--sweep" in sys.argv
+
+    def slowest(ms: float) -> float:
+        t = torch.tensor([ms], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def say(s: str) -> None:
+        if rank == 0:
+            print(s, flush=True)
+
+    reserve_workspace(None, 4096)
+    for name in ("deepseek-v3", "mok-bench"):
+        cfg = get_preset(name)
+        D, E, K, T = cfg.hidden_size, cfg.num_experts, cfg.top_k, 4096
+        ws = get_workspace(None, num_tokens=T, hidden=D, top_k=K, num_experts=E, dtype=torch.bfloat16, device=dev)
+        g = torch.Generator(device=dev).manual_seed(rank)
+        x = torch.randn(T, D, device=dev, generator=g).bfloat16()
+        ids = torch.rand(T, E, device=dev, generator=g).topk(K, dim=1).indices
+        w = torch.rand(T, K, device=dev, generator=g)
+        C = default_capacity_rows(ws.spec)
+        rounds = max_rounds(ws.spec, C)
+        bufs = X.ExchangeBuffers(ws, C, backward=False)
+        marks = []
+
+        def dispatch():
+            s, m = torch.cuda.Event(True), torch.cuda.Event(True)
+            s.record()
+            X.publish(ws, ids, x)
+            X.build_schedule(ws, bufs, rounds, 10.0)
+            m.record()
+            for r in range(rounds):
+                X.dispatch_round(ws, bufs, r, False)
+            marks.append((s, m))
+
+        def finish():
+            for r in range(rounds):
+                X.push_round(ws, bufs, r, bufs.xr_CD)
+            X.signal_done(ws)
+            X.wait_done(ws, 10.0)
+            rows, row_of, _ = X.slot_views(ws, T)
+            return combine_fwd(rows, row_of, w, None, out_dtype=x.dtype)
+
+        def timed(iters=10):
+            """(dispatch, pull, exchange) ms medians on this rank."""
+            disp, pull, total = [], [], []
+            for _ in range(iters):
+                dist.barrier()
+                torch.cuda.synchronize()
+                marks.clear()
+                e1, e2 = torch.cuda.Event(True), torch.cuda.Event(True)
+                dispatch()
+                e1.record()
+                finish()
+                e2.record()
+                torch.cuda.synchronize()
+                s, m = marks[0]
+                disp.append(s.elapsed_time(e1))
+                pull.append(m.elapsed_time(e1))
+                total.append(s.elapsed_time(e2))
+            return [statistics.median(v) for v in (disp, pull, total)]
+
+        dispatch()
+        out = finish()
+        torch.cuda.synchronize()
+        ok = torch.allclose(out.float(), w.sum(1, keepdim=True) * x.float(), rtol=2e-2, atol=2e-2)
+        R = int(bufs.sched[0].item())
+        ref_rows = bufs.xr_CD[:R].clone()
+        nbytes = R * D * 2
+        L = E // W
+        cnt = bufs.sched[80:80 + E].view(L, W).sum(0).tolist()
+        remote = (R - cnt[rank]) * D * 2  # rows that crossed NVLink; the rest come from this rank's memory
+        peer = ws._keepalive.get_buffer((rank + 1) % W, (ws.rows_2TD.numel() * 2,), torch.uint8)
+        loc = torch.empty_like(peer)
+        for _ in range(3):
+            loc.copy_(peer)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(10):
+            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+            s.record()
+            loc.copy_(peer)
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e))
+        peer_gbs = peer.numel() / slowest(statistics.median(ts)) / 1e6
+        say(f"{name}: T={T}/rank, {R} rows received ({remote / nbytes:.0%} over NVLink), peer copy {peer_gbs:.0f} GB/s, "
+            f"correct={ok}")
+        default = (X._BM, X._BD, X._NW)
+        for shape in (SHAPES if sweep else [default]):
+            X._BM, X._BD, X._NW = shape
+            dispatch()
+            finish()
+            torch.cuda.synchronize()
+            same = torch.equal(bufs.xr_CD[:R], ref_rows)
+            t_disp, t_pull, t_x = (slowest(v) for v in timed())
+            t_comb = t_x - t_disp
+            say(f"  BM={shape[0]:3d} BD={shape[1]:5d} warps={shape[2]}{' (table)' if shape == default else ''}: "
+                f"dispatch {t_disp:.3f} ms ({remote / t_disp / 1e6:.0f} GB/s NVLink, "
+                f"{remote / t_disp / 1e6 / peer_gbs:.0%} of peer copy; all rows {nbytes / t_disp / 1e6:.0f} GB/s), "
+                f"pull alone {t_pull:.3f} ms ({remote / t_pull / 1e6:.0f} GB/s NVLink, "
+                f"{remote / t_pull / 1e6 / peer_gbs:.0%}), combine {t_comb:.3f} ms "
+                f"({remote / t_comb / 1e6:.0f} GB/s NVLink, {remote / t_comb / 1e6 / peer_gbs:.0%}), "
+                f"rows bitwise {'==' if same else 'DIFFERENT'}")
+        X._BM, X._BD, X._NW = default
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
