@@ -14,7 +14,6 @@ Usage: python scripts/gemm_sweep.py OUT_DIR [preset[+balanced][+nolayer]:T ...] 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import sys
@@ -52,17 +51,18 @@ def routing(T, E, K, balanced, g):
 
 
 def candidates(kind):
-    """Configs timed against the checked-in one. m-grouped: the table's config with the half-height tail
-    tiles switched (session 4); the earlier sessions' shape / stage / TMA candidates and their results are in
-    docs/perf.md and benchmarks/results/*/gemm_sweep_run*.log."""
     G = GemmConfig
-    if kind in tile_config._M_GROUPED_BF16:
-        cfg = tile_config._M_GROUPED_BF16[kind]
-        return [dataclasses.replace(cfg, half_tail=not cfg.half_tail)]
-    # per-tile kernel (stages, wider tiles), then the resident kernel with 1-4 chunks of P rows on chip
-    return [G(128, 128, 64, 8, 2), G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 2), G(256, 128, 64, 8, 2),
-            G(128, 128, 64, 8, 3, resident_chunks=3), G(128, 128, 64, 8, 4, resident_chunks=2),
-            G(128, 128, 64, 8, 4, resident_chunks=1), G(128, 64, 64, 8, 4, resident_chunks=4)]
+    c = {
+        "gate_up": [G(128, 128, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
+        "down": [G(128, 256, 64, 8, 3), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True)],
+        "dgrad_swiglu": [G(128, 128, 64, 8, 4, tma_b=True)],
+        "dgrad": [G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True)],
+        # per-tile kernel (stages, wider tiles), then the resident kernel with 1-4 chunks of P rows on chip
+        "wgrad": [G(128, 128, 64, 8, 2), G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 2), G(256, 128, 64, 8, 2),
+                  G(128, 128, 64, 8, 3, resident_chunks=3), G(128, 128, 64, 8, 4, resident_chunks=2),
+                  G(128, 128, 64, 8, 4, resident_chunks=1), G(128, 64, 64, 8, 4, resident_chunks=4)],
+    }
+    return c[kind]
 
 
 def sweep(name, T, balanced, log, only=None):

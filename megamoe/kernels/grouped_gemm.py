@@ -113,90 +113,9 @@ def _swiglu_bwd_half(acc, offs_n, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, 
     return part
 
 @triton.jit
-def _m_tile(a_ptr, a_desc, a_idx_ptr, b_ptr, b_desc, scale_ptr, gu_ptr, c_ptr, aux_ptr, dot_ptr,
-            expert, row_start, row_end, n_tile, num_n_tiles, num_rows, N, K: tl.constexpr,
-            stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_gm, stride_xm,
-            EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr,
-            HAS_DOT: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-            TMA_A: tl.constexpr, TMA_B: tl.constexpr, B_ROWS: tl.constexpr,
-            TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One (m-tile, n-tile) of ``_m_grouped_gemm_kernel``: TILE_M rows from ``row_start`` (rows at or past
-    ``row_end`` are computed on clamped indices and dropped at the store), main loop and epilogue."""
-    out_ty = c_ptr.dtype.element_ty
-    offs_m = row_start + tl.arange(0, TILE_M)
-    mask_m = offs_m < row_end
-    rows = tl.minimum(offs_m, num_rows - 1).to(tl.int64)  # clamped rows: computed, never stored
-    if HAS_GATHER:
-        a_rows = tl.load(a_idx_ptr + rows).to(tl.int64)
-    else:
-        a_rows = rows
-    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    b_row = expert * B_ROWS + n_tile * BLOCK_N  # TMA_B == 1: row of B viewed as (E * B_ROWS, K)
-    acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
-    if EPILOGUE == SWIGLU:
-        acc_up = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
-        if TMA_A:  # rows [row_start, row_start + TILE_M) of A (R, K); rows past R zero-filled
-            a = a_desc.load([row_start, k0])
-        else:
-            a = _load_2d(a_ptrs, mask_m, mask_k, True, EVEN_K)  # clamped rows are in bounds
-        if TMA_B == 1:  # B[e] stored (N, K): tile (BLOCK_N, BLOCK_K) of the (E * B_ROWS, K) view
-            b = tl.trans(b_desc.load([b_row, k0]))
-        elif TMA_B == 2:  # B[e] stored (K, N): tile (BLOCK_K, BLOCK_N) of the (E * K, N) view (EVEN_K)
-            b = b_desc.load([expert * K + k0, n_tile * BLOCK_N])
-        else:
-            b = _load_2d(b_ptrs, mask_k, mask_n, EVEN_K, EVEN_N)
-        acc = _mma(a, b, acc, FP32_DOT)
-        if EPILOGUE == SWIGLU:
-            if TMA_B == 1:
-                b_up = tl.trans(b_desc.load([b_row + N, k0]))
-            else:
-                b_up = _load_2d(b_ptrs + N * stride_bn, mask_k, mask_n, EVEN_K, EVEN_N)
-            acc_up = _mma(a, b_up, acc_up, FP32_DOT)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-
-    mask = mask_m[:, None] & mask_n[None, :]
-    out_rows = offs_m.to(tl.int64)
-    c_ptrs = c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :]
-    if EPILOGUE == PLAIN:
-        if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + rows).to(tl.float32)[:, None]
-        tl.store(c_ptrs, acc.to(out_ty), mask=mask)
-    elif EPILOGUE == SWIGLU:
-        gate = acc.to(out_ty).to(tl.float32)
-        up = acc_up.to(out_ty).to(tl.float32)
-        if SAVE_AUX:
-            x_ptrs = aux_ptr + out_rows[:, None] * stride_xm + offs_n[None, :]
-            tl.store(x_ptrs, gate.to(out_ty), mask=mask)
-            tl.store(x_ptrs + N, up.to(out_ty), mask=mask)
-        h = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
-        tl.store(c_ptrs, h.to(out_ty), mask=mask)
-    else:  # SWIGLU_BWD: acc = dY @ W2[e], N = F, C = [dg | du] (R x 2F), AUX = h * scale (R x F)
-        # the epilogue runs on two column halves to halve its live registers (no spills at 128 x 128)
-        acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (TILE_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr + rows).to(tl.float32)
-        else:
-            scale = tl.full((TILE_M,), 1.0, tl.float32)
-        offs_lo = n_tile * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-        part = _swiglu_bwd_half(acc_lo, offs_lo, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
-                                stride_gm, stride_cm, stride_xm, HAS_SCALE)
-        part += _swiglu_bwd_half(acc_hi, offs_lo + BLOCK_N // 2, rows, out_rows, mask_m, scale, gu_ptr, c_ptr,
-                                 aux_ptr, N, stride_gm, stride_cm, stride_xm, HAS_SCALE)
-        if HAS_DOT:
-            tl.store(dot_ptr + out_rows * num_n_tiles + n_tile, part, mask=mask_m)
-
-
-@triton.jit
 def _m_grouped_gemm_kernel(
     # inputs
-    a_ptr, a_desc, a_half_desc, a_idx_ptr, b_ptr, b_desc, row_offsets_ptr, tile_offsets_ptr, scale_ptr, gu_ptr,
+    a_ptr, a_desc, a_idx_ptr, b_ptr, b_desc, row_offsets_ptr, tile_offsets_ptr, scale_ptr, gu_ptr,
     # outputs
     c_ptr, aux_ptr, dot_ptr,
     # shapes (K is a compile-time constant: a weight dimension, D or F)
@@ -208,8 +127,9 @@ def _m_grouped_gemm_kernel(
     HAS_DOT: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     E_POW2: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, B_ROWS: tl.constexpr,
     # tile config
-    HALF_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    out_ty = c_ptr.dtype.element_ty
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(tile_offsets_ptr + num_experts) * num_n_tiles
     tile = tl.program_id(0)
@@ -218,18 +138,74 @@ def _m_grouped_gemm_kernel(
         n_tile = tile % num_n_tiles
         expert, row_start, row_end = _expert_of_tile(tile_offsets_ptr, row_offsets_ptr, m_tile, num_experts,
                                                      E_POW2, BLOCK_M)
-        # an expert's last m-tile with at most BLOCK_M / 2 rows runs as a half-height tile: half the MMA
-        # work for the same weight tiles (the row results do not depend on the tile height)
-        if HALF_TAIL and row_end - row_start <= BLOCK_M // 2:
-            _m_tile(a_ptr, a_half_desc, a_idx_ptr, b_ptr, b_desc, scale_ptr, gu_ptr, c_ptr, aux_ptr, dot_ptr, expert,
-                    row_start, row_end, n_tile, num_n_tiles, num_rows, N, K, stride_am, stride_ak, stride_be, stride_bn,
-                    stride_bk, stride_cm, stride_gm, stride_xm, EPILOGUE, HAS_GATHER, HAS_SCALE, SAVE_AUX, HAS_DOT,
-                    FP32_DOT, EVEN_K, EVEN_N, TMA_A, TMA_B, B_ROWS, BLOCK_M // 2, BLOCK_N, BLOCK_K)
+        offs_m = row_start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < row_end
+        rows = tl.minimum(offs_m, num_rows - 1).to(tl.int64)  # clamped rows: computed, never stored
+        if HAS_GATHER:
+            a_rows = tl.load(a_idx_ptr + rows).to(tl.int64)
         else:
-            _m_tile(a_ptr, a_desc, a_idx_ptr, b_ptr, b_desc, scale_ptr, gu_ptr, c_ptr, aux_ptr, dot_ptr, expert,
-                    row_start, row_end, n_tile, num_n_tiles, num_rows, N, K, stride_am, stride_ak, stride_be, stride_bn,
-                    stride_bk, stride_cm, stride_gm, stride_xm, EPILOGUE, HAS_GATHER, HAS_SCALE, SAVE_AUX, HAS_DOT,
-                    FP32_DOT, EVEN_K, EVEN_N, TMA_A, TMA_B, B_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
+            a_rows = rows
+        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        b_row = expert * B_ROWS + n_tile * BLOCK_N  # TMA_B == 1: row of B viewed as (E * B_ROWS, K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if EPILOGUE == SWIGLU:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = offs_k < K - k0
+            if TMA_A:  # rows [row_start, row_start + BLOCK_M) of A (R, K); rows past R zero-filled
+                a = a_desc.load([row_start, k0])
+            else:
+                a = _load_2d(a_ptrs, mask_m, mask_k, True, EVEN_K)  # clamped rows are in bounds
+            if TMA_B == 1:  # B[e] stored (N, K): tile (BLOCK_N, BLOCK_K) of the (E * B_ROWS, K) view
+                b = tl.trans(b_desc.load([b_row, k0]))
+            elif TMA_B == 2:  # B[e] stored (K, N): tile (BLOCK_K, BLOCK_N) of the (E * K, N) view (EVEN_K)
+                b = b_desc.load([expert * K + k0, n_tile * BLOCK_N])
+            else:
+                b = _load_2d(b_ptrs, mask_k, mask_n, EVEN_K, EVEN_N)
+            acc = _mma(a, b, acc, FP32_DOT)
+            if EPILOGUE == SWIGLU:
+                if TMA_B == 1:
+                    b_up = tl.trans(b_desc.load([b_row + N, k0]))
+                else:
+                    b_up = _load_2d(b_ptrs + N * stride_bn, mask_k, mask_n, EVEN_K, EVEN_N)
+                acc_up = _mma(a, b_up, acc_up, FP32_DOT)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        mask = mask_m[:, None] & mask_n[None, :]
+        out_rows = offs_m.to(tl.int64)
+        c_ptrs = c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :]
+        if EPILOGUE == PLAIN:
+            if HAS_SCALE:
+                acc = acc * tl.load(scale_ptr + rows).to(tl.float32)[:, None]
+            tl.store(c_ptrs, acc.to(out_ty), mask=mask)
+        elif EPILOGUE == SWIGLU:
+            gate = acc.to(out_ty).to(tl.float32)
+            up = acc_up.to(out_ty).to(tl.float32)
+            if SAVE_AUX:
+                x_ptrs = aux_ptr + out_rows[:, None] * stride_xm + offs_n[None, :]
+                tl.store(x_ptrs, gate.to(out_ty), mask=mask)
+                tl.store(x_ptrs + N, up.to(out_ty), mask=mask)
+            h = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
+            tl.store(c_ptrs, h.to(out_ty), mask=mask)
+        else:  # SWIGLU_BWD: acc = dY @ W2[e], N = F, C = [dg | du] (R x 2F), AUX = h * scale (R x F)
+            # the epilogue runs on two column halves to halve its live registers (no spills at 128 x 128)
+            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            if HAS_SCALE:
+                scale = tl.load(scale_ptr + rows).to(tl.float32)
+            else:
+                scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+            offs_lo = n_tile * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            part = _swiglu_bwd_half(acc_lo, offs_lo, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
+                                    stride_gm, stride_cm, stride_xm, HAS_SCALE)
+            part += _swiglu_bwd_half(acc_hi, offs_lo + BLOCK_N // 2, rows, out_rows, mask_m, scale, gu_ptr, c_ptr,
+                                     aux_ptr, N, stride_gm, stride_cm, stride_xm, HAS_SCALE)
+            if HAS_DOT:
+                tl.store(dot_ptr + out_rows * num_n_tiles + n_tile, part, mask=mask_m)
         tile += tl.num_programs(0)
 
 

@@ -33,8 +33,10 @@ __all__ = ["ExchangeBuffers", "publish", "build_schedule", "dispatch_round", "pu
            "wait_done", "slot_views", "sched_size", "interpret_mode"]
 
 # rows per program, columns per copy step, warps of the dispatch (pull) and push kernels; combine's rows per
-# program. Copies only: these never change bits (scripts/comm_bench.py times alternatives).
-_BM, _BD, _NW, _BT = 16, 256, 4, 16
+# program. Copies only: these never change bits. 32 rows per program (was 16): H200 x2, T=4096 per rank,
+# pull alone 0.845 -> 0.732 ms (deepseek-v3) and 0.659 -> 0.571 ms (mok-bench), push + combine 0.90 -> 0.84
+# and 0.70 -> 0.64 ms (scripts/comm_bench.py --sweep, benchmarks/results/2026-11-30-s4/comm_sweep_14aea56.log).
+_BM, _BD, _NW, _BT = 32, 256, 4, 16
 
 
 def interpret_mode() -> bool:

@@ -96,14 +96,10 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
     tma_b, b_desc, b_rows = _weight_descriptor(cfg, b, stride_b, K, fp32_dot)
     tma_a = (cfg.tma_a and tma_b != 0 and a_idx is None and a.stride(1) == 1 and a.data_ptr() % 16 == 0
              and (a.stride(0) * a.element_size()) % 16 == 0)
-    a_desc, a_half_desc = a, a
-    if tma_a:
-        a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
-        if cfg.half_tail:
-            a_half_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [cfg.block_m // 2, cfg.block_k])
+    a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [cfg.block_m, cfg.block_k]) if tma_a else a
     dummy = c
     kernel[grid](
-        a, a_desc, a_half_desc, a_idx if a_idx is not None else offsets_E1, b, b_desc, offsets_E1, tile_offsets_E1,
+        a, a_desc, a_idx if a_idx is not None else offsets_E1, b, b_desc, offsets_E1, tile_offsets_E1,
         scale if scale is not None else dummy, gu if gu is not None else dummy,
         c, aux if aux is not None else dummy, dot if dot is not None else dummy,
         num_rows, N, E, K,
@@ -111,8 +107,7 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         gu.stride(0) if gu is not None else 0, aux.stride(0) if aux is not None else 0,
         EPILOGUE=epilogue, HAS_GATHER=a_idx is not None, HAS_SCALE=scale is not None,
         SAVE_AUX=aux is not None, HAS_DOT=dot is not None, FP32_DOT=fp32_dot, EVEN_K=K % cfg.block_k == 0,
-        EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows,
-        HALF_TAIL=cfg.half_tail, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return cfg

@@ -31,9 +31,7 @@ class GemmConfig:
 
     m-grouped only (bf16/fp16 on CUDA): ``tma_b`` loads the weight operand B through a TMA tensor
     descriptor instead of pointer loads; ``tma_a`` (with tma_b) also A, when A's rows are not gathered
-    (gathered rows always use pointer loads); ``programs_per_sm`` sizes the persistent grid;
-    ``half_tail`` runs an expert's last m-tile as a block_m / 2 tile when it holds at most block_m / 2
-    rows (uniform routing leaves about half of the experts with such a tail).
+    (gathered rows always use pointer loads); ``programs_per_sm`` sizes the persistent grid.
 
     k-grouped only: ``resident_chunks`` > 0 runs the weight gradient with one program per (expert,
     m-tile) that keeps an expert's P rows on chip while it walks the n-tiles, for experts of at most
@@ -54,7 +52,6 @@ class GemmConfig:
     tma_b: bool = False
     tma_a: bool = False
     programs_per_sm: int = 1
-    half_tail: bool = False
     resident_chunks: int = 0
 
     def __post_init__(self) -> None:
@@ -63,14 +60,10 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig: block sizes must be powers of two >= 16, got {self}")
         if self.resident_chunks not in (0, 1, 2, 3, 4):
             raise ValueError(f"GemmConfig: resident_chunks must be 0..4, got {self}")
-        if self.half_tail and self.block_m < 32:
-            raise ValueError(f"GemmConfig: half_tail needs block_m >= 32, got {self}")
 
 
-# CPU interpreter (TRITON_INTERPRET=1): tiny tiles so that tiny test shapes still span several tiles;
-# the m-grouped GEMMs run their half-height tail tiles there too (16-row halves of 32-row tiles).
+# CPU interpreter (TRITON_INTERPRET=1): tiny tiles so that tiny test shapes still span several tiles.
 _INTERPRET = GemmConfig(16, 16, 16, 4, 1)
-_INTERPRET_M = GemmConfig(32, 16, 16, 4, 1, half_tail=True)
 # fp32 operands use input_precision="ieee" FMA dots (router logits, fp32 experts): small tiles.
 _FP32 = GemmConfig(64, 64, 32, 4, 3)
 
@@ -83,11 +76,11 @@ _FP32 = GemmConfig(64, 64, 32, 4, 3)
 #   dgrad    128x256 tma  5.70 vs 6.18                  | 1.55 vs 1.73
 #   dgrad_swiglu with tma_b: 1-4% slower (its epilogue, not the loads, limits it): pointer loads kept.
 _M_GROUPED_BF16 = {
-    "gate_up": GemmConfig(128, 128, 64, 8, 3, tma_b=True, half_tail=True),  # 2 x (128x128) accumulators, 48 KiB smem / stage
+    "gate_up": GemmConfig(128, 128, 64, 8, 3, tma_b=True),  # 2 x (128x128) accumulators, 48 KiB smem / stage
     # 128x256x64/3 stages beat 128x128x64/4 on H200 (2026-11-30): qwen3 1.00 vs 1.04 ms, deepseek-v3 2.88 vs 3.25 ms
-    "down": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True, half_tail=True),
-    "dgrad_swiglu": GemmConfig(128, 128, 64, 8, 4, half_tail=True),
-    "dgrad": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True, half_tail=True),
+    "down": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
+    "dgrad_swiglu": GemmConfig(128, 128, 64, 8, 4),
+    "dgrad": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
 }
 _K_GROUPED_BF16 = GemmConfig(128, 128, 64, 8, 3)
 # few rows per expert (weight gradients at W = 1, 2): P chunks kept on chip, see k_grouped_config. Stages
@@ -123,7 +116,7 @@ def m_grouped_config(kind: str, n: int, k: int, dtype: torch.dtype, *, interpret
     if kind not in _M_GROUPED_BF16:
         raise ValueError(f"m_grouped_config: unknown kind {kind!r}; valid: {sorted(_M_GROUPED_BF16)}")
     if interpret:
-        return _INTERPRET_M
+        return _INTERPRET
     if not _is_half(dtype):
         return _FP32
     return _OVERRIDES.get((kind, n, k), _M_GROUPED_BF16[kind])
