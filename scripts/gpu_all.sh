@@ -4,7 +4,7 @@
 # Usage: scripts/gpu_all.sh [STAGE ...]
 #   stages: tests bench1 bench2 train trainck (the default set), and trainref (reference-backend tokens/s),
 #   benchroute (zipf + the routing trace written by the train stage), snippet (README snippet verbatim),
-#   ab (scripts/ab_backward.py: EP=2 with the routed pre-activations kept vs recomputed),
+#   ab (scripts/ab_backward.py: EP=2 backward variants: push overlapped / in order, pre-activations kept / recomputed),
 #   sweep (scripts/gemm_sweep.py $SWEEP_ARGS: per-GEMM tile candidates, bitwise checked),
 #   comm (scripts/comm_bench.py $COMM_ARGS: dispatch / combine GB/s vs the peer-copy rate, 2 GPUs)
 # Each stage has its own time limit (seconds, env LIMIT_<STAGE>); a stage that fails does not stop the rest.
@@ -59,7 +59,7 @@ for s in "${STAGES[@]}"; do
                --cases qwen3-30b-a3b:16384 --routing zipf:1.2 "trace:$OUT/logs/train/routing_trace.pt" \
                --out "$OUT/logs/benchroute" ;;
     ab) [[ $NGPU -ge 2 ]] && stage ab2 "${LIMIT_AB:-150}" python3 -m torch.distributed.run --standalone \
-              --nproc-per-node 2 scripts/ab_backward.py "$OUT/logs" deepseek-v3:4096 mok-bench:2048 ;;
+              --nproc-per-node 2 scripts/ab_backward.py "$OUT/logs" ${AB_CASES:-deepseek-v3:4096 mok-bench:2048} ;;
     sweep) stage sweep "${LIMIT_SWEEP:-240}" python3 scripts/gemm_sweep.py "$OUT/logs" ${SWEEP_ARGS:-deepseek-v3:4096 qwen3-30b-a3b:16384} ;;
     comm) [[ $NGPU -ge 2 ]] && stage comm "${LIMIT_COMM:-150}" python3 -m torch.distributed.run --standalone \
               --nproc-per-node 2 scripts/comm_bench.py ${COMM_ARGS:-} ;;

@@ -231,7 +231,8 @@ def test_router_logits():
 def test_bits_do_not_depend_on_tile_shape():
     """Every tile shape / load path (BLOCK_M 64 or 128, BLOCK_N 128 or 256, TMA or pointer loads, stages,
     programs per SM, and for the weight gradients the per-tile or the resident kernel with any number of
-    chunks on chip) gives bitwise the same layer output and gradients as the checked-in table: only
+    chunks on chip; dgrad + SwiGLU with 128- or 256-column tiles) gives bitwise the same layer output and
+    gradients as the checked-in table: only
     the K order (BLOCK_K) fixes the bits. This is what lets the table change for speed without changing
     results, and what EP = 1 == EP = W relies on."""
     from megamoe.ops import GemmConfig, tile_config
@@ -251,6 +252,10 @@ def test_bits_do_not_depend_on_tile_shape():
         {"wgrad": G(128, 128, 64, 8, 2, resident_chunks=1)},  # every expert takes the in-program fallback
         {"wgrad": G(64, 128, 64, 4, 2, resident_chunks=2)},  # some experts on chip, some not
         {"wgrad": G(128, 128, 64, 8, 2)},  # per-tile kernel (the table picks the resident one here)
+        # 256-column dgrad + SwiGLU tiles write two 128-column row-dot partials (F = 192: the second is past
+        # F on the shared expert's 128 columns and must not be written)
+        {"dgrad_swiglu": G(128, 256, 64, 8, 3, tma_b=True)},
+        {"dgrad_swiglu": G(128, 256, 64, 8, 3)},
     ]
     keys = {"gate_up": [("gate_up", F, D), ("gate_up", S, D)], "down": [("down", D, F), ("down", D, S)],
             "dgrad_swiglu": [("dgrad_swiglu", F, D), ("dgrad_swiglu", S, D)], "dgrad": [("dgrad", D, 2 * F), ("dgrad", D, 2 * S)],

@@ -89,28 +89,48 @@ def _mma(a, b, acc, FP32_DOT: tl.constexpr):
 
 @triton.jit
 def _swiglu_bwd_half(acc, offs_n, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
-                     stride_gm, stride_cm, stride_xm, HAS_SCALE: tl.constexpr):
-    """SwiGLU backward on a column block: stores [dg | du] and h * scale; returns sum_n acc * h per row."""
+                     stride_gm, stride_cm, stride_xm, HAS_SCALE: tl.constexpr, OFFS_I32: tl.constexpr):
+    """SwiGLU backward on a column block: stores [dg | du] and h * scale; returns sum_n acc * h per row.
+    OFFS_I32: element offsets fit in int32 (the host checks), which halves the registers of the address
+    tensors (fewer spills)."""
     out_ty = c_ptr.dtype.element_ty
     mask_n = offs_n < N
     mask = mask_m[:, None] & mask_n[None, :]
-    g_ptrs = gu_ptr + rows[:, None] * stride_gm + offs_n[None, :]
+    if OFFS_I32:
+        rows = rows.to(tl.int32)
+        out_rows = out_rows.to(tl.int32)
+    g_ptrs = gu_ptr + (rows[:, None] * stride_gm + offs_n[None, :])
     gate = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
     up = tl.load(g_ptrs + N, mask=mask_n[None, :], other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-gate))
     h = (gate * sig * up).to(out_ty).to(tl.float32)  # bitwise the forward's h
     part = tl.sum(tl.where(mask_n[None, :], acc * h, 0.0), axis=1)
-    x_ptrs = aux_ptr + out_rows[:, None] * stride_xm + offs_n[None, :]
+    x_ptrs = aux_ptr + (out_rows[:, None] * stride_xm + offs_n[None, :])
     if HAS_SCALE:
         acc = acc * scale[:, None]
         h = h * scale[:, None]
     tl.store(x_ptrs, h.to(out_ty), mask=mask)
     dh = acc.to(out_ty).to(tl.float32)
-    c_ptrs = c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :]
+    c_ptrs = c_ptr + (out_rows[:, None] * stride_cm + offs_n[None, :])
     tl.store(c_ptrs + N, (dh * (gate * sig)).to(out_ty), mask=mask)
     d_gate = (dh * up) * sig * (1.0 + gate * (1.0 - sig))
     tl.store(c_ptrs, d_gate.to(out_ty), mask=mask)
     return part
+
+@triton.jit
+def _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N, stride_gm, stride_cm,
+                     stride_xm, HAS_SCALE: tl.constexpr, OFFS_I32: tl.constexpr, BLOCK_M: tl.constexpr,
+                     COLS: tl.constexpr):
+    """SwiGLU backward on columns [n0, n0 + COLS) of a tile, run on two column halves to halve the live
+    registers; returns the row-dot partial (first half's sum + second half's sum)."""
+    acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, COLS // 2)), (0, 2, 1)))
+    offs_lo = n0 + tl.arange(0, COLS // 2)
+    part = _swiglu_bwd_half(acc_lo, offs_lo, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
+                            stride_gm, stride_cm, stride_xm, HAS_SCALE, OFFS_I32)
+    part += _swiglu_bwd_half(acc_hi, offs_lo + COLS // 2, rows, out_rows, mask_m, scale, gu_ptr, c_ptr,
+                             aux_ptr, N, stride_gm, stride_cm, stride_xm, HAS_SCALE, OFFS_I32)
+    return part
+
 
 @triton.jit
 def _m_grouped_gemm_kernel(
@@ -126,8 +146,9 @@ def _m_grouped_gemm_kernel(
     EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr,
     HAS_DOT: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     E_POW2: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, B_ROWS: tl.constexpr,
-    # tile config
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    OFFS_I32: tl.constexpr,
+    # tile config; DOT_N: columns per row-dot partial of SWIGLU_BWD (BLOCK_N or BLOCK_N / 2)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_N: tl.constexpr,
 ):
     out_ty = c_ptr.dtype.element_ty
     num_n_tiles = tl.cdiv(N, BLOCK_N)
@@ -193,19 +214,27 @@ def _m_grouped_gemm_kernel(
             h = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
             tl.store(c_ptrs, h.to(out_ty), mask=mask)
         else:  # SWIGLU_BWD: acc = dY @ W2[e], N = F, C = [dg | du] (R x 2F), AUX = h * scale (R x F)
-            # the epilogue runs on two column halves to halve its live registers (no spills at 128 x 128)
-            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             if HAS_SCALE:
                 scale = tl.load(scale_ptr + rows).to(tl.float32)
             else:
                 scale = tl.full((BLOCK_M,), 1.0, tl.float32)
-            offs_lo = n_tile * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-            part = _swiglu_bwd_half(acc_lo, offs_lo, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
-                                    stride_gm, stride_cm, stride_xm, HAS_SCALE)
-            part += _swiglu_bwd_half(acc_hi, offs_lo + BLOCK_N // 2, rows, out_rows, mask_m, scale, gu_ptr, c_ptr,
-                                     aux_ptr, N, stride_gm, stride_cm, stride_xm, HAS_SCALE)
-            if HAS_DOT:
-                tl.store(dot_ptr + out_rows * num_n_tiles + n_tile, part, mask=mask_m)
+            n0 = n_tile * BLOCK_N
+            num_p = tl.cdiv(N, DOT_N)
+            if BLOCK_N == DOT_N:
+                part = _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
+                                        stride_gm, stride_cm, stride_xm, HAS_SCALE, OFFS_I32, BLOCK_M, DOT_N)
+                if HAS_DOT:
+                    tl.store(dot_ptr + out_rows * num_p + n_tile, part, mask=mask_m)
+            else:  # BLOCK_N == 2 * DOT_N: two partials per tile, the same sums as two DOT_N-wide tiles
+                acc_a, acc_b = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, DOT_N)), (0, 2, 1)))
+                part_a = _swiglu_bwd_cols(acc_a, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
+                                          stride_gm, stride_cm, stride_xm, HAS_SCALE, OFFS_I32, BLOCK_M, DOT_N)
+                part_b = _swiglu_bwd_cols(acc_b, n0 + DOT_N, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr,
+                                          N, stride_gm, stride_cm, stride_xm, HAS_SCALE, OFFS_I32, BLOCK_M, DOT_N)
+                if HAS_DOT:
+                    p = 2 * n_tile
+                    tl.store(dot_ptr + out_rows * num_p + p, part_a, mask=mask_m)
+                    tl.store(dot_ptr + out_rows * num_p + p + 1, part_b, mask=mask_m & (p + 1 < num_p))
         tile += tl.num_programs(0)
 
 

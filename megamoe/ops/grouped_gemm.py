@@ -107,10 +107,26 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         gu.stride(0) if gu is not None else 0, aux.stride(0) if aux is not None else 0,
         EPILOGUE=epilogue, HAS_GATHER=a_idx is not None, HAS_SCALE=scale is not None,
         SAVE_AUX=aux is not None, HAS_DOT=dot is not None, FP32_DOT=fp32_dot, EVEN_K=K % cfg.block_k == 0,
-        EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows,
+        OFFS_I32=_fits_i32(num_rows, c, aux, gu),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_N=_dot_cols(cfg) if epilogue == _SWIGLU_BWD else cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return cfg
+
+
+def _fits_i32(num_rows: int, *mats) -> bool:
+    """True if every element offset of the epilogue's row-major operands fits in int32."""
+    return all(m is None or num_rows * m.stride(0) < 2**31 for m in mats)
+
+
+def _dot_cols(cfg) -> int:
+    """Columns per row-dot partial of the SwiGLU-backward epilogue: block_n up to 128, else 128 (a 256-wide
+    tile writes two partials), so 128- and 256-wide tiles add the same partials in the same order."""
+    if cfg.block_n > 256:
+        raise ValueError(f"dgrad_swiglu: block_n must be <= 256, got {cfg}")
+    return min(cfg.block_n, 128)
 
 
 def _weight_descriptor(cfg, b: torch.Tensor, stride_b, K: int, fp32_dot: bool):
@@ -284,7 +300,7 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
     dev = check_device(_m_grouped_gemm_kernel, where, dy=dy, w2_EDF=w2_EDF, offsets_E1=offsets_E1, gu_RG=gu_RG,
                        gather_idx_R=gather_idx_R, row_scale_R=row_scale_R)
     cfg = m_grouped_config("dgrad_swiglu", F, D, w2_EDF.dtype, interpret=is_interpreted(_m_grouped_gemm_kernel))
-    num_p = triton.cdiv(F, cfg.block_n)
+    num_p = triton.cdiv(F, _dot_cols(cfg))
     dgu = torch.empty((R, 2 * F), dtype=dy.dtype, device=dev)
     hs = torch.empty((R, F), dtype=dy.dtype, device=dev)
     part = torch.empty((R, num_p), dtype=torch.float32, device=dev) if row_dot else None
