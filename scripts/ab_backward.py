@@ -1,9 +1,7 @@
-"""A/B of the EP backward's choices, bitwise-checked.
+"""A/B of the EP backward's choice to keep or recompute the routed pre-activations, bitwise-checked.
 
-Variants (megamoe.functional_ep.moe_experts_ep): the default (routed pre-activations kept from forward to
-backward, dx rows pushed on a side stream while the weight gradients run), ``push in order`` (the push on
-the current stream after the weight gradients: megamoe.ops.ep_experts.PUSH_OVERLAP = False) and
-``recompute`` (``save_preact=False``: gate/up recomputed from the pulled x). Each variant's output and
+Variants: ``save_preact`` True / False of megamoe.functional_ep.moe_experts_ep (keep round 0's gate/up
+pre-activations from forward to backward, or recompute them from the pulled x). Each variant's output and
 gradients must be bitwise those of the first; times are forward+backward medians of the slowest rank with
 megamoe.bench's Timer (L2 flush, barrier), interleaved over rounds. Under scripts/gpu_all.sh this is the
 ``ab`` stage (log ``ab2.log``). With one GPU (W = 1) it times the fused
@@ -59,15 +57,12 @@ def main():
         s2 = (torch.randn(D, S, generator=gw, device=dev) / S ** 0.5).bfloat16().requires_grad_() if S else None
         params = [p for p in (x, w, w13, w2, s13, s2) if p is not None]
         dout = torch.randn(T, D, generator=g, device=dev).bfloat16()
-        variants = ["default", "push in order", "recompute"] if W > 1 else ["fused W=1"]
+        variants = [True, False] if W > 1 else [None]
 
         def run(variant):
             if W > 1:
                 from megamoe.functional_ep import moe_experts_ep
-                from megamoe.ops import ep_experts
-                ep_experts.PUSH_OVERLAP = variant != "push in order"
-                out = moe_experts_ep(x, ids, w, w13, w2, s13, s2, group=group, save_preact=variant != "recompute")
-                ep_experts.PUSH_OVERLAP = True
+                out = moe_experts_ep(x, ids, w, w13, w2, s13, s2, group=group, save_preact=variant)
             else:
                 from megamoe.functional import moe_experts
                 out = moe_experts(x, ids, w, w13, w2, s13, s2, backend="fused")
@@ -84,10 +79,10 @@ def main():
                 samples[v] += timer.time(lambda _s, v=v: run(v), iters=3)
         for v in variants:
             ms = statistics.median(samples[v])
-            r = dict(case=f"{name} T={T} W={W}", variant=v, ms=ms, bitwise_equal_to_first=same.get(v, True))
+            r = dict(case=f"{name} T={T} W={W}", save_preact=v, ms=ms, bitwise_equal_to_first=same.get(v, True))
             rows.append(r)
             if rank == 0:
-                print(f"{r['case']:28s} {v:14s} fwd+bwd {ms:7.2f} ms  "
+                print(f"{r['case']:28s} save_preact={v!s:5s} fwd+bwd {ms:7.2f} ms  "
                       f"bitwise {'==' if r['bitwise_equal_to_first'] else 'DIFFERENT'}", flush=True)
         del x, w, w13, w2, s13, s2, params
         torch.cuda.empty_cache()

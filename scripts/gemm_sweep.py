@@ -24,10 +24,7 @@ from megamoe.config import get_preset
 from megamoe.ops import (GemmConfig, build_routing_plan, down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm,
                          swiglu_dgrad, tile_config)
 
-from megamoe.ops import grouped_gemm as gg
-
 dev = torch.device("cuda")
-_FITS_I32 = gg._fits_i32
 
 
 def timeit(fn, iters=8, warm=2):
@@ -58,10 +55,9 @@ def candidates(kind):
     c = {
         "gate_up": [G(128, 128, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
         "down": [G(128, 256, 64, 8, 3), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True)],
-        # session 4: "i64" = the table's config with the epilogue's int64 offsets (before OFFS_I32), then
-        # 256-column tiles (two row-dot partials per tile, the same bits) and 64-row tiles, 2 per SM
-        "dgrad_swiglu": ["i64", G(128, 256, 64, 8, 3, tma_b=True), G(128, 256, 64, 8, 3),
-                         G(64, 128, 64, 4, 4, programs_per_sm=2), G(64, 128, 64, 4, 3, programs_per_sm=2)],
+        # session 4: 256-column tiles (two 128-column row-dot partials per tile: the same bits)
+        "dgrad_swiglu": [G(128, 256, 64, 8, 3, tma_b=True), G(128, 256, 64, 8, 4, tma_b=True),
+                         G(128, 256, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
         "dgrad": [G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True)],
         # per-tile kernel (stages, wider tiles), then the resident kernel with 1-4 chunks of P rows on chip
         "wgrad": [G(128, 128, 64, 8, 2), G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 2), G(256, 128, 64, 8, 2),
@@ -106,13 +102,9 @@ def sweep(name, T, balanced, log, only=None):
         base_cfg = tile_config._OVERRIDES.pop(key, None)
         ref = None
         for cand in [base_cfg] + candidates(key[0]):
-            i64 = cand == "i64"  # the table's config, epilogue offsets in int64 (the pre-session-4 kernel)
-            if i64:
-                cand = base_cfg
-                gg._fits_i32 = lambda *a: False
             if cand is not None:
                 tile_config._OVERRIDES[key] = cand
-            shown = (str(cand) if cand is not None else "table default") + (" i64 offsets" if i64 else "")
+            shown = str(cand) if cand is not None else "table default"
             try:
                 out = [t.clone() for t in fn() if t is not None]
                 if ref is None:
@@ -127,7 +119,6 @@ def sweep(name, T, balanced, log, only=None):
                     f"{wbytes / ms / 1e6:5.0f} GB/s weights  bitwise {'==' if same else 'DIFFERENT'}")
             except Exception as exc:  # noqa: BLE001 - record and go on
                 log(f"  {tag:28s} {label:13s} {shown} FAILED {type(exc).__name__}: {str(exc)[:300]}")
-            gg._fits_i32 = _FITS_I32
             tile_config._OVERRIDES.pop(key, None)
         if base_cfg is not None:
             tile_config._OVERRIDES[key] = base_cfg
@@ -159,8 +150,7 @@ def layer(name, T, rows, log):
     t0 = timeit(fb, iters=6)
     best = {}
     for label, key in keys.items():
-        ok = [r for r in rows if r["case"] == f"{name} T={T}" and r.get("gemm") == label and r["bitwise_equal"]
-              and not r["config"].endswith("i64 offsets")]
+        ok = [r for r in rows if r["case"] == f"{name} T={T}" and r.get("gemm") == label and r["bitwise_equal"]]
         if ok:
             best[label] = min(ok, key=lambda r: r["ms"])["config"]
     for label, shown in best.items():

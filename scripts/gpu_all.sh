@@ -4,7 +4,7 @@
 # Usage: scripts/gpu_all.sh [STAGE ...]
 #   stages: tests bench1 bench2 train trainck (the default set), and trainref (reference-backend tokens/s),
 #   benchroute (zipf + the routing trace written by the train stage), snippet (README snippet verbatim),
-#   ab (scripts/ab_backward.py: EP=2 backward variants: push overlapped / in order, pre-activations kept / recomputed),
+#   ab (scripts/ab_backward.py: EP=2 with the routed pre-activations kept vs recomputed),
 #   sweep (scripts/gemm_sweep.py $SWEEP_ARGS: per-GEMM tile candidates, bitwise checked),
 #   comm (scripts/comm_bench.py $COMM_ARGS: dispatch / combine GB/s vs the peer-copy rate, 2 GPUs)
 # Each stage has its own time limit (seconds, env LIMIT_<STAGE>); a stage that fails does not stop the rest.

@@ -24,7 +24,9 @@ Two kernel families (GEMM naming after DeepGEMM: which dimension is grouped):
     2 SWIGLU_BWD: acc = dY @ W2[e] (dh before scaling); reads the saved [g | u], recomputes h exactly as
                   the forward did, writes the row-dot partial ``sum_n acc * h`` (routing-weight gradient),
                   ``dh = cast(acc * scale)``, the SwiGLU backward ``[dg | du]`` into C ([R, 2N]) and
-                  ``cast(h * scale)`` into AUX (the down-projection weight-gradient operand).
+                  ``cast(h * scale)`` into AUX (the down-projection weight-gradient operand). One row-dot
+                  partial per DOT_N (128) columns whatever BLOCK_N (a 256-wide tile writes two), so the
+                  partials, and the routing-weight gradient summed from them, do not depend on the tile.
 * ``_k_grouped_gemm_kernel``: ``C[e] = P[rows_e]^T @ Q[rows_e]`` (weight gradients). One program per
   (expert, m-tile, n-tile); its reduction walks the expert's rows from the expert's first row in
   BLOCK_K chunks, in row order, fp32 accumulation, one cast. No atomics, no split-K: bitwise
@@ -89,46 +91,41 @@ def _mma(a, b, acc, FP32_DOT: tl.constexpr):
 
 @triton.jit
 def _swiglu_bwd_half(acc, offs_n, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
-                     stride_gm, stride_cm, stride_xm, HAS_SCALE: tl.constexpr, OFFS_I32: tl.constexpr):
-    """SwiGLU backward on a column block: stores [dg | du] and h * scale; returns sum_n acc * h per row.
-    OFFS_I32: element offsets fit in int32 (the host checks), which halves the registers of the address
-    tensors (fewer spills)."""
+                     stride_gm, stride_cm, stride_xm, HAS_SCALE: tl.constexpr):
+    """SwiGLU backward on a column block: stores [dg | du] and h * scale; returns sum_n acc * h per row."""
     out_ty = c_ptr.dtype.element_ty
     mask_n = offs_n < N
     mask = mask_m[:, None] & mask_n[None, :]
-    if OFFS_I32:
-        rows = rows.to(tl.int32)
-        out_rows = out_rows.to(tl.int32)
-    g_ptrs = gu_ptr + (rows[:, None] * stride_gm + offs_n[None, :])
+    g_ptrs = gu_ptr + rows[:, None] * stride_gm + offs_n[None, :]
     gate = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
     up = tl.load(g_ptrs + N, mask=mask_n[None, :], other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-gate))
     h = (gate * sig * up).to(out_ty).to(tl.float32)  # bitwise the forward's h
     part = tl.sum(tl.where(mask_n[None, :], acc * h, 0.0), axis=1)
-    x_ptrs = aux_ptr + (out_rows[:, None] * stride_xm + offs_n[None, :])
+    x_ptrs = aux_ptr + out_rows[:, None] * stride_xm + offs_n[None, :]
     if HAS_SCALE:
         acc = acc * scale[:, None]
         h = h * scale[:, None]
     tl.store(x_ptrs, h.to(out_ty), mask=mask)
     dh = acc.to(out_ty).to(tl.float32)
-    c_ptrs = c_ptr + (out_rows[:, None] * stride_cm + offs_n[None, :])
+    c_ptrs = c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs + N, (dh * (gate * sig)).to(out_ty), mask=mask)
     d_gate = (dh * up) * sig * (1.0 + gate * (1.0 - sig))
     tl.store(c_ptrs, d_gate.to(out_ty), mask=mask)
     return part
 
+
 @triton.jit
 def _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N, stride_gm, stride_cm,
-                     stride_xm, HAS_SCALE: tl.constexpr, OFFS_I32: tl.constexpr, BLOCK_M: tl.constexpr,
-                     COLS: tl.constexpr):
+                     stride_xm, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, COLS: tl.constexpr):
     """SwiGLU backward on columns [n0, n0 + COLS) of a tile, run on two column halves to halve the live
     registers; returns the row-dot partial (first half's sum + second half's sum)."""
     acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, COLS // 2)), (0, 2, 1)))
     offs_lo = n0 + tl.arange(0, COLS // 2)
     part = _swiglu_bwd_half(acc_lo, offs_lo, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
-                            stride_gm, stride_cm, stride_xm, HAS_SCALE, OFFS_I32)
+                            stride_gm, stride_cm, stride_xm, HAS_SCALE)
     part += _swiglu_bwd_half(acc_hi, offs_lo + COLS // 2, rows, out_rows, mask_m, scale, gu_ptr, c_ptr,
-                             aux_ptr, N, stride_gm, stride_cm, stride_xm, HAS_SCALE, OFFS_I32)
+                             aux_ptr, N, stride_gm, stride_cm, stride_xm, HAS_SCALE)
     return part
 
 
@@ -146,7 +143,6 @@ def _m_grouped_gemm_kernel(
     EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr,
     HAS_DOT: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     E_POW2: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, B_ROWS: tl.constexpr,
-    OFFS_I32: tl.constexpr,
     # tile config; DOT_N: columns per row-dot partial of SWIGLU_BWD (BLOCK_N or BLOCK_N / 2)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_N: tl.constexpr,
 ):
@@ -222,15 +218,15 @@ def _m_grouped_gemm_kernel(
             num_p = tl.cdiv(N, DOT_N)
             if BLOCK_N == DOT_N:
                 part = _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
-                                        stride_gm, stride_cm, stride_xm, HAS_SCALE, OFFS_I32, BLOCK_M, DOT_N)
+                                        stride_gm, stride_cm, stride_xm, HAS_SCALE, BLOCK_M, DOT_N)
                 if HAS_DOT:
                     tl.store(dot_ptr + out_rows * num_p + n_tile, part, mask=mask_m)
             else:  # BLOCK_N == 2 * DOT_N: two partials per tile, the same sums as two DOT_N-wide tiles
                 acc_a, acc_b = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, DOT_N)), (0, 2, 1)))
                 part_a = _swiglu_bwd_cols(acc_a, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
-                                          stride_gm, stride_cm, stride_xm, HAS_SCALE, OFFS_I32, BLOCK_M, DOT_N)
+                                          stride_gm, stride_cm, stride_xm, HAS_SCALE, BLOCK_M, DOT_N)
                 part_b = _swiglu_bwd_cols(acc_b, n0 + DOT_N, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr,
-                                          N, stride_gm, stride_cm, stride_xm, HAS_SCALE, OFFS_I32, BLOCK_M, DOT_N)
+                                          N, stride_gm, stride_cm, stride_xm, HAS_SCALE, BLOCK_M, DOT_N)
                 if HAS_DOT:
                     p = 2 * n_tile
                     tl.store(dot_ptr + out_rows * num_p + p, part_a, mask=mask_m)

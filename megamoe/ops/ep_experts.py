@@ -17,8 +17,8 @@ Forward (every rank is both owner of its tokens and host of its L experts)::
 Backward: the same exchange with x and the output gradient staged; the destination uses the forward's
 gu of round 0 (kept when ``save_preact``: C x 2F elements between the passes) or recomputes it from the
 pulled x, runs ``swiglu_dgrad`` (row scale = w), the weight gradients over its rows and
-``dx_rows = dgu @ w13``, and pushes dx rows plus the P partial dots of each row (on a side stream, while
-the weight gradients run: ``PUSH_OVERLAP``); the owner reduces with ``slot_sum_bwd``.
+``dx_rows = dgu @ w13``, and pushes dx rows plus the P partial dots of each row; the owner reduces with
+``slot_sum_bwd``.
 
 The expert GEMMs are megamoe's batch-invariant kernels (megamoe.ops.grouped_gemm), so with one round
 (always the case for W <= 2 at the default capacity) the output, the input gradient and the expert
@@ -36,37 +36,7 @@ from .combine import combine_fwd, slot_sum_bwd
 from .grouped_gemm import down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm, swiglu_dgrad
 from .routing import single_group_offsets
 
-__all__ = ["ep_moe_forward", "ep_moe_backward", "PUSH_OVERLAP"]
-
-# Backward: push round r's dx rows on a side stream while the weight gradients of round r run on the
-# current one (they read different buffers; the push's copy programs fit next to the GEMM's on each SM).
-# Bits do not change (the same kernels on the same data); False pushes in order on one stream (A/B:
-# scripts/ab_backward.py).
-PUSH_OVERLAP = True
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(dev: torch.device):
-    if dev.type != "cuda":
-        return None
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE_STREAMS:
-        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
-    return _SIDE_STREAMS[idx]
-
-
-def _push(ws: EPWorkspace, bufs, r: int, dx_CD, part_CP, side):
-    """Push round r's rows, on ``side`` (returns the event that marks the push done; the caller keeps the
-    pushed tensors referenced until it waits on it) or in order on the current stream (returns None)."""
-    if side is None:
-        X.push_round(ws, bufs, r, dx_CD, part_CP)
-        return None
-    side.wait_stream(torch.cuda.current_stream(dx_CD.device))
-    with torch.cuda.stream(side):
-        X.push_round(ws, bufs, r, dx_CD, part_CP)
-    done = torch.cuda.Event()
-    done.record(side)
-    return done
+__all__ = ["ep_moe_forward", "ep_moe_backward"]
 
 
 def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS,
@@ -143,12 +113,7 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     # of the weight gradients; it never changes bits)
     rows_est = min(T * topk_ids_TK.shape[1], capacity_rows) / L
     P = 1
-    side = _side_stream(dev) if PUSH_OVERLAP else None
-    pushed, in_flight = None, []  # the side stream's last push, and the tensors it reads (kept alive until joined)
     for r in range(rounds):
-        if pushed is not None:  # the next dispatch rewrites the row table that the previous push reads
-            torch.cuda.current_stream(dev).wait_event(pushed)
-            in_flight.clear()
         X.dispatch_round(ws, bufs, r, backward=True)
         roff = bufs.roff_L1
         if r == 0 and saved_gu_CG is not None:
@@ -159,21 +124,16 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
                 gu_CG = torch.empty(capacity_rows, G, dtype=x_TD.dtype, device=dev)
             gate_up_swiglu(bufs.xr_CD, w13_LGD, roff, save_preact=True, out=h_CF, preact_out=gu_CG)
         dgu_CG, hw_CF, part_CP = swiglu_dgrad(bufs.gr_CD, w2_LDF, roff, gu_CG, row_scale_R=bufs.wr_C, row_dot=True)
-        dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff)
-        P = part_CP.shape[1]
-        pushed = _push(ws, bufs, r, dx_CD, part_CP, side)
-        if pushed is not None:
-            in_flight += [dx_CD, part_CP]
         if need_w2:
             g = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=wdt or w2_LDF.dtype, rows_per_group=rows_est)
             dw2 = g if one_round else dw2.add_(g)
         if need_w13:
             g = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=wdt or w13_LGD.dtype, rows_per_group=rows_est)
             dw13 = g if one_round else dw13.add_(g)
+        dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff)
+        P = part_CP.shape[1]
+        X.push_round(ws, bufs, r, dx_CD, part_CP)
         del dgu_CG, hw_CF, part_CP, dx_CD
-    if pushed is not None:
-        torch.cuda.current_stream(dev).wait_event(pushed)
-        in_flight.clear()
     X.signal_done(ws)
     X.wait_done(ws, timeout_s)
     if not one_round:

@@ -108,17 +108,11 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         EPILOGUE=epilogue, HAS_GATHER=a_idx is not None, HAS_SCALE=scale is not None,
         SAVE_AUX=aux is not None, HAS_DOT=dot is not None, FP32_DOT=fp32_dot, EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows,
-        OFFS_I32=_fits_i32(num_rows, c, aux, gu),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_N=_dot_cols(cfg) if epilogue == _SWIGLU_BWD else cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return cfg
-
-
-def _fits_i32(num_rows: int, *mats) -> bool:
-    """True if every element offset of the epilogue's row-major operands fits in int32."""
-    return all(m is None or num_rows * m.stride(0) < 2**31 for m in mats)
 
 
 def _dot_cols(cfg) -> int:
