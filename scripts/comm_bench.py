@@ -6,7 +6,8 @@ Run under torchrun on 2 GPUs (needs CUDA; installs nothing):
 Identity experts (the received rows are pushed straight back), deepseek-v3 and mok-bench rows, T = 4096
 tokens per rank, uniform top-k routing, the default capacity (one round). Per preset it reports, slowest
 rank, medians of 10:
-  * dispatch = publish + schedule + pull; "pull" alone (events around the rounds);
+  * dispatch = publish (stage rows, routing plan, "ready") + schedule (wait for every peer's "ready", build
+    the receive table) + pull; each part from events (slowest rank per part, so the parts need not add up);
   * combine = push + signal + wait + the owner's fixed-order combine;
   * GB/s over all received rows and over the rows that crossed NVLink (half of them at W = 2), and the
     peer copy rate (``copy_`` of a peer's symmetric buffer, i.e. the copy engines) measured in the same run.
@@ -63,14 +64,15 @@ def main() -> None:
         marks = []
 
         def dispatch():
-            s, m = torch.cuda.Event(True), torch.cuda.Event(True)
+            s, p, m = torch.cuda.Event(True), torch.cuda.Event(True), torch.cuda.Event(True)
             s.record()
             X.publish(ws, ids, x)
+            p.record()
             X.build_schedule(ws, bufs, rounds, 10.0)
             m.record()
             for r in range(rounds):
                 X.dispatch_round(ws, bufs, r, False)
-            marks.append((s, m))
+            marks.append((s, p, m))
 
         def finish():
             for r in range(rounds):
@@ -81,8 +83,8 @@ def main() -> None:
             return combine_fwd(rows, row_of, w, None, out_dtype=x.dtype)
 
         def timed(iters=10):
-            """(dispatch, pull, exchange) ms medians on this rank."""
-            disp, pull, total = [], [], []
+            """(dispatch, pull, exchange, publish, schedule) ms medians on this rank."""
+            disp, pull, total, pub, sch = [], [], [], [], []
             for _ in range(iters):
                 dist.barrier()
                 torch.cuda.synchronize()
@@ -93,11 +95,13 @@ def main() -> None:
                 finish()
                 e2.record()
                 torch.cuda.synchronize()
-                s, m = marks[0]
+                s, p, m = marks[0]
+                pub.append(s.elapsed_time(p))
+                sch.append(p.elapsed_time(m))
                 disp.append(s.elapsed_time(e1))
                 pull.append(m.elapsed_time(e1))
                 total.append(s.elapsed_time(e2))
-            return [statistics.median(v) for v in (disp, pull, total)]
+            return [statistics.median(v) for v in (disp, pull, total, pub, sch)]
 
         dispatch()
         out = finish()
@@ -123,8 +127,28 @@ def main() -> None:
             e.synchronize()
             ts.append(s.elapsed_time(e))
         peer_gbs = peer.numel() / slowest(statistics.median(ts)) / 1e6
+        # the owner's routing plan alone (sort + header kernel); it rewrites the same values into this rank's
+        # plan region, which no peer reads now (every peer has passed this exchange's wait_done)
+        before = ws.sorted_N[:T * K].clone()
+
+        def plan():
+            X.routing_plan(ws, ids)
+
+        plan()
+        torch.cuda.synchronize()
+        if not torch.equal(before, ws.sorted_N[:T * K]):
+            raise AssertionError("routing plan is not reproducible")
+        ts = []
+        for _ in range(10):
+            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+            s.record()
+            plan()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e))
+        t_plan = slowest(statistics.median(ts))
         say(f"{name}: T={T}/rank, {R} rows received ({remote / nbytes:.0%} over NVLink), peer copy {peer_gbs:.0f} GB/s, "
-            f"correct={ok}")
+            f"routing plan {t_plan:.3f} ms, correct={ok}")
         default = (X._BM, X._BD, X._NW)
         shapes = SHAPES if sweep else [default]
         for shape in shapes:  # compile every variant and check its rows before any timing
@@ -141,14 +165,15 @@ def main() -> None:
                 X._BM, X._BD, X._NW = shape
                 samples[shape].append([slowest(v) for v in timed(iters=5)])
         for shape in shapes:
-            t_disp, t_pull, t_x = (statistics.median(col) for col in zip(*samples[shape]))
+            t_disp, t_pull, t_x, t_pub, t_sch = (statistics.median(col) for col in zip(*samples[shape]))
             t_comb = t_x - t_disp
             say(f"  BM={shape[0]:3d} BD={shape[1]:5d} warps={shape[2]}{' (table)' if shape == default else ''}: "
                 f"dispatch {t_disp:.3f} ms ({remote / t_disp / 1e6:.0f} GB/s NVLink, "
                 f"{remote / t_disp / 1e6 / peer_gbs:.0%} of peer copy; all rows {nbytes / t_disp / 1e6:.0f} GB/s), "
                 f"pull alone {t_pull:.3f} ms ({remote / t_pull / 1e6:.0f} GB/s NVLink, "
                 f"{remote / t_pull / 1e6 / peer_gbs:.0%}), combine {t_comb:.3f} ms "
-                f"({remote / t_comb / 1e6:.0f} GB/s NVLink, {remote / t_comb / 1e6 / peer_gbs:.0%}), rows bitwise ==")
+                f"({remote / t_comb / 1e6:.0f} GB/s NVLink, {remote / t_comb / 1e6 / peer_gbs:.0%}), rows bitwise ==; "
+                f"dispatch = publish {t_pub:.3f} + schedule (waits for the peers' publish) {t_sch:.3f} + pull")
         X._BM, X._BD, X._NW = default
     dist.barrier()
     dist.destroy_process_group()

@@ -6,7 +6,8 @@ offsets) equals a Python model exactly; every received row carries its (source r
 owner's (token, slot) slot gets the right expert's row, so the fixed-order combine equals a PyTorch
 computation bitwise; capacity rounds (including the worst case: every token to one rank's experts) and
 unused rounds; T = 0 ranks and unequal T; repeated exchanges (epochs grow, nothing reset); a peer that
-never signals gives an EPTimeoutError naming the rank and stage.
+never signals gives an EPTimeoutError naming the rank and stage; an out-of-range expert id is reported by
+its owner.
 
 Legend: W ranks, T tokens of a rank, K top-k, D hidden, E global experts, L = E / W, C capacity rows.
 """
@@ -68,7 +69,7 @@ def _protocol_worker(rank, W, buffers, spec_args, ids_all, w_all, C, rounds, rep
     return {"sched": bufs.sched.clone(), "recv": recv, "out": outs, "epoch": ws.epoch()}
 
 
-def _run(W, Ts, K, E, kind, C, rounds=None, repeats=1, timeout=60.0, silent_rank=-1, seed=0):
+def _run(W, Ts, K, E, kind, C, rounds=None, repeats=1, timeout=60.0, silent_rank=-1, seed=0, bad_id=None):
     from megamoe.distributed import EPWorkspace, WorkspaceSpec, max_rounds
 
     spec = WorkspaceSpec(W, max(max(Ts), 1), D, K, E, torch.float32)
@@ -79,6 +80,9 @@ def _run(W, Ts, K, E, kind, C, rounds=None, repeats=1, timeout=60.0, silent_rank
             ids_all.append(routing("uniform", T, K, E // W, seed, r))
         else:
             ids_all.append(routing(kind, T, K, E, seed, r))
+    if bad_id is not None:  # (rank, token, slot, id): plant an expert id outside [0, E)
+        r, t, k, v = bad_id
+        ids_all[r][t, k] = v
     w_all = [torch.rand(T, K, generator=torch.Generator().manual_seed(r)) + 0.5 for r, T in enumerate(Ts)]
     buffers = EPWorkspace.allocate_shared(spec)
     res = spawn_ranks(_protocol_worker, W, buffers, (W, spec.max_tokens, D, K, E, torch.float32), ids_all, w_all,
@@ -141,6 +145,17 @@ def test_silent_peer_times_out_naming_rank_and_stage():
         _run(2, [3, 3], 2, 4, "uniform", 32, timeout=1.0, silent_rank=1)
     msg = str(info.value)
     assert "EPTimeoutError" in msg and "rank 0 of 2" in msg and "from rank 1" in msg and "dispatch" in msg
+
+
+@pytest.mark.parametrize("bad", [4, -1])
+def test_bad_expert_id_is_reported_by_its_owner(bad):
+    """An id outside [0, E) that got past the caller's checks: the owner's plan flags it (status stage 3),
+    the exchange still completes on every rank (no hang, no out-of-range row read), and the owner's
+    ``check`` raises naming the rank and the stage."""
+    with pytest.raises(AssertionError) as info:
+        _run(2, [4, 3], 2, 4, "uniform", 32, bad_id=(1, 2, 1, bad))
+    msg = str(info.value)
+    assert "EPTimeoutError" in msg and "rank 1 of 2" in msg and "expert id out of range" in msg
 
 
 # ------------------------------------------------------------------ the whole EP layer on the protocol

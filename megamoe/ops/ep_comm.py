@@ -28,14 +28,17 @@ import triton
 
 from ..distributed import FLAG_READY, P_MAX, EPWorkspace
 from ..kernels import ep_comm as K_
+from .routing import expert_sort
 
-__all__ = ["ExchangeBuffers", "publish", "build_schedule", "dispatch_round", "push_round", "signal_done",
+__all__ = ["ExchangeBuffers", "publish", "routing_plan", "build_schedule", "dispatch_round", "push_round", "signal_done",
            "wait_done", "slot_views", "sched_size", "interpret_mode"]
 
 # rows per program, columns per copy step, warps of the dispatch (pull) and push kernels; combine's rows per
-# program. Copies only: these never change bits. 32 rows per program (was 16): H200 x2, T=4096 per rank,
-# pull alone 0.845 -> 0.732 ms (deepseek-v3) and 0.659 -> 0.571 ms (mok-bench), push + combine 0.90 -> 0.84
-# and 0.70 -> 0.64 ms (scripts/comm_bench.py --sweep, benchmarks/results/2026-11-30-s4/comm_sweep_14aea56.log).
+# program. Copies only: these never change bits. Copy shapes from 8 to 32 rows x 256 to 1024 columns, 4 or 8
+# warps, are equal within the run-to-run spread (H200 x2, T=4096 per rank, interleaved rounds: pull
+# 0.79-0.84 ms deepseek-v3, 0.67-0.71 ms mok-bench; scripts/comm_bench.py --sweep,
+# benchmarks/results/2026-11-30-s4/comm_sweep_interleaved_1e77d22.log). A first, non-interleaved sweep had
+# shown 32 rows 13-22% faster than 16; that was the order of measurement, not the shape.
 _BM, _BD, _NW, _BT = 32, 256, 4, 16
 
 
@@ -94,10 +97,22 @@ def publish(ws: EPWorkspace, topk_ids_TK: torch.Tensor, x_TD: torch.Tensor, dout
             ws.rows_2TD[1, :T].copy_(dout_TD)
         if topk_weights_TK is not None:
             ws.weights_N[:T * K].copy_(topk_weights_TK.reshape(-1))
-    ids = topk_ids_TK.reshape(-1)
-    K_.ep_plan_kernel[(s.num_experts,)](ids, ws.plan, ws.sorted_N, ws.flags, T * K, T, s.num_experts, ws.rank,
-                                        BLOCK=1024 if not interpret_mode() else 64)
+    routing_plan(ws, topk_ids_TK)
     K_.ep_signal_kernel[(1,)](ws.ptrs_W, ws.flags, ws.rank, WORD0=FLAG_READY, W=s.world, BUMP=True, num_warps=1)
+
+
+def routing_plan(ws: EPWorkspace, topk_ids_TK: torch.Tensor) -> None:
+    """Owner: the expert-sorted (token, slot) row list (``ws.sorted_N``, a stable device sort) and the plan
+    header (T, rows per expert) that peers read in :func:`build_schedule`; flags ids outside [0, E)."""
+    s = ws.spec
+    T, K = topk_ids_TK.shape
+    N = T * K
+    offsets_E1, order_N = expert_sort(topk_ids_TK, s.num_experts)
+    ws.sorted_N[:N].copy_(order_N)
+    block = 1024 if not interpret_mode() else 64
+    K_.ep_plan_kernel[(max(1, triton.cdiv(N, block)),)](topk_ids_TK.reshape(-1), offsets_E1, ws.plan, ws.flags, N, T,
+                                                         s.num_experts, ws.rank, BLOCK=block,
+                                                         E_PAD=_pow2(s.num_experts))
 
 
 def build_schedule(ws: EPWorkspace, bufs: ExchangeBuffers, rounds: int, timeout_s: float) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["RoutingPlan", "build_routing_plan", "tile_offsets_for", "single_group_offsets"]
+__all__ = ["RoutingPlan", "build_routing_plan", "expert_sort", "tile_offsets_for", "single_group_offsets"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,20 @@ def single_group_offsets(num_rows: int, device: torch.device) -> torch.Tensor:
     return torch.arange(2, dtype=torch.int32, device=device) * num_rows
 
 
+def expert_sort(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable sort of the flat (token, slot) rows by expert id, on the device, without a host sync.
+
+    Returns (offsets_E1, order_N): (E+1,) int32 with ``offsets_E1[e]`` = the number of rows with an id
+    below e (ids in [0, E) assumed; callers validate), and (N,) int64 flat rows ``t*K + k`` ordered by
+    (expert, token, slot): the stable sort keeps the flat order, which already orders (token, slot).
+    O(N log N) (a device radix sort); exact integers, so independent of run and device. Shared by the
+    single-GPU routing plan and the EP owner's plan (megamoe.ops.ep_comm.publish).
+    """
+    sorted_ids_N, order_N = torch.sort(topk_ids_TK.reshape(-1), stable=True)
+    bounds = torch.arange(num_experts + 1, device=topk_ids_TK.device, dtype=sorted_ids_N.dtype)
+    return torch.searchsorted(sorted_ids_N, bounds, out_int32=True), order_N
+
+
 def build_routing_plan(topk_ids_TK: torch.Tensor, num_experts: int, *, token_offset: int = 0) -> RoutingPlan:
     """Build the routing plan of ``topk_ids_TK`` on its device, without a host sync.
 
@@ -84,10 +98,7 @@ def build_routing_plan(topk_ids_TK: torch.Tensor, num_experts: int, *, token_off
     T, K = topk_ids_TK.shape
     N = T * K
     dev = topk_ids_TK.device
-    flat_N = topk_ids_TK.reshape(-1)
-    sorted_ids_N, order_N = torch.sort(flat_N, stable=True)
-    bounds = torch.arange(num_experts + 1, device=dev, dtype=sorted_ids_N.dtype)
-    offsets_E1 = torch.searchsorted(sorted_ids_N, bounds, out_int32=True)
+    offsets_E1, order_N = expert_sort(topk_ids_TK, num_experts)
     counts_E = offsets_E1[1:] - offsets_E1[:-1]
     row_src_N = order_N.to(torch.int32)
     row_token_N = torch.div(row_src_N, K, rounding_mode="floor") if K > 1 else row_src_N.clone()
