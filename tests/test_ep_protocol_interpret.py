@@ -33,10 +33,14 @@ def _expert_rows(xr_CD, roff_L1, rank, L):
     return y
 
 
-def _protocol_worker(rank, W, buffers, spec_args, ids_all, w_all, C, rounds, repeats, timeout, silent_rank):
+def _protocol_worker(rank, W, buffers, spec_args, ids_all, w_all, C, rounds, repeats, timeout, silent_rank,
+                     plan_by_sort):
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
     from megamoe.ops import ep_comm as ops
     from megamoe.ops.combine import combine_fwd
+
+    if plan_by_sort:  # the owner's plan through the device sort (large T*K*E) instead of the per-expert scan
+        ops._SCAN_MAX = -1
 
     spec = WorkspaceSpec(*spec_args)
     ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)
@@ -69,7 +73,8 @@ def _protocol_worker(rank, W, buffers, spec_args, ids_all, w_all, C, rounds, rep
     return {"sched": bufs.sched.clone(), "recv": recv, "out": outs, "epoch": ws.epoch()}
 
 
-def _run(W, Ts, K, E, kind, C, rounds=None, repeats=1, timeout=60.0, silent_rank=-1, seed=0, bad_id=None):
+def _run(W, Ts, K, E, kind, C, rounds=None, repeats=1, timeout=60.0, silent_rank=-1, seed=0, bad_id=None,
+         plan_by_sort=False):
     from megamoe.distributed import EPWorkspace, WorkspaceSpec, max_rounds
 
     spec = WorkspaceSpec(W, max(max(Ts), 1), D, K, E, torch.float32)
@@ -86,7 +91,7 @@ def _run(W, Ts, K, E, kind, C, rounds=None, repeats=1, timeout=60.0, silent_rank
     w_all = [torch.rand(T, K, generator=torch.Generator().manual_seed(r)) + 0.5 for r, T in enumerate(Ts)]
     buffers = EPWorkspace.allocate_shared(spec)
     res = spawn_ranks(_protocol_worker, W, buffers, (W, spec.max_tokens, D, K, E, torch.float32), ids_all, w_all,
-                      C, rounds, repeats, timeout, silent_rank, env=ENV)
+                      C, rounds, repeats, timeout, silent_rank, plan_by_sort, env=ENV)
     return res, ids_all, w_all, rounds
 
 
@@ -131,6 +136,17 @@ def test_protocol(W, Ts, K, E, kind, C):
     _check(res, ids_all, w_all, W, E)
 
 
+@pytest.mark.parametrize("W,Ts,K,E,kind,C", [
+    (2, [5, 9], 2, 8, "zipf", 128),
+    (2, [6, 0], 3, 8, "ties", 128),
+    (4, [3, 5, 0, 2], 2, 8, "uniform", 16),
+])
+def test_protocol_with_sorted_plan(W, Ts, K, E, kind, C):
+    """The owner's plan through the device sort (taken for large T*K*E) gives the same exchange."""
+    res, ids_all, w_all, _ = _run(W, Ts, K, E, kind, C, plan_by_sort=True)
+    _check(res, ids_all, w_all, W, E)
+
+
 def test_repeated_exchanges_epochs_grow():
     res, ids_all, w_all, _ = _run(2, [5, 3], 2, 4, "hot", 32, repeats=3)
     _check(res, ids_all, w_all, 2, 4)
@@ -147,13 +163,14 @@ def test_silent_peer_times_out_naming_rank_and_stage():
     assert "EPTimeoutError" in msg and "rank 0 of 2" in msg and "from rank 1" in msg and "dispatch" in msg
 
 
+@pytest.mark.parametrize("by_sort", [False, True])
 @pytest.mark.parametrize("bad", [4, -1])
-def test_bad_expert_id_is_reported_by_its_owner(bad):
+def test_bad_expert_id_is_reported_by_its_owner(bad, by_sort):
     """An id outside [0, E) that got past the caller's checks: the owner's plan flags it (status stage 3),
     the exchange still completes on every rank (no hang, no out-of-range row read), and the owner's
     ``check`` raises naming the rank and the stage."""
     with pytest.raises(AssertionError) as info:
-        _run(2, [4, 3], 2, 4, "uniform", 32, bad_id=(1, 2, 1, bad))
+        _run(2, [4, 3], 2, 4, "uniform", 32, bad_id=(1, 2, 1, bad), plan_by_sort=by_sort)
     msg = str(info.value)
     assert "EPTimeoutError" in msg and "rank 1 of 2" in msg and "expert id out of range" in msg
 

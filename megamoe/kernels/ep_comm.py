@@ -63,10 +63,47 @@ def _peer_i32(base, byte_off):
 
 
 @triton.jit
+def ep_plan_scan_kernel(ids_ptr, plan_ptr, sorted_ptr, flags_ptr, N, T, E, rank, BLOCK: tl.constexpr):
+    """Owner's routing plan for small T*K*E, one program per global expert e: ``plan[4 + e]`` = rows with
+    id e and the stable counting sort ``sorted[off_e + j]`` = j-th flat row ``t*K + k`` with id e
+    (ascending). No atomics, so positions are deterministic. Program 0 writes ``plan[0] = T`` and flags
+    bad ids. Every program scans all N ids twice (O(E*N)): larger plans take the device sort and
+    :func:`ep_plan_kernel`, which give the same list."""
+    e = tl.program_id(0)
+    lt = 0
+    bad = 0
+    start = 0
+    while start < N:
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < N
+        ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+        lt += tl.sum((m & (ids < e) & (ids >= 0)).to(tl.int32), axis=0)
+        bad += tl.sum((m & ((ids < 0) | (ids >= E))).to(tl.int32), axis=0)
+        start += BLOCK
+    run = 0
+    start = 0
+    while start < N:
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < N
+        ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+        hit = (m & (ids == e)).to(tl.int32)
+        pos = run + tl.cumsum(hit, axis=0) - 1
+        tl.store(sorted_ptr + lt + pos, offs, mask=hit != 0)
+        run += tl.sum(hit, axis=0)
+        start += BLOCK
+    tl.store(plan_ptr + 4 + e, run)  # rows with id e
+    if e == 0:
+        tl.store(plan_ptr, T)
+        if bad > 0:
+            epoch = tl.load(flags_ptr) + 1
+            tl.atomic_cas(flags_ptr + 1, 0, _status_code(3, rank, epoch), sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def ep_plan_kernel(ids_ptr, offsets_ptr, plan_ptr, flags_ptr, N, T, E, rank, BLOCK: tl.constexpr,
                    E_PAD: tl.constexpr):
-    """Owner's routing-plan header and id check, one program per BLOCK ids (the expert-sorted row list
-    itself comes from a stable device sort, megamoe.ops.routing.expert_sort). Program 0 writes
+    """Owner's routing-plan header and id check for large T*K*E, one program per BLOCK ids (the
+    expert-sorted row list itself comes from a stable device sort, megamoe.ops.routing.expert_sort). Program 0 writes
     ``plan[0] = T`` and ``plan[4 + e]`` = rows with id e (from the sort's offsets ``offsets[0..E]``);
     a program that finds an id outside [0, E) writes the bad-id status (first error wins)."""
     pid = tl.program_id(0)
