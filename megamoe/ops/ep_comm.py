@@ -40,8 +40,12 @@ __all__ = ["ExchangeBuffers", "publish", "routing_plan", "build_schedule", "disp
 # benchmarks/results/2026-11-30-s4/comm_sweep_interleaved_1e77d22.log). A first, non-interleaved sweep had
 # shown 32 rows 13-22% faster than 16; that was the order of measurement, not the shape.
 _BM, _BD, _NW, _BT = 32, 256, 4, 16
-# routing plans with N * E above this take the device sort (routing_plan); module-level so tests can force it
-_SCAN_MAX = 8 << 20
+# routing plans with N * E above this take the device sort (routing_plan); module-level so tests can force it.
+# Inside the exchange the sort path took 0.18 ms (mok-bench, N = 24576, E = 384, in
+# benchmarks/results/2026-11-30-s4/final_9b42ded/comm.log, where this bound was 8M) against 0.08 ms for the scan
+# at the same size in earlier runs, so the bound sits where the scan reaches ~0.2 ms (16M; chosen from those
+# numbers, not re-measured at 16M).
+_SCAN_MAX = 16 << 20
 
 
 def interpret_mode() -> bool:
@@ -108,9 +112,10 @@ def routing_plan(ws: EPWorkspace, topk_ids_TK: torch.Tensor) -> None:
     expert) that peers read in :func:`build_schedule`; flags ids outside [0, E).
 
     Two ways to the same list, chosen by the static size N*E: up to ``_SCAN_MAX`` one program per expert
-    scans every id (no sort); above it, a stable device sort plus a header kernel. H200, one GPU
-    (2026-11-30): N = 16384, E = 256: 48 vs 83 us; N = 32768, E = 256: 97 vs 92 us; N = 131072, E = 512:
-    357 vs 86 us; N = 524288, E = 256: 1253 vs 113 us (the two lists compared equal in each case).
+    scans every id (no sort); above it, a stable device sort plus a header kernel. H200, one GPU, each
+    step alone (2026-11-30; scan vs sort): N = 16384, E = 256: 48 vs 83 us; N = 32768, E = 256: 97 vs
+    92 us; N = 131072, E = 512: 357 vs 86 us; N = 524288, E = 256: 1253 vs 113 us (the two lists compared
+    equal in each case). Inside an exchange the sort path measured ~0.18 ms, hence the bound.
     """
     s = ws.spec
     T, K = topk_ids_TK.shape
