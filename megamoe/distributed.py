@@ -21,7 +21,7 @@ region         dtype / shape                written by / read by
 ``slots``      act dtype [T_cap, K, D]      peers push expert outputs / input gradients into slot
                                             ``(t, k)`` of the owner, each slot written exactly once
 ``dots``       fp32 [T_cap * K, P_MAX]      backward: peers push each row's routing-weight partial
-                                            dot products (P = ceil(F / BLOCK_N) <= P_MAX = 64)
+                                            dot products (P = ceil(F / min(BLOCK_N, 128)) <= P_MAX = 64)
 =============  ===========================  ===================================================
 
 Total bytes = ``T_cap*D*es*(2 + K) + T_cap*K*(8 + 4*P_MAX) + 4*E`` + alignment (es = element size),

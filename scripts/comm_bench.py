@@ -5,7 +5,7 @@ Run under torchrun on 2 GPUs (needs CUDA; installs nothing):
 
 Identity experts (the received rows are pushed straight back), deepseek-v3 and mok-bench rows, T = 4096
 tokens per rank, uniform top-k routing, the default capacity (one round). Per preset it reports, slowest
-rank, medians of 10:
+rank, medians over 3 rounds of 5 iterations (after a discarded warm-up pass):
   * dispatch = publish (stage rows, routing plan, "ready") + schedule (wait for every peer's "ready", build
     the receive table) + pull; each part from events (slowest rank per part, so the parts need not add up);
   * combine = push + signal + wait + the owner's fixed-order combine;
@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megamoe.config import get_preset
 from megamoe.distributed import default_capacity_rows, get_workspace, max_rounds, reserve_workspace
+from megamoe.kernels import ep_comm as KE
 from megamoe.ops import ep_comm as X
 from megamoe.ops.combine import combine_fwd
 
@@ -111,7 +112,8 @@ def main() -> None:
         ref_rows = bufs.xr_CD[:R].clone()
         nbytes = R * D * 2
         L = E // W
-        cnt = bufs.sched[80:80 + E].view(L, W).sum(0).tolist()
+        seg = KE.SCHED_SEG
+        cnt = bufs.sched[seg:seg + E].view(L, W).sum(0).tolist()
         remote = (R - cnt[rank]) * D * 2  # rows that crossed NVLink; the rest come from this rank's memory
         peer = ws._keepalive.get_buffer((rank + 1) % W, (ws.rows_2TD.numel() * 2,), torch.uint8)
         loc = torch.empty_like(peer)
@@ -127,8 +129,8 @@ def main() -> None:
             e.synchronize()
             ts.append(s.elapsed_time(e))
         peer_gbs = peer.numel() / slowest(statistics.median(ts)) / 1e6
-        # the owner's routing plan alone (sort + header kernel); it rewrites the same values into this rank's
-        # plan region, which no peer reads now (every peer has passed this exchange's wait_done)
+        # the owner's routing plan alone (scan or sort, as the exchange picks for this size); it rewrites the
+        # same values into this rank's plan region, which no peer reads now (all passed this exchange)
         before = ws.sorted_N[:T * K].clone()
 
         def plan():
@@ -147,8 +149,8 @@ def main() -> None:
             e.synchronize()
             ts.append(s.elapsed_time(e))
         t_plan = slowest(statistics.median(ts))
-        say(f"{name}: T={T}/rank, {R} rows received ({remote / nbytes:.0%} over NVLink), peer copy {peer_gbs:.0f} GB/s, "
-            f"routing plan {t_plan:.3f} ms, correct={ok}")
+        say(f"{name}: T={T}/rank, {R} rows received ({remote / nbytes:.0%} over NVLink), "
+            f"peer copy {peer_gbs:.0f} GB/s, routing plan {t_plan:.3f} ms, correct={ok}")
         default = (X._BM, X._BD, X._NW)
         shapes = SHAPES if sweep else [default]
         for shape in shapes:  # compile every variant and check its rows before any timing

@@ -6,7 +6,8 @@ fp64 within 2x PyTorch's own fp32 error (+ a tiny absolute term) for edge cases 
 exact zero weight gradient, all tokens on one expert, T = 0, T = 1, T not a multiple of any block, K = 1,
 K = E, non-contiguous input); NaN-poisoned output buffers are fully overwritten; results are bitwise
 repeatable; the two weight-gradient kernels (per-tile, and resident with 1-4 chunks on chip and its
-fallback) agree bitwise and match float64; router logits and their gradients; bad input raises a clear
+fallback) agree bitwise and match float64; the routing-weight row-dot partials come per 128 columns with
+128- and 256-column tiles; router logits and their gradients; bad input raises a clear
 error.
 
 Run: python -m pytest tests/test_kernels_interpret.py -q
@@ -172,6 +173,43 @@ else:
         xs = x[plan.row_token_N.long()]
         gu_ref = torch.cat([xs[a:b] @ w13[e].t() for e, (a, b) in enumerate(zip(plan.offsets_E1[:-1].tolist(), plan.offsets_E1[1:].tolist()))])
         torch.testing.assert_close(gu, gu_ref, rtol=1e-5, atol=1e-5)
+
+    def test_swiglu_dgrad_row_dot_partials_per_128_columns(monkeypatch):
+        # The routing-weight row-dot partials are written per 128 columns whatever the tile width: a
+        # 256-column tile writes two, and with F = 320 the last tile's second partial lies past F and must
+        # not be written (it would land on the next row's first partial). Both widths against float64,
+        # within 2x torch fp32's own error of the same sums.
+        from megamoe.ops import GemmConfig
+        from megamoe.ops import grouped_gemm as gg
+
+        g = torch.Generator().manual_seed(31)
+        T, D, F, E, K = 13, 32, 320, 3, 2
+        x = torch.randn(T, D, generator=g)
+        w2 = torch.randn(E, D, F, generator=g) / F ** 0.5
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        plan = build_routing_plan(ids, E)
+        R = T * K
+        gu = torch.randn(R, 2 * F, generator=g)
+        dy = x[plan.row_token_N.long()]
+        bounds = list(zip(plan.offsets_E1[:-1].tolist(), plan.offsets_E1[1:].tolist()))
+
+        def row_dots(dy, w2, gu):  # [R, 3] sums of acc * h over columns [0, 128), [128, 256), [256, 320)
+            acc = torch.cat([dy[a:b] @ w2[e] for e, (a, b) in enumerate(bounds)])
+            gate, up = gu[:, :F], gu[:, F:]
+            h = gate * torch.sigmoid(gate) * up
+            return torch.stack([(acc * h)[:, c:c + 128].sum(1) for c in (0, 128, 256)], 1)
+
+        want = row_dots(dy.double(), w2.double(), gu.double())
+        err_pt = (row_dots(dy, w2, gu).double() - want).abs().max().item()
+        orig = gg.m_grouped_config
+        for block_n in (128, 256):
+            cfg = GemmConfig(16, block_n, 16, 4, 1)
+            monkeypatch.setattr(gg, "m_grouped_config", lambda kind, n, k, dtype, *, interpret, cfg=cfg:
+                                cfg if kind == "dgrad_swiglu" else orig(kind, n, k, dtype, interpret=interpret))
+            _, _, part = swiglu_dgrad(x, w2, plan.offsets_E1, gu, gather_idx_R=plan.row_token_N)
+            assert part.shape == (R, 3), (block_n, part.shape)
+            err = (part.double() - want).abs().max().item()
+            assert err <= 2 * err_pt + 1e-5 * want.abs().max().item(), f"BLOCK_N {block_n}: err {err:.3g} vs {err_pt:.3g}"
 
     def test_weight_gradient_kernels_agree_bitwise():
         # Experts of 0, 5, 16, 17, 33, 48, 64 and 65 rows against BLOCK_K 16: the resident kernel with 1-4

@@ -25,8 +25,9 @@ Two kernel families (GEMM naming after DeepGEMM: which dimension is grouped):
                   the forward did, writes the row-dot partial ``sum_n acc * h`` (routing-weight gradient),
                   ``dh = cast(acc * scale)``, the SwiGLU backward ``[dg | du]`` into C ([R, 2N]) and
                   ``cast(h * scale)`` into AUX (the down-projection weight-gradient operand). One row-dot
-                  partial per DOT_N (128) columns whatever BLOCK_N (a 256-wide tile writes two), so the
-                  partials, and the routing-weight gradient summed from them, do not depend on the tile.
+                  partial per DOT_N = min(BLOCK_N, 128) columns (a 256-wide tile writes two), so on the
+                  GPU's tiles (BLOCK_N 128 or 256) the partials, and the routing-weight gradient summed
+                  from them, do not depend on the tile width.
 * ``_k_grouped_gemm_kernel``: ``C[e] = P[rows_e]^T @ Q[rows_e]`` (weight gradients). One program per
   (expert, m-tile, n-tile); its reduction walks the expert's rows from the expert's first row in
   BLOCK_K chunks, in row order, fp32 accumulation, one cast. No atomics, no split-K: bitwise

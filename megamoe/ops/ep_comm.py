@@ -30,8 +30,8 @@ from ..distributed import FLAG_READY, P_MAX, EPWorkspace
 from ..kernels import ep_comm as K_
 from .routing import expert_sort
 
-__all__ = ["ExchangeBuffers", "publish", "routing_plan", "build_schedule", "dispatch_round", "push_round", "signal_done",
-           "wait_done", "slot_views", "sched_size", "interpret_mode"]
+__all__ = ["ExchangeBuffers", "publish", "routing_plan", "build_schedule", "dispatch_round", "push_round",
+           "signal_done", "wait_done", "slot_views", "sched_size", "interpret_mode"]
 
 # rows per program, columns per copy step, warps of the dispatch (pull) and push kernels; combine's rows per
 # program. Copies only: these never change bits. Copy shapes from 8 to 32 rows x 256 to 1024 columns, 4 or 8
@@ -94,9 +94,7 @@ def publish(ws: EPWorkspace, topk_ids_TK: torch.Tensor, x_TD: torch.Tensor, dout
     """Owner: stage rows (+ backward extras), build the plan, advance the epoch, signal "ready"."""
     s = ws.spec
     T, K = topk_ids_TK.shape
-    if T > s.max_tokens:
-        raise ValueError(f"megamoe EP: T={T} tokens exceeds the workspace's max_tokens={s.max_tokens} "
-                         "(megamoe.distributed.reserve_workspace)")
+    _check_tokens(ws, T)
     if T:
         ws.rows_2TD[0, :T].copy_(x_TD)
         if dout_TD is not None:
@@ -107,18 +105,30 @@ def publish(ws: EPWorkspace, topk_ids_TK: torch.Tensor, x_TD: torch.Tensor, dout
     K_.ep_signal_kernel[(1,)](ws.ptrs_W, ws.flags, ws.rank, WORD0=FLAG_READY, W=s.world, BUMP=True, num_warps=1)
 
 
-def routing_plan(ws: EPWorkspace, topk_ids_TK: torch.Tensor) -> None:
-    """Owner: the expert-sorted (token, slot) row list (``ws.sorted_N``) and the plan header (T, rows per
-    expert) that peers read in :func:`build_schedule`; flags ids outside [0, E).
+def _check_tokens(ws: EPWorkspace, T: int) -> None:
+    if T > ws.spec.max_tokens:
+        raise ValueError(f"megamoe EP: T={T} tokens exceeds the workspace's max_tokens={ws.spec.max_tokens} "
+                         "(megamoe.distributed.reserve_workspace)")
 
-    Two ways to the same list, chosen by the static size N*E: up to ``_SCAN_MAX`` one program per expert
+
+def routing_plan(ws: EPWorkspace, topk_ids_TK: torch.Tensor) -> None:
+    """Owner: write this rank's routing plan into its pool, for peers to read in :func:`build_schedule`.
+
+    topk_ids_TK: (T, K) int32 / int64 expert ids, T <= the workspace's max_tokens (ValueError otherwise).
+    Writes ``ws.sorted_N[:T*K]`` (int32 flat rows ``t*K + k`` in (expert, token, slot) order) and
+    ``ws.plan`` (``[0]`` = T, ``[4 + e]`` = rows with id e); an id outside [0, E) sets the bad-id status
+    (stage 3), which ``EPWorkspace.check`` raises. No host sync.
+
+    Two ways to the same list, chosen per call from N*E (N = T*K, host-known; ranks with different T may
+    take different ways, the lists are exact either way): up to ``_SCAN_MAX`` one program per expert
     scans every id (no sort); above it, a stable device sort plus a header kernel. H200, one GPU, each
     step alone (2026-11-30; scan vs sort): N = 16384, E = 256: 48 vs 83 us; N = 32768, E = 256: 97 vs
     92 us; N = 131072, E = 512: 357 vs 86 us; N = 524288, E = 256: 1253 vs 113 us (the two lists compared
-    equal in each case). Inside an exchange the sort path measured ~0.18 ms, hence the bound.
+    equal in each case). Inside an exchange the sort path measured 0.18-0.26 ms, hence the bound.
     """
     s = ws.spec
     T, K = topk_ids_TK.shape
+    _check_tokens(ws, T)
     N = T * K
     ids_N = topk_ids_TK.reshape(-1)
     block = 1024 if not interpret_mode() else 64
@@ -128,8 +138,9 @@ def routing_plan(ws: EPWorkspace, topk_ids_TK: torch.Tensor) -> None:
         return
     offsets_E1, order_N = expert_sort(topk_ids_TK, s.num_experts)
     ws.sorted_N[:N].copy_(order_N)
-    K_.ep_plan_kernel[(max(1, triton.cdiv(N, block)),)](ids_N, offsets_E1, ws.plan, ws.flags, N, T, s.num_experts,
-                                                         ws.rank, BLOCK=block, E_PAD=_pow2(s.num_experts))
+    K_.ep_plan_kernel[(max(1, triton.cdiv(N, block)),)](ids_N, offsets_E1, ws.plan, ws.flags, N, T,
+                                                         s.num_experts, ws.rank, BLOCK=block,
+                                                         E_PAD=_pow2(s.num_experts))
 
 
 def build_schedule(ws: EPWorkspace, bufs: ExchangeBuffers, rounds: int, timeout_s: float) -> None:

@@ -3,7 +3,8 @@
 Legend: R rows of an expert-grouped row buffer (static upper bound; expert e owns rows
 ``offsets_E1[e]:offsets_E1[e+1]``, rows past ``offsets_E1[E]`` are neither read for work nor written),
 T rows of a token matrix that rows are gathered from, E experts (groups), D hidden size, F expert FFN
-size, G = 2F ([gate | up]), M / N / K generic GEMM sizes, P = ceil(F / BLOCK_N) row-dot partials.
+size, G = 2F ([gate | up]), M / N / K generic GEMM sizes, P = ceil(F / min(BLOCK_N, 128)) row-dot
+partials.
 
 GEMM grammar (DeepGEMM style): "m-grouped" = rows grouped by expert, one weight matrix per group
 (forward and dgrad); "k-grouped" = the reduction runs over each group's rows (weight gradients).
