@@ -24,6 +24,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from gemm_sweep import timeit  # scripts/ is on sys.path when this file is run as a script
 
 from megamoe.config import get_preset
 from megamoe.distributed import default_capacity_rows, get_workspace, max_rounds, reserve_workspace
@@ -117,18 +118,7 @@ def main() -> None:
         remote = (R - cnt[rank]) * D * 2  # rows that crossed NVLink; the rest come from this rank's memory
         peer = ws._keepalive.get_buffer((rank + 1) % W, (ws.rows_2TD.numel() * 2,), torch.uint8)
         loc = torch.empty_like(peer)
-        for _ in range(3):
-            loc.copy_(peer)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(10):
-            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-            s.record()
-            loc.copy_(peer)
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e))
-        peer_gbs = peer.numel() / slowest(statistics.median(ts)) / 1e6
+        peer_gbs = peer.numel() / slowest(timeit(lambda: loc.copy_(peer), iters=10, warm=3)) / 1e6
         # the owner's routing plan alone (scan or sort, as the exchange picks for this size); it rewrites the
         # same values into this rank's plan region, which no peer reads now (all passed this exchange)
         before = ws.sorted_N[:T * K].clone()
@@ -140,15 +130,7 @@ def main() -> None:
         torch.cuda.synchronize()
         if not torch.equal(before, ws.sorted_N[:T * K]):
             raise AssertionError("routing plan is not reproducible")
-        ts = []
-        for _ in range(10):
-            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-            s.record()
-            plan()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e))
-        t_plan = slowest(statistics.median(ts))
+        t_plan = slowest(timeit(plan, iters=10, warm=0))
         say(f"{name}: T={T}/rank, {R} rows received ({remote / nbytes:.0%} over NVLink), "
             f"peer copy {peer_gbs:.0f} GB/s, routing plan {t_plan:.3f} ms, correct={ok}")
         default = (X._BM, X._BD, X._NW)

@@ -63,6 +63,15 @@ def _peer_i32(base, byte_off):
 
 
 @triton.jit
+def _flag_bad_ids(bad, flags_ptr, rank):
+    """If ``bad`` ids were seen, write the bad-id status (stage 3, the epoch this exchange will have; the
+    first error wins by compare-and-swap)."""
+    if bad > 0:
+        epoch = tl.load(flags_ptr) + 1
+        tl.atomic_cas(flags_ptr + 1, 0, _status_code(3, rank, epoch), sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def ep_plan_scan_kernel(ids_ptr, plan_ptr, sorted_ptr, flags_ptr, N, T, E, rank, BLOCK: tl.constexpr):
     """Owner's routing plan for small T*K*E, one program per global expert e: ``plan[4 + e]`` = rows with
     id e and the stable counting sort ``sorted[off_e + j]`` = j-th flat row ``t*K + k`` with id e
@@ -94,9 +103,7 @@ def ep_plan_scan_kernel(ids_ptr, plan_ptr, sorted_ptr, flags_ptr, N, T, E, rank,
     tl.store(plan_ptr + 4 + e, run)  # rows with id e
     if e == 0:
         tl.store(plan_ptr, T)
-        if bad > 0:
-            epoch = tl.load(flags_ptr) + 1
-            tl.atomic_cas(flags_ptr + 1, 0, _status_code(3, rank, epoch), sem="relaxed", scope="gpu")
+        _flag_bad_ids(bad, flags_ptr, rank)
 
 
 @triton.jit
@@ -117,9 +124,7 @@ def ep_plan_kernel(ids_ptr, offsets_ptr, plan_ptr, flags_ptr, N, T, E, rank, BLO
         hi = tl.load(offsets_ptr + 1 + ei, mask=ei < E, other=0)
         tl.store(plan_ptr + 4 + ei, hi - lo, mask=ei < E)
         tl.store(plan_ptr, T)
-    if bad > 0:
-        epoch = tl.load(flags_ptr) + 1
-        tl.atomic_cas(flags_ptr + 1, 0, _status_code(3, rank, epoch), sem="relaxed", scope="gpu")
+    _flag_bad_ids(bad, flags_ptr, rank)
 
 
 @triton.jit
