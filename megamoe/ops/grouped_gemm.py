@@ -21,6 +21,8 @@ result is independent of the other rows (batch invariance).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
@@ -28,6 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
+from .wgrad_gluon import gluon_wgrad_eligible, launch_gluon_wgrad
 from .routing import tile_offsets_for
 from .tile_config import k_grouped_config, m_grouped_config
 
@@ -347,6 +350,11 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     interpret = is_interpreted(kernel)
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
     cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group)
+    if cfg.gluon:
+        if not interpret and gluon_wgrad_eligible(p, q, c):
+            launch_gluon_wgrad(cfg, p, p_idx_R, q, q_idx_R, offsets_E1, c)
+            return c
+        cfg = dataclasses.replace(cfg, gluon=False)  # same tiles and chunk order on the Triton kernels
     extra = {}
     if cfg.resident_chunks:
         kernel = _k_grouped_resident_kernel

@@ -36,7 +36,11 @@ class GemmConfig:
     k-grouped only: ``resident_chunks`` > 0 runs the weight gradient with one program per (expert,
     m-tile) that keeps an expert's P rows on chip while it walks the n-tiles, for experts of at most
     resident_chunks * block_k rows (larger experts fall back to the per-tile reduction inside the same
-    program); 0 runs one program per (expert, m-tile, n-tile).
+    program); 0 runs one program per (expert, m-tile, n-tile). ``gluon`` runs the persistent Gluon kernel
+    instead (megamoe/kernels/wgrad_gluon.py: one program per SM, the load ring running across tiles,
+    num_stages ring slots, TMA stores of the output tiles) where the device and operands allow it (Hopper,
+    bf16/fp16, 16-byte aligned rows; ops.grouped_gemm.gluon_wgrad_eligible), else the Triton kernels with
+    this config's tiles.
 
     Bits: only block_k (the K order) can change results. block_m, block_n, the stage count, the load path
     and the grid were verified to give bitwise the same outputs and gradients on H200
@@ -53,6 +57,7 @@ class GemmConfig:
     tma_a: bool = False
     programs_per_sm: int = 1
     resident_chunks: int = 0
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         for v in (self.block_m, self.block_n, self.block_k):
@@ -60,6 +65,10 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig: block sizes must be powers of two >= 16, got {self}")
         if self.resident_chunks not in (0, 1, 2, 3, 4):
             raise ValueError(f"GemmConfig: resident_chunks must be 0..4, got {self}")
+        if self.gluon and (self.resident_chunks or self.num_stages < 3 or self.block_m != 128
+                           or self.block_n != 128 or self.num_warps != 8):
+            raise ValueError(f"GemmConfig: the Gluon weight-gradient kernel runs 128x128 tiles with 8 warps, "
+                             f"num_stages >= 3 and no resident chunks, got {self}")
 
 
 # CPU interpreter (TRITON_INTERPRET=1): tiny tiles so that tiny test shapes still span several tiles.

@@ -1,0 +1,84 @@
+"""Host launcher of the persistent Gluon weight-gradient kernel (megamoe/kernels/wgrad_gluon.py).
+
+Legend: R rows of an expert-grouped row buffer, E experts, C[e] = P[rows_e]^T @ Q[rows_e] of shape (M, N).
+
+Used by ``ops.grouped_gemm.k_grouped_mm`` when the tile table asks for it (``GemmConfig.gluon``) and
+:func:`gluon_wgrad_eligible` holds; otherwise the Triton kernels run with the same tiles and chunk order.
+Gluon is Triton's experimental lower-level language: if it is missing or fails to import (another Triton
+version), or ``MEGAMOE_GLUON=0`` is set, every weight gradient takes the Triton kernels. Nothing here reads
+device values on the host (no sync, CUDA-graph capturable); the grid is sized from E, M and N alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+try:  # Gluon is experimental: keep the library importable without it
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..kernels.wgrad_gluon import _k_grouped_wgrad_kernel
+except Exception:  # noqa: BLE001 - any import problem means: no Gluon path
+    _k_grouped_wgrad_kernel = None
+
+__all__ = ["gluon_wgrad_eligible", "launch_gluon_wgrad", "GLUON_AVAILABLE"]
+
+GLUON_AVAILABLE = _k_grouped_wgrad_kernel is not None
+_HALF = (torch.bfloat16, torch.float16)
+_BLOCK = 128
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def _aligned_rows(t: torch.Tensor) -> bool:
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def gluon_wgrad_eligible(p: torch.Tensor, q: torch.Tensor, c: torch.Tensor) -> bool:
+    """True when the Gluon kernel can compute ``c = P^T Q`` per group: Gluon importable and not disabled by
+    ``MEGAMOE_GLUON=0``; a Hopper (sm_90) CUDA device; P and Q of one 16-bit dtype with 16-byte aligned,
+    contiguous-column rows (cp.async moves 16 bytes); M and N multiples of 8; C contiguous."""
+    if not GLUON_AVAILABLE or os.environ.get("MEGAMOE_GLUON", "1") == "0":
+        return False
+    if p.device.type != "cuda" or not _is_hopper(p.device.index or 0):
+        return False
+    if p.dtype not in _HALF or q.dtype != p.dtype or c.dtype not in _HALF + (torch.float32,):
+        return False
+    M, N = p.shape[1], q.shape[1]
+    return M % 8 == 0 and N % 8 == 0 and _aligned_rows(p) and _aligned_rows(q) and c.is_contiguous()
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+
+
+def launch_gluon_wgrad(cfg, p: torch.Tensor, p_idx_R: torch.Tensor | None, q: torch.Tensor,
+                       q_idx_R: torch.Tensor | None, offsets_E1: torch.Tensor, c: torch.Tensor) -> None:
+    """Launch the persistent kernel writing every element of ``c`` (E, M, N) (experts with no rows: zeros).
+
+    Preconditions (checked by the caller): :func:`gluon_wgrad_eligible`, R > 0, c.numel() > 0. The output
+    goes through TMA stores when a 128-row tile never crosses an expert (M % 128 == 0) and C has 16-bit
+    elements (two staging buffers fit beside the load ring), through masked stores otherwise.
+    """
+    E, M, N = c.shape
+    num_tiles = E * triton.cdiv(M, _BLOCK) * triton.cdiv(N, _BLOCK)
+    sms = torch.cuda.get_device_properties(c.device).multi_processor_count
+    tma_c = M % _BLOCK == 0 and c.dtype in _HALF and c.data_ptr() % 16 == 0 and (N * c.element_size()) % 16 == 0
+    if tma_c:
+        layout = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], _gl_dtype(c.dtype))
+        c_desc = TensorDescriptor(c.view(E * M, N), [E * M, N], [N, 1], [_BLOCK, _BLOCK], layout)
+    else:
+        c_desc = None
+    _k_grouped_wgrad_kernel[(min(sms, num_tiles),)](
+        p, p_idx_R if p_idx_R is not None else offsets_E1, q, q_idx_R if q_idx_R is not None else offsets_E1,
+        offsets_E1, c, c_desc, E, M, N, p.stride(0), q.stride(0), c.stride(0), c.stride(1),
+        P_GATHER=p_idx_R is not None, Q_GATHER=q_idx_R is not None, TMA_C=tma_c,
+        BLOCK_M=_BLOCK, BLOCK_N=_BLOCK, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+    )
