@@ -2,7 +2,7 @@
 
 Proves: bitwise the same (E, M, N) result as the Triton k-grouped kernels (which the interpreter tests check
 against float64 on the CPU), on experts of 0, 1, 63, 64, 65 and 300 rows, with P or Q rows gathered through
-an index or read in place, M and N multiples of 128 (TMA-stored tiles) or not (masked stores), bf16 and fp32
+an index or read in place, M and N multiples of 128 (TMA-stored tiles) or only of 16 (partial tiles, masked stores), bf16 and fp32
 outputs, 3-5 ring stages, and more tiles than programs (every program walks several tiles and experts);
 every element of a NaN-poisoned output is written (empty experts: exact zeros); the result is within bf16
 rounding of a float64 reference; launching it reads nothing on the host (no sync under
@@ -55,7 +55,7 @@ def _run(cfg, p, q, offsets, p_idx, q_idx, out_dtype=BF16):
 
 
 @needs_hopper
-@pytest.mark.parametrize("M,N", [(256, 384), (192, 200), (128, 136)])
+@pytest.mark.parametrize("M,N", [(256, 384), (192, 208), (128, 144)])
 @pytest.mark.parametrize("gather", ["none", "p", "q"])
 def test_bitwise_equal_to_triton_kernels(M, N, gather):
     from megamoe.ops import GemmConfig

@@ -35,71 +35,76 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 
 
 @gluon.jit
-def _tile_params(t, num_tiles, row_offsets_ptr, tiles_m, tiles_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(expert, m0, n0, row_start, row_end) of tile t (clamped into range: callers mask invalid tiles)."""
+def _tile_mn(t, num_tiles, tiles_m, tiles_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(expert, m0, n0) of tile t, clamped into range (callers mask tiles past the end)."""
     t = gl.minimum(t, num_tiles - 1)
     per_expert = tiles_m * tiles_n
     expert = t // per_expert
     rem = t - expert * per_expert
-    m0 = (rem // tiles_n) * BLOCK_M
-    n0 = (rem % tiles_n) * BLOCK_N
-    row_start = gl.load(row_offsets_ptr + expert)
-    row_end = gl.load(row_offsets_ptr + expert + 1)
-    return expert, m0, n0, row_start, row_end
+    return expert, (rem // tiles_n) * BLOCK_M, (rem % tiles_n) * BLOCK_N
 
 
 @gluon.jit
-def _copy_chunk(src_ptr, idx_ptr, smem, rows, mask_r, col0, ncols, stride_r,
-                GATHER: gl.constexpr, COLS: gl.constexpr, LAYOUT: gl.constexpr):
-    """cp.async rows ``rows`` (or idx[rows]) x columns [col0, col0 + COLS) into smem; zeros where masked."""
-    if GATHER:
-        src = gl.load(idx_ptr + rows, mask=mask_r, other=0).to(gl.int64)
-    else:
-        src = rows.to(gl.int64)
-    cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
-    ptrs = src_ptr + src[:, None] * stride_r + cols[None, :]
-    mask = mask_r[:, None] & (cols < ncols)[None, :]
-    async_copy.async_copy_global_to_shared(smem, ptrs, mask=mask)
+def _tile_rows(t, num_tiles, row_offsets_ptr, tiles_m, tiles_n):
+    """(first row, end row) of tile t's expert (clamped like _tile_mn). Loaded one tile ahead of use."""
+    expert = gl.minimum(t, num_tiles - 1) // (tiles_m * tiles_n)
+    return gl.load(row_offsets_ptr + expert), gl.load(row_offsets_ptr + expert + 1)
 
 
 @gluon.jit
-def _issue_chunk(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, p_smem, q_smem, slot, row0, row_end, m0, n0, M, N,
-                 stride_pr, stride_qr, valid, P_GATHER: gl.constexpr, Q_GATHER: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LAYOUT: gl.constexpr):
-    """One ring step: chunk rows [row0, row0 + BLOCK_K) of P (m-slice) and Q (n-slice), one commit group
-    (an empty-masked group when ``valid`` is false, so every step commits exactly one group)."""
+def _num_chunks(row_start, row_end, BLOCK_K: gl.constexpr):
+    """Ring steps of a tile: its BLOCK_K-row chunks, and one all-zero step for an expert with no rows (its
+    tile then stores the zeros of an accumulator that only ever added zero products)."""
+    return gl.maximum(gl.cdiv(row_end - row_start, BLOCK_K), 1)
+
+
+@gluon.jit
+def _chunk_src(idx_ptr, row0, row_end, valid, GATHER: gl.constexpr, BLOCK_K: gl.constexpr, LAYOUT: gl.constexpr):
+    """Source rows (int32: idx[rows] when GATHER) and row mask of the chunk starting at row0."""
     rows = row0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, LAYOUT))
     mask_r = (rows < row_end) & valid
-    _copy_chunk(p_ptr, p_idx_ptr, p_smem.index(slot), rows, mask_r, m0, M, stride_pr, P_GATHER, BLOCK_M, LAYOUT)
-    _copy_chunk(q_ptr, q_idx_ptr, q_smem.index(slot), rows, mask_r, n0, N, stride_qr, Q_GATHER, BLOCK_N, LAYOUT)
+    if GATHER:
+        src = gl.load(idx_ptr + rows, mask=mask_r, other=0)
+    else:
+        src = rows
+    return src, mask_r
+
+
+@gluon.jit
+def _copy_chunk(src_ptr, smem, src, mask_r, col0, ncols, stride_r, COLS: gl.constexpr, LAYOUT: gl.constexpr):
+    """cp.async rows ``src`` x columns [col0, col0 + COLS) into smem (16-byte copies; zeros where masked)."""
+    cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
+    ptrs = src_ptr + src.to(gl.int64)[:, None] * stride_r + cols[None, :]
+    async_copy.async_copy_global_to_shared(smem, ptrs, mask=mask_r[:, None] & (cols < ncols)[None, :])
+
+
+@gluon.jit
+def _issue(p_ptr, q_ptr, p_smem, q_smem, slot, p_src, q_src, pmask, pj, pid, G, num_tiles, tiles_m, tiles_n, M, N,
+           stride_pr, stride_qr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    """One ring step: the producer's prepared chunk of P (m-slice) and Q (n-slice) into ``slot``, one commit
+    group (all-masked past this program's last tile, so every step commits exactly one group)."""
+    _, m0, n0 = _tile_mn(pid + pj * G, num_tiles, tiles_m, tiles_n, BLOCK_M, BLOCK_N)
+    _copy_chunk(p_ptr, p_smem.index(slot), p_src, pmask, m0, M, stride_pr, BLOCK_M, LAYOUT)
+    _copy_chunk(q_ptr, q_smem.index(slot), q_src, pmask, n0, N, stride_qr, BLOCK_N, LAYOUT)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _next_nonempty(j, my_tiles, pid, G, num_tiles, row_offsets_ptr, tiles_m, tiles_n,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """First of this program's tiles at index >= j whose expert has rows (my_tiles if none)."""
-    _, m0, n0, rs, re = _tile_params(pid + j * G, num_tiles, row_offsets_ptr, tiles_m, tiles_n, BLOCK_M, BLOCK_N)
-    while (j < my_tiles) & (rs >= re):
-        j += 1
-        _, m0, n0, rs, re = _tile_params(pid + j * G, num_tiles, row_offsets_ptr, tiles_m, tiles_n, BLOCK_M, BLOCK_N)
-    return j, m0, n0, rs, re
-
-
-@gluon.jit
-def _producer_step(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, p_smem, q_smem, slot, pj, pc, pm0, pn0, prs, pre,
-                   my_tiles, pid, G, num_tiles, row_offsets_ptr, tiles_m, tiles_n, M, N, stride_pr, stride_qr,
-                   P_GATHER: gl.constexpr, Q_GATHER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   BLOCK_K: gl.constexpr, LAYOUT: gl.constexpr):
-    """Issue the producer's current chunk into ``slot`` and advance it (chunk, then next non-empty tile)."""
-    _issue_chunk(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, p_smem, q_smem, slot, prs + pc * BLOCK_K, pre, pm0, pn0, M, N,
-                 stride_pr, stride_qr, pj < my_tiles, P_GATHER, Q_GATHER, BLOCK_M, BLOCK_N, BLOCK_K, LAYOUT)
+def _advance(pj, pc, prs, pre, nrs, nre, my_tiles, pid, G, num_tiles, row_offsets_ptr, tiles_m, tiles_n,
+             p_idx_ptr, q_idx_ptr, P_GATHER: gl.constexpr, Q_GATHER: gl.constexpr, BLOCK_K: gl.constexpr,
+             LAYOUT: gl.constexpr):
+    """Move the producer to its next chunk (the next tile's row range is already loaded; the one after is
+    requested now) and request that chunk's gather indices, which the next step will use."""
     pc += 1
-    if prs + pc * BLOCK_K >= pre:
+    if pc >= _num_chunks(prs, pre, BLOCK_K):
+        pj += 1
         pc = 0
-        pj, pm0, pn0, prs, pre = _next_nonempty(pj + 1, my_tiles, pid, G, num_tiles, row_offsets_ptr, tiles_m,
-                                                tiles_n, BLOCK_M, BLOCK_N)
-    return pj, pc, pm0, pn0, prs, pre
+        prs = nrs
+        pre = nre
+        nrs, nre = _tile_rows(pid + (pj + 1) * G, num_tiles, row_offsets_ptr, tiles_m, tiles_n)
+    p_src, pmask = _chunk_src(p_idx_ptr, prs + pc * BLOCK_K, pre, pj < my_tiles, P_GATHER, BLOCK_K, LAYOUT)
+    q_src, _ = _chunk_src(q_idx_ptr, prs + pc * BLOCK_K, pre, pj < my_tiles, Q_GATHER, BLOCK_K, LAYOUT)
+    return pj, pc, prs, pre, nrs, nre, p_src, q_src, pmask
 
 
 @gluon.jit
@@ -137,30 +142,42 @@ def _k_grouped_wgrad_kernel(
     G = gl.num_programs(0)
     my_tiles = gl.cdiv(num_tiles - pid, G)
 
-    # producer: next chunk to copy (tile index pj of this program, chunk pc), STAGES - 2 chunks ahead
-    pj, pm0, pn0, prs, pre = _next_nonempty(gl.to_tensor(0), my_tiles, pid, G, num_tiles, row_offsets_ptr, tiles_m, tiles_n,
-                                            BLOCK_M, BLOCK_N)
+    # Producer: the next ring step to copy is chunk pc of this program's tile pj. Everything it needs is
+    # loaded one step (gather indices) or one tile (expert row range) before it is used, so no step waits
+    # on a global load: (prs, pre) rows of tile pj, (nrs, nre) of tile pj + 1, p_src / q_src / pmask the
+    # prepared source rows of the current chunk.
+    pj = gl.to_tensor(0)
     pc = gl.to_tensor(0)
+    prs, pre = _tile_rows(pid, num_tiles, row_offsets_ptr, tiles_m, tiles_n)
+    nrs, nre = _tile_rows(pid + G, num_tiles, row_offsets_ptr, tiles_m, tiles_n)
+    p_src, pmask = _chunk_src(p_idx_ptr, prs, pre, pj < my_tiles, P_GATHER, BLOCK_K, LOAD)
+    q_src, _ = _chunk_src(q_idx_ptr, prs, pre, pj < my_tiles, Q_GATHER, BLOCK_K, LOAD)
     for i in gl.static_range(STAGES - 2):
-        pj, pc, pm0, pn0, prs, pre = _producer_step(
-            p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, p_smem, q_smem, i, pj, pc, pm0, pn0, prs, pre, my_tiles, pid, G,
-            num_tiles, row_offsets_ptr, tiles_m, tiles_n, M, N, stride_pr, stride_qr, P_GATHER, Q_GATHER,
-            BLOCK_M, BLOCK_N, BLOCK_K, LOAD)
+        _issue(p_ptr, q_ptr, p_smem, q_smem, i, p_src, q_src, pmask, pj, pid, G, num_tiles, tiles_m, tiles_n, M, N,
+               stride_pr, stride_qr, BLOCK_M, BLOCK_N, LOAD)
+        pj, pc, prs, pre, nrs, nre, p_src, q_src, pmask = _advance(
+            pj, pc, prs, pre, nrs, nre, my_tiles, pid, G, num_tiles, row_offsets_ptr, tiles_m, tiles_n, p_idx_ptr,
+            q_idx_ptr, P_GATHER, Q_GATHER, BLOCK_K, LOAD)
 
+    # Consumer: tile j's row range was loaded while tile j - 1 ran.
     step = gl.to_tensor(0)
+    crs, cre = _tile_rows(pid, num_tiles, row_offsets_ptr, tiles_m, tiles_n)
     for j in range(my_tiles):
-        expert, m0, n0, rs, re = _tile_params(pid + j * G, num_tiles, row_offsets_ptr, tiles_m, tiles_n,
-                                              BLOCK_M, BLOCK_N)
+        expert, m0, n0 = _tile_mn(pid + j * G, num_tiles, tiles_m, tiles_n, BLOCK_M, BLOCK_N)
+        nch = _num_chunks(crs, cre, BLOCK_K)
+        crs, cre = _tile_rows(pid + (j + 1) * G, num_tiles, row_offsets_ptr, tiles_m, tiles_n)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
-        for c in range(gl.cdiv(re - rs, BLOCK_K)):
+        for c in range(nch):
             slot = step % STAGES
             async_copy.wait_group(STAGES - 3)  # this thread's copies of chunk `step` have landed
             gl.thread_barrier()  # everyone's have; every warpgroup is done with the slot of step - 2
+            # refill the slot of step - 2 with the producer's chunk (step + STAGES - 2)
+            _issue(p_ptr, q_ptr, p_smem, q_smem, (step + STAGES - 2) % STAGES, p_src, q_src, pmask, pj, pid, G,
+                   num_tiles, tiles_m, tiles_n, M, N, stride_pr, stride_qr, BLOCK_M, BLOCK_N, LOAD)
             acc = warpgroup_mma(p_smem.index(slot).permute((1, 0)), q_smem.index(slot), acc, is_async=True)
-            pj, pc, pm0, pn0, prs, pre = _producer_step(
-                p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, p_smem, q_smem, (step + STAGES - 2) % STAGES, pj, pc, pm0,
-                pn0, prs, pre, my_tiles, pid, G, num_tiles, row_offsets_ptr, tiles_m, tiles_n, M, N, stride_pr,
-                stride_qr, P_GATHER, Q_GATHER, BLOCK_M, BLOCK_N, BLOCK_K, LOAD)
+            pj, pc, prs, pre, nrs, nre, p_src, q_src, pmask = _advance(
+                pj, pc, prs, pre, nrs, nre, my_tiles, pid, G, num_tiles, row_offsets_ptr, tiles_m, tiles_n,
+                p_idx_ptr, q_idx_ptr, P_GATHER, Q_GATHER, BLOCK_K, LOAD)
             acc = warpgroup_mma_wait(1, deps=[acc])
             step += 1
         acc = warpgroup_mma_wait(0, deps=[acc])

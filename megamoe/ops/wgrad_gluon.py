@@ -38,13 +38,16 @@ def _is_hopper(index: int) -> bool:
 
 
 def _aligned_rows(t: torch.Tensor) -> bool:
-    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    # row stride a multiple of 16 elements: Triton specializes such integers as divisible by 16, which is
+    # what lets the compiler prove that every 8-element (16-byte) cp.async is aligned
+    return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def gluon_wgrad_eligible(p: torch.Tensor, q: torch.Tensor, c: torch.Tensor) -> bool:
     """True when the Gluon kernel can compute ``c = P^T Q`` per group: Gluon importable and not disabled by
     ``MEGAMOE_GLUON=0``; a Hopper (sm_90) CUDA device; P and Q of one 16-bit dtype with 16-byte aligned,
-    contiguous-column rows (cp.async moves 16 bytes); M and N multiples of 8; C contiguous."""
+    contiguous-column rows whose stride is a multiple of 16 elements; M and N multiples of 16 (cp.async moves
+    16 bytes, and the column masks must be provably constant over each 8-element vector); C contiguous."""
     if not GLUON_AVAILABLE or os.environ.get("MEGAMOE_GLUON", "1") == "0":
         return False
     if p.device.type != "cuda" or not _is_hopper(p.device.index or 0):
@@ -52,7 +55,7 @@ def gluon_wgrad_eligible(p: torch.Tensor, q: torch.Tensor, c: torch.Tensor) -> b
     if p.dtype not in _HALF or q.dtype != p.dtype or c.dtype not in _HALF + (torch.float32,):
         return False
     M, N = p.shape[1], q.shape[1]
-    return M % 8 == 0 and N % 8 == 0 and _aligned_rows(p) and _aligned_rows(q) and c.is_contiguous()
+    return M % 16 == 0 and N % 16 == 0 and _aligned_rows(p) and _aligned_rows(q) and c.is_contiguous()
 
 
 def _gl_dtype(dtype: torch.dtype):
