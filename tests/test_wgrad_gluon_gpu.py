@@ -3,7 +3,7 @@
 Proves: bitwise the same (E, M, N) result as the Triton k-grouped kernels (which the interpreter tests check
 against float64 on the CPU), on experts of 0, 1, 63, 64, 65 and 300 rows, with P or Q rows gathered through
 an index or read in place, M and N multiples of 128 (TMA-stored tiles) or only of 16 (partial tiles, masked stores), bf16 and fp32
-outputs, 3-5 ring stages, and more tiles than programs (every program walks several tiles and experts);
+outputs, 128x128 tiles with 3-5 ring stages and 128x256 tiles, and more tiles than programs (every program walks several tiles and experts);
 every element of a NaN-poisoned output is written (empty experts: exact zeros); the result is within bf16
 rounding of a float64 reference; launching it reads nothing on the host (no sync under
 set_sync_debug_mode("error")).
@@ -67,10 +67,10 @@ def test_bitwise_equal_to_triton_kernels(M, N, gather):
     per_tile = _run(GemmConfig(128, 128, 64, 8, 2), p, q, off, pi, qi)
     resident = _run(GemmConfig(128, 128, 64, 8, 3, resident_chunks=3), p, q, off, pi, qi)
     assert torch.equal(per_tile, resident)
-    for stages in (3, 4, 5):
-        got = _run(GemmConfig(128, 128, 64, 8, stages, gluon=True), p, q, off, pi, qi)
+    for bn, stages in ((128, 3), (128, 4), (128, 5), (256, 3)):
+        got = _run(GemmConfig(128, bn, 64, 8, stages, gluon=True), p, q, off, pi, qi)
         assert not got.isnan().any(), "an output element was not written"
-        assert torch.equal(got, per_tile), f"Gluon kernel ({stages} stages) differs from the Triton kernels"
+        assert torch.equal(got, per_tile), f"Gluon kernel (128x{bn}, {stages} stages) differs from the Triton kernels"
     empty = [e for e, c in enumerate(COUNTS) if c == 0]
     assert torch.equal(got[empty], torch.zeros_like(got[empty]))
     # float64 reference: within bf16 rounding of the output (fp32 accumulation over <= 300 rows)

@@ -79,20 +79,21 @@ def _copy_chunk(src_ptr, smem, src, mask_r, col0, ncols, stride_r, COLS: gl.cons
 
 
 @gluon.jit
-def _issue(p_ptr, q_ptr, p_smem, q_smem, slot, p_src, q_src, pmask, pj, pid, G, num_tiles, tiles_m, tiles_n, M, N,
-           stride_pr, stride_qr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+def _issue(p_ptr, q_ptr, p_smem, q_smem, slot, p_src, q_src, pmask, qmask, pj, pid, G, num_tiles, tiles_m, tiles_n,
+           M, N, stride_pr, stride_qr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr,
+           LAYOUT_Q: gl.constexpr):
     """One ring step: the producer's prepared chunk of P (m-slice) and Q (n-slice) into ``slot``, one commit
     group (all-masked past this program's last tile, so every step commits exactly one group)."""
     _, m0, n0 = _tile_mn(pid + pj * G, num_tiles, tiles_m, tiles_n, BLOCK_M, BLOCK_N)
     _copy_chunk(p_ptr, p_smem.index(slot), p_src, pmask, m0, M, stride_pr, BLOCK_M, LAYOUT)
-    _copy_chunk(q_ptr, q_smem.index(slot), q_src, pmask, n0, N, stride_qr, BLOCK_N, LAYOUT)
+    _copy_chunk(q_ptr, q_smem.index(slot), q_src, qmask, n0, N, stride_qr, BLOCK_N, LAYOUT_Q)
     async_copy.commit_group()
 
 
 @gluon.jit
 def _advance(pj, pc, prs, pre, nrs, nre, my_tiles, pid, G, num_tiles, row_offsets_ptr, tiles_m, tiles_n,
              p_idx_ptr, q_idx_ptr, P_GATHER: gl.constexpr, Q_GATHER: gl.constexpr, BLOCK_K: gl.constexpr,
-             LAYOUT: gl.constexpr):
+             LAYOUT: gl.constexpr, LAYOUT_Q: gl.constexpr):
     """Move the producer to its next chunk (the next tile's row range is already loaded; the one after is
     requested now) and request that chunk's gather indices, which the next step will use."""
     pc += 1
@@ -103,8 +104,8 @@ def _advance(pj, pc, prs, pre, nrs, nre, my_tiles, pid, G, num_tiles, row_offset
         pre = nre
         nrs, nre = _tile_rows(pid + (pj + 1) * G, num_tiles, row_offsets_ptr, tiles_m, tiles_n)
     p_src, pmask = _chunk_src(p_idx_ptr, prs + pc * BLOCK_K, pre, pj < my_tiles, P_GATHER, BLOCK_K, LAYOUT)
-    q_src, _ = _chunk_src(q_idx_ptr, prs + pc * BLOCK_K, pre, pj < my_tiles, Q_GATHER, BLOCK_K, LAYOUT)
-    return pj, pc, prs, pre, nrs, nre, p_src, q_src, pmask
+    q_src, qmask = _chunk_src(q_idx_ptr, prs + pc * BLOCK_K, pre, pj < my_tiles, Q_GATHER, BLOCK_K, LAYOUT_Q)
+    return pj, pc, prs, pre, nrs, nre, p_src, q_src, pmask, qmask
 
 
 @gluon.jit
@@ -126,14 +127,16 @@ def _k_grouped_wgrad_kernel(
     gl.static_assert(STAGES >= 3, "the ring needs STAGES >= 3 (STAGES - 2 chunks in flight)")
     dtype: gl.constexpr = p_ptr.dtype.element_ty
     out_ty: gl.constexpr = c_ptr.dtype.element_ty
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    # cp.async layouts: 8 contiguous elements (16 bytes) per thread, a warp spanning a row of the chunk
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_M, BLOCK_M // 8], [num_warps, 1], [1, 0])
+    LOAD_Q: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M], SMEM)  # P chunk, M contiguous
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], SMEM)  # Q chunk, N contiguous
-    if TMA_C:
-        c_smem = gl.allocate_shared_memory(out_ty, [2, BLOCK_M, BLOCK_N], c_desc.layout)
+    if TMA_C:  # one staging buffer: its TMA store has a whole tile's main loop to finish before reuse
+        c_smem = gl.allocate_shared_memory(out_ty, [BLOCK_M, BLOCK_N], c_desc.layout)
 
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
@@ -151,13 +154,13 @@ def _k_grouped_wgrad_kernel(
     prs, pre = _tile_rows(pid, num_tiles, row_offsets_ptr, tiles_m, tiles_n)
     nrs, nre = _tile_rows(pid + G, num_tiles, row_offsets_ptr, tiles_m, tiles_n)
     p_src, pmask = _chunk_src(p_idx_ptr, prs, pre, pj < my_tiles, P_GATHER, BLOCK_K, LOAD)
-    q_src, _ = _chunk_src(q_idx_ptr, prs, pre, pj < my_tiles, Q_GATHER, BLOCK_K, LOAD)
+    q_src, qmask = _chunk_src(q_idx_ptr, prs, pre, pj < my_tiles, Q_GATHER, BLOCK_K, LOAD_Q)
     for i in gl.static_range(STAGES - 2):
-        _issue(p_ptr, q_ptr, p_smem, q_smem, i, p_src, q_src, pmask, pj, pid, G, num_tiles, tiles_m, tiles_n, M, N,
-               stride_pr, stride_qr, BLOCK_M, BLOCK_N, LOAD)
-        pj, pc, prs, pre, nrs, nre, p_src, q_src, pmask = _advance(
+        _issue(p_ptr, q_ptr, p_smem, q_smem, i, p_src, q_src, pmask, qmask, pj, pid, G, num_tiles, tiles_m, tiles_n,
+               M, N, stride_pr, stride_qr, BLOCK_M, BLOCK_N, LOAD, LOAD_Q)
+        pj, pc, prs, pre, nrs, nre, p_src, q_src, pmask, qmask = _advance(
             pj, pc, prs, pre, nrs, nre, my_tiles, pid, G, num_tiles, row_offsets_ptr, tiles_m, tiles_n, p_idx_ptr,
-            q_idx_ptr, P_GATHER, Q_GATHER, BLOCK_K, LOAD)
+            q_idx_ptr, P_GATHER, Q_GATHER, BLOCK_K, LOAD, LOAD_Q)
 
     # Consumer: tile j's row range was loaded while tile j - 1 ran.
     step = gl.to_tensor(0)
@@ -172,27 +175,26 @@ def _k_grouped_wgrad_kernel(
             async_copy.wait_group(STAGES - 3)  # this thread's copies of chunk `step` have landed
             gl.thread_barrier()  # everyone's have; every warpgroup is done with the slot of step - 2
             # refill the slot of step - 2 with the producer's chunk (step + STAGES - 2)
-            _issue(p_ptr, q_ptr, p_smem, q_smem, (step + STAGES - 2) % STAGES, p_src, q_src, pmask, pj, pid, G,
-                   num_tiles, tiles_m, tiles_n, M, N, stride_pr, stride_qr, BLOCK_M, BLOCK_N, LOAD)
+            _issue(p_ptr, q_ptr, p_smem, q_smem, (step + STAGES - 2) % STAGES, p_src, q_src, pmask, qmask, pj, pid,
+                   G, num_tiles, tiles_m, tiles_n, M, N, stride_pr, stride_qr, BLOCK_M, BLOCK_N, LOAD, LOAD_Q)
             acc = warpgroup_mma(p_smem.index(slot).permute((1, 0)), q_smem.index(slot), acc, is_async=True)
-            pj, pc, prs, pre, nrs, nre, p_src, q_src, pmask = _advance(
+            pj, pc, prs, pre, nrs, nre, p_src, q_src, pmask, qmask = _advance(
                 pj, pc, prs, pre, nrs, nre, my_tiles, pid, G, num_tiles, row_offsets_ptr, tiles_m, tiles_n,
-                p_idx_ptr, q_idx_ptr, P_GATHER, Q_GATHER, BLOCK_K, LOAD)
+                p_idx_ptr, q_idx_ptr, P_GATHER, Q_GATHER, BLOCK_K, LOAD, LOAD_Q)
             acc = warpgroup_mma_wait(1, deps=[acc])
             step += 1
         acc = warpgroup_mma_wait(0, deps=[acc])
         if TMA_C:
-            buf = c_smem.index(j % 2)
-            tma.store_wait(1)  # the store that last used this buffer (tile j - 2) has read it
+            tma.store_wait(0)  # the previous tile's store has read the staging buffer
             gl.thread_barrier()
-            buf.store(acc.to(out_ty))
+            c_smem.store(acc.to(out_ty))
             fence_async_shared()
             gl.thread_barrier()
-            tma.async_copy_shared_to_global(c_desc, [expert * M + m0, n0], buf)
+            tma.async_copy_shared_to_global(c_desc, [expert * M + m0, n0], c_smem)
         else:
-            out = gl.convert_layout(acc.to(out_ty), LOAD)
-            offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD))
-            offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LOAD))
+            out = gl.convert_layout(acc.to(out_ty), LOAD_Q)
+            offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD_Q))
+            offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LOAD_Q))
             ptrs = (c_ptr + expert.to(gl.int64) * stride_ce + offs_m.to(gl.int64)[:, None] * stride_cm
                     + offs_n[None, :])
             gl.store(ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])

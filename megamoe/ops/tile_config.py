@@ -66,9 +66,9 @@ class GemmConfig:
         if self.resident_chunks not in (0, 1, 2, 3, 4):
             raise ValueError(f"GemmConfig: resident_chunks must be 0..4, got {self}")
         if self.gluon and (self.resident_chunks or self.num_stages < 3 or self.block_m != 128
-                           or self.block_n != 128 or self.num_warps != 8):
-            raise ValueError(f"GemmConfig: the Gluon weight-gradient kernel runs 128x128 tiles with 8 warps, "
-                             f"num_stages >= 3 and no resident chunks, got {self}")
+                           or self.block_n not in (128, 256) or self.block_k != 64 or self.num_warps != 8):
+            raise ValueError(f"GemmConfig: the Gluon weight-gradient kernel runs 128x128 or 128x256 tiles, "
+                             f"BLOCK_K 64, 8 warps, num_stages >= 3 and no resident chunks, got {self}")
 
 
 # CPU interpreter (TRITON_INTERPRET=1): tiny tiles so that tiny test shapes still span several tiles.

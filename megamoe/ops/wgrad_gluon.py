@@ -29,7 +29,7 @@ __all__ = ["gluon_wgrad_eligible", "launch_gluon_wgrad", "GLUON_AVAILABLE"]
 
 GLUON_AVAILABLE = _k_grouped_wgrad_kernel is not None
 _HALF = (torch.bfloat16, torch.float16)
-_BLOCK = 128
+_BLOCK_M = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,20 +68,21 @@ def launch_gluon_wgrad(cfg, p: torch.Tensor, p_idx_R: torch.Tensor | None, q: to
 
     Preconditions (checked by the caller): :func:`gluon_wgrad_eligible`, R > 0, c.numel() > 0. The output
     goes through TMA stores when a 128-row tile never crosses an expert (M % 128 == 0) and C has 16-bit
-    elements (two staging buffers fit beside the load ring), through masked stores otherwise.
+    elements (the staging buffer fits beside the load ring), through masked stores otherwise.
     """
     E, M, N = c.shape
-    num_tiles = E * triton.cdiv(M, _BLOCK) * triton.cdiv(N, _BLOCK)
+    bm, bn = _BLOCK_M, cfg.block_n
+    num_tiles = E * triton.cdiv(M, bm) * triton.cdiv(N, bn)
     sms = torch.cuda.get_device_properties(c.device).multi_processor_count
-    tma_c = M % _BLOCK == 0 and c.dtype in _HALF and c.data_ptr() % 16 == 0 and (N * c.element_size()) % 16 == 0
+    tma_c = M % bm == 0 and c.dtype in _HALF and c.data_ptr() % 16 == 0 and (N * c.element_size()) % 16 == 0
     if tma_c:
-        layout = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], _gl_dtype(c.dtype))
-        c_desc = TensorDescriptor(c.view(E * M, N), [E * M, N], [N, 1], [_BLOCK, _BLOCK], layout)
+        layout = gl.NVMMASharedLayout.get_default_for([bm, bn], _gl_dtype(c.dtype))
+        c_desc = TensorDescriptor(c.view(E * M, N), [E * M, N], [N, 1], [bm, bn], layout)
     else:
         c_desc = None
     _k_grouped_wgrad_kernel[(min(sms, num_tiles),)](
         p, p_idx_R if p_idx_R is not None else offsets_E1, q, q_idx_R if q_idx_R is not None else offsets_E1,
         offsets_E1, c, c_desc, E, M, N, p.stride(0), q.stride(0), c.stride(0), c.stride(1),
         P_GATHER=p_idx_R is not None, Q_GATHER=q_idx_R is not None, TMA_C=tma_c,
-        BLOCK_M=_BLOCK, BLOCK_N=_BLOCK, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
     )
