@@ -122,7 +122,7 @@ def _k_grouped_wgrad_kernel(
     P_GATHER: gl.constexpr, Q_GATHER: gl.constexpr, TMA_C: gl.constexpr,
     # tile config
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, DBG_WAIT0: gl.constexpr = False, DBG_FILL_AFTER: gl.constexpr = False,
 ):
     gl.static_assert(STAGES >= 3, "the ring needs STAGES >= 3 (STAGES - 2 chunks in flight)")
     dtype: gl.constexpr = p_ptr.dtype.element_ty
@@ -175,13 +175,20 @@ def _k_grouped_wgrad_kernel(
             async_copy.wait_group(STAGES - 3)  # this thread's copies of chunk `step` have landed
             gl.thread_barrier()  # everyone's have; every warpgroup is done with the slot of step - 2
             # refill the slot of step - 2 with the producer's chunk (step + STAGES - 2)
-            _issue(p_ptr, q_ptr, p_smem, q_smem, (step + STAGES - 2) % STAGES, p_src, q_src, pmask, qmask, pj, pid,
-                   G, num_tiles, tiles_m, tiles_n, M, N, stride_pr, stride_qr, BLOCK_M, BLOCK_N, LOAD, LOAD_Q)
+            if not DBG_FILL_AFTER:
+                _issue(p_ptr, q_ptr, p_smem, q_smem, (step + STAGES - 2) % STAGES, p_src, q_src, pmask, qmask, pj,
+                       pid, G, num_tiles, tiles_m, tiles_n, M, N, stride_pr, stride_qr, BLOCK_M, BLOCK_N, LOAD, LOAD_Q)
             acc = warpgroup_mma(p_smem.index(slot).permute((1, 0)), q_smem.index(slot), acc, is_async=True)
+            if DBG_FILL_AFTER:
+                _issue(p_ptr, q_ptr, p_smem, q_smem, (step + STAGES - 2) % STAGES, p_src, q_src, pmask, qmask, pj,
+                       pid, G, num_tiles, tiles_m, tiles_n, M, N, stride_pr, stride_qr, BLOCK_M, BLOCK_N, LOAD, LOAD_Q)
             pj, pc, prs, pre, nrs, nre, p_src, q_src, pmask, qmask = _advance(
                 pj, pc, prs, pre, nrs, nre, my_tiles, pid, G, num_tiles, row_offsets_ptr, tiles_m, tiles_n,
                 p_idx_ptr, q_idx_ptr, P_GATHER, Q_GATHER, BLOCK_K, LOAD, LOAD_Q)
-            acc = warpgroup_mma_wait(1, deps=[acc])
+            if DBG_WAIT0:
+                acc = warpgroup_mma_wait(0, deps=[acc])
+            else:
+                acc = warpgroup_mma_wait(1, deps=[acc])
             step += 1
         acc = warpgroup_mma_wait(0, deps=[acc])
         if TMA_C:
