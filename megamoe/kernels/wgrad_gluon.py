@@ -122,7 +122,7 @@ def _k_grouped_wgrad_kernel(
     P_GATHER: gl.constexpr, Q_GATHER: gl.constexpr, TMA_C: gl.constexpr,
     # tile config
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr, DBG_WAIT0: gl.constexpr = False, DBG_FILL_AFTER: gl.constexpr = False,
+    num_warps: gl.constexpr,
 ):
     gl.static_assert(STAGES >= 3, "the ring needs STAGES >= 3 (STAGES - 2 chunks in flight)")
     dtype: gl.constexpr = p_ptr.dtype.element_ty
@@ -165,31 +165,28 @@ def _k_grouped_wgrad_kernel(
     # Consumer: tile j's row range was loaded while tile j - 1 ran.
     step = gl.to_tensor(0)
     crs, cre = _tile_rows(pid, num_tiles, row_offsets_ptr, tiles_m, tiles_n)
+    nch = _num_chunks(crs, cre, BLOCK_K)
     for j in range(my_tiles):
         expert, m0, n0 = _tile_mn(pid + j * G, num_tiles, tiles_m, tiles_n, BLOCK_M, BLOCK_N)
-        nch = _num_chunks(crs, cre, BLOCK_K)
-        crs, cre = _tile_rows(pid + (j + 1) * G, num_tiles, row_offsets_ptr, tiles_m, tiles_n)
+        next_rs, next_re = _tile_rows(pid + (j + 1) * G, num_tiles, row_offsets_ptr, tiles_m, tiles_n)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
-        for c in range(nch):
+        # a while loop, not range(nch): Triton 3.6 replaces a loop-carried scalar used as an inner range()
+        # bound by its initial value (reproduced with a 10-line @triton.jit kernel; docs/perf.md)
+        c = gl.to_tensor(0)
+        while c < nch:
             slot = step % STAGES
             async_copy.wait_group(STAGES - 3)  # this thread's copies of chunk `step` have landed
             gl.thread_barrier()  # everyone's have; every warpgroup is done with the slot of step - 2
             # refill the slot of step - 2 with the producer's chunk (step + STAGES - 2)
-            if not DBG_FILL_AFTER:
-                _issue(p_ptr, q_ptr, p_smem, q_smem, (step + STAGES - 2) % STAGES, p_src, q_src, pmask, qmask, pj,
-                       pid, G, num_tiles, tiles_m, tiles_n, M, N, stride_pr, stride_qr, BLOCK_M, BLOCK_N, LOAD, LOAD_Q)
+            _issue(p_ptr, q_ptr, p_smem, q_smem, (step + STAGES - 2) % STAGES, p_src, q_src, pmask, qmask, pj, pid,
+                   G, num_tiles, tiles_m, tiles_n, M, N, stride_pr, stride_qr, BLOCK_M, BLOCK_N, LOAD, LOAD_Q)
             acc = warpgroup_mma(p_smem.index(slot).permute((1, 0)), q_smem.index(slot), acc, is_async=True)
-            if DBG_FILL_AFTER:
-                _issue(p_ptr, q_ptr, p_smem, q_smem, (step + STAGES - 2) % STAGES, p_src, q_src, pmask, qmask, pj,
-                       pid, G, num_tiles, tiles_m, tiles_n, M, N, stride_pr, stride_qr, BLOCK_M, BLOCK_N, LOAD, LOAD_Q)
             pj, pc, prs, pre, nrs, nre, p_src, q_src, pmask, qmask = _advance(
                 pj, pc, prs, pre, nrs, nre, my_tiles, pid, G, num_tiles, row_offsets_ptr, tiles_m, tiles_n,
                 p_idx_ptr, q_idx_ptr, P_GATHER, Q_GATHER, BLOCK_K, LOAD, LOAD_Q)
-            if DBG_WAIT0:
-                acc = warpgroup_mma_wait(0, deps=[acc])
-            else:
-                acc = warpgroup_mma_wait(1, deps=[acc])
+            acc = warpgroup_mma_wait(1, deps=[acc])
             step += 1
+            c += 1
         acc = warpgroup_mma_wait(0, deps=[acc])
         if TMA_C:
             tma.store_wait(0)  # the previous tile's store has read the staging buffer
@@ -205,5 +202,6 @@ def _k_grouped_wgrad_kernel(
             ptrs = (c_ptr + expert.to(gl.int64) * stride_ce + offs_m.to(gl.int64)[:, None] * stride_cm
                     + offs_n[None, :])
             gl.store(ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+        nch = _num_chunks(next_rs, next_re, BLOCK_K)
     if TMA_C:
         tma.store_wait(0)

@@ -85,10 +85,4 @@ def launch_gluon_wgrad(cfg, p: torch.Tensor, p_idx_R: torch.Tensor | None, q: to
         offsets_E1, c, c_desc, E, M, N, p.stride(0), q.stride(0), c.stride(0), c.stride(1),
         P_GATHER=p_idx_R is not None, Q_GATHER=q_idx_R is not None, TMA_C=tma_c,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
-        **_debug_flags(),
     )
-
-
-def _debug_flags():  # temporary bisection switches (MEGAMOE_GLUON_DEBUG=wait0,fillafter)
-    f = os.environ.get("MEGAMOE_GLUON_DEBUG", "")
-    return dict(DBG_WAIT0="wait0" in f, DBG_FILL_AFTER="fillafter" in f)
