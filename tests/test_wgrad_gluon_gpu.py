@@ -82,19 +82,22 @@ def test_bitwise_equal_to_triton_kernels(M, N, gather):
 
 
 @needs_hopper
-def test_fp32_output_and_many_tiles_per_program():
-    """fp32 output (masked-store epilogue), and a problem with far more tiles than SMs, so each program
-    carries its load ring across many tiles and experts; no host sync while launching."""
+@pytest.mark.parametrize("out_dtype", [BF16, torch.float32])
+def test_many_tiles_per_program(out_dtype):
+    """Far more tiles than SMs, so each program carries its load ring across many tiles and experts (the
+    case that caught a miscompiled chunk count, see the kernel); bf16 (TMA-stored) and fp32 (masked
+    stores) outputs; no host sync while launching."""
     from megamoe.ops import GemmConfig
 
     counts = [int(c) for c in torch.randint(0, 200, (64,), generator=torch.Generator().manual_seed(3))]
     counts[5] = counts[17] = 0
     p, q, off, pi, qi = _problem(512, 640, counts, False, True, seed=11)
-    want = _run(GemmConfig(128, 128, 64, 8, 2), p, q, off, pi, qi, out_dtype=torch.float32)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = _run(GemmConfig(128, 128, 64, 8, 4, gluon=True), p, q, off, pi, qi, out_dtype=torch.float32)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert torch.equal(got, want)
+    want = _run(GemmConfig(128, 128, 64, 8, 2), p, q, off, pi, qi, out_dtype=out_dtype)
+    for cfg in (GemmConfig(128, 128, 64, 8, 4, gluon=True), GemmConfig(128, 256, 64, 8, 3, gluon=True)):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = _run(cfg, p, q, off, pi, qi, out_dtype=out_dtype)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert torch.equal(got, want), f"{cfg}: {int((got != want).sum())} elements differ"
