@@ -63,9 +63,11 @@ def candidates(kind):
         "wgrad": [G(128, 128, 64, 8, 2), G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 2), G(256, 128, 64, 8, 2),
                   G(128, 128, 64, 8, 3, resident_chunks=3), G(128, 128, 64, 8, 4, resident_chunks=2),
                   G(128, 128, 64, 8, 4, resident_chunks=1), G(128, 64, 64, 8, 4, resident_chunks=4),
-                  # session 5: the persistent Gluon kernel (load ring across tiles, TMA-stored tiles)
-                  G(128, 128, 64, 8, 4, gluon=True), G(128, 128, 64, 8, 5, gluon=True),
-                  G(128, 256, 64, 8, 3, gluon=True)],
+                  # session 5: the persistent Gluon kernel (P streamed, or on chip for experts of <= 3-5 chunks)
+                  G(128, 256, 64, 8, 3, gluon=True), G(128, 128, 64, 8, 4, resident_chunks=3, gluon=True),
+                  G(128, 128, 64, 8, 4, resident_chunks=5, gluon=True),
+                  G(128, 128, 64, 8, 5, resident_chunks=5, gluon=True),
+                  G(128, 256, 64, 8, 3, resident_chunks=4, gluon=True)],
     }
     return c[kind]
 

@@ -253,6 +253,7 @@ def test_bits_do_not_depend_on_tile_shape():
         {"wgrad": G(64, 128, 64, 4, 2, resident_chunks=2)},  # some experts on chip, some not
         {"wgrad": G(128, 128, 64, 8, 2)},  # per-tile kernel (the table picks the resident one here)
         {"wgrad": G(128, 128, 64, 8, 4, gluon=True)},  # persistent Gluon kernel (Hopper; else the Triton ones)
+        {"wgrad": G(128, 128, 64, 8, 4, resident_chunks=2, gluon=True)},  # ~150 rows: some P on chip, some streamed
         # 256-column dgrad + SwiGLU tiles write two 128-column row-dot partials (F = 192: both in range; the
         # masked second partial, F % 256 <= 128, is checked under the interpreter, test_kernels_interpret.py)
         {"dgrad_swiglu": G(128, 256, 64, 8, 3, tma_b=True)},

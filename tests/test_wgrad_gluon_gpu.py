@@ -3,7 +3,7 @@
 Proves: bitwise the same (E, M, N) result as the Triton k-grouped kernels (which the interpreter tests check
 against float64 on the CPU), on experts of 0, 1, 63, 64, 65 and 300 rows, with P or Q rows gathered through
 an index or read in place, M and N multiples of 128 (TMA-stored tiles) or only of 16 (partial tiles, masked stores), bf16 and fp32
-outputs, 128x128 tiles with 3-5 ring stages and 128x256 tiles, and more tiles than programs (every program walks several tiles and experts);
+outputs, 128x128 and 128x256 tiles, P streamed or kept on chip (both in one launch), and more tiles than programs (every program walks several tiles and experts);
 every element of a NaN-poisoned output is written (empty experts: exact zeros); the result is within bf16
 rounding of a float64 reference; launching it reads nothing on the host (no sync under
 set_sync_debug_mode("error")).
@@ -26,6 +26,9 @@ def _hopper():
 needs_hopper = pytest.mark.skipif(not _hopper(), reason="the Gluon kernel targets sm_90 (Hopper)")
 
 COUNTS = [0, 1, 63, 64, 65, 300, 0, 7, 128, 129]  # rows per expert: empty, partial and full chunks
+# (BLOCK_N, stages, resident chunks): P always streamed (0), or kept on chip for experts of up to 3-5 chunks
+# (the 300-row expert then streams: both paths in one launch)
+GLUON_VARIANTS = [(128, 3, 0), (128, 4, 0), (128, 4, 3), (128, 4, 5), (256, 3, 0), (256, 3, 4)]
 
 
 def _problem(M, N, counts, p_gather, q_gather, seed):
@@ -67,10 +70,10 @@ def test_bitwise_equal_to_triton_kernels(M, N, gather):
     per_tile = _run(GemmConfig(128, 128, 64, 8, 2), p, q, off, pi, qi)
     resident = _run(GemmConfig(128, 128, 64, 8, 3, resident_chunks=3), p, q, off, pi, qi)
     assert torch.equal(per_tile, resident)
-    for bn, stages in ((128, 3), (128, 4), (128, 5), (256, 3)):
-        got = _run(GemmConfig(128, bn, 64, 8, stages, gluon=True), p, q, off, pi, qi)
+    for bn, stages, res in GLUON_VARIANTS:
+        got = _run(GemmConfig(128, bn, 64, 8, stages, resident_chunks=res, gluon=True), p, q, off, pi, qi)
         assert not got.isnan().any(), "an output element was not written"
-        assert torch.equal(got, per_tile), f"Gluon kernel (128x{bn}, {stages} stages) differs from the Triton kernels"
+        assert torch.equal(got, per_tile), f"Gluon kernel (128x{bn}, {stages} stages, {res} resident) differs"
     empty = [e for e, c in enumerate(COUNTS) if c == 0]
     assert torch.equal(got[empty], torch.zeros_like(got[empty]))
     # float64 reference: within bf16 rounding of the output (fp32 accumulation over <= 300 rows)
@@ -93,7 +96,8 @@ def test_many_tiles_per_program(out_dtype):
     counts[5] = counts[17] = 0
     p, q, off, pi, qi = _problem(512, 640, counts, False, True, seed=11)
     want = _run(GemmConfig(128, 128, 64, 8, 2), p, q, off, pi, qi, out_dtype=out_dtype)
-    for cfg in (GemmConfig(128, 128, 64, 8, 4, gluon=True), GemmConfig(128, 256, 64, 8, 3, gluon=True)):
+    for cfg in (GemmConfig(128, 128, 64, 8, 4, gluon=True), GemmConfig(128, 128, 64, 8, 4, resident_chunks=3, gluon=True),
+                GemmConfig(128, 256, 64, 8, 3, resident_chunks=4, gluon=True)):
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

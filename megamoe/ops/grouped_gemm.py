@@ -354,7 +354,7 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         if not interpret and gluon_wgrad_eligible(p, q, c):
             launch_gluon_wgrad(cfg, p, p_idx_R, q, q_idx_R, offsets_E1, c)
             return c
-        cfg = dataclasses.replace(cfg, gluon=False)  # same tiles and chunk order on the Triton kernels
+        cfg = dataclasses.replace(cfg, gluon=False, resident_chunks=min(cfg.resident_chunks, 3))  # same chunk order
     extra = {}
     if cfg.resident_chunks:
         kernel = _k_grouped_resident_kernel

@@ -37,10 +37,11 @@ class GemmConfig:
     m-tile) that keeps an expert's P rows on chip while it walks the n-tiles, for experts of at most
     resident_chunks * block_k rows (larger experts fall back to the per-tile reduction inside the same
     program); 0 runs one program per (expert, m-tile, n-tile). ``gluon`` runs the persistent Gluon kernel
-    instead (megamoe/kernels/wgrad_gluon.py: one program per SM, the load ring running across tiles,
-    num_stages ring slots, TMA stores of the output tiles) where the device and operands allow it (Hopper,
-    bf16/fp16, 16-byte aligned rows; ops.grouped_gemm.gluon_wgrad_eligible), else the Triton kernels with
-    this config's tiles.
+    instead (megamoe/kernels/wgrad_gluon.py: one program per SM walking (expert, m-tile) units, P kept on
+    chip for experts of at most resident_chunks * block_k rows (0..6; 0: always streamed), the load ring
+    running across n-tiles with num_stages slots, TMA stores of the output tiles) where the device and
+    operands allow it (Hopper, bf16/fp16, aligned rows; ops.wgrad_gluon.gluon_wgrad_eligible), else the
+    Triton kernels with this config's tiles.
 
     Bits: only block_k (the K order) can change results. block_m, block_n, the stage count, the load path
     and the grid were verified to give bitwise the same outputs and gradients on H200
@@ -63,12 +64,16 @@ class GemmConfig:
         for v in (self.block_m, self.block_n, self.block_k):
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GemmConfig: block sizes must be powers of two >= 16, got {self}")
-        if self.resident_chunks not in (0, 1, 2, 3, 4):
-            raise ValueError(f"GemmConfig: resident_chunks must be 0..4, got {self}")
-        if self.gluon and (self.resident_chunks or self.num_stages < 3 or self.block_m != 128
-                           or self.block_n not in (128, 256) or self.block_k != 64 or self.num_warps != 8):
-            raise ValueError(f"GemmConfig: the Gluon weight-gradient kernel runs 128x128 or 128x256 tiles, "
-                             f"BLOCK_K 64, 8 warps, num_stages >= 3 and no resident chunks, got {self}")
+        if self.resident_chunks not in range(0, 7 if self.gluon else 5):
+            raise ValueError(f"GemmConfig: resident_chunks must be 0..4 (0..6 with gluon), got {self}")
+        if self.gluon:
+            smem = 2 * self.block_k * (max(self.resident_chunks, self.num_stages) * self.block_m
+                                       + self.num_stages * self.block_n) + 2 * self.block_m * self.block_n
+            if (self.num_stages < 3 or self.block_m != 128 or self.block_n not in (128, 256) or self.block_k != 64
+                    or self.num_warps != 8 or smem > 227 * 1024):
+                raise ValueError(f"GemmConfig: the Gluon weight-gradient kernel runs 128x128 or 128x256 tiles, "
+                                 f"BLOCK_K 64, 8 warps, num_stages >= 3, within 227 KiB of shared memory "
+                                 f"({smem // 1024} KiB asked), got {self}")
 
 
 # CPU interpreter (TRITON_INTERPRET=1): tiny tiles so that tiny test shapes still span several tiles.

@@ -72,7 +72,7 @@ def launch_gluon_wgrad(cfg, p: torch.Tensor, p_idx_R: torch.Tensor | None, q: to
     """
     E, M, N = c.shape
     bm, bn = _BLOCK_M, cfg.block_n
-    num_tiles = E * triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    num_units = E * triton.cdiv(M, bm)  # (expert, m-tile) units, each with all its n-tiles
     sms = torch.cuda.get_device_properties(c.device).multi_processor_count
     tma_c = M % bm == 0 and c.dtype in _HALF and c.data_ptr() % 16 == 0 and (N * c.element_size()) % 16 == 0
     if tma_c:
@@ -80,9 +80,10 @@ def launch_gluon_wgrad(cfg, p: torch.Tensor, p_idx_R: torch.Tensor | None, q: to
         c_desc = TensorDescriptor(c.view(E * M, N), [E * M, N], [N, 1], [bm, bn], layout)
     else:
         c_desc = None
-    _k_grouped_wgrad_kernel[(min(sms, num_tiles),)](
+    _k_grouped_wgrad_kernel[(min(sms, num_units),)](
         p, p_idx_R if p_idx_R is not None else offsets_E1, q, q_idx_R if q_idx_R is not None else offsets_E1,
         offsets_E1, c, c_desc, E, M, N, p.stride(0), q.stride(0), c.stride(0), c.stride(1),
         P_GATHER=p_idx_R is not None, Q_GATHER=q_idx_R is not None, TMA_C=tma_c,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, RES=cfg.resident_chunks,
+        num_warps=cfg.num_warps,
     )
