@@ -21,8 +21,6 @@ result is independent of the other rows (batch invariance).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 
@@ -354,7 +352,8 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         if not interpret and gluon_wgrad_eligible(p, q, c):
             launch_gluon_wgrad(cfg, p, p_idx_R, q, q_idx_R, offsets_E1, c)
             return c
-        cfg = dataclasses.replace(cfg, gluon=False, resident_chunks=min(cfg.resident_chunks, 3))  # same chunk order
+        # the Triton kernels' own table entry (same chunk order, so the same bits)
+        cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_gluon=False)
     extra = {}
     if cfg.resident_chunks:
         kernel = _k_grouped_resident_kernel

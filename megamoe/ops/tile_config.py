@@ -148,21 +148,23 @@ def _resident_chunks(rows_per_group: float | None, block_k: int) -> int:
 
 
 def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool,
-                     rows_per_group: float | None = None) -> GemmConfig:
+                     rows_per_group: float | None = None, allow_gluon: bool = True) -> GemmConfig:
     """Config of a k-grouped (weight-gradient) GEMM producing [E, M, N].
 
     A pure function of (M, N, dtype, rows_per_group), where rows_per_group is a host-known static
     estimate (buffer rows / groups; never read from the device). The estimate only picks the kernel
     structure and tile shape, which do not change bits (block_k, hence the reduction order, is fixed per
     dtype), so ranks or batches that estimate differently still agree bitwise. An ``_OVERRIDES`` entry
-    for ("wgrad", M, N) wins (sweeps, tests)."""
+    for ("wgrad", M, N) wins (sweeps, tests); ``allow_gluon=False`` asks for the Triton kernels' entry (the
+    launcher's fallback where the Gluon kernel cannot run; a Gluon override is then skipped)."""
     if interpret:
         chunks = _resident_chunks(rows_per_group, _INTERPRET.block_k)
         return dataclasses.replace(_INTERPRET, resident_chunks=chunks)
     if not _is_half(dtype):
         return _FP32
-    if ("wgrad", m, n) in _OVERRIDES:
-        return _OVERRIDES[("wgrad", m, n)]
+    override = _OVERRIDES.get(("wgrad", m, n))
+    if override is not None and (allow_gluon or not override.gluon):
+        return override
     chunks = _resident_chunks(rows_per_group, _K_GROUPED_RESIDENT.block_k)
     if chunks:
         return dataclasses.replace(_K_GROUPED_RESIDENT, resident_chunks=chunks, num_stages=_RESIDENT_STAGES[chunks])
