@@ -7,7 +7,8 @@
 #   benchroute (zipf + the routing trace written by the train stage), snippet (README snippet verbatim),
 #   ab (scripts/ab_backward.py: EP=2 with the routed pre-activations kept vs recomputed),
 #   sweep (scripts/gemm_sweep.py $SWEEP_ARGS: per-GEMM tile candidates, bitwise checked),
-#   comm (scripts/comm_bench.py $COMM_ARGS: dispatch / combine GB/s vs the peer-copy rate, 2 GPUs)
+#   comm (scripts/comm_bench.py $COMM_ARGS: dispatch / combine GB/s vs the peer-copy rate, 2 GPUs),
+#   abgluon (the layer with the Gluon weight-gradient kernel off, MEGAMOE_GLUON=0, then on; $ABGLUON_CASES)
 # Each stage has its own time limit (seconds, env LIMIT_<STAGE>); a stage that fails does not stop the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +67,8 @@ for s in "${STAGES[@]}"; do
     sweep) stage sweep "${LIMIT_SWEEP:-240}" python3 scripts/gemm_sweep.py "$OUT/logs" ${SWEEP_ARGS:-deepseek-v3:4096 qwen3-30b-a3b:16384} ;;
     comm) [[ $NGPU -ge 2 ]] && stage comm "${LIMIT_COMM:-150}" python3 -m torch.distributed.run --standalone \
               --nproc-per-node 2 scripts/comm_bench.py ${COMM_ARGS:-} ;;
+    abgluon) for g in 0 1; do MEGAMOE_GLUON=$g stage "abgluon$g" "${LIMIT_ABGLUON:-120}" python3 -m megamoe.bench --quiet \
+               --iters "$ITERS" --providers megamoe --cases ${ABGLUON_CASES:-deepseek-v3:8192} --out "$OUT/logs/abgluon$g"; done ;;
     snippet) stage snippet "${LIMIT_SNIPPET:-90}" python3 -m pytest -q -ra -m gpu tests/test_readme.py ;;
     *) echo "unknown stage $s" | tee -a "$summary" ;;
   esac

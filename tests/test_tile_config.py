@@ -28,9 +28,18 @@ def test_table_is_pure_function_of_shape():
     few = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=128)
     assert few.resident_chunks == 3 and few.block_k == 64 and few.num_stages == 3
     assert k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=40).resident_chunks == 1
-    for many in (None, 0, 160, 4096):
+    for many in (None, 0, 400, 4096):
         cfg = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=many)
-        assert cfg.resident_chunks == 0 and cfg.block_k == 64
+        assert cfg.resident_chunks == 0 and cfg.block_k == 64 and not cfg.gluon
+    # ~160-384 rows per expert: the persistent Gluon kernel (P on chip up to 5 chunks); its launcher falls
+    # back to the Triton entry (allow_gluon=False) where the device or operands do not allow it
+    for mid in (160, 256, 384):
+        cfg = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=mid)
+        assert cfg.gluon and cfg.resident_chunks == 5 and cfg.block_k == 64
+        fallback = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=mid, allow_gluon=False)
+        assert not fallback.gluon and fallback.resident_chunks == 0 and fallback.block_k == 64
+    assert not k_grouped_config(4096, 7168, BF16, interpret=True, rows_per_group=256).gluon
+    assert not k_grouped_config(4096, 7168, torch.float32, interpret=False, rows_per_group=256).gluon
     assert k_grouped_config(4096, 7168, torch.float32, interpret=False, rows_per_group=128).resident_chunks == 0
     assert k_grouped_config(64, 64, torch.float32, interpret=True, rows_per_group=10).resident_chunks == 1
     with pytest.raises(ValueError, match="resident_chunks"):

@@ -121,6 +121,16 @@ _K_GROUPED_PER_TILE: dict[tuple[int, int], GemmConfig] = {
 }
 
 
+# ~256 rows per expert (EP=2's deepseek-v3 at T=4096 per rank; W=1 at T=8192): the persistent Gluon kernel with
+# every expert's P^T on chip (up to 5 chunks) beat the Triton per-tile kernel (H200 2026-12-01, session 5,
+# gathered operands, deepseek-v3 T=8192: dW13 12.35 vs 13.41 ms, dW2 5.73 vs 7.04 ms), while at ~128 rows the
+# Triton resident kernel (dW13 6.5 vs 8.9) and at ~1024 rows (qwen3) the Triton per-tile kernel (2.07 vs
+# 2.27-2.59) stayed faster (benchmarks/results/2026-12-01-s5/, docs/perf.md). Only measured at 256 rows, so
+# the window is kept narrow: estimates above the Triton resident range up to 1.5 x 256 rows.
+_K_GROUPED_GLUON = GemmConfig(128, 128, 64, 8, 5, resident_chunks=5, gluon=True)
+_GLUON_MAX_ROWS = 384
+
+
 def _is_half(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
@@ -168,6 +178,8 @@ def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool,
     chunks = _resident_chunks(rows_per_group, _K_GROUPED_RESIDENT.block_k)
     if chunks:
         return dataclasses.replace(_K_GROUPED_RESIDENT, resident_chunks=chunks, num_stages=_RESIDENT_STAGES[chunks])
+    if allow_gluon and rows_per_group is not None and 0 < rows_per_group <= _GLUON_MAX_ROWS:
+        return _K_GROUPED_GLUON
     return _K_GROUPED_PER_TILE.get((m, n), _K_GROUPED_BF16)
 
 

@@ -1,0 +1,82 @@
+"""The Gluon weight-gradient kernel compiled for sm_90a on the CPU (no GPU needed; runs in CI).
+
+Proves, for every variant the launcher can pick (P or Q gathered, TMA-stored or masked-store epilogue,
+128- and 128x256 tiles, P streamed or kept on chip): the kernel compiles with Triton's bundled ptxas; its
+matrix products are Hopper wgmma instructions of the expected shape (m64n128k16 / m64n256k16, bf16 in,
+fp32 accumulate); operands move with 16-byte cp.async copies; the output goes through the bulk tensor
+store exactly when TMA_C; no register spills or local memory; shared memory within the 227 KiB a Hopper
+block can have. Correctness and speed are measured on the GPU (tests/test_wgrad_gluon_gpu.py, docs/perf.md).
+"""
+
+import re
+import subprocess
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from megamoe.ops.wgrad_gluon import GLUON_AVAILABLE  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not GLUON_AVAILABLE, reason="Gluon is not importable in this Triton")
+
+HOPPER_SMEM = 227 * 1024
+DIVISIBLE = ("p_ptr", "q_ptr", "c_ptr", "p_idx_ptr", "q_idx_ptr", "row_offsets_ptr", "M", "N", "stride_pr",
+             "stride_qr", "stride_ce", "stride_cm")
+
+
+def _compile(tma_c, p_gather, q_gather, block_n, stages, res):
+    import triton
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from megamoe.kernels.wgrad_gluon import _k_grouped_wgrad_kernel as kernel
+
+    layout = gl.NVMMASharedLayout.get_default_for([128, block_n], gl.bfloat16)
+    sig = dict(p_ptr="*bf16", p_idx_ptr="*i32", q_ptr="*bf16", q_idx_ptr="*i32", row_offsets_ptr="*i32",
+               c_ptr="*bf16", c_desc=f"tensordesc<bf16[128, {block_n}],{layout!r}>" if tma_c else "constexpr",
+               num_experts="i32", M="i32", N="i32", stride_pr="i32", stride_qr="i32", stride_ce="i32",
+               stride_cm="i32")
+    const = dict(P_GATHER=p_gather, Q_GATHER=q_gather, TMA_C=tma_c, BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64,
+                 STAGES=stages, RES=res, num_warps=8)
+    if not tma_c:
+        const["c_desc"] = None
+    for name in const:
+        sig[name] = "constexpr"
+    names = list(kernel.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
+    src = GluonASTSource(kernel, sig, const, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+
+
+def _ptxas_report(ptx: str, tmp_path) -> str:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    tool = get_ptxas(90)
+    path = tmp_path / "k.ptx"
+    path.write_text(ptx)
+    out = subprocess.run([getattr(tool, "path", tool), "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.o")],
+                         capture_output=True, text=True, check=True)
+    return out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("tma_c,p_gather,q_gather,block_n,stages,res", [
+    (True, False, True, 128, 5, 5),   # the table's entry, dW13 at W = 1 (x rows gathered)
+    (True, True, False, 128, 5, 5),   # dW2 at W = 1 (output-gradient rows gathered)
+    (False, False, False, 128, 4, 0),  # EP buffers (no gather), masked stores, P always streamed
+    (True, False, True, 256, 3, 4),   # 128x256 tiles, P on chip
+    (False, True, False, 256, 3, 0),
+])
+def test_compiles_to_wgmma_cp_async_without_spills(tmp_path, tma_c, p_gather, q_gather, block_n, stages, res):
+    k = _compile(tma_c, p_gather, q_gather, block_n, stages, res)
+    ptx = k.asm["ptx"]
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16", ptx)
+    assert "wgmma.mma_async.sync.aligned.m64n" in ptx and "mma.sync" not in ptx
+    copies = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+|\d+)", ptx)
+    assert copies and {int(c, 0) for c in copies} == {16}, "operand copies must be 16-byte cp.async"
+    assert ("cp.async.bulk.tensor" in ptx) == tma_c
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    report = _ptxas_report(ptx, tmp_path)
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+    assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
