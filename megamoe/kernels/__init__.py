@@ -2,5 +2,7 @@
 
 Host launchers that validate, allocate, pick tile configs and grids live in :mod:`megamoe.ops`.
 Modules: :mod:`.grouped_gemm` (m-grouped forward / dgrad GEMMs with fused SwiGLU epilogues, k-grouped
-weight-gradient GEMMs) and :mod:`.combine` (fixed-order slot reductions).
+weight-gradient GEMMs), :mod:`.combine` (fixed-order slot reductions) and :mod:`.wgrad_gluon` (``@gluon.jit``:
+the persistent Hopper weight-gradient kernel, imported only by :mod:`megamoe.ops.wgrad_gluon`, which keeps
+the package importable where Gluon is not).
 """

@@ -322,7 +322,10 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         (E, M, N) in out_dtype (default p's dtype).
     Determinism: each output element reduces its expert's rows from the expert's first row, in row order,
     in BLOCK_K chunks, fp32, one cast; no atomics, no split-K: bitwise reproducible, independent of the
-    other groups and of the kernel variant. An expert with no rows gets exact zeros. Sync: none.
+    other groups and of the kernel variant (Triton per-tile, Triton resident, or on Hopper the persistent
+    Gluon kernel of :mod:`megamoe.ops.wgrad_gluon`, which the table picks for ~160-384 rows per group and
+    which falls back to the Triton kernels where it cannot run). An expert with no rows gets exact zeros.
+    Sync: none.
     """
     where = "k_grouped_mm"
     _check_2d("p", p, where)
