@@ -1,10 +1,12 @@
 """Run one weight-gradient GEMM (dW13 = dGU^T @ x[rows]) of a preset a few times, for a profiler.
 
 Usage: python scripts/profile_wgrad.py PRESET T CONFIG [CONFIG ...]
-  CONFIG: "table" or BLOCK_MxBLOCK_NxBLOCK_K/WARPS/STAGES[/rR] (R = resident chunks, 0 = per-tile kernel)
+  CONFIG: "table" or BLOCK_MxBLOCK_NxBLOCK_K/WARPS/STAGES[/rR][/gluon] (R = resident chunks, 0 = per-tile
+  kernel; /gluon: the persistent Gluon kernel, R = chunks of P kept on chip)
 Example (Nsight Compute, one launch per config after a warm-up):
   ncu --clock-control none --kernel-name regex:k_grouped --launch-skip 1 --launch-count 1 \\
       --section SpeedOfLight python scripts/profile_wgrad.py deepseek-v3 8192 128x128x64/8/2
+  (scripts/ncu_wgrad.sh runs the session-5 set: the Gluon kernel and the Triton ones, stall reasons)
 Uniform random top-k routing; prints the median time of each config (CUDA events). Needs a CUDA GPU.
 """
 
@@ -23,9 +25,11 @@ def parse(spec: str) -> GemmConfig | None:
     if spec == "table":
         return None
     parts = spec.split("/")
+    gluon = parts[-1] == "gluon"
+    parts = parts[:-1] if gluon else parts
     m, n, k = (int(v) for v in parts[0].split("x"))
     chunks = int(parts[3][1:]) if len(parts) > 3 else 0
-    return GemmConfig(m, n, k, int(parts[1]), int(parts[2]), resident_chunks=chunks)
+    return GemmConfig(m, n, k, int(parts[1]), int(parts[2]), resident_chunks=chunks, gluon=gluon)
 
 
 def main() -> None:
