@@ -64,24 +64,32 @@ def _copy_chunk(src_ptr, smem, src, mask_r, col0, ncols, stride_r, COLS: gl.cons
 
 
 @gluon.jit
-def _step_src(p_idx_ptr, q_idx_ptr, k, nch, total, row_start, row_end, P_GATHER: gl.constexpr,
+def _step_src(p_idx_ptr, q_idx_ptr, kc, kn, tiles_n, row_start, row_end, P_GATHER: gl.constexpr,
               Q_GATHER: gl.constexpr, BLOCK_K: gl.constexpr, LAYOUT_P: gl.constexpr, LAYOUT_Q: gl.constexpr):
-    """Source rows and masks of ring step k of a unit (step k = chunk k % nch of n-tile k // nch; steps past
-    the unit's last are all-masked)."""
-    row0 = row_start + (k % nch) * BLOCK_K
-    p_src, pmask = _chunk_src(p_idx_ptr, row0, row_end, k < total, P_GATHER, BLOCK_K, LAYOUT_P)
-    q_src, qmask = _chunk_src(q_idx_ptr, row0, row_end, k < total, Q_GATHER, BLOCK_K, LAYOUT_Q)
+    """Source rows and masks of the ring step for chunk kc of n-tile kn (steps past the unit's last n-tile
+    are all-masked)."""
+    row0 = row_start + kc * BLOCK_K
+    p_src, pmask = _chunk_src(p_idx_ptr, row0, row_end, kn < tiles_n, P_GATHER, BLOCK_K, LAYOUT_P)
+    q_src, qmask = _chunk_src(q_idx_ptr, row0, row_end, kn < tiles_n, Q_GATHER, BLOCK_K, LAYOUT_Q)
     return p_src, pmask, q_src, qmask
 
 
 @gluon.jit
-def _issue_step(p_ptr, q_ptr, p_buf, q_ring, k, nch, m0, M, N, stride_pr, stride_qr, p_src, pmask, q_src, qmask,
+def _next_step(k, kc, kn, nch):
+    """Advance the producer (step count, chunk, n-tile) without integer division (they were a large share of
+    the per-step instructions, docs/perf.md)."""
+    wrap = kc + 1 == nch
+    return k + 1, gl.where(wrap, 0, kc + 1), kn + wrap.to(gl.int32)
+
+
+@gluon.jit
+def _issue_step(p_ptr, q_ptr, p_buf, q_ring, k, kn, m0, M, N, stride_pr, stride_qr, p_src, pmask, q_src, qmask,
                 resident, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 LAYOUT_P: gl.constexpr, LAYOUT_Q: gl.constexpr):
-    """Copy ring step k: the Q chunk into ring slot k % STAGES, and (streamed P) the P chunk into p_buf slot
-    k % STAGES; one commit group per step."""
+    """Copy ring step k (n-tile kn): the Q chunk into ring slot k % STAGES, and (streamed P) the P chunk into
+    p_buf slot k % STAGES; one commit group per step."""
     slot = k % STAGES
-    _copy_chunk(q_ptr, q_ring.index(slot), q_src, qmask, (k // nch) * BLOCK_N, N, stride_qr, BLOCK_N, LAYOUT_Q)
+    _copy_chunk(q_ptr, q_ring.index(slot), q_src, qmask, kn * BLOCK_N, N, stride_qr, BLOCK_N, LAYOUT_Q)
     if not resident:
         _copy_chunk(p_ptr, p_buf.index(slot), p_src, pmask, m0, M, stride_pr, BLOCK_M, LAYOUT_P)
     async_copy.commit_group()
@@ -129,7 +137,6 @@ def _k_grouped_wgrad_kernel(
         # only ever added zero products
         nch = gl.maximum(gl.cdiv(row_end - row_start, BLOCK_K), 1)
         resident = nch <= RES
-        total = tiles_n * nch
         if resident:  # the unit's P^T chunks, loaded once (one commit group, older than every Q step)
             c = gl.to_tensor(0)
             while c < nch:
@@ -138,14 +145,17 @@ def _k_grouped_wgrad_kernel(
                 _copy_chunk(p_ptr, p_buf.index(c), p_src, pmask, m0, M, stride_pr, BLOCK_M, LOAD_P)
                 c += 1
             async_copy.commit_group()
-        k = gl.to_tensor(0)  # producer: next ring step to copy
-        p_src, pmask, q_src, qmask = _step_src(p_idx_ptr, q_idx_ptr, k, nch, total, row_start, row_end, P_GATHER,
+        # producer: next ring step to copy (k), its chunk (kc) and n-tile (kn)
+        k = gl.to_tensor(0)
+        kc = gl.to_tensor(0)
+        kn = gl.to_tensor(0)
+        p_src, pmask, q_src, qmask = _step_src(p_idx_ptr, q_idx_ptr, kc, kn, tiles_n, row_start, row_end, P_GATHER,
                                                Q_GATHER, BLOCK_K, LOAD_P, LOAD_Q)
         for i in gl.static_range(STAGES - 2):
-            _issue_step(p_ptr, q_ptr, p_buf, q_ring, k, nch, m0, M, N, stride_pr, stride_qr, p_src, pmask, q_src,
+            _issue_step(p_ptr, q_ptr, p_buf, q_ring, k, kn, m0, M, N, stride_pr, stride_qr, p_src, pmask, q_src,
                         qmask, resident, STAGES, BLOCK_M, BLOCK_N, LOAD_P, LOAD_Q)
-            k += 1
-            p_src, pmask, q_src, qmask = _step_src(p_idx_ptr, q_idx_ptr, k, nch, total, row_start, row_end,
+            k, kc, kn = _next_step(k, kc, kn, nch)
+            p_src, pmask, q_src, qmask = _step_src(p_idx_ptr, q_idx_ptr, kc, kn, tiles_n, row_start, row_end,
                                                    P_GATHER, Q_GATHER, BLOCK_K, LOAD_P, LOAD_Q)
         s = gl.to_tensor(0)  # consumer: ring step being multiplied
         for n_tile in range(tiles_n):
@@ -154,13 +164,13 @@ def _k_grouped_wgrad_kernel(
             while c < nch:
                 async_copy.wait_group(STAGES - 3)  # this thread's copies of step s have landed
                 gl.thread_barrier()  # everyone's have; every warpgroup is done with the slot of step s - 2
-                _issue_step(p_ptr, q_ptr, p_buf, q_ring, k, nch, m0, M, N, stride_pr, stride_qr, p_src, pmask,
+                _issue_step(p_ptr, q_ptr, p_buf, q_ring, k, kn, m0, M, N, stride_pr, stride_qr, p_src, pmask,
                             q_src, qmask, resident, STAGES, BLOCK_M, BLOCK_N, LOAD_P, LOAD_Q)
                 p_slot = gl.where(resident, c, s % STAGES)
                 acc = warpgroup_mma(p_buf.index(p_slot).permute((1, 0)), q_ring.index(s % STAGES), acc,
                                     is_async=True)
-                k += 1
-                p_src, pmask, q_src, qmask = _step_src(p_idx_ptr, q_idx_ptr, k, nch, total, row_start, row_end,
+                k, kc, kn = _next_step(k, kc, kn, nch)
+                p_src, pmask, q_src, qmask = _step_src(p_idx_ptr, q_idx_ptr, kc, kn, tiles_n, row_start, row_end,
                                                        P_GATHER, Q_GATHER, BLOCK_K, LOAD_P, LOAD_Q)
                 acc = warpgroup_mma_wait(1, deps=[acc])
                 s += 1
