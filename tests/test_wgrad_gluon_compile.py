@@ -1,7 +1,8 @@
 """The Gluon weight-gradient kernel compiled for sm_90a on the CPU (no GPU needed; runs in CI).
 
-Proves, for every variant the launcher can pick (P or Q gathered, TMA-stored or masked-store epilogue,
-128- and 128x256 tiles, P streamed or kept on chip): the kernel compiles with Triton's bundled ptxas; its
+Proves, for a representative set of the variants the launcher can pick (bf16 or fp16 operands, 16-bit or
+fp32 outputs, P or Q gathered, TMA-stored or masked-store epilogue, 128x128 and 128x256 tiles, P streamed
+or kept on chip), and that the Gluon path imports wherever Gluon does: the kernel compiles with Triton's bundled ptxas; its
 matrix products are Hopper wgmma instructions of the expected shape (m64n128k16 / m64n256k16, bf16 in,
 fp32 accumulate); operands move with 16-byte cp.async copies; the output goes through the bulk tensor
 store exactly when TMA_C; no register spills or local memory; shared memory within the 227 KiB a Hopper
@@ -19,23 +20,27 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from megamoe.ops.wgrad_gluon import GLUON_AVAILABLE  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not GLUON_AVAILABLE, reason="Gluon is not importable in this Triton")
+
+def test_gluon_path_imports():
+    """Gluon itself imports here, so megamoe's Gluon kernel must too (a broken import would otherwise turn
+    the Gluon path off silently: every weight gradient would take the Triton kernels)."""
+    assert GLUON_AVAILABLE
 
 HOPPER_SMEM = 227 * 1024
 DIVISIBLE = ("p_ptr", "q_ptr", "c_ptr", "p_idx_ptr", "q_idx_ptr", "row_offsets_ptr", "M", "N", "stride_pr",
              "stride_qr", "stride_ce", "stride_cm")
 
 
-def _compile(tma_c, p_gather, q_gather, block_n, stages, res):
+def _compile(tma_c, p_gather, q_gather, block_n, stages, res, dt="bf16", out="bf16"):
     import triton
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from megamoe.kernels.wgrad_gluon import _k_grouped_wgrad_kernel as kernel
 
-    layout = gl.NVMMASharedLayout.get_default_for([128, block_n], gl.bfloat16)
-    sig = dict(p_ptr="*bf16", p_idx_ptr="*i32", q_ptr="*bf16", q_idx_ptr="*i32", row_offsets_ptr="*i32",
-               c_ptr="*bf16", c_desc=f"tensordesc<bf16[128, {block_n}],{layout!r}>" if tma_c else "constexpr",
+    layout = gl.NVMMASharedLayout.get_default_for([128, block_n], {"bf16": gl.bfloat16, "fp16": gl.float16}.get(out, gl.float32))
+    sig = dict(p_ptr=f"*{dt}", p_idx_ptr="*i32", q_ptr=f"*{dt}", q_idx_ptr="*i32", row_offsets_ptr="*i32",
+               c_ptr=f"*{out}", c_desc=f"tensordesc<{out}[128, {block_n}],{layout!r}>" if tma_c else "constexpr",
                num_experts="i32", M="i32", N="i32", stride_pr="i32", stride_qr="i32", stride_ce="i32",
                stride_cm="i32")
     const = dict(P_GATHER=p_gather, Q_GATHER=q_gather, TMA_C=tma_c, BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64,
@@ -61,17 +66,21 @@ def _ptxas_report(ptx: str, tmp_path) -> str:
     return out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("tma_c,p_gather,q_gather,block_n,stages,res", [
-    (True, False, True, 128, 5, 5),   # the table's entry, dW13 at W = 1 (x rows gathered)
-    (True, True, False, 128, 5, 5),   # dW2 at W = 1 (output-gradient rows gathered)
-    (False, False, False, 128, 4, 0),  # EP buffers (no gather), masked stores, P always streamed
-    (True, False, True, 256, 3, 4),   # 128x256 tiles, P on chip
-    (False, True, False, 256, 3, 0),
+@pytest.mark.parametrize("tma_c,p_gather,q_gather,block_n,stages,res,dt,out", [
+    (True, False, True, 128, 5, 5, "bf16", "bf16"),   # the table's entry, dW13 at W = 1 (x rows gathered)
+    (True, True, False, 128, 5, 5, "bf16", "bf16"),   # dW2 at W = 1 (output-gradient rows gathered)
+    (False, False, False, 128, 4, 0, "bf16", "bf16"),  # EP buffers (no gather), masked stores, P always streamed
+    (True, False, True, 256, 3, 4, "bf16", "bf16"),   # 128x256 tiles, P on chip
+    (False, True, False, 256, 3, 0, "bf16", "bf16"),
+    (True, False, True, 128, 5, 5, "fp16", "fp16"),   # fp16 operands and output
+    (False, False, True, 128, 5, 5, "bf16", "fp32"),  # fp32 output (masked stores; 128-wide tiles only)
 ])
-def test_compiles_to_wgmma_cp_async_without_spills(tmp_path, tma_c, p_gather, q_gather, block_n, stages, res):
-    k = _compile(tma_c, p_gather, q_gather, block_n, stages, res)
+def test_compiles_to_wgmma_cp_async_without_spills(tmp_path, tma_c, p_gather, q_gather, block_n, stages, res, dt,
+                                                   out):
+    k = _compile(tma_c, p_gather, q_gather, block_n, stages, res, dt, out)
     ptx = k.asm["ptx"]
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16", ptx)
+    ptx_dt = {"bf16": "bf16", "fp16": "f16"}[dt]
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.{ptx_dt}\.{ptx_dt}", ptx)
     assert "wgmma.mma_async.sync.aligned.m64n" in ptx and "mma.sync" not in ptx
     copies = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+|\d+)", ptx)
     assert copies and {int(c, 0) for c in copies} == {16}, "operand copies must be 16-byte cp.async"

@@ -43,18 +43,26 @@ def _problem(M, N, counts, p_gather, q_gather, seed):
 
 
 def _run(cfg, p, q, offsets, p_idx, q_idx, out_dtype=BF16):
-    from megamoe.ops import k_grouped_mm, tile_config
+    """k_grouped_mm with ``cfg`` forced; a Gluon config must really launch the Gluon kernel (no silent
+    fallback to the Triton kernels, which would compare them with themselves)."""
+    from megamoe.ops import grouped_gemm, k_grouped_mm, tile_config
 
     M, N = p.shape[1], q.shape[1]
     saved = dict(tile_config._OVERRIDES)
     tile_config._OVERRIDES[("wgrad", M, N)] = cfg
+    launches = []
+    real_launch = grouped_gemm.launch_gluon_wgrad
+    grouped_gemm.launch_gluon_wgrad = lambda *a, **k: (launches.append(a[0]), real_launch(*a, **k))
     try:
         E = offsets.numel() - 1
         out = torch.full((E, M, N), float("nan"), device=DEV, dtype=out_dtype)
-        return k_grouped_mm(p, q, offsets, p_idx_R=p_idx, q_idx_R=q_idx, out_dtype=out_dtype, out=out)
+        got = k_grouped_mm(p, q, offsets, p_idx_R=p_idx, q_idx_R=q_idx, out_dtype=out_dtype, out=out)
     finally:
+        grouped_gemm.launch_gluon_wgrad = real_launch
         tile_config._OVERRIDES.clear()
         tile_config._OVERRIDES.update(saved)
+    assert launches == ([cfg] if cfg.gluon else []), f"Gluon launches {launches} for {cfg}"
+    return got
 
 
 @needs_hopper
@@ -62,11 +70,8 @@ def _run(cfg, p, q, offsets, p_idx, q_idx, out_dtype=BF16):
 @pytest.mark.parametrize("gather", ["none", "p", "q"])
 def test_bitwise_equal_to_triton_kernels(M, N, gather):
     from megamoe.ops import GemmConfig
-    from megamoe.ops.wgrad_gluon import gluon_wgrad_eligible
 
     p, q, off, pi, qi = _problem(M, N, COUNTS, gather == "p", gather == "q", seed=M + N)
-    E = off.numel() - 1
-    assert gluon_wgrad_eligible(p, q, torch.empty(E, M, N, device=DEV, dtype=BF16))  # the Gluon path really runs
     per_tile = _run(GemmConfig(128, 128, 64, 8, 2), p, q, off, pi, qi)
     resident = _run(GemmConfig(128, 128, 64, 8, 3, resident_chunks=3), p, q, off, pi, qi)
     assert torch.equal(per_tile, resident)

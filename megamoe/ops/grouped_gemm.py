@@ -30,6 +30,7 @@ from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_k
 from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .wgrad_gluon import gluon_wgrad_eligible, launch_gluon_wgrad
 from .routing import tile_offsets_for
+from . import tile_config
 from .tile_config import k_grouped_config, m_grouped_config
 
 __all__ = ["gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm"]
@@ -323,7 +324,7 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     Determinism: each output element reduces its expert's rows from the expert's first row, in row order,
     in BLOCK_K chunks, fp32, one cast; no atomics, no split-K: bitwise reproducible, independent of the
     other groups and of the kernel variant (Triton per-tile, Triton resident, or on Hopper the persistent
-    Gluon kernel of :mod:`megamoe.ops.wgrad_gluon`, which the table picks for ~160-384 rows per group and
+    Gluon kernel of :mod:`megamoe.ops.wgrad_gluon`, which the table picks for ~160-256 rows per group and
     which falls back to the Triton kernels where it cannot run). An expert with no rows gets exact zeros.
     Sync: none.
     """
@@ -352,7 +353,8 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
     cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group)
     if cfg.gluon:
-        if not interpret and gluon_wgrad_eligible(p, q, c):
+        forced = tile_config._OVERRIDES.get(("wgrad", M, N)) is cfg  # asked for explicitly (tests, sweeps)
+        if not interpret and gluon_wgrad_eligible(cfg, p, q, c, fill_sms=not forced):
             launch_gluon_wgrad(cfg, p, p_idx_R, q, q_idx_R, offsets_E1, c)
             return c
         # the Triton kernels' own table entry (same chunk order, so the same bits)

@@ -25,7 +25,7 @@ try:  # Gluon is experimental: keep the library importable without it
 except Exception:  # noqa: BLE001 - any import problem means: no Gluon path
     _k_grouped_wgrad_kernel = None
 
-__all__ = ["gluon_wgrad_eligible", "launch_gluon_wgrad", "GLUON_AVAILABLE"]
+__all__ = ["gluon_wgrad_eligible", "operands_fit", "launch_gluon_wgrad", "GLUON_AVAILABLE"]
 
 GLUON_AVAILABLE = _k_grouped_wgrad_kernel is not None
 _HALF = (torch.bfloat16, torch.float16)
@@ -43,19 +43,42 @@ def _aligned_rows(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def gluon_wgrad_eligible(p: torch.Tensor, q: torch.Tensor, c: torch.Tensor) -> bool:
-    """True when the Gluon kernel can compute ``c = P^T Q`` per group: Gluon importable and not disabled by
-    ``MEGAMOE_GLUON=0``; a Hopper (sm_90) CUDA device; P and Q of one 16-bit dtype with 16-byte aligned,
-    contiguous-column rows whose stride is a multiple of 16 elements; M and N multiples of 16 (cp.async moves
-    16 bytes, and the column masks must be provably constant over each 8-element vector); C contiguous."""
+def operands_fit(cfg, p: torch.Tensor, q: torch.Tensor, c: torch.Tensor, min_units: int) -> bool:
+    """Host-side shape / layout conditions of the Gluon kernel (a pure function; CPU-testable):
+
+    * P and Q of one 16-bit dtype, C 16-bit or fp32 and contiguous; fp32 C only with 128-wide tiles (the
+      128x256 tile's fp32 epilogue spills registers);
+    * rows with contiguous columns, a row stride that is a multiple of 16 elements and 16-byte aligned base
+      pointers, M and N multiples of 16 (cp.async moves 16 bytes, and the column masks must be provably
+      constant over each 8-element vector);
+    * at least ``min_units`` (expert, m-tile) units (the launcher asks for one per SM when the table chose
+      the kernel): it runs one program per unit at most, so a single large group (a shared expert's weight
+      gradient) would leave most SMs idle where the Triton per-tile kernel fills them."""
+    if p.dtype not in _HALF or q.dtype != p.dtype or c.dtype not in _HALF + (torch.float32,):
+        return False
+    if c.dtype == torch.float32 and cfg.block_n != _BLOCK_M:
+        return False
+    E, M, N = c.shape
+    if M % 16 or N % 16 or p.shape[1] != M or q.shape[1] != N or not c.is_contiguous():
+        return False
+    return _aligned_rows(p) and _aligned_rows(q) and E * triton.cdiv(M, _BLOCK_M) >= min_units
+
+
+def gluon_wgrad_eligible(cfg, p: torch.Tensor, q: torch.Tensor, c: torch.Tensor, *, fill_sms: bool = True) -> bool:
+    """True when the Gluon kernel can compute ``c = P^T Q`` per group with config ``cfg``: Gluon importable
+    and not disabled by ``MEGAMOE_GLUON=0``; a Hopper (sm_90) CUDA device; and :func:`operands_fit`, with at
+    least one unit per SM when ``fill_sms`` (an explicitly requested config, e.g. in tests and sweeps, may
+    run on fewer). Otherwise the caller runs the Triton kernels (the same bits)."""
     if not GLUON_AVAILABLE or os.environ.get("MEGAMOE_GLUON", "1") == "0":
         return False
     if p.device.type != "cuda" or not _is_hopper(p.device.index or 0):
         return False
-    if p.dtype not in _HALF or q.dtype != p.dtype or c.dtype not in _HALF + (torch.float32,):
-        return False
-    M, N = p.shape[1], q.shape[1]
-    return M % 16 == 0 and N % 16 == 0 and _aligned_rows(p) and _aligned_rows(q) and c.is_contiguous()
+    return operands_fit(cfg, p, q, c, _sm_count(p.device.index or 0) if fill_sms else 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -73,7 +96,7 @@ def launch_gluon_wgrad(cfg, p: torch.Tensor, p_idx_R: torch.Tensor | None, q: to
     E, M, N = c.shape
     bm, bn = _BLOCK_M, cfg.block_n
     num_units = E * triton.cdiv(M, bm)  # (expert, m-tile) units, each with all its n-tiles
-    sms = torch.cuda.get_device_properties(c.device).multi_processor_count
+    sms = _sm_count(c.device.index or 0)
     tma_c = M % bm == 0 and c.dtype in _HALF and c.data_ptr() % 16 == 0 and (N * c.element_size()) % 16 == 0
     if tma_c:
         layout = gl.NVMMASharedLayout.get_default_for([bm, bn], _gl_dtype(c.dtype))
