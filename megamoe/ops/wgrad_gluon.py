@@ -17,6 +17,8 @@ import os
 import torch
 import triton
 
+from ._common import _sm_count
+
 try:  # Gluon is experimental: keep the library importable without it
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -74,11 +76,6 @@ def gluon_wgrad_eligible(cfg, p: torch.Tensor, q: torch.Tensor, c: torch.Tensor,
     if p.device.type != "cuda" or not _is_hopper(p.device.index or 0):
         return False
     return operands_fit(cfg, p, q, c, _sm_count(p.device.index or 0) if fill_sms else 1)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _gl_dtype(dtype: torch.dtype):
