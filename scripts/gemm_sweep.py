@@ -15,7 +15,6 @@ Usage: python scripts/gemm_sweep.py OUT_DIR [preset[+balanced][+nolayer]:T ...] 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 
@@ -56,11 +55,9 @@ def candidates(kind):
     c = {
         "gate_up": [G(128, 128, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
         "down": [G(128, 256, 64, 8, 3), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True)],
-        # session 6: ("fused", cfg) runs the SwiGLU backward in the GEMM's epilogue (MEGAMOE_SWIGLU_BWD=fused,
-        # the table before); plain configs time the split path (fp32 GEMM, then the row-wise pass)
-        "dgrad_swiglu": [("fused", G(128, 128, 64, 8, 4)), ("fused", G(128, 256, 64, 8, 3, tma_b=True)),
-                         G(128, 256, 64, 8, 3, tma_b=True), G(128, 128, 64, 8, 3, tma_b=True),
-                         G(128, 128, 64, 8, 3), G(128, 256, 64, 8, 3), G(64, 128, 64, 4, 3, programs_per_sm=2)],
+        # session 4: 256-column tiles (two 128-column row-dot partials per tile: the same bits)
+        "dgrad_swiglu": [G(128, 256, 64, 8, 3, tma_b=True), G(128, 256, 64, 8, 4, tma_b=True),
+                         G(128, 256, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
         "dgrad": [G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True)],
         # per-tile kernel (stages, wider tiles), then the resident kernel with 1-4 chunks of P rows on chip
         "wgrad": [G(128, 128, 64, 8, 2), G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 2), G(256, 128, 64, 8, 2),
@@ -95,9 +92,7 @@ def sweep(name, T, balanced, log, only=None):
         "gate_up": (lambda: gate_up_swiglu(x, w13, off, gather_idx_R=tok), ("gate_up", F, D), 4 * N * D * F,
                     2 * E * F * D * 2),
         "down": (lambda: (down_proj(h, w2, off),), ("down", D, F), 2 * N * D * F, E * D * F * 2),
-        # dgu and h * s (the fused and split paths give the same bits; their row-dot partials differ in
-        # summation order, which the GPU tests cover)
-        "dgrad_swiglu": (lambda: swiglu_dgrad(dy, w2, off, gu, gather_idx_R=tok, row_scale_R=scale)[:2],
+        "dgrad_swiglu": (lambda: swiglu_dgrad(dy, w2, off, gu, gather_idx_R=tok, row_scale_R=scale),
                          ("dgrad_swiglu", F, D), 2 * N * D * F, E * D * F * 2),
         "dgrad": (lambda: (grouped_mm_nn(dgu, w13, off),), ("dgrad", D, 2 * F), 4 * N * D * F, 2 * E * F * D * 2),
         "wgrad13": (lambda: (k_grouped_mm(dgu, x, off, q_idx_R=tok),), ("wgrad", 2 * F, D), 4 * N * D * F,
@@ -112,13 +107,9 @@ def sweep(name, T, balanced, log, only=None):
         base_cfg = tile_config._OVERRIDES.pop(key, None)
         ref = None
         for cand in [base_cfg] + candidates(key[0]):
-            mode = None
-            if isinstance(cand, tuple):
-                mode, cand = cand
-                os.environ["MEGAMOE_SWIGLU_BWD"] = mode
             if cand is not None:
                 tile_config._OVERRIDES[key] = cand
-            shown = (f"{mode}: " if mode else "") + (str(cand) if cand is not None else "table default")
+            shown = str(cand) if cand is not None else "table default"
             try:
                 out = [t.clone() for t in fn() if t is not None]
                 if ref is None:
@@ -134,7 +125,6 @@ def sweep(name, T, balanced, log, only=None):
             except Exception as exc:  # noqa: BLE001 - record and go on
                 log(f"  {tag:28s} {label:13s} {shown} FAILED {type(exc).__name__}: {str(exc)[:300]}")
             tile_config._OVERRIDES.pop(key, None)
-            os.environ.pop("MEGAMOE_SWIGLU_BWD", None)
         if base_cfg is not None:
             tile_config._OVERRIDES[key] = base_cfg
     return rows
@@ -165,8 +155,7 @@ def layer(name, T, rows, log):
     t0 = timeit(fb, iters=6)
     best = {}
     for label, key in keys.items():
-        ok = [r for r in rows if r["case"] == f"{name} T={T}" and r.get("gemm") == label and r["bitwise_equal"]
-              and not r["config"].startswith("fused")]
+        ok = [r for r in rows if r["case"] == f"{name} T={T}" and r.get("gemm") == label and r["bitwise_equal"]]
         if ok:
             best[label] = min(ok, key=lambda r: r["ms"])["config"]
     for label, shown in best.items():

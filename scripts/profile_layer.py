@@ -3,7 +3,9 @@
 Runs ``moe_experts(..., backend="fused")`` forward + backward on the benchmark's problems (same inputs as
 ``python -m megamoe.bench``: uniform routing, routed + shared experts, bf16) and prints, per case, the
 CUDA kernels grouped by name with calls, total and per-step ms and share of the step, plus the sum and the
-step's wall time from CUDA events. Writes OUT_DIR/profile_layer.json.
+step's wall time from CUDA events; then where the GPU idles between kernels when steps run back to back
+(as the benchmark runs them: no sync between steps), the host time to enqueue one step, and the step
+replayed as a CUDA graph (no host launches at all). Writes OUT_DIR/profile_layer.json.
 
 Usage: python scripts/profile_layer.py OUT_DIR [preset:T ...]   (needs a CUDA GPU; installs nothing)
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -50,24 +53,76 @@ def profile_case(name: str, T: int) -> dict:
         e.synchronize()
         times.append(s.elapsed_time(e))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
+        for _ in range(STEPS):  # back to back, no sync in between (as the benchmark's W=1 timing)
             _step(prob)
         torch.cuda.synchronize()
     per = defaultdict(lambda: [0, 0.0])
+    kernels = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             key = ev.name[:90]
             per[key][0] += 1
             per[key][1] += ev.device_time_total / 1e3
+            kernels.append((ev.time_range.start, ev.time_range.end, key))
+    kernels.sort()
+    # idle time between consecutive kernels (us), after the first step's start
+    gaps = defaultdict(lambda: [0, 0.0])
+    idle = 0.0
+    for (s0, e0, k0), (s1, e1, k1) in zip(kernels, kernels[1:]):
+        g = s1 - max(e0, s0)
+        if g > 0:
+            idle += g
+            if g > 8:
+                gaps[(k0[:45], k1[:45])][0] += 1
+                gaps[(k0[:45], k1[:45])][1] += g
+    span_ms = (kernels[-1][1] - kernels[0][0]) / 1e3 / STEPS if kernels else 0.0
     wall = statistics.median(times)
     rows = sorted(((k, c / STEPS, ms / STEPS) for k, (c, ms) in per.items()), key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
-    print(f"\n== {name} T={T}: step {wall:.2f} ms (CUDA events, median of {STEPS}); kernels sum {total:.2f} ms "
-          f"per step; gaps {wall - total:.2f} ms")
+    # host time to enqueue one step (the GPU is kept busy by a long queue first, so launches never wait)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(STEPS):
+        _step(prob)
+    host_ms = (time.perf_counter() - t0) * 1e3 / STEPS
+    torch.cuda.synchronize()
+    graph_ms = _graph_ms(prob)
+    print(f"\n== {name} T={T}: step {wall:.2f} ms (CUDA events, synced steps, median of {STEPS}); kernels sum "
+          f"{total:.2f} ms per step; back to back: {span_ms:.2f} ms per step, GPU idle {idle / 1e3 / STEPS:.2f} "
+          f"ms per step; host enqueue {host_ms:.2f} ms per step; CUDA graph replay {graph_ms:.2f} ms")
     for k, c, ms in rows:
         print(f"  {ms:7.3f} ms {100 * ms / wall:5.1f}%  x{c:<4g} {k}")
-    return dict(case=f"{name}:{T}", step_ms=wall, kernel_sum_ms=total,
+    print("  idle gaps > 8 us between kernels (per step: count, us), largest first:")
+    for (k0, k1), (c, us) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:15]:
+        print(f"    {us / STEPS:8.1f} us x{c / STEPS:<4g} {k0} -> {k1}")
+    return dict(case=f"{name}:{T}", step_ms=wall, kernel_sum_ms=total, back_to_back_ms=span_ms,
+                idle_ms=idle / 1e3 / STEPS, host_ms=host_ms, graph_ms=graph_ms,
                 kernels=[dict(name=k, calls=c, ms=ms) for k, c, ms in rows])
+
+
+def _graph_ms(prob) -> float:
+    """Median ms of the step captured once into a CUDA graph and replayed (GPU time without host launches)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            _step(prob)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _step(prob)
+    graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(STEPS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(ts)
 
 
 def main():

@@ -26,10 +26,7 @@ import triton
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-import os
-
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
-from ..kernels.swiglu import _swiglu_bwd_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .wgrad_gluon import gluon_wgrad_eligible, launch_gluon_wgrad
 from .routing import tile_offsets_for
@@ -39,9 +36,6 @@ from .tile_config import k_grouped_config, m_grouped_config
 __all__ = ["gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm"]
 
 _PLAIN, _SWIGLU, _SWIGLU_BWD = 0, 1, 2
-# swiglu_dgrad's row-wise pass (split mode): columns per row-dot partial, rows per program
-SPLIT_DOT_N = 128
-_SPLIT_BLOCK_R = 32
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -302,34 +296,14 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
         raise ValueError(f"{where}: row_scale_R must be fp32 of shape ({R},)")
     dev = check_device(_m_grouped_gemm_kernel, where, dy=dy, w2_EDF=w2_EDF, offsets_E1=offsets_E1, gu_RG=gu_RG,
                        gather_idx_R=gather_idx_R, row_scale_R=row_scale_R)
-    interpret = is_interpreted(_m_grouped_gemm_kernel)
-    cfg = m_grouped_config("dgrad_swiglu", F, D, w2_EDF.dtype, interpret=interpret)
-    split = os.environ.get("MEGAMOE_SWIGLU_BWD", "split") != "fused"
-    num_p = triton.cdiv(F, SPLIT_DOT_N if split else _dot_cols(cfg))
+    cfg = m_grouped_config("dgrad_swiglu", F, D, w2_EDF.dtype, interpret=is_interpreted(_m_grouped_gemm_kernel))
+    num_p = triton.cdiv(F, _dot_cols(cfg))
     dgu = torch.empty((R, 2 * F), dtype=dy.dtype, device=dev)
     hs = torch.empty((R, F), dtype=dy.dtype, device=dev)
     part = torch.empty((R, num_p), dtype=torch.float32, device=dev) if row_dot else None
-    if not split:
-        _launch_m_grouped(where=where, kind="dgrad_swiglu", epilogue=_SWIGLU_BWD, a=dy, a_idx=gather_idx_R,
-                          b=w2_EDF, stride_b=(D * F, 1, F), num_rows=R, N=F, K=D, offsets_E1=offsets_E1, c=dgu,
-                          aux=hs, dot=part, scale=row_scale_R, gu=gu_RG, tile_offsets_E1=tile_offsets_E1)
-        return dgu, hs, part
-    if R == 0 or F == 0:
-        return dgu, hs, part
-    acc_RF = torch.empty((R, F), dtype=torch.float32, device=dev)  # dY @ W2[e], unscaled, fp32
-    _launch_m_grouped(where=where, kind="dgrad_swiglu", epilogue=_PLAIN, a=dy, a_idx=gather_idx_R, b=w2_EDF,
-                      stride_b=(D * F, 1, F), num_rows=R, N=F, K=D, offsets_E1=offsets_E1, c=acc_RF,
-                      tile_offsets_E1=tile_offsets_E1)
-    block_r = 8 if interpret else _SPLIT_BLOCK_R
-    grid = (triton.cdiv(R, block_r), num_p)
-    dummy = acc_RF
-    _swiglu_bwd_kernel[grid](
-        acc_RF, gu_RG, row_scale_R if row_scale_R is not None else dummy, offsets_E1,
-        dgu, hs, part if part is not None else dummy,
-        F, num_p, E, acc_RF.stride(0), gu_RG.stride(0), dgu.stride(0), hs.stride(0),
-        HAS_SCALE=row_scale_R is not None, HAS_DOT=part is not None, BLOCK_R=block_r, DOT_N=SPLIT_DOT_N,
-        num_warps=4,
-    )
+    _launch_m_grouped(where=where, kind="dgrad_swiglu", epilogue=_SWIGLU_BWD, a=dy, a_idx=gather_idx_R, b=w2_EDF,
+                      stride_b=(D * F, 1, F), num_rows=R, N=F, K=D, offsets_E1=offsets_E1, c=dgu, aux=hs,
+                      dot=part, scale=row_scale_R, gu=gu_RG, tile_offsets_E1=tile_offsets_E1)
     return dgu, hs, part
 
 
