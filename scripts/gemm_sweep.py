@@ -54,11 +54,16 @@ def candidates(kind):
     G = GemmConfig
     c = {
         "gate_up": [G(128, 128, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
-        "down": [G(128, 256, 64, 8, 3), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True)],
+        "down": [G(128, 256, 64, 8, 3), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True),
+                 # session 6: the persistent Gluon kernel (TMA ring across tiles), and the Triton kernel it replaced
+                 G(128, 256, 64, 8, 3, tma_b=True, tma_a=True), G(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True),
+                 G(128, 128, 64, 8, 4, tma_b=True, tma_a=True, gluon=True)],
         # session 4: 256-column tiles (two 128-column row-dot partials per tile: the same bits)
         "dgrad_swiglu": [G(128, 256, 64, 8, 3, tma_b=True), G(128, 256, 64, 8, 4, tma_b=True),
                          G(128, 256, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
-        "dgrad": [G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True)],
+        "dgrad": [G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True),
+                  G(128, 256, 64, 8, 3, tma_b=True, tma_a=True), G(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True),
+                  G(128, 128, 64, 8, 4, tma_b=True, tma_a=True, gluon=True)],
         # per-tile kernel (stages, wider tiles), then the resident kernel with 1-4 chunks of P rows on chip
         "wgrad": [G(128, 128, 64, 8, 2), G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 2), G(256, 128, 64, 8, 2),
                   G(128, 128, 64, 8, 3, resident_chunks=3), G(128, 128, 64, 8, 4, resident_chunks=2),

@@ -258,6 +258,10 @@ def test_bits_do_not_depend_on_tile_shape():
         # masked second partial, F % 256 <= 128, is checked under the interpreter, test_kernels_interpret.py)
         {"dgrad_swiglu": G(128, 256, 64, 8, 3, tma_b=True)},
         {"dgrad_swiglu": G(128, 256, 64, 8, 3)},
+        # the persistent Gluon m-grouped kernel for the plain-epilogue GEMMs (and the Triton one it replaces)
+        {k: G(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True) for k in ("down", "dgrad")},
+        {k: G(128, 256, 64, 8, 3, tma_b=True, tma_a=True) for k in ("down", "dgrad")},
+        {k: G(128, 128, 64, 8, 4, tma_b=True, tma_a=True, gluon=True) for k in ("down", "dgrad")},
     ]
     keys = {"gate_up": [("gate_up", F, D), ("gate_up", S, D)], "down": [("down", D, F), ("down", D, S)],
             "dgrad_swiglu": [("dgrad_swiglu", F, D), ("dgrad_swiglu", S, D)], "dgrad": [("dgrad", D, 2 * F), ("dgrad", D, 2 * S)],

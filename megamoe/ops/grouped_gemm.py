@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
+from .m_grouped_gluon import gluon_m_grouped_eligible, launch_gluon_m_grouped
 from .wgrad_gluon import gluon_wgrad_eligible, launch_gluon_wgrad
 from .routing import tile_offsets_for
 from . import tile_config
@@ -93,6 +94,10 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         return cfg
     if tile_offsets_E1 is None:
         tile_offsets_E1 = tile_offsets_for(offsets_E1, cfg.block_m)
+    if (cfg.gluon and epilogue == _PLAIN and not interpret
+            and gluon_m_grouped_eligible(cfg, a, b, stride_b, K, c, gathered=a_idx is not None)):
+        launch_gluon_m_grouped(cfg, a, b, stride_b, K, N, num_rows, offsets_E1, tile_offsets_E1, c, scale)
+        return cfg
     bound = (triton.cdiv(num_rows, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
     grid = (persistent_programs(c.device, kernel, bound, cfg.programs_per_sm),)
     fp32_dot = interpret or a.dtype == torch.float32 or b.dtype == torch.float32

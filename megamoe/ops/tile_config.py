@@ -43,6 +43,11 @@ class GemmConfig:
     operands allow it (Hopper, bf16/fp16, aligned rows; ops.wgrad_gluon.gluon_wgrad_eligible), else the
     Triton kernels with this config's tiles.
 
+    m-grouped with the plain epilogue (down projection, dgrad dx): ``gluon`` runs the persistent Gluon kernel
+    (megamoe/kernels/grouped_gemm_gluon.py: TMA loads of A and B in a ring that runs across tile boundaries)
+    where the device and operands allow it (Hopper, 16-bit, A rows not gathered, TMA-compatible rows;
+    ops.m_grouped_gluon.gluon_m_grouped_eligible), else the Triton kernel with this config.
+
     Bits: only block_k (the K order) can change results. block_m, block_n, the stage count, the load path
     and the grid were verified to give bitwise the same outputs and gradients on H200
     (tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape), as expected from wgmma: every
@@ -92,9 +97,9 @@ _FP32 = GemmConfig(64, 64, 32, 4, 3)
 _M_GROUPED_BF16 = {
     "gate_up": GemmConfig(128, 128, 64, 8, 3, tma_b=True),  # 2 x (128x128) accumulators, 48 KiB smem / stage
     # 128x256x64/3 stages beat 128x128x64/4 on H200 (2026-11-30): qwen3 1.00 vs 1.04 ms, deepseek-v3 2.88 vs 3.25 ms
-    "down": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
+    "down": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True),
     "dgrad_swiglu": GemmConfig(128, 128, 64, 8, 4),
-    "dgrad": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
+    "dgrad": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True),
 }
 _K_GROUPED_BF16 = GemmConfig(128, 128, 64, 8, 3)
 # few rows per expert (weight gradients at W = 1, 2): P chunks kept on chip, see k_grouped_config. Stages

@@ -1,0 +1,161 @@
+"""Persistent m-grouped GEMM for Hopper with loads pipelined across tiles, in Gluon (``@gluon.jit`` only;
+launcher in megamoe.ops.m_grouped_gluon).
+
+Legend: R rows of an expert-grouped row buffer (expert e owns rows ``row_offsets[e]:row_offsets[e+1]``); E
+experts; ``C[r] = A[r] @ B[e(r)]`` with A (R, K), C (R, N); a tile is (m-tile, n-tile), n-tile fastest, with
+m-tiles that never straddle two experts (``tile_offsets``, as in megamoe.kernels.grouped_gemm); a step is one
+(tile, BLOCK_K chunk) pair; STAGES slots of the TMA load ring.
+
+The same sums as ``megamoe.kernels.grouped_gemm._m_grouped_gemm_kernel`` with the PLAIN epilogue and TMA
+loads of A and B (K in BLOCK_K chunks in order, fp32 accumulation, ``cast(acc [* scale[r]])``), so the bits
+are the Triton kernel's (tests/test_m_grouped_gluon_gpu.py). What differs is the schedule: program pid walks
+the tiles pid, pid + G, ... as one flat sequence of steps, and the TMA ring runs STAGES - 1 steps ahead
+*across* tile boundaries, so the next tile's first operand tiles are in flight while a tile's last wgmma
+drains and its epilogue stores (the Triton kernel refills its pipeline for every tile). B[e] is read in
+either layout: stored (N, K) ("nt", the nn.Linear layout; B_NK) through a descriptor over the (E * B_ROWS, K)
+view, or stored (K, N) ("nn") over (E * K, N); rows of a neighbouring expert or past R that a tile reads
+only reach rows / columns masked at the store.
+
+Slot reuse: step s waits for its slot's mbarrier (phase (s // STAGES) & 1), issues its wgmma asynchronously
+and waits until only that one is in flight; after a CTA barrier (both warpgroups are past step s - 1) the
+loads of step s + STAGES - 1 go to the slot of step s - 1.
+
+Design after the persistent, pipelined matmul of Triton's Gluon tutorials (07-persistence, 04-tma) and
+CUTLASS's SM90 TMA mainloop; the reduction order is this project's (docs/design.md).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+
+@gluon.jit
+def _tile_coords(tile, tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles, E_POW2: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT_E: gl.constexpr):
+    """(expert, first row, end row, first column) of global tile ``tile``; empty experts own no tiles."""
+    m_tile = tile // num_n_tiles
+    n0 = (tile - m_tile * num_n_tiles) * BLOCK_N
+    offs_e = gl.arange(0, E_POW2, layout=LAYOUT_E)
+    tile_ends = gl.load(tile_offsets_ptr + 1 + offs_e, mask=offs_e < num_experts, other=2147483647)
+    # a tile past the last one (a producer that ran ahead of the program's work) gets the last expert's
+    # in-bounds coordinates; nothing is loaded or stored for it
+    expert = gl.minimum(gl.sum((tile_ends <= m_tile).to(gl.int32), axis=0), num_experts - 1)
+    first_tile = gl.load(tile_offsets_ptr + expert)
+    row_start = gl.load(row_offsets_ptr + expert) + (m_tile - first_tile) * BLOCK_M
+    row_end = gl.load(row_offsets_ptr + expert + 1)
+    return expert, row_start, row_end, n0
+
+
+@gluon.jit
+def _issue(a_desc, b_desc, a_ring, b_ring, bars, p, row_start, b_row, n0, k0, STAGES: gl.constexpr,
+           B_NK: gl.constexpr):
+    """TMA copies of step p (A rows [row_start, +BLOCK_M) x [k0, +BLOCK_K), and B's tile) into slot p % STAGES."""
+    slot = p % STAGES
+    bar = bars.index(slot)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [row_start, k0], bar, a_ring.index(slot))
+    if B_NK:
+        tma.async_copy_global_to_shared(b_desc, [b_row + n0, k0], bar, b_ring.index(slot))
+    else:
+        tma.async_copy_global_to_shared(b_desc, [b_row + k0, n0], bar, b_ring.index(slot))
+
+
+@gluon.jit
+def _m_grouped_plain_kernel(
+    # inputs: TMA descriptors of A (R, K) and of B's 2-D view; optional per-row scale (R,)
+    a_desc, b_desc, scale_ptr, row_offsets_ptr, tile_offsets_ptr,
+    # output C (R, N), last dimension contiguous
+    c_ptr,
+    # shapes (K: a weight dimension)
+    num_rows, N, num_experts, B_ROWS, stride_cm, K: gl.constexpr,
+    # variant
+    B_NK: gl.constexpr, HAS_SCALE: gl.constexpr, E_POW2: gl.constexpr,
+    # tile config
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    gl.static_assert(STAGES >= 2, "the ring needs STAGES >= 2")
+    dtype: gl.constexpr = a_desc.dtype
+    out_ty: gl.constexpr = c_ptr.dtype.element_ty
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
+    LAYOUT_E: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    a_ring = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_ring = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    K_STEPS: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    num_n_tiles = gl.cdiv(N, BLOCK_N)
+    num_tiles = gl.load(tile_offsets_ptr + num_experts) * num_n_tiles
+    my_tiles = gl.where(pid < num_tiles, (num_tiles - pid + G - 1) // G, 0)
+    total = my_tiles * K_STEPS
+
+    # producer: next step to load (p), its tile's coordinates and k-chunk (p_k)
+    p = gl.to_tensor(0)
+    p_k = gl.to_tensor(0)
+    p_tile = pid
+    p_expert, p_row, p_end, p_n0 = _tile_coords(p_tile, tile_offsets_ptr, row_offsets_ptr, num_experts,
+                                                num_n_tiles, E_POW2, BLOCK_M, BLOCK_N, LAYOUT_E)
+    for i in gl.static_range(STAGES - 1):
+        if p < total:
+            _issue(a_desc, b_desc, a_ring, b_ring, bars, p, p_row, p_expert * B_ROWS, p_n0, p_k * BLOCK_K, STAGES,
+                   B_NK)
+            p += 1
+            p_k += 1
+            if p_k == K_STEPS:
+                p_k = 0
+                p_tile += G
+                p_expert, p_row, p_end, p_n0 = _tile_coords(p_tile, tile_offsets_ptr, row_offsets_ptr,
+                                                            num_experts, num_n_tiles, E_POW2, BLOCK_M, BLOCK_N,
+                                                            LAYOUT_E)
+
+    # consumer: the tile being multiplied (its coordinates stay until its epilogue) and its k-chunk
+    c_k = gl.to_tensor(0)
+    c_tile = pid
+    c_expert, c_row, c_end, c_n0 = _tile_coords(c_tile, tile_offsets_ptr, row_offsets_ptr, num_experts,
+                                                num_n_tiles, E_POW2, BLOCK_M, BLOCK_N, LAYOUT_E)
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
+    for s in range(total):
+        slot = s % STAGES
+        mbarrier.wait(bars.index(slot), (s // STAGES) & 1)
+        if B_NK:
+            b_op = b_ring.index(slot).permute((1, 0))
+        else:
+            b_op = b_ring.index(slot)
+        acc = warpgroup_mma(a_ring.index(slot), b_op, acc, use_acc=c_k > 0, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=[acc])
+        gl.thread_barrier()  # both warpgroups are done with step s - 1's slot
+        if p < total:
+            _issue(a_desc, b_desc, a_ring, b_ring, bars, p, p_row, p_expert * B_ROWS, p_n0, p_k * BLOCK_K, STAGES,
+                   B_NK)
+            p += 1
+            p_k += 1
+            if p_k == K_STEPS:
+                p_k = 0
+                p_tile += G
+                p_expert, p_row, p_end, p_n0 = _tile_coords(p_tile, tile_offsets_ptr, row_offsets_ptr,
+                                                            num_experts, num_n_tiles, E_POW2, BLOCK_M, BLOCK_N,
+                                                            LAYOUT_E)
+        c_k += 1
+        if c_k == K_STEPS:  # the tile's last chunk: drain, store, move to the next tile
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            if HAS_SCALE:
+                offs_s = c_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
+                rows_s = gl.minimum(offs_s, num_rows - 1)  # clamped rows: computed, never stored
+                acc = acc * gl.load(scale_ptr + rows_s).to(gl.float32)[:, None]
+            out = gl.convert_layout(acc.to(out_ty), STORE)
+            offs_m = c_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, STORE))
+            offs_n = c_n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, STORE))
+            ptrs = c_ptr + offs_m.to(gl.int64)[:, None] * stride_cm + offs_n[None, :]
+            gl.store(ptrs, out, mask=(offs_m < c_end)[:, None] & (offs_n < N)[None, :])
+            c_k = 0
+            c_tile += G
+            c_expert, c_row, c_end, c_n0 = _tile_coords(c_tile, tile_offsets_ptr, row_offsets_ptr, num_experts,
+                                                        num_n_tiles, E_POW2, BLOCK_M, BLOCK_N, LAYOUT_E)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))

@@ -1,0 +1,92 @@
+"""The persistent Gluon m-grouped GEMM compiled for sm_90a on the CPU (no GPU needed; runs in CI).
+
+Proves, for the variants the launcher can pick (B stored (N, K) or (K, N), bf16 or fp16, with or without a
+row scale, 128x128 and 128x256 tiles), that the kernel compiles with Triton's bundled ptxas; its matrix
+products are Hopper wgmma instructions of the tile's shape; both operands arrive by TMA bulk-tensor copies
+completed on mbarriers; no register spills or local memory; shared memory within the 227 KiB a Hopper block
+can have. Correctness (bitwise equal to the Triton kernel) and speed are measured on the GPU
+(tests/test_m_grouped_gluon_gpu.py, docs/perf.md). Also the pure host-side operand conditions.
+"""
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from megamoe.ops import GemmConfig  # noqa: E402
+from megamoe.ops.m_grouped_gluon import _m_grouped_plain_kernel, m_grouped_operands_fit  # noqa: E402
+
+from test_wgrad_gluon_compile import HOPPER_SMEM, _ptxas_report  # noqa: E402
+
+DIVISIBLE = ("c_ptr", "scale_ptr", "row_offsets_ptr", "tile_offsets_ptr", "N", "B_ROWS", "stride_cm")
+
+
+def test_gluon_m_grouped_imports():
+    assert _m_grouped_plain_kernel is not None
+
+
+def _compile(b_nk, block_n, stages, has_scale, dt="bf16"):
+    import triton
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = _m_grouped_plain_kernel
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
+    a_block = [128, 64]
+    b_block = [block_n, 64] if b_nk else [64, block_n]
+    la = gl.NVMMASharedLayout.get_default_for(a_block, gdt)
+    lb = gl.NVMMASharedLayout.get_default_for(b_block, gdt)
+    sig = dict(a_desc=f"tensordesc<{dt}[{a_block[0]}, {a_block[1]}],{la!r}>",
+               b_desc=f"tensordesc<{dt}[{b_block[0]}, {b_block[1]}],{lb!r}>",
+               scale_ptr="*fp32", row_offsets_ptr="*i32", tile_offsets_ptr="*i32", c_ptr=f"*{dt}",
+               num_rows="i32", N="i32", num_experts="i32", B_ROWS="i32", stride_cm="i32")
+    const = dict(K=2048, B_NK=b_nk, HAS_SCALE=has_scale, E_POW2=128, BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64,
+                 STAGES=stages, num_warps=8)
+    for name in const:
+        sig[name] = "constexpr"
+    names = list(kernel.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
+    return triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=8))
+
+
+@pytest.mark.parametrize("b_nk,block_n,stages,has_scale,dt", [
+    (True, 256, 3, False, "bf16"),   # down projection (w2 stored (D, F) per expert)
+    (False, 256, 3, False, "bf16"),  # dgrad dx (w13 read as (2F, D) = (K, N))
+    (True, 128, 4, True, "bf16"),    # 128-wide tiles, row scale
+    (False, 128, 4, False, "fp16"),
+])
+def test_compiles_to_wgmma_tma_without_spills(tmp_path, b_nk, block_n, stages, has_scale, dt):
+    k = _compile(b_nk, block_n, stages, has_scale, dt)
+    ptx = k.asm["ptx"]
+    ptx_dt = {"bf16": "bf16", "fp16": "f16"}[dt]
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.{ptx_dt}\.{ptx_dt}", ptx)
+    assert "mma.sync" not in ptx
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx)) >= 2
+    assert "mbarrier.try_wait" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    report = _ptxas_report(ptx, tmp_path)
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+    assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
+
+
+def test_operand_conditions():
+    cfg = GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True)
+    bf = torch.bfloat16
+    a, c = torch.empty(300, 768, dtype=bf), torch.empty(300, 2048, dtype=bf)
+    w2 = torch.empty(4, 2048, 768, dtype=bf)  # nt: (E, N, K)
+    assert m_grouped_operands_fit(cfg, a, w2, (2048 * 768, 768, 1), 768, c, gathered=False)
+    assert not m_grouped_operands_fit(cfg, a, w2, (2048 * 768, 768, 1), 768, c, gathered=True)
+    assert not m_grouped_operands_fit(cfg, a.float(), w2, (2048 * 768, 768, 1), 768, c, gathered=False)
+    assert not m_grouped_operands_fit(cfg, a, w2, (2048 * 768, 768, 1), 768, c.float(), gathered=False)
+    a_pitch = torch.empty(300, 772, dtype=bf)[:, :768]  # row pitch 1544 bytes: not a TMA view
+    assert not m_grouped_operands_fit(cfg, a_pitch, w2, (2048 * 768, 768, 1), 768, c, gathered=False)
+    w13 = torch.empty(4, 1536, 2048, dtype=bf)  # nn: (E, K, N)
+    a2 = torch.empty(300, 1536, dtype=bf)
+    assert m_grouped_operands_fit(cfg, a2, w13, (1536 * 2048, 1, 2048), 1536, c, gathered=False)
+    w13b = torch.empty(4, 1504, 2048, dtype=bf)  # K = 1504 is not a multiple of BLOCK_K: a tile would cross experts
+    assert not m_grouped_operands_fit(cfg, a2[:, :1504], w13b, (1504 * 2048, 1, 2048), 1504, c, gathered=False)
