@@ -2,8 +2,8 @@
 # The one GPU script: installs nothing; runs the GPU tests, the benchmarks and the training demo on a
 # 1- or 2-GPU H200 machine and writes logs under $OUT (bundled into $OUT/logs.tar.gz at the end).
 # Usage: scripts/gpu_all.sh [STAGE ...]
-#   stages: tests bench1 bench2 train trainck (the default set), and gluon (the Gluon weight-gradient kernel's
-#   GPU tests alone), trainref (reference-backend tokens/s),
+#   stages: tests bench1 bench2 train trainck (the default set), and gluon (the Gluon kernels' GPU tests and the
+#   layer's bit-invariance test), trainref (reference-backend tokens/s),
 #   benchroute (zipf + the routing trace written by the train stage), snippet (README snippet verbatim),
 #   ab (scripts/ab_backward.py: EP=2 with the routed pre-activations kept vs recomputed),
 #   sweep (scripts/gemm_sweep.py $SWEEP_ARGS: per-GEMM tile candidates, bitwise checked),
@@ -43,8 +43,8 @@ stage() {  # stage NAME LIMIT CMD...
 for s in "${STAGES[@]}"; do
   case $s in
     tests) stage tests "${LIMIT_TESTS:-300}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=10 \
-              tests/test_fused_gpu.py tests/test_wgrad_gluon_gpu.py tests/test_ep_gpu.py ;;
-    gluon) stage gluon "${LIMIT_GLUON:-200}" python3 -m pytest -q -ra -m gpu tests/test_wgrad_gluon_gpu.py \
+              tests/test_fused_gpu.py tests/test_wgrad_gluon_gpu.py tests/test_m_grouped_gluon_gpu.py tests/test_ep_gpu.py ;;
+    gluon) stage gluon "${LIMIT_GLUON:-200}" python3 -m pytest -q -ra -m gpu tests/test_m_grouped_gluon_gpu.py tests/test_wgrad_gluon_gpu.py \
               tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape ;;
     bench1) stage bench1 "${LIMIT_BENCH1:-200}" python3 -m megamoe.bench --quiet --iters "$ITERS" \
               --cases qwen3-30b-a3b:16384 deepseek-v3:4096 mok-bench:2048 --out "$OUT/logs/bench1" ;;
