@@ -8,11 +8,14 @@ step's wall time from CUDA events; then where the GPU idles between kernels when
 replayed as a CUDA graph (no host launches at all). Writes OUT_DIR/profile_layer.json.
 
 Usage: python scripts/profile_layer.py OUT_DIR [preset:T ...]   (needs a CUDA GPU; installs nothing)
+With STEPS_ONLY=N in the environment it only runs N steps per case and exits (for Nsight Compute,
+scripts/ncu_layer.sh: no torch.profiler, no graph capture).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -41,6 +44,11 @@ def profile_case(name: str, T: int) -> dict:
     cfg = get_preset(name)
     prob = make_problem(name, cfg, T, make_routing("uniform", cfg, T, 1, 0), world_size=1, rank=0, seed=0,
                         dtype=torch.bfloat16, device=torch.device("cuda"))
+    if os.environ.get("STEPS_ONLY"):
+        for _ in range(int(os.environ["STEPS_ONLY"])):
+            _step(prob)
+        torch.cuda.synchronize()
+        return dict(case=f"{name}:{T}", steps_only=int(os.environ["STEPS_ONLY"]))
     for _ in range(3):
         _step(prob)
     torch.cuda.synchronize()
