@@ -14,16 +14,9 @@ Run: python -m pytest tests/test_m_grouped_gluon_gpu.py -q   (skipped without a 
 import pytest
 import torch
 
+from test_wgrad_gluon_gpu import BF16, DEV, needs_hopper  # the same device / Hopper checks
+
 pytestmark = pytest.mark.gpu
-DEV = "cuda"
-BF16 = torch.bfloat16
-
-
-def _hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-needs_hopper = pytest.mark.skipif(not _hopper(), reason="the Gluon kernel targets sm_90 (Hopper)")
 
 COUNTS = [0, 1, 127, 128, 129, 300, 0, 7, 256, 45]
 PAD = 13  # buffer rows past the last expert (EP capacity slack): never written

@@ -61,6 +61,25 @@ def _issue(a_desc, b_desc, a_ring, b_ring, bars, p, row_start, b_row, n0, k0, ST
 
 
 @gluon.jit
+def _produce(a_desc, b_desc, a_ring, b_ring, bars, p, p_k, p_tile, p_expert, p_row, p_n0, total, G, B_ROWS,
+             tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles, K_STEPS: gl.constexpr,
+             STAGES: gl.constexpr, B_NK: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LAYOUT_E: gl.constexpr):
+    """The producer's step: load step p (if the program has one left) and advance (p, its k-chunk, its tile
+    and the tile's coordinates) without integer division."""
+    if p < total:
+        _issue(a_desc, b_desc, a_ring, b_ring, bars, p, p_row, p_expert * B_ROWS, p_n0, p_k * BLOCK_K, STAGES, B_NK)
+        p += 1
+        p_k += 1
+        if p_k == K_STEPS:
+            p_k = 0
+            p_tile += G
+            p_expert, p_row, _, p_n0 = _tile_coords(p_tile, tile_offsets_ptr, row_offsets_ptr, num_experts,
+                                                    num_n_tiles, E_POW2, BLOCK_M, BLOCK_N, LAYOUT_E)
+    return p, p_k, p_tile, p_expert, p_row, p_n0
+
+
+@gluon.jit
 def _m_grouped_plain_kernel(
     # inputs: TMA descriptors of A (R, K) and of B's 2-D view; optional per-row scale (R,)
     a_desc, b_desc, scale_ptr, row_offsets_ptr, tile_offsets_ptr,
@@ -99,20 +118,13 @@ def _m_grouped_plain_kernel(
     p = gl.to_tensor(0)
     p_k = gl.to_tensor(0)
     p_tile = pid
-    p_expert, p_row, p_end, p_n0 = _tile_coords(p_tile, tile_offsets_ptr, row_offsets_ptr, num_experts,
-                                                num_n_tiles, E_POW2, BLOCK_M, BLOCK_N, LAYOUT_E)
+    p_expert, p_row, _, p_n0 = _tile_coords(p_tile, tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles,
+                                            E_POW2, BLOCK_M, BLOCK_N, LAYOUT_E)
     for i in gl.static_range(STAGES - 1):
-        if p < total:
-            _issue(a_desc, b_desc, a_ring, b_ring, bars, p, p_row, p_expert * B_ROWS, p_n0, p_k * BLOCK_K, STAGES,
-                   B_NK)
-            p += 1
-            p_k += 1
-            if p_k == K_STEPS:
-                p_k = 0
-                p_tile += G
-                p_expert, p_row, p_end, p_n0 = _tile_coords(p_tile, tile_offsets_ptr, row_offsets_ptr,
-                                                            num_experts, num_n_tiles, E_POW2, BLOCK_M, BLOCK_N,
-                                                            LAYOUT_E)
+        p, p_k, p_tile, p_expert, p_row, p_n0 = _produce(
+            a_desc, b_desc, a_ring, b_ring, bars, p, p_k, p_tile, p_expert, p_row, p_n0, total, G, B_ROWS,
+            tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles, K_STEPS, STAGES, B_NK, E_POW2, BLOCK_M,
+            BLOCK_N, BLOCK_K, LAYOUT_E)
 
     # consumer: the tile being multiplied (its coordinates stay until its epilogue) and its k-chunk
     c_k = gl.to_tensor(0)
@@ -130,17 +142,10 @@ def _m_grouped_plain_kernel(
         acc = warpgroup_mma(a_ring.index(slot), b_op, acc, use_acc=c_k > 0, is_async=True)
         acc = warpgroup_mma_wait(1, deps=[acc])
         gl.thread_barrier()  # both warpgroups are done with step s - 1's slot
-        if p < total:
-            _issue(a_desc, b_desc, a_ring, b_ring, bars, p, p_row, p_expert * B_ROWS, p_n0, p_k * BLOCK_K, STAGES,
-                   B_NK)
-            p += 1
-            p_k += 1
-            if p_k == K_STEPS:
-                p_k = 0
-                p_tile += G
-                p_expert, p_row, p_end, p_n0 = _tile_coords(p_tile, tile_offsets_ptr, row_offsets_ptr,
-                                                            num_experts, num_n_tiles, E_POW2, BLOCK_M, BLOCK_N,
-                                                            LAYOUT_E)
+        p, p_k, p_tile, p_expert, p_row, p_n0 = _produce(
+            a_desc, b_desc, a_ring, b_ring, bars, p, p_k, p_tile, p_expert, p_row, p_n0, total, G, B_ROWS,
+            tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles, K_STEPS, STAGES, B_NK, E_POW2, BLOCK_M,
+            BLOCK_N, BLOCK_K, LAYOUT_E)
         c_k += 1
         if c_k == K_STEPS:  # the tile's last chunk: drain, store, move to the next tile
             acc = warpgroup_mma_wait(0, deps=[acc])
