@@ -55,7 +55,7 @@ def candidates(kind):
     c = {
         "gate_up": [G(128, 128, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
         "down": [G(128, 256, 64, 8, 3), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True),
-                 # session 6: the persistent Gluon kernel (TMA ring across tiles), and the Triton kernel it replaced
+                 # session 6: the persistent Gluon kernel (TMA ring across tiles), and the Triton kernel with its tiles
                  G(128, 256, 64, 8, 3, tma_b=True, tma_a=True), G(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True),
                  G(128, 128, 64, 8, 4, tma_b=True, tma_a=True, gluon=True)],
         # session 4: 256-column tiles (two 128-column row-dot partials per tile: the same bits)
