@@ -87,7 +87,8 @@ def profile_case(name: str, T: int) -> dict:
     wall = statistics.median(times)
     rows = sorted(((k, c / STEPS, ms / STEPS) for k, (c, ms) in per.items()), key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
-    # host time to enqueue one step (the GPU is kept busy by a long queue first, so launches never wait)
+    # host time to enqueue one step: from an empty queue, with no sync until the end (the host runs ahead of
+    # the GPU, so this is the host's own cost unless something in a step waits for the device)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(STEPS):

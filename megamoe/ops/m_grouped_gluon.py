@@ -12,13 +12,11 @@ reads device values on the host (no sync, CUDA-graph capturable); the grid is si
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
 from ._common import _sm_count, pow2
-from .wgrad_gluon import _is_hopper
+from .wgrad_gluon import _gl_dtype, gluon_device_ok
 
 try:  # Gluon is experimental: keep the library importable without it
     from triton.experimental.gluon import language as gl
@@ -59,15 +57,9 @@ def m_grouped_operands_fit(cfg, a: torch.Tensor, b: torch.Tensor, stride_b, K: i
 def gluon_m_grouped_eligible(cfg, a, b, stride_b, K, c, gathered: bool) -> bool:
     """True when the Gluon kernel can run this GEMM with ``cfg``: Gluon importable and not disabled by
     ``MEGAMOE_GLUON=0``, a Hopper (sm_90) CUDA device, and :func:`m_grouped_operands_fit`."""
-    if _m_grouped_plain_kernel is None or os.environ.get("MEGAMOE_GLUON", "1") == "0":
-        return False
-    if a.device.type != "cuda" or not _is_hopper(a.device.index or 0):
+    if _m_grouped_plain_kernel is None or not gluon_device_ok(a):
         return False
     return m_grouped_operands_fit(cfg, a, b, stride_b, K, c, gathered)
-
-
-def _gl_dtype(dtype: torch.dtype):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
 def launch_gluon_m_grouped(cfg, a: torch.Tensor, b: torch.Tensor, stride_b, K: int, N: int, num_rows: int,

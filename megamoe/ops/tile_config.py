@@ -76,7 +76,7 @@ class GemmConfig:
                                        + self.num_stages * self.block_n) + 2 * self.block_m * self.block_n
             if (self.num_stages < 3 or self.block_m != 128 or self.block_n not in (128, 256) or self.block_k != 64
                     or self.num_warps != 8 or smem > 227 * 1024):
-                raise ValueError(f"GemmConfig: the Gluon weight-gradient kernel runs 128x128 or 128x256 tiles, "
+                raise ValueError(f"GemmConfig: the Gluon kernels run 128x128 or 128x256 tiles, "
                                  f"BLOCK_K 64, 8 warps, num_stages >= 3, within 227 KiB of shared memory "
                                  f"({smem // 1024} KiB asked), got {self}")
 

@@ -39,6 +39,14 @@ def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
+def gluon_device_ok(t: torch.Tensor) -> bool:
+    """The conditions every Gluon kernel of megamoe shares: not disabled by ``MEGAMOE_GLUON=0``, and ``t`` on
+    a Hopper (sm_90) CUDA device."""
+    if os.environ.get("MEGAMOE_GLUON", "1") == "0":
+        return False
+    return t.device.type == "cuda" and _is_hopper(t.device.index or 0)
+
+
 def _aligned_rows(t: torch.Tensor) -> bool:
     # row stride a multiple of 16 elements: Triton specializes such integers as divisible by 16, which is
     # what lets the compiler prove that every 8-element (16-byte) cp.async is aligned
@@ -71,9 +79,7 @@ def gluon_wgrad_eligible(cfg, p: torch.Tensor, q: torch.Tensor, c: torch.Tensor,
     and not disabled by ``MEGAMOE_GLUON=0``; a Hopper (sm_90) CUDA device; and :func:`operands_fit`, with at
     least one unit per SM when ``fill_sms`` (an explicitly requested config, e.g. in tests and sweeps, may
     run on fewer). Otherwise the caller runs the Triton kernels (the same bits)."""
-    if not GLUON_AVAILABLE or os.environ.get("MEGAMOE_GLUON", "1") == "0":
-        return False
-    if p.device.type != "cuda" or not _is_hopper(p.device.index or 0):
+    if not GLUON_AVAILABLE or not gluon_device_ok(p):
         return False
     return operands_fit(cfg, p, q, c, _sm_count(p.device.index or 0) if fill_sms else 1)
 
