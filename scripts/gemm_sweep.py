@@ -50,20 +50,27 @@ def routing(T, E, K, balanced, g):
     return (base % E).int()
 
 
+def _plain_candidates():
+    """down / dgrad: session 7's warp-specialized ping-pong Gluon kernel at 4-6 ring slots, interleaved with the
+    Triton kernel (the table's 128x256 entry twice, to see the drift within one sweep; its 128x128 tiles) and the
+    persistent Gluon kernel of session 6."""
+    G = GemmConfig
+    ws = dict(tma_b=True, tma_a=True, gluon=True, warp_specialized=True)
+    return [G(128, 128, 64, 8, 4, **ws), G(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
+            G(128, 128, 64, 8, 5, **ws), G(128, 128, 64, 8, 4, tma_b=True, tma_a=True),
+            G(128, 128, 64, 8, 6, **ws), G(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True),
+            G(128, 128, 64, 8, 4, **ws), G(128, 256, 64, 8, 3, tma_b=True, tma_a=True)]
+
+
 def candidates(kind):
     G = GemmConfig
     c = {
         "gate_up": [G(128, 128, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
-        "down": [G(128, 256, 64, 8, 3), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True),
-                 # session 6: the persistent Gluon kernel (TMA ring across tiles), and the Triton kernel with its tiles
-                 G(128, 256, 64, 8, 3, tma_b=True, tma_a=True), G(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True),
-                 G(128, 128, 64, 8, 4, tma_b=True, tma_a=True, gluon=True)],
+        "down": _plain_candidates(),
         # session 4: 256-column tiles (two 128-column row-dot partials per tile: the same bits)
         "dgrad_swiglu": [G(128, 256, 64, 8, 3, tma_b=True), G(128, 256, 64, 8, 4, tma_b=True),
                          G(128, 256, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
-        "dgrad": [G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True),
-                  G(128, 256, 64, 8, 3, tma_b=True, tma_a=True), G(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True),
-                  G(128, 128, 64, 8, 4, tma_b=True, tma_a=True, gluon=True)],
+        "dgrad": _plain_candidates(),
         # per-tile kernel (stages, wider tiles), then the resident kernel with 1-4 chunks of P rows on chip
         "wgrad": [G(128, 128, 64, 8, 2), G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 2), G(256, 128, 64, 8, 2),
                   G(128, 128, 64, 8, 3, resident_chunks=3), G(128, 128, 64, 8, 4, resident_chunks=2),

@@ -262,6 +262,8 @@ def test_bits_do_not_depend_on_tile_shape():
         {k: G(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True) for k in ("down", "dgrad")},
         {k: G(128, 256, 64, 8, 3, tma_b=True, tma_a=True) for k in ("down", "dgrad")},
         {k: G(128, 128, 64, 8, 4, tma_b=True, tma_a=True, gluon=True) for k in ("down", "dgrad")},
+        # its warp-specialized ping-pong form (a TMA load warp, two MMA warpgroups taking tiles in turn)
+        {k: G(128, 128, 64, 8, 4, tma_b=True, tma_a=True, gluon=True, warp_specialized=True) for k in ("down", "dgrad")},
     ]
     keys = {"gate_up": [("gate_up", F, D), ("gate_up", S, D)], "down": [("down", D, F), ("down", D, S)],
             "dgrad_swiglu": [("dgrad_swiglu", F, D), ("dgrad_swiglu", S, D)], "dgrad": [("dgrad", D, 2 * F), ("dgrad", D, 2 * S)],

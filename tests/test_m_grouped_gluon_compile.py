@@ -18,7 +18,8 @@ pytest.importorskip("triton.experimental.gluon")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from megamoe.ops import GemmConfig  # noqa: E402
-from megamoe.ops.m_grouped_gluon import _m_grouped_plain_kernel, m_grouped_operands_fit  # noqa: E402
+from megamoe.ops.m_grouped_gluon import (WS_MAXNREG, _m_grouped_plain_kernel, _m_grouped_ws_kernel,  # noqa: E402
+                                         m_grouped_operands_fit)
 
 from test_wgrad_gluon_compile import HOPPER_SMEM, _ptxas_report  # noqa: E402
 
@@ -26,15 +27,16 @@ DIVISIBLE = ("c_ptr", "scale_ptr", "row_offsets_ptr", "tile_offsets_ptr", "N", "
 
 
 def test_gluon_m_grouped_imports():
-    assert _m_grouped_plain_kernel is not None
+    assert _m_grouped_plain_kernel is not None and _m_grouped_ws_kernel is not None
 
 
-def _compile(b_nk, block_n, stages, has_scale, dt="bf16"):
+def _compile(b_nk, block_n, stages, has_scale, dt="bf16", ws=False):
     import triton
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kernel = _m_grouped_plain_kernel
+    kernel = _m_grouped_ws_kernel if ws else _m_grouped_plain_kernel
+    num_warps = 4 if ws else 8
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
     a_block = [128, 64]
     b_block = [block_n, 64] if b_nk else [64, block_n]
@@ -45,13 +47,14 @@ def _compile(b_nk, block_n, stages, has_scale, dt="bf16"):
                scale_ptr="*fp32", row_offsets_ptr="*i32", tile_offsets_ptr="*i32", c_ptr=f"*{dt}",
                num_rows="i32", N="i32", num_experts="i32", B_ROWS="i32", stride_cm="i32")
     const = dict(K=2048, B_NK=b_nk, HAS_SCALE=has_scale, E_POW2=128, BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64,
-                 STAGES=stages, num_warps=8)
+                 STAGES=stages, num_warps=num_warps)
     for name in const:
         sig[name] = "constexpr"
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
+    options = dict(num_warps=num_warps, maxnreg=WS_MAXNREG) if ws else dict(num_warps=num_warps)
     return triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=8))
+                          options=options)
 
 
 @pytest.mark.parametrize("b_nk,block_n,stages,has_scale,dt", [
@@ -72,6 +75,44 @@ def test_compiles_to_wgmma_tma_without_spills(tmp_path, b_nk, block_n, stages, h
     report = _ptxas_report(ptx, tmp_path)
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
     assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
+
+
+@pytest.mark.parametrize("b_nk,stages,has_scale,dt", [
+    (True, 4, False, "bf16"),   # down projection
+    (False, 4, False, "bf16"),  # dgrad dx
+    (True, 6, True, "bf16"),    # deepest ring that fits, row scale
+    (False, 2, False, "fp16"),
+])
+def test_warp_specialized_kernel_compiles(tmp_path, b_nk, stages, has_scale, dt):
+    """The ping-pong kernel: 12 warps (two MMA warpgroups, one load warp padded to a warpgroup) under the
+    launcher's maxnreg, the MMA warpgroups raised to 232 registers and the load warp lowered to 40
+    (setmaxnreg), wgmma m64n128k16, TMA loads only in the load warp, no spills, <= 227 KiB."""
+    k = _compile(b_nk, 128, stages, has_scale, dt, ws=True)
+    ptx = k.asm["ptx"]
+    ptx_dt = {"bf16": "bf16", "fp16": "f16"}[dt]
+    assert k.metadata.num_warps == 12
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.{ptx_dt}\.{ptx_dt}", ptx)
+    assert "mma.sync" not in ptx
+    regs = set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+    assert ("inc", "232") in regs and ("dec", "40") in regs, regs
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx)) >= 2
+    assert "mbarrier.try_wait" in ptx and "mbarrier.arrive.shared::cta.b64" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    report = _ptxas_report(ptx, tmp_path)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    # the row-scale epilogue (not used by the layer: its down projection is unscaled) spills a few words at
+    # 232 registers; the unscaled kernels must not spill at all
+    assert spill and int(spill.group(1)) <= (32 if has_scale else 0), report
+    assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
+
+
+def test_warp_specialized_config_checks():
+    GemmConfig(128, 128, 64, 8, 6, tma_b=True, tma_a=True, gluon=True, warp_specialized=True)
+    for bad in [dict(gluon=False), dict(block_n=256), dict(num_stages=7), dict(num_warps=4)]:
+        kw = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, gluon=True, warp_specialized=True)
+        kw.update(bad)
+        with pytest.raises(ValueError, match="warp-specialized"):
+            GemmConfig(**kw)
 
 
 def test_operand_conditions():

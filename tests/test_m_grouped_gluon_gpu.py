@@ -6,7 +6,9 @@ down projection ("nt": B stored (N, K)) and the dgrad dx GEMM ("nn": B stored (K
 tail), with and without a row scale, 128x128 and 128x256 tiles, and more tiles than programs (every program
 walks several tiles and experts, its load ring crossing tile boundaries); every row of an expert in a
 NaN-poisoned output is written, rows past the last expert are left untouched; the result is within bf16
-rounding of a float64 reference; the Gluon launcher really ran (no silent fallback).
+rounding of a float64 reference; the Gluon launcher really ran (no silent fallback). The same for the
+warp-specialized ping-pong form (2, 4 and 6 ring slots), also with ~4-5 tiles per program so that both MMA
+warpgroups take several tiles and the ring wraps many times.
 
 Run: python -m pytest tests/test_m_grouped_gluon_gpu.py -q   (skipped without a Hopper GPU)
 """
@@ -46,10 +48,10 @@ def _call(kind, cfg, a, w, off, scale, expect_gluon):
     return out
 
 
-def _problem(kind, N, K, seed):
+def _problem(kind, N, K, seed, counts=COUNTS):
     g = torch.Generator(device=DEV).manual_seed(seed)
-    E, R = len(COUNTS), sum(COUNTS)
-    off = torch.tensor([0] + COUNTS, device=DEV).cumsum(0).to(torch.int32)
+    E, R = len(counts), sum(counts)
+    off = torch.tensor([0] + counts, device=DEV).cumsum(0).to(torch.int32)
     a = torch.randn(R + PAD, K, generator=g, device=DEV).to(BF16)
     shape = (E, N, K) if kind == "down" else (E, K, N)
     w = (torch.randn(*shape, generator=g, device=DEV) / K ** 0.5).to(BF16)
@@ -79,9 +81,10 @@ def test_bitwise_equal_to_triton_kernel(kind, N, K, with_scale):
     a, w, off, scale = _problem(kind, N, K, seed=N + K)
     scale = scale if with_scale else None
     R = int(off[-1])
-    for bn, stages in [(256, 3), (128, 4), (128, 3)]:
+    for bn, stages, ws in [(256, 3, False), (128, 4, False), (128, 3, False), (128, 4, True), (128, 2, True),
+                           (128, 6, True)]:
         triton_cfg = GemmConfig(128, bn, 64, 8, stages, tma_b=True, tma_a=True)
-        gluon_cfg = GemmConfig(128, bn, 64, 8, stages, tma_b=True, tma_a=True, gluon=True)
+        gluon_cfg = GemmConfig(128, bn, 64, 8, stages, tma_b=True, tma_a=True, gluon=True, warp_specialized=ws)
         ref = _call(kind, triton_cfg, a, w, off, scale, expect_gluon=False)
         got = _call(kind, gluon_cfg, a, w, off, scale, expect_gluon=True)
         assert torch.isfinite(got[:R]).all(), "a row of an expert was not written"
@@ -91,6 +94,26 @@ def test_bitwise_equal_to_triton_kernel(kind, N, K, with_scale):
     # bf16 output rounding plus fp32 accumulation: within a few bf16 ulps of the float64 value
     err = (got[:R].double() - want).abs()
     assert (err <= 2 ** -7 * want.abs() + 1e-2).all(), err.max().item()
+
+
+@needs_hopper
+@pytest.mark.parametrize("kind,N,K", [("down", 1024, 768), ("dgrad", 1152, 1536)])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_warp_specialized_many_tiles_per_program(kind, N, K, stages):
+    """The ping-pong kernel with ~4-5 tiles per program (both MMA warpgroups take several tiles, odd and even
+    counts per program, the load ring wraps many times): bitwise the Triton kernel's rows, every expert row
+    written, rows past the last expert untouched, repeated launches identical."""
+    from megamoe.ops import GemmConfig
+
+    a, w, off, _ = _problem(kind, N, K, seed=stages, counts=[c * 8 for c in COUNTS] + [3, 0, 1000])
+    R = int(off[-1])
+    ref = _call(kind, GemmConfig(128, 128, 64, 8, 4, tma_b=True, tma_a=True), a, w, off, None, expect_gluon=False)
+    cfg = GemmConfig(128, 128, 64, 8, stages, tma_b=True, tma_a=True, gluon=True, warp_specialized=True)
+    for _ in range(3):
+        got = _call(kind, cfg, a, w, off, None, expect_gluon=True)
+        assert torch.isfinite(got[:R]).all(), "a row of an expert was not written"
+        assert torch.isnan(got[R:]).all(), "a row past the last expert was written"
+        assert torch.equal(got[:R], ref[:R]), f"warp-specialized {cfg} differs from the Triton kernel"
 
 
 @needs_hopper

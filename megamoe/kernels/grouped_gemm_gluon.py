@@ -164,3 +164,131 @@ def _m_grouped_plain_kernel(
                                                         num_n_tiles, E_POW2, BLOCK_M, BLOCK_N, LAYOUT_E)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
+
+
+# --- warp-specialized ping-pong variant --------------------------------------------------------------------
+# Legend (in addition to the above): W the partitions of one program: a load warp (TMA producer) and two MMA
+# warpgroups (consumers 0 and 1); a program's j-th tile (j = 0, 1, ...) goes to consumer j % 2, so while one
+# consumer runs its epilogue the other's wgmmas keep the tensor cores busy (the "ping-pong" schedule of
+# CUTLASS's SM90 warp-specialized kernels; Gluon's warp_specialize after Triton's tutorial 08).
+#
+# Handshakes (all mbarriers, count 1):
+#   ready[slot]  the producer's TMA copies of a step landed (expect-tx);
+#   empty[slot]  the consumer that read the slot is done with it (its wgmma of that step completed);
+#   turn[c]      consumer c may start waiting for its next tile's steps: the other consumer has passed every
+#                ready-wait of the tiles before it. Without this order a consumer could wait for a step two
+#                ring passes ahead and see the parity of an older phase (a false "ready").
+# Step s (a program's flat (tile, k-chunk) index) uses slot s % STAGES, phase (s // STAGES) & 1; every slot is
+# consumed once per pass, by one consumer. The sums are those of _m_grouped_plain_kernel (same K chunks in the
+# same order, fp32 accumulation from the first chunk, one cast), so the bits are the Triton kernel's.
+
+
+@gluon.jit
+def _ws_load_partition(a_desc, b_desc, a_ring, b_ring, ready, empty, tile_offsets_ptr, row_offsets_ptr,
+                       num_experts, num_n_tiles, num_tiles, B_ROWS, K_STEPS: gl.constexpr, STAGES: gl.constexpr,
+                       B_NK: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       BLOCK_K: gl.constexpr):
+    """One warp: TMA copies of every step of the program's tiles, in order, each into a slot its consumer
+    has released."""
+    LAYOUT_E: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    G = gl.num_programs(0)
+    s = 0
+    tile = gl.program_id(0)
+    while tile < num_tiles:
+        expert, row, _, n0 = _tile_coords(tile, tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles,
+                                          E_POW2, BLOCK_M, BLOCK_N, LAYOUT_E)
+        for k in range(K_STEPS):
+            mbarrier.wait(empty.index(s % STAGES), ((s // STAGES) & 1) ^ 1)  # a fresh slot passes at once
+            _issue(a_desc, b_desc, a_ring, b_ring, ready, s, row, expert * B_ROWS, n0, k * BLOCK_K, STAGES, B_NK)
+            s += 1
+        tile += G
+
+
+@gluon.jit
+def _ws_mma_partition(a_ring, b_ring, ready, empty, turn, c_ptr, scale_ptr, tile_offsets_ptr, row_offsets_ptr,
+                      num_rows, N, num_experts, num_n_tiles, num_tiles, stride_cm, CONSUMER: gl.constexpr,
+                      K_STEPS: gl.constexpr, STAGES: gl.constexpr, B_NK: gl.constexpr, HAS_SCALE: gl.constexpr,
+                      E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One warpgroup: the wgmmas and the epilogue of the program's tiles CONSUMER, CONSUMER + 2, ..."""
+    out_ty: gl.constexpr = c_ptr.dtype.element_ty
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [4, 1], [1, 0])
+    LAYOUT_E: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    G = gl.num_programs(0)
+    i = 0  # this consumer's tile count
+    tile = gl.program_id(0) + CONSUMER * G
+    while tile < num_tiles:
+        s = (2 * i + CONSUMER) * K_STEPS
+        mbarrier.wait(turn.index(CONSUMER), (i & 1) ^ (1 - CONSUMER))  # consumer 0's first tile passes at once
+        _, row, row_end, n0 = _tile_coords(tile, tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles,
+                                           E_POW2, BLOCK_M, BLOCK_N, LAYOUT_E)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
+        for k in range(K_STEPS):
+            slot = s % STAGES
+            mbarrier.wait(ready.index(slot), (s // STAGES) & 1)
+            if B_NK:
+                b_op = b_ring.index(slot).permute((1, 0))
+            else:
+                b_op = b_ring.index(slot)
+            acc = warpgroup_mma(a_ring.index(slot), b_op, acc, use_acc=k > 0, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])  # the step before is complete: release its slot
+            if k > 0:
+                mbarrier.arrive(empty.index((s - 1) % STAGES))
+            s += 1
+        mbarrier.arrive(turn.index(1 - CONSUMER))  # every ready-wait of this tile passed
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index((s - 1) % STAGES))
+        if HAS_SCALE:
+            offs_s = row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
+            acc = acc * gl.load(scale_ptr + gl.minimum(offs_s, num_rows - 1)).to(gl.float32)[:, None]
+        out = gl.convert_layout(acc.to(out_ty), STORE)
+        offs_m = row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, STORE))
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, STORE))
+        ptrs = c_ptr + offs_m.to(gl.int64)[:, None] * stride_cm + offs_n[None, :]
+        gl.store(ptrs, out, mask=(offs_m < row_end)[:, None] & (offs_n < N)[None, :])
+        tile += 2 * G
+        i += 1
+
+
+@gluon.jit
+def _m_grouped_ws_kernel(
+    # inputs: TMA descriptors of A (R, K) and of B's 2-D view; optional per-row scale (R,)
+    a_desc, b_desc, scale_ptr, row_offsets_ptr, tile_offsets_ptr,
+    # output C (R, N), last dimension contiguous
+    c_ptr,
+    # shapes (K: a weight dimension)
+    num_rows, N, num_experts, B_ROWS, stride_cm, K: gl.constexpr,
+    # variant
+    B_NK: gl.constexpr, HAS_SCALE: gl.constexpr, E_POW2: gl.constexpr,
+    # tile config (num_warps = 4: the default partition is consumer 0)
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    gl.static_assert(num_warps == 4, "the default partition is one MMA warpgroup")
+    gl.static_assert(STAGES >= 2, "the ring needs STAGES >= 2")
+    dtype: gl.constexpr = a_desc.dtype
+    a_ring = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_ring = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    K_STEPS: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    num_n_tiles = gl.cdiv(N, BLOCK_N)
+    num_tiles = gl.load(tile_offsets_ptr + num_experts) * num_n_tiles
+    gl.warp_specialize([
+        (_ws_mma_partition, (a_ring, b_ring, ready, empty, turn, c_ptr, scale_ptr, tile_offsets_ptr, row_offsets_ptr,
+                             num_rows, N, num_experts, num_n_tiles, num_tiles, stride_cm, 0, K_STEPS, STAGES, B_NK,
+                             HAS_SCALE, E_POW2, BLOCK_M, BLOCK_N)),
+        (_ws_mma_partition, (a_ring, b_ring, ready, empty, turn, c_ptr, scale_ptr, tile_offsets_ptr, row_offsets_ptr,
+                             num_rows, N, num_experts, num_n_tiles, num_tiles, stride_cm, 1, K_STEPS, STAGES, B_NK,
+                             HAS_SCALE, E_POW2, BLOCK_M, BLOCK_N)),
+        (_ws_load_partition, (a_desc, b_desc, a_ring, b_ring, ready, empty, tile_offsets_ptr, row_offsets_ptr,
+                              num_experts, num_n_tiles, num_tiles, B_ROWS, K_STEPS, STAGES, B_NK, E_POW2, BLOCK_M,
+                              BLOCK_N, BLOCK_K)),
+    ], [4, 1], [232, 40])

@@ -22,13 +22,14 @@ try:  # Gluon is experimental: keep the library importable without it
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ..kernels.grouped_gemm_gluon import _m_grouped_plain_kernel
+    from ..kernels.grouped_gemm_gluon import _m_grouped_plain_kernel, _m_grouped_ws_kernel
 except Exception:  # noqa: BLE001 - any import problem means: no Gluon path
-    _m_grouped_plain_kernel = None
+    _m_grouped_plain_kernel = _m_grouped_ws_kernel = None
 
 __all__ = ["gluon_m_grouped_eligible", "m_grouped_operands_fit", "launch_gluon_m_grouped"]
 
 _HALF = (torch.bfloat16, torch.float16)
+WS_MAXNREG = 168  # registers per thread at launch of the warp-specialized kernel (12 warps)
 
 
 def _tma_rows(t: torch.Tensor) -> bool:
@@ -78,6 +79,17 @@ def launch_gluon_m_grouped(cfg, a: torch.Tensor, b: torch.Tensor, stride_b, K: i
     b_desc = TensorDescriptor(b, [E * r, cols], [cols, 1], block_b, gl.NVMMASharedLayout.get_default_for(block_b, gdt))
     bound = (triton.cdiv(num_rows, bm) + E) * triton.cdiv(N, bn)
     grid = (max(1, min(_sm_count(c.device.index or 0), bound)),)
+    if cfg.warp_specialized:
+        # num_warps 4 is the default partition (MMA warpgroup 0); the second MMA warpgroup and the load warp are
+        # the kernel's worker partitions (12 warps in all). maxnreg 168 = 64K registers / 384 threads; the
+        # partitions then trade registers (setmaxnreg: 232 for each MMA warpgroup, 40 for the load warp).
+        _m_grouped_ws_kernel[grid](
+            a_desc, b_desc, scale if scale is not None else c, offsets_E1, tile_offsets_E1, c,
+            num_rows, N, E, r, c.stride(0), K,
+            B_NK=b_nk, HAS_SCALE=scale is not None, E_POW2=pow2(E),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.num_stages, num_warps=4, maxnreg=WS_MAXNREG,
+        )
+        return
     _m_grouped_plain_kernel[grid](
         a_desc, b_desc, scale if scale is not None else c, offsets_E1, tile_offsets_E1, c,
         num_rows, N, E, r, c.stride(0), K,
