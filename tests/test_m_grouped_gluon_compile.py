@@ -48,6 +48,8 @@ def _compile(b_nk, block_n, stages, has_scale, dt="bf16", ws=False):
                num_rows="i32", N="i32", num_experts="i32", B_ROWS="i32", stride_cm="i32")
     const = dict(K=2048, B_NK=b_nk, HAS_SCALE=has_scale, E_POW2=128, BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64,
                  STAGES=stages, num_warps=num_warps)
+    if ws:
+        const["COOP"] = block_n == 256
     for name in const:
         sig[name] = "constexpr"
     names = list(kernel.arg_names)
@@ -77,21 +79,24 @@ def test_compiles_to_wgmma_tma_without_spills(tmp_path, b_nk, block_n, stages, h
     assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
 
 
-@pytest.mark.parametrize("b_nk,stages,has_scale,dt", [
-    (True, 4, False, "bf16"),   # down projection
-    (False, 4, False, "bf16"),  # dgrad dx
-    (True, 6, True, "bf16"),    # deepest ring that fits, row scale
-    (False, 2, False, "fp16"),
+@pytest.mark.parametrize("b_nk,block_n,stages,has_scale,dt", [
+    (True, 128, 4, False, "bf16"),   # down projection, ping-pong
+    (False, 128, 4, False, "bf16"),  # dgrad dx, ping-pong
+    (True, 128, 6, True, "bf16"),    # deepest 128x128 ring that fits, row scale
+    (False, 128, 2, False, "fp16"),
+    (True, 256, 4, False, "bf16"),   # cooperative 128x256 (64 rows per MMA warpgroup), deepest ring that fits
+    (False, 256, 3, False, "bf16"),
 ])
-def test_warp_specialized_kernel_compiles(tmp_path, b_nk, stages, has_scale, dt):
-    """The ping-pong kernel: 12 warps (two MMA warpgroups, one load warp padded to a warpgroup) under the
-    launcher's maxnreg, the MMA warpgroups raised to 232 registers and the load warp lowered to 40
-    (setmaxnreg), wgmma m64n128k16, TMA loads only in the load warp, no spills, <= 227 KiB."""
-    k = _compile(b_nk, 128, stages, has_scale, dt, ws=True)
+def test_warp_specialized_kernel_compiles(tmp_path, b_nk, block_n, stages, has_scale, dt):
+    """The warp-specialized kernel: 12 warps (two MMA warpgroups, one load warp padded to a warpgroup) under
+    the launcher's maxnreg, the MMA warpgroups raised to 232 registers and the load warp lowered to 40
+    (setmaxnreg), wgmma m64n{block_n}k16, TMA loads only in the load warp, no spills, <= 227 KiB and within the
+    config check's estimate."""
+    k = _compile(b_nk, block_n, stages, has_scale, dt, ws=True)
     ptx = k.asm["ptx"]
     ptx_dt = {"bf16": "bf16", "fp16": "f16"}[dt]
     assert k.metadata.num_warps == 12
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.{ptx_dt}\.{ptx_dt}", ptx)
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.{ptx_dt}\.{ptx_dt}", ptx)
     assert "mma.sync" not in ptx
     regs = set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
     assert ("inc", "232") in regs and ("dec", "40") in regs, regs
@@ -104,11 +109,15 @@ def test_warp_specialized_kernel_compiles(tmp_path, b_nk, stages, has_scale, dt)
     # 232 registers; the unscaled kernels must not spill at all
     assert spill and int(spill.group(1)) <= (32 if has_scale else 0), report
     assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
+    estimate = 2 * stages * 64 * (128 + block_n) + 2 * 64 * block_n + 256  # GemmConfig's check
+    assert k.metadata.shared <= estimate, (k.metadata.shared, estimate)
 
 
 def test_warp_specialized_config_checks():
     GemmConfig(128, 128, 64, 8, 6, tma_b=True, tma_a=True, gluon=True, warp_specialized=True)
-    for bad in [dict(gluon=False), dict(block_n=256), dict(num_stages=7), dict(num_warps=4)]:
+    GemmConfig(128, 256, 64, 8, 4, tma_b=True, tma_a=True, gluon=True, warp_specialized=True)
+    for bad in [dict(gluon=False), dict(block_n=64), dict(num_stages=7), dict(num_warps=4),
+                dict(block_n=256, num_stages=5)]:
         kw = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, gluon=True, warp_specialized=True)
         kw.update(bad)
         with pytest.raises(ValueError, match="warp-specialized"):

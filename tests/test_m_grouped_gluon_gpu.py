@@ -7,8 +7,8 @@ tail), with and without a row scale, 128x128 and 128x256 tiles, and more tiles t
 walks several tiles and experts, its load ring crossing tile boundaries); every row of an expert in a
 NaN-poisoned output is written, rows past the last expert are left untouched; the result is within bf16
 rounding of a float64 reference; the Gluon launcher really ran (no silent fallback). The same for the
-warp-specialized ping-pong form (2, 4 and 6 ring slots), also with ~4-5 tiles per program so that both MMA
-warpgroups take several tiles and the ring wraps many times.
+warp-specialized forms (ping-pong 128x128 with 2, 4 and 6 ring slots, cooperative 128x256 with 2-4), also
+with several tiles per program so that both MMA warpgroups take several tiles and the ring wraps many times.
 
 Run: python -m pytest tests/test_m_grouped_gluon_gpu.py -q   (skipped without a Hopper GPU)
 """
@@ -82,7 +82,7 @@ def test_bitwise_equal_to_triton_kernel(kind, N, K, with_scale):
     scale = scale if with_scale else None
     R = int(off[-1])
     for bn, stages, ws in [(256, 3, False), (128, 4, False), (128, 3, False), (128, 4, True), (128, 2, True),
-                           (128, 6, True)]:
+                           (128, 6, True), (256, 4, True), (256, 2, True)]:
         triton_cfg = GemmConfig(128, bn, 64, 8, stages, tma_b=True, tma_a=True)
         gluon_cfg = GemmConfig(128, bn, 64, 8, stages, tma_b=True, tma_a=True, gluon=True, warp_specialized=ws)
         ref = _call(kind, triton_cfg, a, w, off, scale, expect_gluon=False)
@@ -98,17 +98,18 @@ def test_bitwise_equal_to_triton_kernel(kind, N, K, with_scale):
 
 @needs_hopper
 @pytest.mark.parametrize("kind,N,K", [("down", 1024, 768), ("dgrad", 1152, 1536)])
-@pytest.mark.parametrize("stages", [2, 4])
-def test_warp_specialized_many_tiles_per_program(kind, N, K, stages):
-    """The ping-pong kernel with ~4-5 tiles per program (both MMA warpgroups take several tiles, odd and even
-    counts per program, the load ring wraps many times): bitwise the Triton kernel's rows, every expert row
-    written, rows past the last expert untouched, repeated launches identical."""
+@pytest.mark.parametrize("block_n,stages", [(128, 2), (128, 4), (256, 3)])
+def test_warp_specialized_many_tiles_per_program(kind, N, K, block_n, stages):
+    """The warp-specialized kernel with several tiles per program (ping-pong: both MMA warpgroups take several
+    tiles, odd and even counts per program; cooperative: both on every tile; the load ring wraps many times):
+    bitwise the Triton kernel's rows, every expert row written, rows past the last expert untouched, repeated
+    launches identical."""
     from megamoe.ops import GemmConfig
 
     a, w, off, _ = _problem(kind, N, K, seed=stages, counts=[c * 8 for c in COUNTS] + [3, 0, 1000])
     R = int(off[-1])
     ref = _call(kind, GemmConfig(128, 128, 64, 8, 4, tma_b=True, tma_a=True), a, w, off, None, expect_gluon=False)
-    cfg = GemmConfig(128, 128, 64, 8, stages, tma_b=True, tma_a=True, gluon=True, warp_specialized=True)
+    cfg = GemmConfig(128, block_n, 64, 8, stages, tma_b=True, tma_a=True, gluon=True, warp_specialized=True)
     for _ in range(3):
         got = _call(kind, cfg, a, w, off, None, expect_gluon=True)
         assert torch.isfinite(got[:R]).all(), "a row of an expert was not written"

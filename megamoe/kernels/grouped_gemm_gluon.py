@@ -207,23 +207,33 @@ def _ws_load_partition(a_desc, b_desc, a_ring, b_ring, ready, empty, tile_offset
 @gluon.jit
 def _ws_mma_partition(a_ring, b_ring, ready, empty, turn, c_ptr, scale_ptr, tile_offsets_ptr, row_offsets_ptr,
                       num_rows, N, num_experts, num_n_tiles, num_tiles, stride_cm, CONSUMER: gl.constexpr,
-                      K_STEPS: gl.constexpr, STAGES: gl.constexpr, B_NK: gl.constexpr, HAS_SCALE: gl.constexpr,
-                      E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One warpgroup: the wgmmas and the epilogue of the program's tiles CONSUMER, CONSUMER + 2, ..."""
+                      COOP: gl.constexpr, K_STEPS: gl.constexpr, STAGES: gl.constexpr, B_NK: gl.constexpr,
+                      HAS_SCALE: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One warpgroup: the wgmmas and the epilogue of the program's tiles CONSUMER, CONSUMER + 2, ... (ping-pong),
+    or of rows [64 * CONSUMER, +64) of every tile of the program (COOP)."""
     out_ty: gl.constexpr = c_ptr.dtype.element_ty
+    ROWS: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M  # rows of a tile this warpgroup multiplies
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [4, 1], [1, 0])
     LAYOUT_E: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     G = gl.num_programs(0)
     i = 0  # this consumer's tile count
-    tile = gl.program_id(0) + CONSUMER * G
+    if COOP:
+        tile = gl.program_id(0)
+    else:
+        tile = gl.program_id(0) + CONSUMER * G
     while tile < num_tiles:
-        s = (2 * i + CONSUMER) * K_STEPS
-        mbarrier.wait(turn.index(CONSUMER), (i & 1) ^ (1 - CONSUMER))  # consumer 0's first tile passes at once
+        if COOP:
+            s = i * K_STEPS
+        else:
+            s = (2 * i + CONSUMER) * K_STEPS
+            mbarrier.wait(turn.index(CONSUMER), (i & 1) ^ (1 - CONSUMER))  # consumer 0's first tile passes at once
         _, row, row_end, n0 = _tile_coords(tile, tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles,
                                            E_POW2, BLOCK_M, BLOCK_N, LAYOUT_E)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
+        if COOP:
+            row += CONSUMER * ROWS
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
         for k in range(K_STEPS):
             slot = s % STAGES
             mbarrier.wait(ready.index(slot), (s // STAGES) & 1)
@@ -231,23 +241,31 @@ def _ws_mma_partition(a_ring, b_ring, ready, empty, turn, c_ptr, scale_ptr, tile
                 b_op = b_ring.index(slot).permute((1, 0))
             else:
                 b_op = b_ring.index(slot)
-            acc = warpgroup_mma(a_ring.index(slot), b_op, acc, use_acc=k > 0, is_async=True)
+            if COOP:
+                a_op = a_ring.index(slot).slice(CONSUMER * ROWS, ROWS, dim=0)
+            else:
+                a_op = a_ring.index(slot)
+            acc = warpgroup_mma(a_op, b_op, acc, use_acc=k > 0, is_async=True)
             acc = warpgroup_mma_wait(1, deps=[acc])  # the step before is complete: release its slot
             if k > 0:
                 mbarrier.arrive(empty.index((s - 1) % STAGES))
             s += 1
-        mbarrier.arrive(turn.index(1 - CONSUMER))  # every ready-wait of this tile passed
+        if not COOP:
+            mbarrier.arrive(turn.index(1 - CONSUMER))  # every ready-wait of this tile passed
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index((s - 1) % STAGES))
         if HAS_SCALE:
-            offs_s = row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
+            offs_s = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
             acc = acc * gl.load(scale_ptr + gl.minimum(offs_s, num_rows - 1)).to(gl.float32)[:, None]
         out = gl.convert_layout(acc.to(out_ty), STORE)
-        offs_m = row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, STORE))
+        offs_m = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, STORE))
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, STORE))
         ptrs = c_ptr + offs_m.to(gl.int64)[:, None] * stride_cm + offs_n[None, :]
         gl.store(ptrs, out, mask=(offs_m < row_end)[:, None] & (offs_n < N)[None, :])
-        tile += 2 * G
+        if COOP:
+            tile += G
+        else:
+            tile += 2 * G
         i += 1
 
 
@@ -259,8 +277,8 @@ def _m_grouped_ws_kernel(
     c_ptr,
     # shapes (K: a weight dimension)
     num_rows, N, num_experts, B_ROWS, stride_cm, K: gl.constexpr,
-    # variant
-    B_NK: gl.constexpr, HAS_SCALE: gl.constexpr, E_POW2: gl.constexpr,
+    # variant; COOP: both MMA warpgroups on every tile (64 rows each) instead of tiles in turn
+    B_NK: gl.constexpr, HAS_SCALE: gl.constexpr, E_POW2: gl.constexpr, COOP: gl.constexpr,
     # tile config (num_warps = 4: the default partition is consumer 0)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr,
@@ -275,7 +293,7 @@ def _m_grouped_ws_kernel(
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2 if COOP else 1)  # COOP: both warpgroups read every slot
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     K_STEPS: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
@@ -283,10 +301,10 @@ def _m_grouped_ws_kernel(
     num_tiles = gl.load(tile_offsets_ptr + num_experts) * num_n_tiles
     gl.warp_specialize([
         (_ws_mma_partition, (a_ring, b_ring, ready, empty, turn, c_ptr, scale_ptr, tile_offsets_ptr, row_offsets_ptr,
-                             num_rows, N, num_experts, num_n_tiles, num_tiles, stride_cm, 0, K_STEPS, STAGES, B_NK,
+                             num_rows, N, num_experts, num_n_tiles, num_tiles, stride_cm, 0, COOP, K_STEPS, STAGES, B_NK,
                              HAS_SCALE, E_POW2, BLOCK_M, BLOCK_N)),
         (_ws_mma_partition, (a_ring, b_ring, ready, empty, turn, c_ptr, scale_ptr, tile_offsets_ptr, row_offsets_ptr,
-                             num_rows, N, num_experts, num_n_tiles, num_tiles, stride_cm, 1, K_STEPS, STAGES, B_NK,
+                             num_rows, N, num_experts, num_n_tiles, num_tiles, stride_cm, 1, COOP, K_STEPS, STAGES, B_NK,
                              HAS_SCALE, E_POW2, BLOCK_M, BLOCK_N)),
         (_ws_load_partition, (a_desc, b_desc, a_ring, b_ring, ready, empty, tile_offsets_ptr, row_offsets_ptr,
                               num_experts, num_n_tiles, num_tiles, B_ROWS, K_STEPS, STAGES, B_NK, E_POW2, BLOCK_M,

@@ -83,10 +83,11 @@ def launch_gluon_m_grouped(cfg, a: torch.Tensor, b: torch.Tensor, stride_b, K: i
         # num_warps 4 is the default partition (MMA warpgroup 0); the second MMA warpgroup and the load warp are
         # the kernel's worker partitions (12 warps in all). maxnreg 168 = 64K registers / 384 threads; the
         # partitions then trade registers (setmaxnreg: 232 for each MMA warpgroup, 40 for the load warp).
+        # 128x128 tiles: ping-pong (the warpgroups take tiles in turn); 128x256: cooperative (64 rows each).
         _m_grouped_ws_kernel[grid](
             a_desc, b_desc, scale if scale is not None else c, offsets_E1, tile_offsets_E1, c,
             num_rows, N, E, r, c.stride(0), K,
-            B_NK=b_nk, HAS_SCALE=scale is not None, E_POW2=pow2(E),
+            B_NK=b_nk, HAS_SCALE=scale is not None, E_POW2=pow2(E), COOP=bn == 256,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.num_stages, num_warps=4, maxnreg=WS_MAXNREG,
         )
         return

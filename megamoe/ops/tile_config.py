@@ -48,8 +48,9 @@ class GemmConfig:
     where the device and operands allow it (Hopper, 16-bit, A rows not gathered, TMA-compatible rows;
     ops.m_grouped_gluon.gluon_m_grouped_eligible), else the Triton kernel with this config. ``warp_specialized``
     (with gluon, m-grouped plain only) runs its warp-specialized ping-pong form instead: a TMA load warp and
-    two MMA warpgroups that take a program's tiles in turn, so one tile's epilogue overlaps the next tile's
-    wgmmas (128x128x64 tiles; num_warps 8 = the two MMA warpgroups, the load warp comes on top).
+    two MMA warpgroups that take a program's 128x128 tiles in turn, so one tile's epilogue overlaps the next
+    tile's wgmmas, or (128x256 tiles, cooperative) both take 64 rows of every tile; num_warps 8 = the two MMA
+    warpgroups, the load warp comes on top.
 
     Bits: only block_k (the K order) can change results. block_m, block_n, the stage count, the load path
     and the grid were verified to give bitwise the same outputs and gradients on H200
@@ -76,12 +77,14 @@ class GemmConfig:
         if self.resident_chunks not in range(0, 7 if self.gluon else 5):
             raise ValueError(f"GemmConfig: resident_chunks must be 0..4 (0..6 with gluon), got {self}")
         if self.warp_specialized:
-            smem = 2 * self.num_stages * self.block_k * (self.block_m + self.block_n) + 2 * 8192
-            if (not self.gluon or (self.block_m, self.block_n, self.block_k, self.num_warps) != (128, 128, 64, 8)
-                    or self.num_stages < 2 or self.resident_chunks or smem > 227 * 1024):
+            # the ring plus one layout-change scratch per MMA warpgroup (64 x block_n bytes, compiler-placed)
+            smem = 2 * self.num_stages * self.block_k * (self.block_m + self.block_n) + 2 * 64 * self.block_n + 256
+            if (not self.gluon or (self.block_m, self.block_k, self.num_warps) != (128, 64, 8)
+                    or self.block_n not in (128, 256) or self.num_stages < 2 or self.resident_chunks
+                    or smem > 227 * 1024):
                 raise ValueError(f"GemmConfig: the warp-specialized Gluon kernel runs gluon=True, 128x128x64 "
-                                 f"tiles, num_warps 8 (two MMA warpgroups), 2 or more stages within 227 KiB "
-                                 f"({smem // 1024} KiB asked), got {self}")
+                                 f"(ping-pong) or 128x256x64 (cooperative) tiles, num_warps 8 (two MMA "
+                                 f"warpgroups), 2 or more stages within 227 KiB ({smem // 1024} KiB asked), got {self}")
         elif self.gluon:
             smem = 2 * self.block_k * (max(self.resident_chunks, self.num_stages) * self.block_m
                                        + self.num_stages * self.block_n) + 2 * self.block_m * self.block_n
