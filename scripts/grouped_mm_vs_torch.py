@@ -51,11 +51,12 @@ def case(name: str, T: int) -> list[dict]:
     off = torch.cat([ends.new_zeros(1), ends])
     R = T * K
     bf = torch.bfloat16
-    h = torch.randn(R, F, generator=g, device=dev).to(bf)
-    dgu = torch.randn(R, 2 * F, generator=g, device=dev).to(bf)
-    dy = torch.randn(R, D, generator=g, device=dev).to(bf)
-    w2 = (torch.randn(E, D, F, generator=g, device=dev) / F ** 0.5).to(bf)
-    w13 = (torch.randn(E, 2 * F, D, generator=g, device=dev) / D ** 0.5).to(bf)
+    # drawn in bf16 directly: no fp32 temporaries (mok-bench's W13 alone is 63 GiB in fp32)
+    h = torch.randn(R, F, generator=g, device=dev, dtype=bf)
+    dgu = torch.randn(R, 2 * F, generator=g, device=dev, dtype=bf)
+    dy = torch.randn(R, D, generator=g, device=dev, dtype=bf)
+    w2 = torch.randn(E, D, F, generator=g, device=dev, dtype=bf).mul_(F ** -0.5)
+    w13 = torch.randn(E, 2 * F, D, generator=g, device=dev, dtype=bf).mul_(D ** -0.5)
     # half of every group: a row's output must not change when the rest of its group is gone
     keep = torch.cat([torch.arange(int(off[e]), int(off[e]) + int(counts[e]) // 2, device=dev) for e in range(E)])
     half_ends = torch.cumsum(counts // 2, 0).to(torch.int32)
