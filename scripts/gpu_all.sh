@@ -75,9 +75,9 @@ for s in "${STAGES[@]}"; do
               --nproc-per-node 2 scripts/comm_bench.py ${COMM_ARGS:-} ;;
     abgluon) for g in 0 1; do MEGAMOE_GLUON=$g stage "abgluon$g" "${LIMIT_ABGLUON:-120}" python3 -m megamoe.bench --quiet \
                --iters "$ITERS" --providers megamoe --cases ${ABGLUON_CASES:-deepseek-v3:8192} --out "$OUT/logs/abgluon$g"; done ;;
-    abtorch) for g in 0 1 0 1; do MEGAMOE_TORCH_MM=$g stage "abtorch$g" "${LIMIT_ABTORCH:-90}" python3 -m megamoe.bench --quiet \
-               --iters "$ITERS" --providers megamoe --no-ceilings --cases ${ABTORCH_CASES:-qwen3-30b-a3b:16384} \
-               --out "$OUT/logs/abtorch$g"; done ;;
+    abtorch) for r in a b; do for g in 0 1; do MEGAMOE_TORCH_MM=$g stage "abtorch$g$r" "${LIMIT_ABTORCH:-90}" python3 -m \
+               megamoe.bench --quiet --iters "$ITERS" --providers megamoe --no-ceilings \
+               --cases ${ABTORCH_CASES:-qwen3-30b-a3b:16384} --out "$OUT/logs/abtorch$g$r"; done; done ;;
     ncu) NCU_OUT="$OUT/logs" stage ncu "${LIMIT_NCU:-260}" scripts/ncu_layer.sh ${NCU_CASE:-qwen3-30b-a3b:16384} ;;
     profile) stage profile "${LIMIT_PROFILE:-150}" python3 scripts/profile_layer.py "$OUT/logs" \
                ${PROFILE_CASES:-qwen3-30b-a3b:16384 deepseek-v3:4096} ;;
