@@ -9,7 +9,6 @@
 #   sweep (scripts/gemm_sweep.py $SWEEP_ARGS: per-GEMM tile candidates, bitwise checked),
 #   comm (scripts/comm_bench.py $COMM_ARGS: dispatch / combine GB/s vs the peer-copy rate, 2 GPUs),
 #   abgluon (the layer with the Gluon weight-gradient kernel off, MEGAMOE_GLUON=0, then on; $ABGLUON_CASES),
-#   abtorch (the layer with torch._grouped_mm off, MEGAMOE_TORCH_MM=0, then on; $ABTORCH_CASES),
 #   profile (scripts/profile_layer.py: the layer's kernels, idle gaps, host and CUDA-graph time; $PROFILE_CASES),
 #   ncu (scripts/ncu_layer.sh: Nsight Compute on the layer's grouped GEMMs, $NCU_CASE),
 #   l2 (scripts/l2_bandwidth.py: L2 -> SM read bandwidth next to the GEMMs' operand-tile traffic),
@@ -47,8 +46,7 @@ stage() {  # stage NAME LIMIT CMD...
 for s in "${STAGES[@]}"; do
   case $s in
     tests) stage tests "${LIMIT_TESTS:-300}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=10 \
-              tests/test_fused_gpu.py tests/test_wgrad_gluon_gpu.py tests/test_m_grouped_gluon_gpu.py tests/test_torch_grouped_mm_gpu.py \
-              tests/test_ep_gpu.py ;;
+              tests/test_fused_gpu.py tests/test_wgrad_gluon_gpu.py tests/test_m_grouped_gluon_gpu.py tests/test_ep_gpu.py ;;
     gluon) stage gluon "${LIMIT_GLUON:-200}" python3 -m pytest -q -ra -m gpu tests/test_m_grouped_gluon_gpu.py tests/test_wgrad_gluon_gpu.py \
               tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape ;;
     bench1) stage bench1 "${LIMIT_BENCH1:-200}" python3 -m megamoe.bench --quiet --iters "$ITERS" \
@@ -75,9 +73,6 @@ for s in "${STAGES[@]}"; do
               --nproc-per-node 2 scripts/comm_bench.py ${COMM_ARGS:-} ;;
     abgluon) for g in 0 1; do MEGAMOE_GLUON=$g stage "abgluon$g" "${LIMIT_ABGLUON:-120}" python3 -m megamoe.bench --quiet \
                --iters "$ITERS" --providers megamoe --cases ${ABGLUON_CASES:-deepseek-v3:8192} --out "$OUT/logs/abgluon$g"; done ;;
-    abtorch) for r in a b; do for g in 0 1; do MEGAMOE_TORCH_MM=$g stage "abtorch$g$r" "${LIMIT_ABTORCH:-90}" python3 -m \
-               megamoe.bench --quiet --iters "$ITERS" --providers megamoe --no-ceilings \
-               --cases ${ABTORCH_CASES:-qwen3-30b-a3b:16384} --out "$OUT/logs/abtorch$g$r"; done; done ;;
     ncu) NCU_OUT="$OUT/logs" stage ncu "${LIMIT_NCU:-260}" scripts/ncu_layer.sh ${NCU_CASE:-qwen3-30b-a3b:16384} ;;
     profile) stage profile "${LIMIT_PROFILE:-150}" python3 scripts/profile_layer.py "$OUT/logs" \
                ${PROFILE_CASES:-qwen3-30b-a3b:16384 deepseek-v3:4096} ;;

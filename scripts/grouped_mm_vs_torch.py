@@ -8,7 +8,9 @@ megamoe's kernels (the tile table's choice) and with ``torch._grouped_mm`` on th
 median of 10 CUDA-event timings taken alternately; whether the outputs are bitwise equal; and, for torch,
 whether a row's result depends on the rest of the batch (the same experts' rows computed with every group
 cut to its first half: batch invariance, which the layer promises for the same bits at every EP size).
-Nothing here changes the layer; it answers whether PyTorch's kernel could serve these GEMMs.
+Nothing here changes the layer; it answers whether PyTorch's kernel could serve these GEMMs. Caution
+(docs/perf.md, seventh session): the standalone times, on normally distributed operands, did not carry over
+to the layer: at qwen3 T=16384 this script had torch's kernels 0.6 ms ahead, inside the layer they were level.
 
 Writes OUT_DIR/grouped_mm_vs_torch.json.
 """

@@ -29,7 +29,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .m_grouped_gluon import gluon_m_grouped_eligible, launch_gluon_m_grouped
-from .torch_grouped_mm import torch_grouped_mm, torch_grouped_mm_eligible
 from .wgrad_gluon import gluon_wgrad_eligible, launch_gluon_wgrad
 from .routing import tile_offsets_for
 from . import tile_config
@@ -82,17 +81,6 @@ def _alloc(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, n
         raise ValueError(f"{where}: {name} must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     return out
-
-
-def _torch_mm(kind, a, b, b_nk, N, K, offsets_E1, out_dtype, gather_idx_R, row_scale_R, out):
-    """The GEMM through ``torch._grouped_mm`` when the tile table asks for it (``GemmConfig.torch_mm``) and it
-    can take these operands (megamoe.ops.torch_grouped_mm: measured bitwise equal to the Triton kernel), else
-    None (the caller launches the Triton / Gluon kernel)."""
-    cfg = m_grouped_config(kind, N, K, b.dtype, interpret=is_interpreted(_m_grouped_gemm_kernel))
-    if not cfg.torch_mm or not torch_grouped_mm_eligible(a, b, b_nk, out_dtype, gathered=gather_idx_R is not None,
-                                                          scaled=row_scale_R is not None, has_out=out is not None):
-        return None
-    return torch_grouped_mm(a, b, b_nk, offsets_E1)
 
 
 def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows, N, K, offsets_E1, c, aux=None,
@@ -241,9 +229,6 @@ def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor
     E, N, K = b_ENK.shape
     if row_scale_R is not None and (row_scale_R.shape != (R,) or row_scale_R.dtype != torch.float32):
         raise ValueError(f"{where}: row_scale_R must be fp32 of shape ({R},), got {row_scale_R.dtype} {tuple(row_scale_R.shape)}")
-    c = _torch_mm(kind, a, b_ENK, True, N, K, offsets_E1, out_dtype or a.dtype, gather_idx_R, row_scale_R, out)
-    if c is not None:
-        return c
     c = _alloc(out, (R, N), out_dtype or a.dtype, dev, "out", where)
     _launch_m_grouped(where=where, kind=kind, epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_ENK,
                       stride_b=(N * K, K, 1), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
@@ -273,9 +258,6 @@ def grouped_mm_nn(a: torch.Tensor, b_EKN: torch.Tensor, offsets_E1: torch.Tensor
     where = "grouped_mm_nn"
     dev, R = _check_plain_operands(where, a, "b_EKN", b_EKN, 1, offsets_E1, gather_idx_R)
     E, K, N = b_EKN.shape
-    c = _torch_mm("dgrad", a, b_EKN, False, N, K, offsets_E1, out_dtype or a.dtype, gather_idx_R, None, out)
-    if c is not None:
-        return c
     c = _alloc(out, (R, N), out_dtype or a.dtype, dev, "out", where)
     _launch_m_grouped(where=where, kind="dgrad", epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_EKN,
                       stride_b=(K * N, 1, N), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,

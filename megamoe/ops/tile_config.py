@@ -52,11 +52,6 @@ class GemmConfig:
     tile's wgmmas, or (128x256 tiles, cooperative) both take 64 rows of every tile; num_warps 8 = the two MMA
     warpgroups, the load warp comes on top.
 
-    m-grouped with the plain epilogue: ``torch_mm`` computes the GEMM with ``torch._grouped_mm`` (PyTorch's
-    CUTLASS grouped GEMM; megamoe/ops/torch_grouped_mm.py) where it can take the operands (sm_90, bf16, rows
-    not gathered or scaled, a fresh output; ``MEGAMOE_TORCH_MM=0`` turns it off), measured bitwise equal to
-    the Triton kernel; otherwise the Triton kernel runs with this config's tiles.
-
     Bits: only block_k (the K order) can change results. block_m, block_n, the stage count, the load path
     and the grid were verified to give bitwise the same outputs and gradients on H200
     (tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape), as expected from wgmma: every
@@ -74,7 +69,6 @@ class GemmConfig:
     resident_chunks: int = 0
     gluon: bool = False
     warp_specialized: bool = False
-    torch_mm: bool = False
 
     def __post_init__(self) -> None:
         for v in (self.block_m, self.block_n, self.block_k):
@@ -167,16 +161,6 @@ def _is_half(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
-# torch._grouped_mm for the plain-epilogue GEMMs at N <= 2048 (H200 2026-12-01, session 7,
-# scripts/grouped_mm_vs_torch.py, bf16, bitwise equal to the Triton kernel in every case, ms torch vs Triton):
-# hidden size 2048 (qwen3-30b-a3b; T = 4096 / 8192 / 16384, 256-1024 rows per expert) down 0.30 / 0.46 / 0.77 vs
-# 0.53 / 0.74 / 1.12, dgrad dx 0.50 / 0.78 / 1.31 vs 0.83 / 1.06 / 1.55; hidden size 7168 (deepseek-v3, T = 4096
-# / 16384) down 3.31 / 7.64 vs 3.15 / 7.40, dgrad 6.45 / 14.85 vs 5.81 / 14.55 (the Triton kernel stays). N between
-# 2048 and 7168 was not measured and keeps the Triton kernel.
-_TORCH_MM_KINDS = ("down", "dgrad")
-_TORCH_MM_MAX_N = 2048
-
-
 def m_grouped_config(kind: str, n: int, k: int, dtype: torch.dtype, *, interpret: bool) -> GemmConfig:
     """Config of an m-grouped GEMM of ``kind`` with N output columns and reduction size K (pure function)."""
     if kind not in _M_GROUPED_BF16:
@@ -185,13 +169,7 @@ def m_grouped_config(kind: str, n: int, k: int, dtype: torch.dtype, *, interpret
         return _INTERPRET
     if not _is_half(dtype):
         return _FP32
-    override = _OVERRIDES.get((kind, n, k))
-    if override is not None:
-        return override
-    cfg = _M_GROUPED_BF16[kind]
-    if kind in _TORCH_MM_KINDS and dtype == torch.bfloat16 and n <= _TORCH_MM_MAX_N:
-        return dataclasses.replace(cfg, torch_mm=True)
-    return cfg
+    return _OVERRIDES.get((kind, n, k), _M_GROUPED_BF16[kind])
 
 
 def _resident_chunks(rows_per_group: float | None, block_k: int) -> int:
