@@ -1,5 +1,8 @@
-"""Persistent m-grouped GEMM for Hopper with loads pipelined across tiles, in Gluon (``@gluon.jit`` only;
-launcher in megamoe.ops.m_grouped_gluon).
+"""Persistent m-grouped GEMMs for Hopper in Gluon (``@gluon.jit`` only; launcher in megamoe.ops.m_grouped_gluon):
+``_m_grouped_plain_kernel`` (one partition, loads pipelined across tiles) and ``_m_grouped_ws_kernel``
+(warp-specialized: a TMA load warp and two MMA warpgroups, ping-pong or cooperative; see its section below).
+Both compute the plain epilogue only and give the Triton kernel's bits; neither is in the tile table (measured
+not faster, docs/perf.md sixth and seventh sessions).
 
 Legend: R rows of an expert-grouped row buffer (expert e owns rows ``row_offsets[e]:row_offsets[e+1]``); E
 experts; ``C[r] = A[r] @ B[e(r)]`` with A (R, K), C (R, N); a tile is (m-tile, n-tile), n-tile fastest, with

@@ -1,4 +1,6 @@
-"""Host launcher of the persistent Gluon m-grouped GEMM (megamoe/kernels/grouped_gemm_gluon.py).
+"""Host launcher of the persistent Gluon m-grouped GEMMs (megamoe/kernels/grouped_gemm_gluon.py): the
+one-partition kernel, or with ``GemmConfig.warp_specialized`` the warp-specialized one (128x128 tiles:
+ping-pong; 128x256: cooperative).
 
 Legend: R rows of an expert-grouped row buffer, E experts, A (R, K), B (E, N, K) "nt" or (E, K, N) "nn",
 C (R, N).
