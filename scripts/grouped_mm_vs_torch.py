@@ -5,7 +5,8 @@ Usage: python scripts/grouped_mm_vs_torch.py OUT_DIR [PRESET:T ...]   (default q
 For each case (uniform top-k routing, bf16, rows grouped by expert): the down projection (R x F @ W2[e]^T),
 the dgrad dx GEMM (R x 2F @ W13[e]) and the down projection's weight gradient (dW2[e] = dY_e^T @ H_e) with
 megamoe's kernels (the tile table's choice) and with ``torch._grouped_mm`` on the same operands; ms as the
-median of 10 CUDA-event timings taken alternately; whether the outputs are bitwise equal; and, for torch,
+median of 10 CUDA-event timings taken alternately, each after an L2 flush (the session-7 numbers in
+docs/perf.md were taken without the flush); whether the outputs are bitwise equal; and, for torch,
 whether a row's result depends on the rest of the batch (the same experts' rows computed with every group
 cut to its first half: batch invariance, which the layer promises for the same bits at every EP size).
 Nothing here changes the layer; it answers whether PyTorch's kernel could serve these GEMMs. Caution
@@ -19,11 +20,11 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 
 import torch
 
+from megamoe.bench.timing import Timer, summarize
 from megamoe.config import get_preset
 from megamoe.ops import grouped_mm_nn, grouped_mm_nt, k_grouped_mm
 
@@ -31,16 +32,13 @@ dev = torch.device("cuda")
 
 
 def _time_pair(fa, fb, reps=10):
+    """Medians (ms) of fa and fb timed alternately, one call at a time (megamoe.bench.timing.Timer, L2 flushed)."""
+    timer = Timer(dev)
     ta, tb = [], []
     for _ in range(reps):
-        for f, ts in ((fa, ta), (fb, tb)):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            f()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e))
-    return statistics.median(ta), statistics.median(tb)
+        ta += timer.time(lambda _: fa(), 1)
+        tb += timer.time(lambda _: fb(), 1)
+    return summarize(ta).median, summarize(tb).median
 
 
 def case(name: str, T: int) -> list[dict]:

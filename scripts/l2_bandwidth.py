@@ -9,7 +9,7 @@ script measures the ceiling that figure is to be compared with: a Triton kernel 
 read, over and over, windows of a buffer that fits in L2 (32 MiB of the H200's 60 MB) with 16-byte vector
 loads and keep one sum per program (written out, so nothing is optimized away). The buffer is read once
 before timing, so after the first pass every read is an L2 hit; the result is bytes read / time, the median
-of 10 CUDA-event timings. The DRAM copy rate of megamoe.bench.ceilings is printed alongside, and the
+of 10 CUDA-event timings (megamoe.bench.timing.Timer, without its L2 flush). The DRAM copy rate of megamoe.bench.ceilings is printed alongside, and the
 operand traffic of the two qwen3 GEMMs computed from their shapes (no GEMM is run here).
 
 Writes OUT_DIR/l2_bandwidth.json.
@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
+
+from megamoe.bench.ceilings import _copy_gbs
+from megamoe.bench.timing import Timer, summarize
 
 
 @triton.jit
@@ -54,17 +56,10 @@ def l2_read_gbs(buf_mib: int = 32, programs_per_sm: int = 4, passes: int = 64, r
     out = torch.empty(grid[0], dtype=torch.int32, device=dev)
     run = lambda: _l2_read_kernel[grid](x, out, n_words, passes, WINDOW=window, BLOCK=block, num_warps=8)  # noqa: E731
     run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        run()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
+    timer = Timer(dev, flush_mib=0)  # no L2 flush: the point is to read from L2
+    ms = summarize(timer.time(lambda _: run(), reps)).median
     nbytes = grid[0] * passes * window * 4
-    return nbytes / (statistics.median(times) * 1e-3) / 1e9
+    return nbytes / (ms * 1e-3) / 1e9
 
 
 def gemm_tile_traffic(rows: int, n: int, k: int, block_m: int, block_n: int) -> float:
@@ -75,9 +70,6 @@ def gemm_tile_traffic(rows: int, n: int, k: int, block_m: int, block_n: int) -> 
 
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
-    from megamoe.bench.ceilings import _copy_gbs
-    from megamoe.bench.timing import Timer
-
     res = {"gpu": torch.cuda.get_device_name(), "l2_read_gbs": {}, "dram_copy_gbs": _copy_gbs(Timer(torch.device("cuda")), 10)}
     for ppsm in (2, 4, 8):
         res["l2_read_gbs"][ppsm] = l2_read_gbs(programs_per_sm=ppsm)

@@ -64,6 +64,31 @@ def _issue(a_desc, b_desc, a_ring, b_ring, bars, p, row_start, b_row, n0, k0, ST
 
 
 @gluon.jit
+def _b_operand(b_ring, slot, B_NK: gl.constexpr):
+    """The wgmma B operand (K, N) of ring slot ``slot``: a transposed view of an (N, K) tile, or the tile itself."""
+    if B_NK:
+        return b_ring.index(slot).permute((1, 0))
+    else:
+        return b_ring.index(slot)
+
+
+@gluon.jit
+def _store_tile(acc, row, row_end, n0, c_ptr, scale_ptr, num_rows, N, stride_cm, HAS_SCALE: gl.constexpr,
+                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, MMA: gl.constexpr, STORE: gl.constexpr):
+    """The plain epilogue: ``cast(acc [* scale[r]])`` into rows [row, row + ROWS) below row_end and columns
+    [n0, n0 + BLOCK_N) below N of C (scale rows clamped to the buffer: computed, never stored)."""
+    out_ty: gl.constexpr = c_ptr.dtype.element_ty
+    if HAS_SCALE:
+        offs_s = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
+        acc = acc * gl.load(scale_ptr + gl.minimum(offs_s, num_rows - 1)).to(gl.float32)[:, None]
+    out = gl.convert_layout(acc.to(out_ty), STORE)
+    offs_m = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, STORE))
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, STORE))
+    ptrs = c_ptr + offs_m.to(gl.int64)[:, None] * stride_cm + offs_n[None, :]
+    gl.store(ptrs, out, mask=(offs_m < row_end)[:, None] & (offs_n < N)[None, :])
+
+
+@gluon.jit
 def _produce(a_desc, b_desc, a_ring, b_ring, bars, p, p_k, p_tile, p_expert, p_row, p_n0, total, G, B_ROWS,
              tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles, K_STEPS: gl.constexpr,
              STAGES: gl.constexpr, B_NK: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -98,7 +123,6 @@ def _m_grouped_plain_kernel(
 ):
     gl.static_assert(STAGES >= 2, "the ring needs STAGES >= 2")
     dtype: gl.constexpr = a_desc.dtype
-    out_ty: gl.constexpr = c_ptr.dtype.element_ty
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
@@ -138,11 +162,7 @@ def _m_grouped_plain_kernel(
     for s in range(total):
         slot = s % STAGES
         mbarrier.wait(bars.index(slot), (s // STAGES) & 1)
-        if B_NK:
-            b_op = b_ring.index(slot).permute((1, 0))
-        else:
-            b_op = b_ring.index(slot)
-        acc = warpgroup_mma(a_ring.index(slot), b_op, acc, use_acc=c_k > 0, is_async=True)
+        acc = warpgroup_mma(a_ring.index(slot), _b_operand(b_ring, slot, B_NK), acc, use_acc=c_k > 0, is_async=True)
         acc = warpgroup_mma_wait(1, deps=[acc])
         gl.thread_barrier()  # both warpgroups are done with step s - 1's slot
         p, p_k, p_tile, p_expert, p_row, p_n0 = _produce(
@@ -152,15 +172,8 @@ def _m_grouped_plain_kernel(
         c_k += 1
         if c_k == K_STEPS:  # the tile's last chunk: drain, store, move to the next tile
             acc = warpgroup_mma_wait(0, deps=[acc])
-            if HAS_SCALE:
-                offs_s = c_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
-                rows_s = gl.minimum(offs_s, num_rows - 1)  # clamped rows: computed, never stored
-                acc = acc * gl.load(scale_ptr + rows_s).to(gl.float32)[:, None]
-            out = gl.convert_layout(acc.to(out_ty), STORE)
-            offs_m = c_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, STORE))
-            offs_n = c_n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, STORE))
-            ptrs = c_ptr + offs_m.to(gl.int64)[:, None] * stride_cm + offs_n[None, :]
-            gl.store(ptrs, out, mask=(offs_m < c_end)[:, None] & (offs_n < N)[None, :])
+            _store_tile(acc, c_row, c_end, c_n0, c_ptr, scale_ptr, num_rows, N, stride_cm, HAS_SCALE, BLOCK_M,
+                        BLOCK_N, MMA, STORE)
             c_k = 0
             c_tile += G
             c_expert, c_row, c_end, c_n0 = _tile_coords(c_tile, tile_offsets_ptr, row_offsets_ptr, num_experts,
@@ -214,7 +227,6 @@ def _ws_mma_partition(a_ring, b_ring, ready, empty, turn, c_ptr, scale_ptr, tile
                       HAS_SCALE: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """One warpgroup: the wgmmas and the epilogue of the program's tiles CONSUMER, CONSUMER + 2, ... (ping-pong),
     or of rows [64 * CONSUMER, +64) of every tile of the program (COOP)."""
-    out_ty: gl.constexpr = c_ptr.dtype.element_ty
     ROWS: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M  # rows of a tile this warpgroup multiplies
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
@@ -240,15 +252,11 @@ def _ws_mma_partition(a_ring, b_ring, ready, empty, turn, c_ptr, scale_ptr, tile
         for k in range(K_STEPS):
             slot = s % STAGES
             mbarrier.wait(ready.index(slot), (s // STAGES) & 1)
-            if B_NK:
-                b_op = b_ring.index(slot).permute((1, 0))
-            else:
-                b_op = b_ring.index(slot)
             if COOP:
                 a_op = a_ring.index(slot).slice(CONSUMER * ROWS, ROWS, dim=0)
             else:
                 a_op = a_ring.index(slot)
-            acc = warpgroup_mma(a_op, b_op, acc, use_acc=k > 0, is_async=True)
+            acc = warpgroup_mma(a_op, _b_operand(b_ring, slot, B_NK), acc, use_acc=k > 0, is_async=True)
             acc = warpgroup_mma_wait(1, deps=[acc])  # the step before is complete: release its slot
             if k > 0:
                 mbarrier.arrive(empty.index((s - 1) % STAGES))
@@ -257,14 +265,8 @@ def _ws_mma_partition(a_ring, b_ring, ready, empty, turn, c_ptr, scale_ptr, tile
             mbarrier.arrive(turn.index(1 - CONSUMER))  # every ready-wait of this tile passed
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index((s - 1) % STAGES))
-        if HAS_SCALE:
-            offs_s = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
-            acc = acc * gl.load(scale_ptr + gl.minimum(offs_s, num_rows - 1)).to(gl.float32)[:, None]
-        out = gl.convert_layout(acc.to(out_ty), STORE)
-        offs_m = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, STORE))
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, STORE))
-        ptrs = c_ptr + offs_m.to(gl.int64)[:, None] * stride_cm + offs_n[None, :]
-        gl.store(ptrs, out, mask=(offs_m < row_end)[:, None] & (offs_n < N)[None, :])
+        _store_tile(acc, row, row_end, n0, c_ptr, scale_ptr, num_rows, N, stride_cm, HAS_SCALE, ROWS, BLOCK_N, MMA,
+                    STORE)
         if COOP:
             tile += G
         else:
