@@ -182,21 +182,24 @@ def _m_grouped_plain_kernel(
         mbarrier.invalidate(bars.index(i))
 
 
-# --- warp-specialized ping-pong variant --------------------------------------------------------------------
-# Legend (in addition to the above): W the partitions of one program: a load warp (TMA producer) and two MMA
-# warpgroups (consumers 0 and 1); a program's j-th tile (j = 0, 1, ...) goes to consumer j % 2, so while one
-# consumer runs its epilogue the other's wgmmas keep the tensor cores busy (the "ping-pong" schedule of
-# CUTLASS's SM90 warp-specialized kernels; Gluon's warp_specialize after Triton's tutorial 08).
+# --- warp-specialized variants: ping-pong (128x128) and cooperative (128x256) -------------------------------
+# Partitions of one program: a load warp (TMA producer) and two MMA warpgroups (consumers 0 and 1). Ping-pong:
+# a program's j-th tile (j = 0, 1, ...) goes to consumer j % 2, so while one consumer runs its epilogue the
+# other's wgmmas keep the tensor cores busy; cooperative (COOP): both consumers take every tile, 64 rows each
+# (the two schedules of CUTLASS's SM90 warp-specialized kernels; Gluon's warp_specialize after Triton's
+# tutorial 08).
 #
-# Handshakes (all mbarriers, count 1):
-#   ready[slot]  the producer's TMA copies of a step landed (expect-tx);
-#   empty[slot]  the consumer that read the slot is done with it (its wgmma of that step completed);
-#   turn[c]      consumer c may start waiting for its next tile's steps: the other consumer has passed every
-#                ready-wait of the tiles before it. Without this order a consumer could wait for a step two
-#                ring passes ahead and see the parity of an older phase (a false "ready").
+# Handshakes (mbarriers):
+#   ready[slot]  (count 1) the producer's TMA copies of a step landed (expect-tx);
+#   empty[slot]  (count 1, 2 with COOP) the consumer(s) that read the slot are done with it (their wgmma of that
+#                step completed);
+#   turn[c]      (count 1, ping-pong only) consumer c may start waiting for its next tile's steps: the other
+#                consumer has passed every ready-wait of the tiles before it. Without this order a consumer could
+#                wait for a step two ring passes ahead and see the parity of an older phase (a false "ready").
 # Step s (a program's flat (tile, k-chunk) index) uses slot s % STAGES, phase (s // STAGES) & 1; every slot is
-# consumed once per pass, by one consumer. The sums are those of _m_grouped_plain_kernel (same K chunks in the
-# same order, fp32 accumulation from the first chunk, one cast), so the bits are the Triton kernel's.
+# consumed once per pass, by one consumer (ping-pong) or by both (COOP). The sums are those of
+# _m_grouped_plain_kernel (same K chunks in the same order, fp32 accumulation from the first chunk, one cast),
+# so the bits are the Triton kernel's.
 
 
 @gluon.jit

@@ -47,10 +47,11 @@ class GemmConfig:
     (megamoe/kernels/grouped_gemm_gluon.py: TMA loads of A and B in a ring that runs across tile boundaries)
     where the device and operands allow it (Hopper, 16-bit, A rows not gathered, TMA-compatible rows;
     ops.m_grouped_gluon.gluon_m_grouped_eligible), else the Triton kernel with this config. ``warp_specialized``
-    (with gluon, m-grouped plain only) runs its warp-specialized ping-pong form instead: a TMA load warp and
-    two MMA warpgroups that take a program's 128x128 tiles in turn, so one tile's epilogue overlaps the next
-    tile's wgmmas, or (128x256 tiles, cooperative) both take 64 rows of every tile; num_warps 8 = the two MMA
-    warpgroups, the load warp comes on top.
+    (with gluon, m-grouped plain only) runs its warp-specialized form instead: a TMA load warp and two MMA
+    warpgroups that either take a program's 128x128 tiles in turn (ping-pong: one tile's epilogue overlaps the
+    next tile's wgmmas) or, at 128x256, both take 64 rows of every tile (cooperative); num_warps 8 = the two
+    MMA warpgroups, the load warp comes on top. Neither Gluon kernel is in the table (measured not faster,
+    docs/perf.md sixth and seventh sessions).
 
     Bits: only block_k (the K order) can change results. block_m, block_n, the stage count, the load path
     and the grid were verified to give bitwise the same outputs and gradients on H200
