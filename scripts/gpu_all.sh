@@ -14,6 +14,8 @@
 #   l2 (scripts/l2_bandwidth.py: L2 -> SM read bandwidth next to the GEMMs' operand-tile traffic),
 #   vstorch (scripts/grouped_mm_vs_torch.py: the plain grouped GEMMs against torch._grouped_mm; $VSTORCH_CASES)
 # Each stage has its own time limit (seconds, env LIMIT_<STAGE>); a stage that fails does not stop the rest.
+# Pass MEGAMOE_COMMIT=<local git rev-parse --short HEAD>: the device tool copies the working tree, and the
+# checkout's own HEAD there can be stale (seventh session: results labelled "a498e28-dirty").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -50,6 +50,26 @@ def test_table_is_pure_function_of_shape():
         GemmConfig(96, 128, 64, 8, 3)
 
 
+def test_override_for_names_only_explicit_entries():
+    from megamoe.ops import tile_config
+
+    saved = dict(tile_config._OVERRIDES)
+    try:
+        tile_config._OVERRIDES.clear()
+        assert tile_config.override_for("wgrad", 1536, 2048) is None
+        cfg = GemmConfig(128, 128, 64, 8, 5, resident_chunks=5, gluon=True)
+        tile_config._OVERRIDES[("wgrad", 1536, 2048)] = cfg
+        assert tile_config.override_for("wgrad", 1536, 2048) is cfg
+        assert tile_config.override_for("wgrad", 2048, 1536) is None
+        assert k_grouped_config(1536, 2048, BF16, interpret=False) is cfg  # the override wins
+        # the table's own Gluon entry is not an override (the launcher may then fall back below one unit per SM)
+        table = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=200)
+        assert table.gluon and tile_config.override_for("wgrad", 4096, 7168) is None
+    finally:
+        tile_config._OVERRIDES.clear()
+        tile_config._OVERRIDES.update(saved)
+
+
 def test_weight_descriptor_choice():
     tma = GemmConfig(128, 128, 64, 8, 3, tma_b=True)
     E, F, D = 3, 192, 256

@@ -358,7 +358,7 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
     cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group)
     if cfg.gluon:
-        forced = tile_config._OVERRIDES.get(("wgrad", M, N)) is cfg  # asked for explicitly (tests, sweeps)
+        forced = tile_config.override_for("wgrad", M, N) is cfg  # asked for explicitly (tests, sweeps)
         if not interpret and gluon_wgrad_eligible(cfg, p, q, c, fill_sms=not forced):
             launch_gluon_wgrad(cfg, p, p_idx_R, q, q_idx_R, offsets_E1, c)
             return c

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GemmConfig", "m_grouped_config", "k_grouped_config", "combine_block"]
+__all__ = ["GemmConfig", "m_grouped_config", "k_grouped_config", "combine_block", "override_for"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,12 @@ _RESIDENT_STAGES = {1: 4, 2: 4, 3: 3}
 
 # (kind, N, K) -> config (for "wgrad": (M, N) of the [E, M, N] output): explicit entries, they win.
 _OVERRIDES: dict[tuple[str, int, int], GemmConfig] = {}
+
+
+def override_for(kind: str, a: int, b: int) -> GemmConfig | None:
+    """The explicit entry for (kind, a, b) (m-grouped: (N, K); "wgrad": (M, N)), or None: launchers use it to
+    tell a config asked for explicitly (tests, sweeps) from the table's own choice."""
+    return _OVERRIDES.get((kind, a, b))
 
 # per-tile weight-gradient kernel at shapes where it was measured (docs/perf.md): deepseek-v3 (D 7168, F 2048),
 # ~128 rows per expert, so a program runs ~2 K-steps; 2 stages beat 3 (H200 2026-11-30, T=4096: dW13 9.03 vs
