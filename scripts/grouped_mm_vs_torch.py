@@ -72,17 +72,17 @@ def case(name: str, T: int) -> list[dict]:
     for label, (ours, theirs, theirs_half, flop) in gemms.items():
         a, b = ours(), theirs()
         same = torch.equal(a, b)
-        max_ulps = ((a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-30)).max().item()
+        max_rel = ((a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-30)).max().item()
         invariant = None
         if theirs_half is not None:
             invariant = torch.equal(theirs_half(), b[keep])
         t_ours, t_torch = _time_pair(ours, theirs)
         r = dict(case=f"{name} T={T}", gemm=label, megamoe_ms=t_ours, torch_ms=t_torch,
                  megamoe_tflops=flop / t_ours / 1e9, torch_tflops=flop / t_torch / 1e9, bitwise_equal=same,
-                 max_rel_diff=max_ulps, torch_batch_invariant=invariant)
+                 max_rel_diff=max_rel, torch_batch_invariant=invariant)
         print(f"{r['case']:24s} {label:7s} megamoe {t_ours:6.3f} ms ({r['megamoe_tflops']:4.0f} TF/s)  "
               f"torch._grouped_mm {t_torch:6.3f} ms ({r['torch_tflops']:4.0f} TF/s)  bitwise {'==' if same else '!='} "
-              f"(max rel diff {max_ulps:.2e})  torch rows batch-invariant: {invariant}", flush=True)
+              f"(max rel diff {max_rel:.2e})  torch rows batch-invariant: {invariant}", flush=True)
         rows.append(r)
     return rows
 

@@ -139,6 +139,7 @@ def override_for(kind: str, a: int, b: int) -> GemmConfig | None:
     tell a config asked for explicitly (tests, sweeps) from the table's own choice."""
     return _OVERRIDES.get((kind, a, b))
 
+
 # per-tile weight-gradient kernel at shapes where it was measured (docs/perf.md): deepseek-v3 (D 7168, F 2048),
 # ~128 rows per expert, so a program runs ~2 K-steps; 2 stages beat 3 (H200 2026-11-30, T=4096: dW13 9.03 vs
 # 10.18 ms, dW2 4.97 vs 5.28 ms). Used when the rows per expert are too many for the resident kernel.
