@@ -3,8 +3,8 @@
 Legend: W ranks, T tokens of a rank, K top-k, D hidden, E global experts, L = E / W, C capacity rows.
 
 * :func:`spawn_ranks` runs ``fn(rank, world, *args)`` in W spawned processes and returns their results
-  (a failure in any rank is re-raised with that rank's traceback). ``cuda=True`` also initialises NCCL
-  on GPU ``rank`` with a free port.
+  (a failure in any rank is re-raised with that rank's traceback). ``backend="gloo"`` initialises a
+  gloo process group first; ``cuda=True`` initialises NCCL on GPU ``rank``; both use a free port.
 * :func:`payload_rows` makes token rows that encode (source rank, token) in columns 0 and 1, so a
   misrouted row names itself.
 * :func:`model_schedule` is the plain-Python statement of the receive order the kernels must produce.
@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import io
 import os
+import queue
 import socket
+import time
 import traceback
+import warnings
+from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
+
+
+PG_TIMEOUT_S = 120  # process-group timeout: a lost peer fails a collective in bounded time
 
 
 def free_port() -> int:
@@ -27,35 +34,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, args, q, port, cuda):
+def _entry(fn, rank, world, args, q, port, backend):
+    import torch.distributed as dist
+    ok = False
     try:
-        if cuda:
-            import torch.distributed as dist
-            torch.cuda.set_device(rank)
-            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                    device_id=torch.device("cuda", rank))
+        if backend is not None:
+            kw = {}
+            if backend == "nccl":
+                torch.cuda.set_device(rank)
+                kw["device_id"] = torch.device("cuda", rank)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=PG_TIMEOUT_S), **kw)
         res = fn(rank, world, *args)
         buf = io.BytesIO()
         torch.save(res, buf)  # plain bytes: tensors must not travel as shared-memory handles
         q.put((rank, "ok", buf.getvalue()))
+        ok = True
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         q.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
-        if cuda:
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        # The report is flushed before any teardown, so a crash in the backend's teardown cannot lose it.
+        q.close()
+        q.join_thread()
+        if dist.is_available() and dist.is_initialized():  # ours, or one that fn made
+            if ok:
+                dist.barrier()  # no rank closes its connections while a peer still reads from them
+            dist.destroy_process_group()
 
 
-def spawn_ranks(fn, world: int, *args, cuda: bool = False, timeout: float = 300.0, env: dict | None = None):
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; return [result of rank r]."""
+def spawn_ranks(fn, world: int, *args, cuda: bool = False, backend: str | None = None, timeout: float = 300.0,
+                env: dict | None = None):
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; return [result of rank r].
+
+    ``backend`` ("gloo" or "nccl"; ``cuda=True`` means "nccl" on GPU ``rank``) initialises the default
+    process group before ``fn``; a default process group that exists after ``fn`` (ours or fn's own) is
+    torn down after the report, behind a barrier. A rank that raises is reported with its
+    traceback; a rank that dies without reporting (a signal, ``std::terminate``) is reported with its exit
+    code as soon as it is seen dead, not after ``timeout``. What a rank does after its report (process
+    group teardown) does not decide the test; a non-zero exit code there is raised as a warning.
+    """
+    if cuda:
+        backend = "nccl"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, args, q, port, cuda)) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, args, q, port, backend)) for r in range(world)]
         for p in procs:
             p.start()
     finally:
@@ -64,21 +90,41 @@ def spawn_ranks(fn, world: int, *args, cuda: bool = False, timeout: float = 300.
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    results, errors = {}, []
+    results, errors, reported = {}, [], set()
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, status, res = q.get(timeout=timeout)
+        while len(reported) < world:
+            try:
+                rank, status, res = q.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+                if dead:
+                    try:  # a report written just before the exit may still be in the pipe
+                        rank, status, res = q.get(timeout=2.0)
+                    except queue.Empty:
+                        errors += [f"rank {r}: exited with code {procs[r].exitcode} before reporting" for r in dead]
+                        break
+                elif time.monotonic() > deadline:
+                    errors.append(f"ranks {sorted(set(range(world)) - reported)}: no report within {timeout} s")
+                    break
+                else:
+                    continue
+            reported.add(rank)
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(res), weights_only=False)
             else:
                 errors.append(f"rank {rank}: {res}")
     finally:
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=10 if not errors else 2)
             if p.is_alive():
                 p.kill()
+                p.join()
     if errors:
         raise AssertionError("\n".join(errors))
+    bad_exit = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)]
+    if bad_exit:
+        warnings.warn(f"ranks reported results, then exited with codes {bad_exit} (process group teardown)")
     return [results[r] for r in range(world)]
 
 

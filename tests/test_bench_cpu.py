@@ -10,11 +10,10 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ep_utils import free_port, spawn_ranks
 
 from megamoe.bench.__main__ import build_parser, main
 from megamoe.bench.check import check_provider
@@ -73,20 +72,13 @@ def _ep_worker(rank, world, port, out_dir):
     torch.set_num_threads(1)
     rc = main(FAST + ["--cases", "tiny:16", "--routing", "zipf", "--providers", "reference", "nccl", "megamoe",
                       "symm-vdev", "torch", "--no-ceilings", "--out", out_dir])
-    torch.distributed.destroy_process_group()
-    assert rc == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    assert rc == 0  # the process group the harness made is torn down by spawn_ranks, after the report
 
 
 @pytest.mark.timeout(120)
 def test_ep2_gloo(tmp_path):
     out = str(tmp_path / "ep2")
-    mp.spawn(_ep_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_ep_worker, 2, free_port(), out, timeout=110)
     rows, js = _read(out)
     by = {r["provider"]: r for r in rows}
     assert by["reference"]["status"] == "ok" and by["nccl"]["status"] == "ok", rows

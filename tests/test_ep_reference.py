@@ -5,89 +5,76 @@ EP reference on its shard and compares its output rows and every gradient with t
 reference on the whole batch (float64, so only summation order can differ).
 """
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ep_utils import spawn_ranks
 
 from megamoe import MoE, get_preset
 from megamoe import reference as ref
 from megamoe.reference_ep import moe_experts_ep
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cfg():
     return get_preset("tiny").replace(hidden_size=16, moe_intermediate_size=8, dtype=torch.float64)
 
 
-def _worker(rank, world, port, tokens_per_rank, routing):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        cfg = _cfg()
-        D, F, E, S, K = 16, 8, cfg.num_experts, cfg.shared_intermediate_size, cfg.top_k
-        L = E // world
-        T_all = sum(tokens_per_rank)
-        x = torch.randn(T_all, D, dtype=torch.float64)
-        w13 = torch.randn(E, 2 * F, D, dtype=torch.float64) * D ** -0.5
-        w2 = torch.randn(E, D, F, dtype=torch.float64) * F ** -0.5
-        sw13 = torch.randn(2 * S, D, dtype=torch.float64) * D ** -0.5
-        sw2 = torch.randn(D, S, dtype=torch.float64) * S ** -0.5
-        if routing == "uniform":
-            ids = torch.stack([torch.randperm(E)[:K] for _ in range(T_all)]) if T_all else torch.zeros(0, K, dtype=torch.long)
-        elif routing == "one-rank":  # every token of every rank routed to the last rank's experts
-            ids = (E - L) + torch.stack([torch.randperm(L)[:K] for _ in range(T_all)])
-        else:  # one hot expert in every token's first slot
-            ids = torch.stack([torch.cat([torch.tensor([3]), torch.randperm(E - 1)[:K - 1] + 4]) % E for _ in range(T_all)])
-        wts = torch.rand(T_all, K, dtype=torch.float64)
-        dy = torch.randn(T_all, D, dtype=torch.float64)
+def _worker(rank, world, tokens_per_rank, routing):
+    torch.manual_seed(0)
+    cfg = _cfg()
+    D, F, E, S, K = 16, 8, cfg.num_experts, cfg.shared_intermediate_size, cfg.top_k
+    L = E // world
+    T_all = sum(tokens_per_rank)
+    x = torch.randn(T_all, D, dtype=torch.float64)
+    w13 = torch.randn(E, 2 * F, D, dtype=torch.float64) * D ** -0.5
+    w2 = torch.randn(E, D, F, dtype=torch.float64) * F ** -0.5
+    sw13 = torch.randn(2 * S, D, dtype=torch.float64) * D ** -0.5
+    sw2 = torch.randn(D, S, dtype=torch.float64) * S ** -0.5
+    if routing == "uniform":
+        ids = torch.stack([torch.randperm(E)[:K] for _ in range(T_all)]) if T_all else torch.zeros(0, K, dtype=torch.long)
+    elif routing == "one-rank":  # every token of every rank routed to the last rank's experts
+        ids = (E - L) + torch.stack([torch.randperm(L)[:K] for _ in range(T_all)])
+    else:  # one hot expert in every token's first slot
+        ids = torch.stack([torch.cat([torch.tensor([3]), torch.randperm(E - 1)[:K - 1] + 4]) % E for _ in range(T_all)])
+    wts = torch.rand(T_all, K, dtype=torch.float64)
+    dy = torch.randn(T_all, D, dtype=torch.float64)
 
-        # single-process reference on the global batch
-        g = [t.clone().requires_grad_(True) for t in (x, wts, w13, w2, sw13, sw2)]
-        out_ref = ref.moe_experts(g[0], ids, g[1], g[2], g[3], g[4], g[5])
-        (out_ref * dy).sum().backward()
+    # single-process reference on the global batch
+    g = [t.clone().requires_grad_(True) for t in (x, wts, w13, w2, sw13, sw2)]
+    out_ref = ref.moe_experts(g[0], ids, g[1], g[2], g[3], g[4], g[5])
+    (out_ref * dy).sum().backward()
 
-        lo = sum(tokens_per_rank[:rank])
-        hi = lo + tokens_per_rank[rank]
-        mine = slice(rank * L, (rank + 1) * L)
-        p = [x[lo:hi].clone(), wts[lo:hi].clone(), w13[mine].clone(), w2[mine].clone(), sw13.clone(), sw2.clone()]
-        for t in p:
-            t.requires_grad_(True)
-        out = moe_experts_ep(p[0], ids[lo:hi], p[1], p[2], p[3], p[4], p[5], group=None)
-        (out * dy[lo:hi]).sum().backward()
+    lo = sum(tokens_per_rank[:rank])
+    hi = lo + tokens_per_rank[rank]
+    mine = slice(rank * L, (rank + 1) * L)
+    p = [x[lo:hi].clone(), wts[lo:hi].clone(), w13[mine].clone(), w2[mine].clone(), sw13.clone(), sw2.clone()]
+    for t in p:
+        t.requires_grad_(True)
+    out = moe_experts_ep(p[0], ids[lo:hi], p[1], p[2], p[3], p[4], p[5], group=None)
+    (out * dy[lo:hi]).sum().backward()
 
-        tol = dict(rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(out, out_ref[lo:hi].detach(), **tol)
-        torch.testing.assert_close(p[0].grad, g[0].grad[lo:hi], **tol)
-        torch.testing.assert_close(p[1].grad, g[1].grad[lo:hi], **tol)
-        torch.testing.assert_close(p[2].grad, g[2].grad[mine], **tol)
-        torch.testing.assert_close(p[3].grad, g[3].grad[mine], **tol)
-        for mine_g, ref_g in ((p[4].grad, g[4].grad), (p[5].grad, g[5].grad)):  # replicated: sum of partials
-            total = mine_g.clone()
-            dist.all_reduce(total)
-            torch.testing.assert_close(total, ref_g, **tol)
+    tol = dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, out_ref[lo:hi].detach(), **tol)
+    torch.testing.assert_close(p[0].grad, g[0].grad[lo:hi], **tol)
+    torch.testing.assert_close(p[1].grad, g[1].grad[lo:hi], **tol)
+    torch.testing.assert_close(p[2].grad, g[2].grad[mine], **tol)
+    torch.testing.assert_close(p[3].grad, g[3].grad[mine], **tol)
+    for mine_g, ref_g in ((p[4].grad, g[4].grad), (p[5].grad, g[5].grad)):  # replicated: sum of partials
+        total = mine_g.clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total, ref_g, **tol)
 
-        # the layer: same seed -> same global weights at any EP size; EP output == single-process output
-        layer_ep = MoE(cfg, backend="reference", group=dist.group.WORLD, seed=7)
-        layer_1 = MoE(cfg, backend="reference", seed=7)
-        torch.testing.assert_close(layer_ep.w13_LGD.detach(), layer_1.w13_LGD[mine].detach(), rtol=0, atol=0)
-        xs = x.view(1, T_all, D) if T_all else x.view(1, 0, D)
-        y1 = layer_1(xs)
-        yep = layer_ep(xs[:, lo:hi])
-        torch.testing.assert_close(yep, y1[:, lo:hi], **tol)
-        layer_ep.update_expert_bias()
-        layer_1.update_expert_bias()
-        assert torch.equal(layer_ep.expert_bias_E, layer_1.expert_bias_E) or tokens_per_rank[rank] != T_all
-    finally:
-        dist.destroy_process_group()
+    # the layer: same seed -> same global weights at any EP size; EP output == single-process output
+    layer_ep = MoE(cfg, backend="reference", group=dist.group.WORLD, seed=7)
+    layer_1 = MoE(cfg, backend="reference", seed=7)
+    torch.testing.assert_close(layer_ep.w13_LGD.detach(), layer_1.w13_LGD[mine].detach(), rtol=0, atol=0)
+    xs = x.view(1, T_all, D) if T_all else x.view(1, 0, D)
+    y1 = layer_1(xs)
+    yep = layer_ep(xs[:, lo:hi])
+    torch.testing.assert_close(yep, y1[:, lo:hi], **tol)
+    layer_ep.update_expert_bias()
+    layer_1.update_expert_bias()
+    assert torch.equal(layer_ep.expert_bias_E, layer_1.expert_bias_E) or tokens_per_rank[rank] != T_all
 
 
 @pytest.mark.parametrize("world, tokens, routing", [
@@ -99,25 +86,21 @@ def _worker(rank, world, port, tokens_per_rank, routing):
     (4, [0, 0, 0, 0], "uniform"),  # nobody has tokens
 ])
 def test_ep_reference_matches_single_process(world, tokens, routing):
-    mp.spawn(_worker, args=(world, _free_port(), tokens, routing), nprocs=world, join=True)
+    spawn_ranks(_worker, world, tokens, routing, backend="gloo", timeout=120)
 
 
-def _mismatch_worker(rank, world, port):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        D = 16 if rank == 0 else 32  # rank 1 was built with another hidden size
-        x = torch.randn(3, D)
-        ids = torch.zeros(3, 2, dtype=torch.long)
-        w = torch.ones(3, 2)
-        with pytest.raises(ValueError, match="disagree on hidden: rank 0=16, rank 1=32"):
-            moe_experts_ep(x, ids, w, torch.randn(2, 16, D), torch.randn(2, D, 8), group=None)
-        from megamoe.validation import check_same_across_ranks
-        check_same_across_ranks(None, "same", {"hidden": 16, "dtype": torch.bfloat16})  # agreeing ranks pass
-        with pytest.raises(ValueError, match=r"dtype: rank 0=bfloat16, rank 1=float32"):
-            check_same_across_ranks(None, "dtypes", {"dtype": torch.bfloat16 if rank == 0 else torch.float32})
-    finally:
-        dist.destroy_process_group()
+def _mismatch_worker(rank, world):
+    D = 16 if rank == 0 else 32  # rank 1 was built with another hidden size
+    x = torch.randn(3, D)
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    w = torch.ones(3, 2)
+    with pytest.raises(ValueError, match="disagree on hidden: rank 0=16, rank 1=32"):
+        moe_experts_ep(x, ids, w, torch.randn(2, 16, D), torch.randn(2, D, 8), group=None)
+    from megamoe.validation import check_same_across_ranks
+    check_same_across_ranks(None, "same", {"hidden": 16, "dtype": torch.bfloat16})  # agreeing ranks pass
+    with pytest.raises(ValueError, match=r"dtype: rank 0=bfloat16, rank 1=float32"):
+        check_same_across_ranks(None, "dtypes", {"dtype": torch.bfloat16 if rank == 0 else torch.float32})
 
 
 def test_mismatched_configs_across_ranks_raise_clear_errors():
-    mp.spawn(_mismatch_worker, args=(2, _free_port()), nprocs=2, join=True)
+    spawn_ranks(_mismatch_worker, 2, backend="gloo", timeout=120)
