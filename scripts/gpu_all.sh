@@ -9,6 +9,9 @@
 #   sweep (scripts/gemm_sweep.py $SWEEP_ARGS: per-GEMM tile candidates, bitwise checked),
 #   comm (scripts/comm_bench.py $COMM_ARGS: dispatch / combine GB/s vs the peer-copy rate, 2 GPUs),
 #   abgluon (the layer with the Gluon weight-gradient kernel off, MEGAMOE_GLUON=0, then on; $ABGLUON_CASES),
+#   abtiles (layer A/B of tile replacements: the table, then each MEGAMOE_TILES value of the space-separated
+#     $ABTILES, interleaved, $ABTILES_REPS rounds, on $ABTILES_CASES; the benchmark checks each against the
+#     reference first; e.g. ABTILES="dgrad_swiglu:128,256,64,8,3,tma_b=1 dgrad_swiglu:128,128,64,8,4,tma_b=1"),
 #   profile (scripts/profile_layer.py: the layer's kernels, idle gaps, host and CUDA-graph time; $PROFILE_CASES),
 #   ncu (scripts/ncu_layer.sh: Nsight Compute on the layer's grouped GEMMs, $NCU_CASE),
 #   l2 (scripts/l2_bandwidth.py: L2 -> SM read bandwidth next to the GEMMs' operand-tile traffic),
@@ -75,6 +78,14 @@ for s in "${STAGES[@]}"; do
               --nproc-per-node 2 scripts/comm_bench.py ${COMM_ARGS:-} ;;
     abgluon) for g in 0 1; do MEGAMOE_GLUON=$g stage "abgluon$g" "${LIMIT_ABGLUON:-120}" python3 -m megamoe.bench --quiet \
                --iters "$ITERS" --providers megamoe --cases ${ABGLUON_CASES:-deepseek-v3:8192} --out "$OUT/logs/abgluon$g"; done ;;
+    abtiles) for r in $(seq 1 "${ABTILES_REPS:-2}"); do i=0
+               for t in table ${ABTILES:-}; do
+                 [[ $t == table ]] && v="" || v="$t"
+                 MEGAMOE_TILES="$v" stage "abtiles_r${r}_${i}" "${LIMIT_ABTILES:-120}" python3 -m megamoe.bench --quiet \
+                   --iters "$ITERS" --providers megamoe --cases ${ABTILES_CASES:-qwen3-30b-a3b:16384} \
+                   --out "$OUT/logs/abtiles_r${r}_${i}"
+                 echo "    (abtiles_r${r}_${i}: MEGAMOE_TILES='$v')" | tee -a "$summary"; i=$((i + 1))
+               done; done ;;
     ncu) NCU_OUT="$OUT/logs" stage ncu "${LIMIT_NCU:-260}" scripts/ncu_layer.sh ${NCU_CASE:-qwen3-30b-a3b:16384} ;;
     profile) stage profile "${LIMIT_PROFILE:-150}" python3 scripts/profile_layer.py "$OUT/logs" \
                ${PROFILE_CASES:-qwen3-30b-a3b:16384 deepseek-v3:4096} ;;

@@ -154,3 +154,42 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+def test_tiles_env_replaces_a_kind_at_every_shape(monkeypatch):
+    from megamoe.ops import tile_config
+    monkeypatch.setenv("MEGAMOE_TILES", " dgrad_swiglu:128,256,64,8,3,tma_b=1 ; wgrad:128,256,64,8,2 ")
+    want = GemmConfig(128, 256, 64, 8, 3, tma_b=True)
+    for n, k in ((768, 2048), (2048, 7168)):
+        assert m_grouped_config("dgrad_swiglu", n, k, BF16, interpret=False) == want
+    wgrad = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=128)
+    assert wgrad == GemmConfig(128, 256, 64, 8, 2)
+    assert tile_config.override_for("wgrad", 4096, 7168) is wgrad  # the launcher sees it as asked for
+    # other kinds, fp32 and the interpreter keep the table
+    assert m_grouped_config("down", 2048, 768, BF16, interpret=False) == tile_config._M_GROUPED_BF16["down"]
+    assert m_grouped_config("dgrad_swiglu", 768, 2048, torch.float32, interpret=False) == tile_config._FP32
+    assert m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=True) == tile_config._INTERPRET
+    # an entry set in code wins over the environment
+    monkeypatch.setitem(tile_config._OVERRIDES, ("dgrad_swiglu", 768, 2048), GemmConfig(128, 128, 64, 8, 2))
+    assert m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=False) == GemmConfig(128, 128, 64, 8, 2)
+    monkeypatch.delenv("MEGAMOE_TILES")
+    assert m_grouped_config("dgrad_swiglu", 2048, 7168, BF16, interpret=False) == \
+        tile_config._M_GROUPED_BF16["dgrad_swiglu"]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("nope:128,128,64,8,3", "kind one of"),
+    ("down", "kind one of"),
+    ("down:128,128,64,8", "five integers"),
+    ("down:128,128,64,8,x", "five integers"),
+    ("down:128,128,64,8,3,tma_b=2", "five integers"),
+    ("down:128,128,64,8,3,colour=1", "five integers"),
+    ("down:128,128,32,8,3", "BLOCK_K must stay 64 for down"),      # would change the bits
+    ("wgrad:128,128,128,8,3", "BLOCK_K must stay 64 for wgrad"),
+    ("down:128,96,64,8,3", "powers of two"),
+    ("down:128,128,64,8,3;down:128,256,64,8,3", "given twice"),
+])
+def test_tiles_env_rejects_bad_entries(monkeypatch, text, match):
+    monkeypatch.setenv("MEGAMOE_TILES", text)
+    with pytest.raises(ValueError, match=match):
+        m_grouped_config("down", 2048, 768, BF16, interpret=False)

@@ -10,6 +10,13 @@ test_bits_do_not_depend_on_tile_shape), so the weight-gradient choice may also u
 estimate of rows per expert. The same token therefore gets the same bits whatever else is in the batch,
 and every EP rank gets the same bits (docs/design.md, batch invariance).
 
+Per-kind replacements without code changes (layer A/B runs, tuning on other hardware): the environment
+variable ``MEGAMOE_TILES``, ``kind:BLOCK_M,BLOCK_N,BLOCK_K,WARPS,STAGES[,field=value...]`` entries separated
+by ``;`` (kinds: the m-grouped kinds below and ``wgrad``; fields: the other GemmConfig fields), e.g.
+``MEGAMOE_TILES="dgrad_swiglu:128,256,64,8,3,tma_b=1"``. It applies to bf16/fp16 GEMMs on the GPU, at every
+shape of that kind; an entry set in code (``_OVERRIDES``, tests and sweeps) wins over it. Its BLOCK_K must be
+the table's (it fixes the K order, hence the bits), so the environment can change speed, never results.
+
 Sources of the values: BLOCK_M 128 / BLOCK_K 64 / 8 warps / 3-4 stages are the usual Hopper wgmma
 shapes of the Triton matmul tutorials (03, 09); the shape-specific entries record the measurement that
 chose them (docs/perf.md).
@@ -18,11 +25,13 @@ chose them (docs/perf.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GemmConfig", "m_grouped_config", "k_grouped_config", "combine_block", "override_for"]
+__all__ = ["GemmConfig", "m_grouped_config", "k_grouped_config", "combine_block", "override_for", "parse_tiles_env"]
 
 
 @dataclass(frozen=True)
@@ -134,10 +143,58 @@ _RESIDENT_STAGES = {1: 4, 2: 4, 3: 3}
 _OVERRIDES: dict[tuple[str, int, int], GemmConfig] = {}
 
 
+_BOOL_FIELDS = ("tma_b", "tma_a", "gluon", "warp_specialized")
+_INT_FIELDS = ("programs_per_sm", "resident_chunks")
+
+
+@functools.lru_cache(maxsize=8)
+def parse_tiles_env(text: str) -> dict[str, GemmConfig]:
+    """``MEGAMOE_TILES`` text -> {kind: GemmConfig} (see the module docstring for the format).
+
+    Raises ValueError naming the bad entry: an unknown kind or field, a malformed number, a BLOCK_K other
+    than the table's for that kind, or a config GemmConfig itself rejects."""
+    table = {**_M_GROUPED_BF16, "wgrad": _K_GROUPED_BF16}
+    out: dict[str, GemmConfig] = {}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        kind, sep, spec = entry.partition(":")
+        kind = kind.strip()
+        if not sep or kind not in table:
+            raise ValueError(f"MEGAMOE_TILES: entry {entry!r} must be 'kind:BM,BN,BK,WARPS,STAGES[,field=value]' "
+                             f"with kind one of {sorted(table)}")
+        parts = [x.strip() for x in spec.split(",")]
+        try:
+            sizes = [int(x) for x in parts[:5]]
+            if len(sizes) != 5 or any("=" in x for x in parts[:5]):
+                raise ValueError
+            fields = {}
+            for item in parts[5:]:
+                name, _, value = item.partition("=")
+                if name in _BOOL_FIELDS and value.lower() in ("0", "1", "true", "false"):
+                    fields[name] = value.lower() in ("1", "true")
+                elif name in _INT_FIELDS:
+                    fields[name] = int(value)
+                else:
+                    raise ValueError
+        except ValueError:
+            raise ValueError(f"MEGAMOE_TILES: entry {entry!r}: expected five integers BM,BN,BK,WARPS,STAGES, then "
+                             f"field=value with fields {_BOOL_FIELDS} (0/1) or {_INT_FIELDS} (integers)") from None
+        cfg = GemmConfig(*sizes, **fields)
+        if cfg.block_k != table[kind].block_k:
+            raise ValueError(f"MEGAMOE_TILES: entry {entry!r}: BLOCK_K must stay {table[kind].block_k} for {kind} "
+                             f"(it fixes the reduction order, so another value would change the bits)")
+        if kind in out:
+            raise ValueError(f"MEGAMOE_TILES: {kind} is given twice")
+        out[kind] = cfg
+    return out
+
+
 def override_for(kind: str, a: int, b: int) -> GemmConfig | None:
     """The explicit entry for (kind, a, b) (m-grouped: (N, K); "wgrad": (M, N)), or None: launchers use it to
-    tell a config asked for explicitly (tests, sweeps) from the table's own choice."""
-    return _OVERRIDES.get((kind, a, b))
+    tell a config asked for explicitly (tests, sweeps, ``MEGAMOE_TILES``) from the table's own choice."""
+    entry = _OVERRIDES.get((kind, a, b))
+    if entry is None:
+        entry = parse_tiles_env(os.environ.get("MEGAMOE_TILES", "")).get(kind)
+    return entry
 
 
 # per-tile weight-gradient kernel at shapes where it was measured (docs/perf.md): deepseek-v3 (D 7168, F 2048),
@@ -177,7 +234,7 @@ def m_grouped_config(kind: str, n: int, k: int, dtype: torch.dtype, *, interpret
         return _INTERPRET
     if not _is_half(dtype):
         return _FP32
-    return _OVERRIDES.get((kind, n, k), _M_GROUPED_BF16[kind])
+    return override_for(kind, n, k) or _M_GROUPED_BF16[kind]
 
 
 def _resident_chunks(rows_per_group: float | None, block_k: int) -> int:
@@ -199,14 +256,14 @@ def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool,
     estimate (buffer rows / groups; never read from the device). The estimate only picks the kernel
     structure and tile shape, which do not change bits (block_k, hence the reduction order, is fixed per
     dtype), so ranks or batches that estimate differently still agree bitwise. An ``_OVERRIDES`` entry
-    for ("wgrad", M, N) wins (sweeps, tests); ``allow_gluon=False`` asks for the Triton kernels' entry (the
+    for ("wgrad", M, N) wins (sweeps, tests), then a ``MEGAMOE_TILES`` "wgrad" entry; ``allow_gluon=False`` asks for the Triton kernels' entry (the
     launcher's fallback where the Gluon kernel cannot run; a Gluon override is then skipped)."""
     if interpret:
         chunks = _resident_chunks(rows_per_group, _INTERPRET.block_k)
         return dataclasses.replace(_INTERPRET, resident_chunks=chunks)
     if not _is_half(dtype):
         return _FP32
-    override = _OVERRIDES.get(("wgrad", m, n))
+    override = override_for("wgrad", m, n)
     if override is not None and (allow_gluon or not override.gluon):
         return override
     chunks = _resident_chunks(rows_per_group, _K_GROUPED_RESIDENT.block_k)
