@@ -1,0 +1,34 @@
+"""The Triton m-grouped GEMMs compiled for sm_90a on the CPU, at the layer's shapes and the table's tiles.
+
+For gate/up + SwiGLU, down, dgrad + SwiGLU backward and dgrad dx at qwen3-30b-a3b and deepseek-v3 shapes
+(``megamoe.bench.kernel_inventory``, which mirrors the launcher's arguments and Triton's specialization):
+the matrix products are Hopper wgmma instructions of the tile's width; every operand tile reaches shared
+memory asynchronously inside the K loop (TMA or cp.async; none through a synchronous register load, which is
+what a lost unit-stride or divisibility specialization turns a gathered load into); shared memory within
+the 227 KiB a block can have; and register spills no larger than recorded at 2026-12-01 (eighth session:
+gate/up 28-40 bytes, dgrad + SwiGLU backward 4-144 bytes, none elsewhere), so that an epilogue change that
+spills more is seen here before it is timed. Speed itself is measured on the GPU (docs/perf.md).
+"""
+
+import pytest
+import torch
+
+from megamoe.bench.kernel_inventory import HOPPER_SMEM, inventory_row, layer_gemms
+from megamoe.ops import m_grouped_config
+
+# spill bytes per thread recorded with triton 3.6's ptxas at the table's configs (the upper end of both presets)
+SPILL_BUDGET = {"gate_up": 40, "down": 0, "dgrad_swiglu": 144, "dgrad": 0}
+ASYNC_OPERAND_LOADS = {"gate_up": 3, "down": 2, "dgrad_swiglu": 2, "dgrad": 2}  # gate/up reads two B tiles
+
+CASES = [(p, t, g) for p, t in (("qwen3-30b-a3b", 16384), ("deepseek-v3", 4096)) for g in layer_gemms(p, t)]
+
+
+@pytest.mark.parametrize("preset, tokens, gemm", CASES, ids=[f"{p}-{g.kind}" for p, _, g in CASES])
+def test_table_configs_compile_pipelined(preset, tokens, gemm):
+    cfg = m_grouped_config(gemm.kind, gemm.N, gemm.K, torch.bfloat16, interpret=False)
+    r = inventory_row(gemm, cfg)
+    assert r["wgmma"] == [f"m64n{cfg.block_n}k16"], r
+    assert r["sync_tile_loads"] == 0, f"an operand tile is loaded through registers in the K loop: {r}"
+    assert r["tma_loads"] + r["cp_async_loads"] == ASYNC_OPERAND_LOADS[gemm.kind], r
+    assert r["shared_bytes"] <= HOPPER_SMEM, r
+    assert 0 <= r["spill_bytes"] <= SPILL_BUDGET[gemm.kind], r
