@@ -45,8 +45,8 @@ class MoEConfig:
         use_expert_bias: keep the aux-loss-free correction bias (affects selection only).
         bias_update_rate: gamma of the aux-loss-free bias update (DeepSeek-V3 §2.1.2).
         seq_aux_loss_coef: alpha of the sequence-wise balance loss (0 disables it).
-        nan_policy: ``"raise"``: non-finite router logits are an error (host check on CPU, a
-            sync-free device assert on CUDA). ``"propagate"``: ids stay in range (a NaN score ranks
+        nan_policy: ``"raise"``: non-finite router logits are an error (FloatingPointError from the
+            host check on CPU, a sync-free device assert on CUDA). ``"propagate"``: ids stay in range (a NaN score ranks
             last, ties to the lower index) and a token with any non-finite logit gets NaN combine
             weights, so its output is NaN: visible, never a silent reroute.
         dtype: parameter / activation dtype of the experts (router math is always fp32).
@@ -157,8 +157,13 @@ PRESETS: dict[str, MoEConfig] = {
 
 
 def get_preset(name: str, **overrides) -> MoEConfig:
-    """The named preset, optionally with fields overridden. Raises KeyError listing valid names."""
+    """The named preset, optionally with fields overridden. Raises KeyError listing valid names, TypeError
+    listing valid fields for an unknown override."""
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
     cfg = PRESETS[name]
+    fields = {f.name for f in dataclasses.fields(MoEConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(f"get_preset: unknown MoEConfig field(s) {unknown}; valid fields: {', '.join(sorted(fields))}")
     return cfg.replace(**overrides) if overrides else cfg

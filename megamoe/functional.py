@@ -11,6 +11,8 @@ S shared-expert FFN size, H = 2S.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import reference
@@ -57,6 +59,9 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
         return reference.moe_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
     if x_TD.dtype not in FUSED_DTYPES:
         raise TypeError(f"moe_experts: the fused backend supports bf16, fp16 and fp32, got x_TD dtype {x_TD.dtype}")
+    if x_TD.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"moe_experts: the fused backend runs on CUDA tensors (or CPU tensors under "
+                         f"TRITON_INTERPRET=1), got x_TD on {x_TD.device}; backend='reference' runs on any device")
     from .autograd import MoEExpertsFunction  # lazy: importing megamoe.functional does not import triton
 
     c = torch.Tensor.contiguous

@@ -62,7 +62,8 @@ class MoE(nn.Module):
     second-to-last dimension of ``x`` (all tokens form one sequence for 2-D input).
 
     Raises ValueError for a bad backend, an E not divisible by the group size, or a wrong input shape
-    or device; TypeError for a non-floating input or a non-bool ep_save_preact.
+    or device; TypeError for a non-floating input or a non-bool ep_save_preact; FloatingPointError for
+    non-finite router logits on CPU under ``nan_policy="raise"`` (on CUDA a device-side assert, no sync).
     """
 
     def __init__(self, config: MoEConfig, *, backend: str = "reference", group=None, device=None,

@@ -74,3 +74,9 @@ def test_local_experts():
 def test_config_rejects_nan_and_non_bool(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MoEConfig(64, 32, 8, 2, **kwargs)
+
+
+def test_get_preset_names_valid_fields_for_an_unknown_override():
+    with pytest.raises(TypeError, match=r"unknown MoEConfig field\(s\) \['topk'\]; valid fields: .*top_k"):
+        get_preset("tiny", topk=3)
+    assert get_preset("tiny", top_k=1).top_k == 1

@@ -119,3 +119,15 @@ def test_bad_setups_fail_early_and_clearly(cfg, monkeypatch):
     m = MoE(cfg, backend="fused", seed=0)
     with pytest.raises(ValueError, match="use backend='reference' on CPU"):
         m(torch.randn(4, cfg.hidden_size))
+
+
+def test_functional_fused_on_cpu_names_itself_and_the_way_out(cfg, monkeypatch):
+    from megamoe.functional import moe_experts
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    m = MoE(cfg, seed=0)
+    x = torch.randn(4, cfg.hidden_size)
+    ids = torch.zeros(4, cfg.top_k, dtype=torch.long) + torch.arange(cfg.top_k)
+    w = torch.full((4, cfg.top_k), 1.0 / cfg.top_k)
+    with pytest.raises(ValueError, match=r"moe_experts: the fused backend runs on CUDA.*backend='reference'"):
+        moe_experts(x, ids, w, m.w13_LGD.detach(), m.w2_LDF.detach())
+    assert moe_experts(x, ids, w, m.w13_LGD.detach(), m.w2_LDF.detach(), backend="reference").shape == x.shape
