@@ -180,6 +180,7 @@ def test_cli_run_folder(tmp_path, capsys):
     assert rc == 0
     screen = capsys.readouterr().out
     assert "train loss" in screen and "tokens/s" in screen and "MoE layers" in screen
+    assert "median over log intervals after the first" in screen  # 3 intervals of 2 steps
     recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     train_recs = [r for r in recs if "loss" in r]
     assert [r["step"] for r in train_recs] == list(range(6))

@@ -28,6 +28,8 @@ from ..ops.tile_config import GemmConfig, m_grouped_config
 __all__ = ["GemmShape", "layer_gemms", "compile_m_grouped", "inventory_row", "main"]
 
 HOPPER_SMEM = 227 * 1024  # bytes of shared memory a Hopper thread block can have
+SM_SMEM = 228 * 1024      # per SM, of which 1 KiB is reserved per resident block (CUDA occupancy rules)
+SM_REGS = 65536           # 32-bit registers per SM, allocated per warp in units of 256
 
 
 @dataclass(frozen=True)
@@ -149,14 +151,19 @@ def _k_loop(ttgir: str) -> str:
 
 
 def inventory_row(g: GemmShape, cfg: GemmConfig) -> dict:
-    """Compile ``g`` with ``cfg``; registers, spill bytes, shared bytes, wgmma shape and operand paths."""
+    """Compile ``g`` with ``cfg``; registers, spill bytes, shared bytes, the thread blocks of this kernel that
+    fit on one SM at once (registers and shared memory; the config's programs_per_sm only helps up to it), the
+    wgmma shape and the operand paths."""
     k = compile_m_grouped(g, cfg)
     report = _ptxas(k.asm["ptx"])
     regs = re.search(r"Used (\d+) registers", report)
     spill = re.search(r"(\d+) bytes spill stores", report)
     loop = _k_loop(k.asm["ttgir"])
     wgmma = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"])))
-    return dict(kind=g.kind, N=g.N, K=g.K, config=cfg, registers=int(regs.group(1)) if regs else -1,
+    n_regs = int(regs.group(1)) if regs else -1
+    warp_regs = -(-max(n_regs, 1) * 32 // 256) * 256
+    blocks_per_sm = min(SM_REGS // (warp_regs * cfg.num_warps), SM_SMEM // (k.metadata.shared + 1024), 32)
+    return dict(kind=g.kind, N=g.N, K=g.K, config=cfg, registers=n_regs, blocks_per_sm=blocks_per_sm,
                 spill_bytes=int(spill.group(1)) if spill else -1, shared_bytes=k.metadata.shared, wgmma=wgmma,
                 tma_loads=loop.count("ttng.async_tma_copy_global_to_local"),
                 cp_async_loads=loop.count("ttg.async_copy_global_to_local"),
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     print(f"{'case':24s} {'kind':13s} {'config':34s} {'regs':>4s} {'spill B':>7s} {'smem KiB':>8s} "
-          f"{'TMA':>3s} {'cp.async':>8s} {'sync':>4s}  wgmma")
+          f"{'fit/SM':>6s} {'TMA':>3s} {'cp.async':>8s} {'sync':>4s}  wgmma")
     for case in args.cases:
         preset, _, tokens = case.partition(":")
         for g in layer_gemms(preset, int(tokens or 4096)):
@@ -179,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             r = inventory_row(g, cfg)
             c = cfg
             shown = (f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
-                     + (" tma_b" if c.tma_b else "") + (" tma_a" if c.tma_a else ""))
+                     + (" tma_b" if c.tma_b else "") + (" tma_a" if c.tma_a else "")
+                     + (f" {c.programs_per_sm}/SM" if c.programs_per_sm > 1 else ""))
             print(f"{case:24s} {g.kind:13s} {shown:34s} {r['registers']:4d} {r['spill_bytes']:7d} "
-                  f"{r['shared_bytes'] / 1024:8.1f} {r['tma_loads']:3d} {r['cp_async_loads']:8d} "
+                  f"{r['shared_bytes'] / 1024:8.1f} {r['blocks_per_sm']:6d} {r['tma_loads']:3d} {r['cp_async_loads']:8d} "
                   f"{r['sync_tile_loads']:4d}  {','.join(r['wgmma'])}", flush=True)
     return 0
 

@@ -92,8 +92,9 @@ def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str) -> s
     if res.tokens_per_s:
         steady = res.tokens_per_s[1:] or res.tokens_per_s  # first interval includes compilation / warm-up
         shares = [s for s in res.moe_share[1:] or res.moe_share if s == s]
-        lines.append(f"speed: {statistics.median(steady):,.0f} tokens/s (median over log intervals after the "
-                     f"first); MoE layers {100 * statistics.median(shares) if shares else float('nan'):.0f}% "
+        basis = ("median over log intervals after the first" if len(res.tokens_per_s) > 1 else
+                 "the only log interval, start-up included: run more steps for a steady rate")
+        lines.append(f"speed: {statistics.median(steady):,.0f} tokens/s ({basis}); MoE layers {100 * statistics.median(shares) if shares else float('nan'):.0f}% "
                      f"of step time; wall {res.seconds:.0f} s")
     if res.loads:
         lines.append(f"expert balance (max/mean load, mean over layers): first step "
