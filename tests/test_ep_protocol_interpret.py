@@ -130,6 +130,7 @@ def _check(res, ids_all, w_all, W, E):
     (2, [6, 0], 3, 8, "ties", 128),          # rank with 0 tokens, all tokens tie on experts 0..K-1
     (2, [4, 6], 2, 8, "one_rank", 8),        # worst case, capacity 8 rows: several rounds, some unused
     (4, [3, 5, 0, 2], 2, 8, "uniform", 16),
+    (8, [2, 0, 3, 1, 0, 4, 1, 2], 2, 16, "zipf", 8),  # the largest EP size in one NVLink domain; rounds
 ])
 def test_protocol(W, Ts, K, E, kind, C):
     res, ids_all, w_all, _ = _run(W, Ts, K, E, kind, C)
