@@ -30,11 +30,19 @@ the slot sums are fp32 in slot order. dh is computed as cast(w * (dout @ w2)) (r
 cast(cast(w * dout) @ w2)) and the w2 gradient as dout^T @ cast(w * h) (reference: cast(w * dout)^T @ h):
 the same function, one rounding placed differently, within the tested bf16 error bound.
 
+Experiment switch ``MEGAMOE_PERMUTED_DY=1`` (default off; docs/perf.md, eighth session): the backward first
+copies dout's rows into row order (``dy = dout[row_token]``, N x D more transient memory) and runs
+swiglu_dgrad and the w2 gradient on that copy without a gather, so their A / P operand can be TMA-loaded;
+the same rows in the same tile positions, so the same bits (tests/test_kernels_interpret.py). For layer A/B
+runs against the gathering default.
+
 Determinism: no atomics, no split-K, configs a pure function of shape: bitwise reproducible.
 Sync: none (no .item(), no shapes from routing); CUDA-graph capturable.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -76,10 +84,14 @@ class MoEExpertsFunction(torch.autograd.Function):
         if dout_TD.dtype != x_TD.dtype:
             dout_TD = dout_TD.to(x_TD.dtype)
         scale_N = topk_weights_TK.reshape(-1).index_select(0, row_src_N).float()
-        dgu_NG, hw_NF, part_NP = swiglu_dgrad(dout_TD, w2_EDF, offsets_E1, gu_NG, gather_idx_R=row_token_N,
+        if os.environ.get("MEGAMOE_PERMUTED_DY") == "1":  # experiment switch (module docstring)
+            dy_ND, dy_idx_N = dout_TD.index_select(0, row_token_N), None
+        else:
+            dy_ND, dy_idx_N = dout_TD, row_token_N
+        dgu_NG, hw_NF, part_NP = swiglu_dgrad(dy_ND, w2_EDF, offsets_E1, gu_NG, gather_idx_R=dy_idx_N,
                                               row_scale_R=scale_N, row_dot=need_w)
-        dw2 = k_grouped_mm(dout_TD, hw_NF, offsets_E1, p_idx_R=row_token_N, out_dtype=w2_EDF.dtype) if need_w2 else None
-        del hw_NF
+        dw2 = k_grouped_mm(dy_ND, hw_NF, offsets_E1, p_idx_R=dy_idx_N, out_dtype=w2_EDF.dtype) if need_w2 else None
+        del hw_NF, dy_ND
         dw13 = k_grouped_mm(dgu_NG, x_TD, offsets_E1, q_idx_R=row_token_N, out_dtype=w13_EGD.dtype) if need_w13 else None
         dx_ND = grouped_mm_nn(dgu_NG, w13_EGD, offsets_E1) if need_x else None
         del dgu_NG

@@ -11,7 +11,8 @@
 #   abgluon (the layer with the Gluon weight-gradient kernel off, MEGAMOE_GLUON=0, then on; $ABGLUON_CASES),
 #   abtiles (layer A/B of tile replacements: the table, then each MEGAMOE_TILES value of the space-separated
 #     $ABTILES, interleaved, $ABTILES_REPS rounds, on $ABTILES_CASES; the benchmark checks each against the
-#     reference first; e.g. ABTILES="dgrad_swiglu:128,256,64,8,3,tma_b=1 dgrad_swiglu:128,128,64,8,4,tma_b=1"),
+#     reference first; e.g. ABTILES="dgrad_swiglu:128,256,64,8,3,tma_b=1 dgrad_swiglu:128,128,64,8,4,tma_b=1";
+#     an entry ENV=V[+ENV2=V2]@tiles also sets those variables, e.g. MEGAMOE_PERMUTED_DY=1@dgrad_swiglu:...),
 #   profile (scripts/profile_layer.py: the layer's kernels, idle gaps, host and CUDA-graph time; $PROFILE_CASES),
 #   ncu (scripts/ncu_layer.sh: Nsight Compute on the layer's grouped GEMMs, $NCU_CASE),
 #   l2 (scripts/l2_bandwidth.py: L2 -> SM read bandwidth next to the GEMMs' operand-tile traffic),
@@ -80,11 +81,13 @@ for s in "${STAGES[@]}"; do
                --iters "$ITERS" --providers megamoe --cases ${ABGLUON_CASES:-deepseek-v3:8192} --out "$OUT/logs/abgluon$g"; done ;;
     abtiles) for r in $(seq 1 "${ABTILES_REPS:-2}"); do i=0
                for t in table ${ABTILES:-}; do
-                 [[ $t == table ]] && v="" || v="$t"
-                 MEGAMOE_TILES="$v" stage "abtiles_r${r}_${i}" "${LIMIT_ABTILES:-120}" python3 -m megamoe.bench --quiet \
-                   --iters "$ITERS" --providers megamoe --cases ${ABTILES_CASES:-qwen3-30b-a3b:16384} \
-                   --out "$OUT/logs/abtiles_r${r}_${i}"
-                 echo "    (abtiles_r${r}_${i}: MEGAMOE_TILES='$v')" | tee -a "$summary"; i=$((i + 1))
+                 [[ $t == table ]] && t=""
+                 envs=""; [[ $t == *@* ]] && { envs="${t%%@*}"; t="${t#*@}"; }  # VAR=1+VAR2=0@tiles
+                 ( for a in ${envs//+/ }; do export "$a"; done
+                   MEGAMOE_TILES="$t" stage "abtiles_r${r}_${i}" "${LIMIT_ABTILES:-120}" python3 -m megamoe.bench --quiet \
+                     --iters "$ITERS" --providers megamoe --cases ${ABTILES_CASES:-qwen3-30b-a3b:16384} \
+                     --out "$OUT/logs/abtiles_r${r}_${i}" )
+                 echo "    (abtiles_r${r}_${i}: ${envs//+/ } MEGAMOE_TILES='$t')" | tee -a "$summary"; i=$((i + 1))
                done; done ;;
     ncu) NCU_OUT="$OUT/logs" stage ncu "${LIMIT_NCU:-260}" scripts/ncu_layer.sh ${NCU_CASE:-qwen3-30b-a3b:16384} ;;
     profile) stage profile "${LIMIT_PROFILE:-150}" python3 scripts/profile_layer.py "$OUT/logs" \

@@ -282,3 +282,23 @@ def test_bits_do_not_depend_on_tile_shape():
     finally:
         tile_config._OVERRIDES.clear()
         tile_config._OVERRIDES.update(saved)
+
+
+def test_permuted_dy_switch_gives_the_same_bits(monkeypatch):
+    """MEGAMOE_PERMUTED_DY=1 (dY copied to row order, then read without a gather, so dgrad + SwiGLU can
+    TMA-load it): bitwise the gathering default's output and gradients, with the table's tiles and with the
+    TMA-fed dgrad + SwiGLU tile it exists for (docs/perf.md, eighth session)."""
+    from megamoe.ops import GemmConfig, tile_config
+
+    T, D, F, E, K, S = 300, 256, 192, 6, 3, 128
+    case = _make(T, D, F, E, K, S, seed=8)
+    dout = torch.randn(T, D, generator=torch.Generator(device=DEV).manual_seed(9), device=DEV).to(BF16)
+    monkeypatch.delenv("MEGAMOE_PERMUTED_DY", raising=False)
+    base = _run(_fused, *case, dout)
+    monkeypatch.setenv("MEGAMOE_PERMUTED_DY", "1")
+    for name, a, b in zip(NAMES, _run(_fused, *case, dout), base):
+        assert torch.equal(a, b), f"{name} changed bits with the permuted dY"
+    for key in (("dgrad_swiglu", F, D), ("dgrad_swiglu", S, D)):
+        monkeypatch.setitem(tile_config._OVERRIDES, key, GemmConfig(128, 128, 64, 8, 4, tma_b=True, tma_a=True))
+    for name, a, b in zip(NAMES, _run(_fused, *case, dout), base):
+        assert torch.equal(a, b), f"{name} changed bits with the permuted dY and TMA-fed dgrad + SwiGLU"

@@ -120,8 +120,9 @@ def run_metadata(device: torch.device, world_size: int, args: dict) -> dict:
         "host": platform.node(),
         "python": platform.python_version(),
         "settings": args,
-        # the library's environment switches: tile replacements (MEGAMOE_TILES) and the Gluon kernels' switch
-        "env": {k: os.environ[k] for k in ("MEGAMOE_TILES", "MEGAMOE_GLUON") if k in os.environ},
+        # the library's environment switches: tile replacements, the Gluon kernels, the permuted-dY experiment
+        "env": {k: os.environ[k] for k in ("MEGAMOE_TILES", "MEGAMOE_GLUON", "MEGAMOE_PERMUTED_DY")
+                if k in os.environ},
     }
 
 
