@@ -184,10 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         for g in layer_gemms(preset, int(tokens or 4096)):
             cfg = m_grouped_config(g.kind, g.N, g.K, torch.bfloat16, interpret=False)
             r = inventory_row(g, cfg)
-            c = cfg
-            shown = (f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
-                     + (" tma_b" if c.tma_b else "") + (" tma_a" if c.tma_a else "")
-                     + (f" {c.programs_per_sm}/SM" if c.programs_per_sm > 1 else ""))
+            shown = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+                     + (" tma_b" if cfg.tma_b else "") + (" tma_a" if cfg.tma_a else "")
+                     + (f" {cfg.programs_per_sm}/SM" if cfg.programs_per_sm > 1 else ""))
             print(f"{case:24s} {g.kind:13s} {shown:34s} {r['registers']:4d} {r['spill_bytes']:7d} "
                   f"{r['shared_bytes'] / 1024:8.1f} {r['blocks_per_sm']:6d} {r['tma_loads']:3d} {r['cp_async_loads']:8d} "
                   f"{r['sync_tile_loads']:4d}  {','.join(r['wgmma'])}", flush=True)

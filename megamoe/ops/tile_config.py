@@ -164,7 +164,7 @@ def parse_tiles_env(text: str) -> dict[str, GemmConfig]:
         parts = [x.strip() for x in spec.split(",")]
         try:
             sizes = [int(x) for x in parts[:5]]
-            if len(sizes) != 5 or any("=" in x for x in parts[:5]):
+            if len(sizes) != 5:
                 raise ValueError
             fields = {}
             for item in parts[5:]:
