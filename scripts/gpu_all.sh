@@ -88,7 +88,8 @@ for s in "${STAGES[@]}"; do
                      --iters "$ITERS" --providers megamoe --cases ${ABTILES_CASES:-qwen3-30b-a3b:16384} \
                      --out "$OUT/logs/abtiles_r${r}_${i}" )
                  echo "    (abtiles_r${r}_${i}: ${envs//+/ } MEGAMOE_TILES='$t')" | tee -a "$summary"; i=$((i + 1))
-               done; done ;;
+               done; done
+             python3 -m megamoe.bench.ab_summary "$OUT"/logs/abtiles_r* 2>&1 | tee -a "$summary" ;;
     ncu) NCU_OUT="$OUT/logs" stage ncu "${LIMIT_NCU:-260}" scripts/ncu_layer.sh ${NCU_CASE:-qwen3-30b-a3b:16384} ;;
     profile) stage profile "${LIMIT_PROFILE:-150}" python3 scripts/profile_layer.py "$OUT/logs" \
                ${PROFILE_CASES:-qwen3-30b-a3b:16384 deepseek-v3:4096} ;;

@@ -140,3 +140,29 @@ def test_cli_errors_and_help(capsys):
     assert main(["--device", "cpu", "--cases", "nope:4"]) == 2
     assert main(["--device", "cpu", "--cases", "tiny:4", "--routing", "zipf:x"]) == 2
     assert main(["--device", "cpu", "--cases", "tiny:4", "--providers", "bogus"]) == 2
+
+
+def test_ab_summary_groups_runs_by_recorded_switches(tmp_path):
+    from megamoe.bench.ab_summary import load_runs, summarize
+
+    def write(folder, env, ms, status="ok"):
+        row = dict(preset="qwen3-30b-a3b", tokens=16384, routing="uniform", provider="megamoe", status=status,
+                   fwdbwd_ms=ms)
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "results.json").write_text(json.dumps({"meta": {"env": env}, "results": [row]}))
+
+    write("abtiles_r1_0", {"MEGAMOE_TILES": ""}, 8.40)
+    write("abtiles_r1_1", {"MEGAMOE_TILES": "dgrad_swiglu:128,256,64,8,3,tma_b=1"}, 8.20)
+    write("abtiles_r1_2", {"MEGAMOE_PERMUTED_DY": "1", "MEGAMOE_TILES": ""}, 9.00, status="fail")
+    write("abtiles_r2_0", {}, 8.60)
+    write("abtiles_r2_1", {"MEGAMOE_TILES": "dgrad_swiglu:128,256,64,8,3,tma_b=1"}, 8.30)
+    (tmp_path / "abtiles_r1_0.log").write_text("not json")  # what a shell glob also names
+    runs = load_runs([str(p) for p in sorted(tmp_path.iterdir())])
+    assert [g for g, _ in runs].count("table") == 2
+    text = summarize(runs).splitlines()
+    table = next(ln for ln in text if " table " in ln)
+    assert "8.40 8.60" in table and "8.50" in table  # both repetitions and their median
+    cand = next(ln for ln in text if "MEGAMOE_TILES=dgrad_swiglu" in ln)
+    assert "8.20 8.30" in cand and "-0.25 (-2.9%)" in cand
+    failed = next(ln for ln in text if "MEGAMOE_PERMUTED_DY=1" in ln)
+    assert "(fail)" in failed and "9.00" not in failed  # a failed check is never timed into the table
