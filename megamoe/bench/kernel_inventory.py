@@ -1,13 +1,17 @@
-"""What the compiler makes of the m-grouped GEMMs, without a GPU: ``python -m megamoe.bench.kernel_inventory``.
+"""What the compiler makes of the grouped GEMMs, without a GPU: ``python -m megamoe.bench.kernel_inventory``.
 
-For each m-grouped GEMM of the layer (gate/up + SwiGLU, down, dgrad + SwiGLU backward, dgrad dx) at a preset's
-shapes and its tile config (the table, or ``MEGAMOE_TILES``), compiles ``_m_grouped_gemm_kernel`` for sm_90a
-with Triton's bundled ptxas, on the CPU, and reports registers per thread, spill bytes, shared memory, the
-wgmma instruction shape and how each operand reaches shared memory in the K loop (TMA, cp.async, or a
-synchronous load through registers). The specialization is the one a launch at those shapes gets (Triton
-specializes integer arguments equal to 1 as constants and marks multiples of 16, and 16-byte aligned
-pointers, as divisible by 16); the argument list mirrors ``megamoe.ops.grouped_gemm._launch_m_grouped``
-(tests/test_m_grouped_compile.py checks it names every kernel parameter).
+For each grouped GEMM of the layer at W = 1 (m-grouped: gate/up + SwiGLU, down, dgrad + SwiGLU backward,
+dgrad dx; k-grouped: the dW13 and dW2 weight gradients) at a preset's shapes and its tile config (the table, or
+``MEGAMOE_TILES``), compiles the Triton kernel the launcher would pick (``_m_grouped_gemm_kernel``;
+``_k_grouped_gemm_kernel`` or ``_k_grouped_resident_kernel``) for sm_90a with Triton's bundled ptxas, on the
+CPU, and reports registers per thread, spill bytes, shared memory, the blocks that fit per SM, the wgmma
+instruction shape and how each operand reaches shared memory in the loop that holds the MMA (TMA, cp.async,
+or a synchronous load through registers). Weight gradients the table sends to the persistent Gluon kernel
+(~160-256 rows per expert) are reported for the Triton kernel of the same tiles, the launcher's fallback (the
+Gluon kernel has its own compile test, tests/test_wgrad_gluon_compile.py). The specialization is the one a
+launch at those shapes gets (Triton specializes integer arguments equal to 1 as constants and marks
+multiples of 16, and 16-byte aligned pointers, as divisible by 16); the argument lists mirror
+``megamoe.ops.grouped_gemm``'s launchers (a kernel parameter the mirror does not name is an error).
 
 Numbers from this report are compile-time facts, not speed: the time is measured on the GPU
 (``python -m megamoe.bench``, docs/perf.md).
@@ -23,9 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import get_preset
-from ..ops.tile_config import GemmConfig, m_grouped_config
+from ..ops.tile_config import GemmConfig, k_grouped_config, m_grouped_config
 
-__all__ = ["GemmShape", "layer_gemms", "compile_m_grouped", "inventory_row", "main"]
+__all__ = ["GemmShape", "WgradShape", "layer_gemms", "layer_wgrads", "wgrad_config", "compile_m_grouped",
+           "compile_k_grouped", "inventory_row", "main"]
 
 HOPPER_SMEM = 227 * 1024  # bytes of shared memory a Hopper thread block can have
 SM_SMEM = 228 * 1024      # per SM, of which 1 KiB is reserved per resident block (CUDA occupancy rules)
@@ -51,6 +56,28 @@ def layer_gemms(preset: str, tokens: int) -> list[GemmShape]:
     R = tokens * K
     return [GemmShape("gate_up", F, D, R, E, True), GemmShape("down", D, F, R, E, False),
             GemmShape("dgrad_swiglu", F, D, R, E, True), GemmShape("dgrad", D, 2 * F, R, E, False)]
+
+
+@dataclass(frozen=True)
+class WgradShape:
+    """One k-grouped weight gradient ``C[e] = P[rows_e]^T @ Q[rows_e]`` (E, M, N) over R rows, with which
+    operand's rows are gathered from the token matrix, and the rows-per-expert estimate the launcher uses."""
+
+    kind: str
+    M: int
+    N: int
+    R: int
+    E: int
+    p_gathered: bool
+    q_gathered: bool
+
+
+def layer_wgrads(preset: str, tokens: int) -> list[WgradShape]:
+    """The two routed-expert weight gradients of one backward at W = 1 (dW13: dgu^T x, dW2: dY^T h*s)."""
+    cfg = get_preset(preset)
+    D, F, E, K = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
+    R = tokens * K
+    return [WgradShape("dW13", 2 * F, D, R, E, False, True), WgradShape("dW2", D, F, R, E, True, False)]
 
 
 def _int_arg(value: int):
@@ -94,14 +121,8 @@ def _launch_args(g: GemmShape, cfg: GemmConfig) -> tuple[dict, dict, set]:
                row_offsets_ptr="*i32", tile_offsets_ptr="*i32", scale_ptr="*fp32", gu_ptr="*bf16", c_ptr="*bf16",
                aux_ptr="*bf16", dot_ptr="*fp32")
     divisible = {n for n, t in sig.items() if t.startswith("*")}
-    const = {}
-    for name, value in ints.items():
-        ty, c, div = _int_arg(value)
-        sig[name] = ty
-        if c is not None:
-            const[name] = c
-        if div:
-            divisible.add(name)
+    const: dict = {}
+    _with_ints(sig, const, divisible, ints)
     epilogue = {"gate_up": 1, "down": 0, "dgrad_swiglu": 2, "dgrad": 0}[g.kind]
     const.update(K=g.K, EPILOGUE=epilogue, HAS_GATHER=g.gathered, HAS_SCALE=g.kind == "dgrad_swiglu",
                  SAVE_AUX=epilogue != 0, HAS_DOT=g.kind == "dgrad_swiglu", FP32_DOT=False,
@@ -113,22 +134,65 @@ def _launch_args(g: GemmShape, cfg: GemmConfig) -> tuple[dict, dict, set]:
     return sig, const, divisible
 
 
-def compile_m_grouped(g: GemmShape, cfg: GemmConfig):
-    """The sm_90a compilation of the m-grouped kernel for ``g`` with ``cfg`` (CPU only; no launch)."""
+def _compile(kernel, sig: dict, const: dict, divisible: set, cfg: GemmConfig):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ..kernels.grouped_gemm import _m_grouped_gemm_kernel as kernel
-
-    sig, const, divisible = _launch_args(g, cfg)
     names = list(kernel.arg_names)
     if set(sig) != set(names):
-        raise RuntimeError(f"kernel_inventory: the launch mirror is out of date: missing {set(names) - set(sig)}, "
-                           f"extra {set(sig) - set(names)}")
+        raise RuntimeError(f"kernel_inventory: the launch mirror of {kernel.__name__} is out of date: missing "
+                           f"{set(names) - set(sig)}, extra {set(sig) - set(names)}")
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     return triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def _with_ints(sig: dict, const: dict, divisible: set, ints: dict) -> None:
+    for name, value in ints.items():
+        ty, c, div = _int_arg(value)
+        sig[name] = ty
+        if c is not None:
+            const[name] = c
+        if div:
+            divisible.add(name)
+
+
+def compile_m_grouped(g: GemmShape, cfg: GemmConfig):
+    """The sm_90a compilation of the m-grouped kernel for ``g`` with ``cfg`` (CPU only; no launch)."""
+    from ..kernels.grouped_gemm import _m_grouped_gemm_kernel as kernel
+
+    return _compile(kernel, *_launch_args(g, cfg), cfg)
+
+
+def wgrad_config(g: WgradShape) -> GemmConfig:
+    """The Triton kernels' config the launcher uses for ``g`` (the table's; a Gluon choice falls back)."""
+    import torch
+
+    return k_grouped_config(g.M, g.N, torch.bfloat16, interpret=False, rows_per_group=g.R / g.E, allow_gluon=False)
+
+
+def compile_k_grouped(g: WgradShape, cfg: GemmConfig):
+    """The sm_90a compilation of the k-grouped kernel ``k_grouped_mm`` launches for ``g`` with ``cfg``: the
+    resident kernel when cfg.resident_chunks, else the per-tile kernel (CPU only; no launch)."""
+    from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel
+
+    kernel = _k_grouped_resident_kernel if cfg.resident_chunks else _k_grouped_gemm_kernel
+    sig = dict(p_ptr="*bf16", p_idx_ptr="*i32", q_ptr="*bf16", q_idx_ptr="*i32", row_offsets_ptr="*i32",
+               c_ptr="*bf16")
+    divisible = set(sig)
+    const: dict = {}
+    # P rows: (T or R, M) contiguous, Q rows: (T or R, N) contiguous, C: (E, M, N) contiguous
+    _with_ints(sig, const, divisible, dict(M=g.M, N=g.N, stride_pr=g.M, stride_pm=1, stride_qr=g.N, stride_qn=1,
+                                           stride_ce=g.M * g.N, stride_cm=g.N))
+    const.update(P_GATHER=g.p_gathered, Q_GATHER=g.q_gathered, FP32_DOT=False, INTERPRET=False,
+                 EVEN_M=g.M % cfg.block_m == 0, EVEN_N=g.N % cfg.block_n == 0, BLOCK_M=cfg.block_m,
+                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    if cfg.resident_chunks:
+        const["CHUNKS"] = cfg.resident_chunks
+    for name in const:
+        sig[name] = "constexpr"
+    return _compile(kernel, sig, const, divisible, cfg)
 
 
 def _ptxas(ptx: str) -> str:
@@ -150,11 +214,7 @@ def _k_loop(ttgir: str) -> str:
     return ttgir[start:ttgir.find("scf.yield", dot)]
 
 
-def inventory_row(g: GemmShape, cfg: GemmConfig) -> dict:
-    """Compile ``g`` with ``cfg``; registers, spill bytes, shared bytes, the thread blocks of this kernel that
-    fit on one SM at once (registers and shared memory; the config's programs_per_sm only helps up to it), the
-    wgmma shape and the operand paths."""
-    k = compile_m_grouped(g, cfg)
+def _report(k, cfg: GemmConfig) -> dict:
     report = _ptxas(k.asm["ptx"])
     regs = re.search(r"Used (\d+) registers", report)
     spill = re.search(r"(\d+) bytes spill stores", report)
@@ -163,11 +223,26 @@ def inventory_row(g: GemmShape, cfg: GemmConfig) -> dict:
     n_regs = int(regs.group(1)) if regs else -1
     warp_regs = -(-max(n_regs, 1) * 32 // 256) * 256
     blocks_per_sm = min(SM_REGS // (warp_regs * cfg.num_warps), SM_SMEM // (k.metadata.shared + 1024), 32)
-    return dict(kind=g.kind, N=g.N, K=g.K, config=cfg, registers=n_regs, blocks_per_sm=blocks_per_sm,
+    return dict(config=cfg, registers=n_regs, blocks_per_sm=blocks_per_sm,
                 spill_bytes=int(spill.group(1)) if spill else -1, shared_bytes=k.metadata.shared, wgmma=wgmma,
                 tma_loads=loop.count("ttng.async_tma_copy_global_to_local"),
                 cp_async_loads=loop.count("ttg.async_copy_global_to_local"),
                 sync_tile_loads=len(re.findall(r"= tt\.load [^\n]*: tensor<\d+x\d+x", loop)))
+
+
+def inventory_row(g: GemmShape | WgradShape, cfg: GemmConfig) -> dict:
+    """Compile ``g`` with ``cfg``; registers, spill bytes, shared bytes, the thread blocks of this kernel that
+    fit on one SM at once (registers and shared memory; the config's programs_per_sm only helps up to it), the
+    wgmma shape and the operand paths."""
+    k = compile_k_grouped(g, cfg) if isinstance(g, WgradShape) else compile_m_grouped(g, cfg)
+    return dict(kind=g.kind, **_report(k, cfg))
+
+
+def _shown(cfg: GemmConfig) -> str:
+    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+            + (" tma_b" if cfg.tma_b else "") + (" tma_a" if cfg.tma_a else "")
+            + (f" {cfg.programs_per_sm}/SM" if cfg.programs_per_sm > 1 else "")
+            + (f" resident {cfg.resident_chunks}" if cfg.resident_chunks else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,13 +256,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{'fit/SM':>6s} {'TMA':>3s} {'cp.async':>8s} {'sync':>4s}  wgmma")
     for case in args.cases:
         preset, _, tokens = case.partition(":")
-        for g in layer_gemms(preset, int(tokens or 4096)):
-            cfg = m_grouped_config(g.kind, g.N, g.K, torch.bfloat16, interpret=False)
+        T = int(tokens or 4096)
+        shapes = [(g, m_grouped_config(g.kind, g.N, g.K, torch.bfloat16, interpret=False))
+                  for g in layer_gemms(preset, T)] + [(w, wgrad_config(w)) for w in layer_wgrads(preset, T)]
+        for g, cfg in shapes:
             r = inventory_row(g, cfg)
-            shown = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-                     + (" tma_b" if cfg.tma_b else "") + (" tma_a" if cfg.tma_a else "")
-                     + (f" {cfg.programs_per_sm}/SM" if cfg.programs_per_sm > 1 else ""))
-            print(f"{case:24s} {g.kind:13s} {shown:34s} {r['registers']:4d} {r['spill_bytes']:7d} "
+            print(f"{case:24s} {g.kind:13s} {_shown(cfg):34s} {r['registers']:4d} {r['spill_bytes']:7d} "
                   f"{r['shared_bytes'] / 1024:8.1f} {r['blocks_per_sm']:6d} {r['tma_loads']:3d} {r['cp_async_loads']:8d} "
                   f"{r['sync_tile_loads']:4d}  {','.join(r['wgmma'])}", flush=True)
     return 0

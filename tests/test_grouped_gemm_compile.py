@@ -1,7 +1,9 @@
-"""The Triton m-grouped GEMMs compiled for sm_90a on the CPU, at the layer's shapes and the table's tiles.
+"""The Triton grouped GEMMs compiled for sm_90a on the CPU, at the layer's shapes and the table's tiles.
 
-For gate/up + SwiGLU, down, dgrad + SwiGLU backward and dgrad dx at qwen3-30b-a3b and deepseek-v3 shapes
-(``megamoe.bench.kernel_inventory``, which mirrors the launcher's arguments and Triton's specialization):
+For gate/up + SwiGLU, down, dgrad + SwiGLU backward, dgrad dx and the dW13 / dW2 weight gradients (per-tile
+kernel at qwen3's ~1024 rows per expert, resident kernel at deepseek-v3's ~128) at qwen3-30b-a3b and
+deepseek-v3 shapes (``megamoe.bench.kernel_inventory``, which mirrors the launchers' arguments and Triton's
+specialization):
 the matrix products are Hopper wgmma instructions of the tile's width; every operand tile reaches shared
 memory asynchronously inside the K loop (TMA or cp.async; none through a synchronous register load, which is
 what a lost unit-stride or divisibility specialization turns a gathered load into); shared memory within
@@ -13,11 +15,11 @@ spills more is seen here before it is timed. Speed itself is measured on the GPU
 import pytest
 import torch
 
-from megamoe.bench.kernel_inventory import HOPPER_SMEM, inventory_row, layer_gemms
+from megamoe.bench.kernel_inventory import HOPPER_SMEM, inventory_row, layer_gemms, layer_wgrads, wgrad_config
 from megamoe.ops import m_grouped_config
 
 # spill bytes per thread recorded with triton 3.6's ptxas at the table's configs (the upper end of both presets)
-SPILL_BUDGET = {"gate_up": 40, "down": 0, "dgrad_swiglu": 144, "dgrad": 0}
+SPILL_BUDGET = {"gate_up": 40, "down": 0, "dgrad_swiglu": 144, "dgrad": 0, "dW13": 0, "dW2": 0}
 ASYNC_OPERAND_LOADS = {"gate_up": 3, "down": 2, "dgrad_swiglu": 2, "dgrad": 2}  # gate/up reads two B tiles
 
 CASES = [(p, t, g) for p, t in (("qwen3-30b-a3b", 16384), ("deepseek-v3", 4096)) for g in layer_gemms(p, t)]
@@ -32,3 +34,19 @@ def test_table_configs_compile_pipelined(preset, tokens, gemm):
     assert r["tma_loads"] + r["cp_async_loads"] == ASYNC_OPERAND_LOADS[gemm.kind], r
     assert r["shared_bytes"] <= HOPPER_SMEM, r
     assert 0 <= r["spill_bytes"] <= SPILL_BUDGET[gemm.kind], r
+
+
+WCASES = [(p, t, g) for p, t in (("qwen3-30b-a3b", 16384), ("deepseek-v3", 4096)) for g in layer_wgrads(p, t)]
+
+
+@pytest.mark.parametrize("preset, tokens, wgrad", WCASES, ids=[f"{p}-{g.kind}" for p, _, g in WCASES])
+def test_weight_gradient_configs_compile_pipelined(preset, tokens, wgrad):
+    cfg = wgrad_config(wgrad)
+    assert cfg.resident_chunks == (3 if preset == "deepseek-v3" else 0)  # ~128 vs ~1024 rows per expert
+    r = inventory_row(wgrad, cfg)
+    assert r["wgmma"] == [f"m64n{cfg.block_n}k16"], r
+    assert r["sync_tile_loads"] == 0, f"an operand tile is loaded through registers in the MMA loop: {r}"
+    # the per-tile kernel streams both operands; the resident one streams Q past P^T chunks kept on chip
+    assert r["cp_async_loads"] + r["tma_loads"] >= (1 if cfg.resident_chunks else 2), r
+    assert r["shared_bytes"] <= HOPPER_SMEM and r["blocks_per_sm"] >= 1, r
+    assert 0 <= r["spill_bytes"] <= SPILL_BUDGET[wgrad.kind], r
