@@ -60,8 +60,8 @@ def layer_gemms(preset: str, tokens: int) -> list[GemmShape]:
 
 @dataclass(frozen=True)
 class WgradShape:
-    """One k-grouped weight gradient ``C[e] = P[rows_e]^T @ Q[rows_e]`` (E, M, N) over R rows, with which
-    operand's rows are gathered from the token matrix, and the rows-per-expert estimate the launcher uses."""
+    """One k-grouped weight gradient ``C[e] = P[rows_e]^T @ Q[rows_e]`` (E, M, N) over R rows, and which
+    operand's rows are gathered from the token matrix; the launcher's rows-per-expert estimate is R / E."""
 
     kind: str
     M: int
