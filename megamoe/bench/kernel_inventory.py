@@ -26,7 +26,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..config import get_preset
+from ..ops.grouped_gemm import _dot_cols, _weight_descriptor
 from ..ops.tile_config import GemmConfig, k_grouped_config, m_grouped_config
 
 __all__ = ["GemmShape", "WgradShape", "layer_gemms", "layer_wgrads", "wgrad_config", "compile_m_grouped",
@@ -98,15 +101,9 @@ def _launch_args(g: GemmShape, cfg: GemmConfig) -> tuple[dict, dict, set]:
         stride_b, shape_b = (g.K * g.N, 1, g.N), (g.E, g.K, g.N)
     else:                           # dgrad dx: w13 [E, 2F, D] read (K = 2F, N = D), nn
         stride_b, shape_b = (g.K * g.N, 1, g.N), (g.E, g.K, g.N)
-    # TMA_B and B_ROWS as ops.grouped_gemm._weight_descriptor chooses them (16-bit weights, aligned rows)
-    if not cfg.tma_b:
-        tma_b, b_rows = 0, 1
-    elif stride_b[2] == 1:
-        tma_b, b_rows = 1, shape_b[1]
-    elif stride_b[1] == 1 and g.K % cfg.block_k == 0:
-        tma_b, b_rows = 2, shape_b[1]
-    else:
-        tma_b, b_rows = 0, 1
+    # TMA_B and B_ROWS from the launcher's own choice, on a bf16 weight of that shape (meta: aligned, no memory)
+    weight = torch.empty(shape_b, dtype=torch.bfloat16, device="meta")
+    tma_b, _, b_rows = _weight_descriptor(cfg, weight, stride_b, g.K, False)
     tma_a = cfg.tma_a and tma_b != 0 and not g.gathered
     c_cols = {"gate_up": g.N, "down": g.N, "dgrad_swiglu": 2 * g.N, "dgrad": g.N}[g.kind]
     ints = dict(num_rows=g.R, N=g.N, num_experts=g.E, stride_am=g.K, stride_ak=1, stride_be=stride_b[0],
@@ -128,7 +125,7 @@ def _launch_args(g: GemmShape, cfg: GemmConfig) -> tuple[dict, dict, set]:
                  SAVE_AUX=epilogue != 0, HAS_DOT=g.kind == "dgrad_swiglu", FP32_DOT=False,
                  EVEN_K=g.K % bk == 0, EVEN_N=g.N % bn == 0, E_POW2=1 << max(0, (g.E - 1).bit_length()),
                  TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk,
-                 DOT_N=min(bn, 128) if epilogue == 2 else bn)
+                 DOT_N=_dot_cols(cfg) if epilogue == 2 else bn)
     for name in const:
         sig[name] = "constexpr"
     return sig, const, divisible
@@ -167,8 +164,6 @@ def compile_m_grouped(g: GemmShape, cfg: GemmConfig):
 
 def wgrad_config(g: WgradShape) -> GemmConfig:
     """The Triton kernels' config the launcher uses for ``g`` (the table's; a Gluon choice falls back)."""
-    import torch
-
     return k_grouped_config(g.M, g.N, torch.bfloat16, interpret=False, rows_per_group=g.R / g.E, allow_gluon=False)
 
 
@@ -250,8 +245,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("cases", nargs="*", default=["qwen3-30b-a3b:16384", "deepseek-v3:4096"],
                     help="preset:tokens (default: qwen3-30b-a3b:16384 deepseek-v3:4096)")
     args = ap.parse_args(argv)
-    import torch
-
     print(f"{'case':24s} {'kind':13s} {'config':34s} {'regs':>4s} {'spill B':>7s} {'smem KiB':>8s} "
           f"{'fit/SM':>6s} {'TMA':>3s} {'cp.async':>8s} {'sync':>4s}  wgmma")
     for case in args.cases:
