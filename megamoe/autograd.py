@@ -34,7 +34,10 @@ Experiment switch ``MEGAMOE_PERMUTED_DY=1`` (default off; docs/perf.md, eighth s
 copies dout's rows into row order (``dy = dout[row_token]``, N x D more transient memory) and runs
 swiglu_dgrad and the w2 gradient on that copy without a gather, so their A / P operand can be TMA-loaded;
 the same rows in the same tile positions, so the same bits (tests/test_kernels_interpret.py). For layer A/B
-runs against the gathering default.
+runs against the gathering default. ``MEGAMOE_TORCH_WGRAD=1`` (default off; ninth session) also copies x's
+rows into row order (N x D more transient memory) and runs both routed weight gradients (and the shared
+expert's) through ``torch._grouped_mm`` on the contiguous rows (megamoe.ops.torch_grouped_mm; measured
+bitwise equal to the Triton kernel), or the Triton kernels where it cannot take the operands.
 
 Determinism: no atomics, no split-K, configs a pure function of shape: bitwise reproducible.
 Sync: none (no .item(), no shapes from routing); CUDA-graph capturable.
@@ -48,6 +51,7 @@ import torch
 
 from .ops import (build_routing_plan, combine_fwd, down_proj, gate_up_swiglu, grouped_mm_nn, grouped_mm_nt,
                   k_grouped_mm, single_group_offsets, slot_sum_bwd, swiglu_dgrad)
+from .ops.torch_grouped_mm import torch_wgrad_enabled
 
 __all__ = ["MoEExpertsFunction", "RouterLogitsFunction"]
 
@@ -84,7 +88,8 @@ class MoEExpertsFunction(torch.autograd.Function):
         if dout_TD.dtype != x_TD.dtype:
             dout_TD = dout_TD.to(x_TD.dtype)
         scale_N = topk_weights_TK.reshape(-1).index_select(0, row_src_N).float()
-        if os.environ.get("MEGAMOE_PERMUTED_DY") == "1":  # experiment switch (module docstring)
+        torch_wgrad = torch_wgrad_enabled()  # experiment switches (module docstring)
+        if torch_wgrad or os.environ.get("MEGAMOE_PERMUTED_DY") == "1":
             dy_ND, dy_idx_N = dout_TD.index_select(0, row_token_N), None
         else:
             dy_ND, dy_idx_N = dout_TD, row_token_N
@@ -92,7 +97,11 @@ class MoEExpertsFunction(torch.autograd.Function):
                                               row_scale_R=scale_N, row_dot=need_w)
         dw2 = k_grouped_mm(dy_ND, hw_NF, offsets_E1, p_idx_R=dy_idx_N, out_dtype=w2_EDF.dtype) if need_w2 else None
         del hw_NF, dy_ND
-        dw13 = k_grouped_mm(dgu_NG, x_TD, offsets_E1, q_idx_R=row_token_N, out_dtype=w13_EGD.dtype) if need_w13 else None
+        dw13 = None
+        if need_w13 and torch_wgrad:
+            dw13 = k_grouped_mm(dgu_NG, x_TD.index_select(0, row_token_N), offsets_E1, out_dtype=w13_EGD.dtype)
+        elif need_w13:
+            dw13 = k_grouped_mm(dgu_NG, x_TD, offsets_E1, q_idx_R=row_token_N, out_dtype=w13_EGD.dtype)
         dx_ND = grouped_mm_nn(dgu_NG, w13_EGD, offsets_E1) if need_x else None
         del dgu_NG
         ds13 = ds2 = dxs_TD = None

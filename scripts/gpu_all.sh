@@ -52,7 +52,8 @@ stage() {  # stage NAME LIMIT CMD...
 for s in "${STAGES[@]}"; do
   case $s in
     tests) stage tests "${LIMIT_TESTS:-300}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=10 \
-              tests/test_fused_gpu.py tests/test_wgrad_gluon_gpu.py tests/test_m_grouped_gluon_gpu.py tests/test_ep_gpu.py ;;
+              tests/test_fused_gpu.py tests/test_wgrad_gluon_gpu.py tests/test_m_grouped_gluon_gpu.py tests/test_torch_wgrad_gpu.py \
+              tests/test_ep_gpu.py ;;
     gluon) stage gluon "${LIMIT_GLUON:-200}" python3 -m pytest -q -ra -m gpu tests/test_m_grouped_gluon_gpu.py tests/test_wgrad_gluon_gpu.py \
               tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape ;;
     bench1) stage bench1 "${LIMIT_BENCH1:-200}" python3 -m megamoe.bench --quiet --iters "$ITERS" \

@@ -29,6 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .m_grouped_gluon import gluon_m_grouped_eligible, launch_gluon_m_grouped
+from .torch_grouped_mm import torch_wgrad, torch_wgrad_eligible
 from .wgrad_gluon import gluon_wgrad_eligible, launch_gluon_wgrad
 from .routing import tile_offsets_for
 from . import tile_config
@@ -330,8 +331,9 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     in BLOCK_K chunks, fp32, one cast; no atomics, no split-K: bitwise reproducible, independent of the
     other groups and of the kernel variant (Triton per-tile, Triton resident, or on Hopper the persistent
     Gluon kernel of :mod:`megamoe.ops.wgrad_gluon`, which the table picks for ~160-256 rows per group and
-    which falls back to the Triton kernels where it cannot run). An expert with no rows gets exact zeros.
-    Sync: none.
+    which falls back to the Triton kernels where it cannot run; with the experiment switch
+    ``MEGAMOE_TORCH_WGRAD=1``, ``torch._grouped_mm`` on contiguous bf16 rows, :mod:`megamoe.ops.torch_grouped_mm`).
+    An expert with no rows gets exact zeros. Sync: none.
     """
     where = "k_grouped_mm"
     _check_2d("p", p, where)
@@ -349,6 +351,9 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     dev = check_device(kernel, where, p=p, q=q, offsets_E1=offsets_E1, p_idx_R=p_idx_R, q_idx_R=q_idx_R)
     if rows_per_group is None:
         rows_per_group = R / E
+    if R > 0 and E * M * N > 0 and torch_wgrad_eligible(p, q, out_dtype or p.dtype, has_out=out is not None,
+                                                         gathered=p_idx_R is not None or q_idx_R is not None):
+        return torch_wgrad(p, q, offsets_E1)  # experiment switch MEGAMOE_TORCH_WGRAD=1 (ops.torch_grouped_mm)
     c = _alloc(out, (E, M, N), out_dtype or p.dtype, dev, "out", where)
     if c.numel() == 0:
         return c

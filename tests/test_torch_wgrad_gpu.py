@@ -1,0 +1,113 @@
+"""The ``MEGAMOE_TORCH_WGRAD=1`` experiment switch on a Hopper GPU: weight gradients through torch._grouped_mm.
+
+Proves: with the switch on, ``k_grouped_mm`` on contiguous bf16 rows really calls ``torch._grouped_mm`` and
+its (E, M, N) result is bitwise the Triton kernels' (switch off), on experts of 0, 1, 63, 64, 65, 300 ...
+rows (empty experts: exact zeros), buffer rows past the last expert (EP capacity slack), M and N multiples of
+8 only, and at qwen3-30b-a3b's two weight-gradient shapes with ~1000 rows per expert; it reads nothing on
+the host (clean under ``set_sync_debug_mode("error")``) and replays bitwise from a CUDA graph; gathered
+rows, a preallocated output and fp16 still take the Triton kernels; the layer's output and every gradient
+are bitwise the default's with the switch on, and the switch really sends the layer's weight gradients
+to torch.
+
+Run: python -m pytest tests/test_torch_wgrad_gpu.py -q   (skipped without a Hopper GPU)
+"""
+
+import pytest
+import torch
+
+from test_fused_gpu import NAMES, _fused, _make, _run
+from test_wgrad_gluon_gpu import BF16, DEV, needs_hopper
+
+pytestmark = [pytest.mark.gpu, needs_hopper]
+
+COUNTS = [0, 1, 63, 64, 65, 300, 0, 7, 128, 129]
+PAD = 13  # buffer rows past the last expert: read by no expert
+
+
+def _problem(M, N, counts, seed, dtype=BF16):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    off = torch.tensor([0] + counts, device=DEV).cumsum(0).to(torch.int32)
+    R = sum(counts)
+    p = torch.randn(R + PAD, M, generator=g, device=DEV).to(dtype)
+    q = torch.randn(R + PAD, N, generator=g, device=DEV).to(dtype)
+    return p, q, off
+
+
+class _Spy:
+    """Counts the launcher's calls of torch._grouped_mm (ops.grouped_gemm.torch_wgrad)."""
+
+    def __init__(self, monkeypatch):
+        from megamoe.ops import grouped_gemm
+        self.calls, real = 0, grouped_gemm.torch_wgrad
+
+        def spy(*args):
+            self.calls += 1
+            return real(*args)
+        monkeypatch.setattr(grouped_gemm, "torch_wgrad", spy)
+
+
+def _both(monkeypatch, fn):
+    """fn() with the switch off (Triton kernels), then on; returns (triton, torch, torch calls)."""
+    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD", raising=False)
+    ref = fn()
+    spy = _Spy(monkeypatch)
+    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "1")
+    return ref, fn(), spy.calls
+
+
+@pytest.mark.parametrize("M,N,scale", [(128, 256, 1), (96, 200, 1), (1536, 2048, 3), (2048, 768, 3),
+                                       (1536, 2048, 100)])
+def test_bitwise_equal_to_triton_kernel(monkeypatch, M, N, scale):
+    from megamoe.ops import k_grouped_mm
+    counts = [c * scale for c in COUNTS] if scale < 100 else [1000 + 7 * i for i in range(16)]
+    p, q, off = _problem(M, N, counts, seed=M + N + scale)
+    ref, got, calls = _both(monkeypatch, lambda: k_grouped_mm(p, q, off))
+    assert calls == 1, "torch._grouped_mm did not run"
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(got[e], torch.zeros_like(got[e])), f"expert {e} has no rows but a nonzero gradient"
+    assert torch.equal(got, ref), f"torch._grouped_mm differs from the Triton kernel (M={M}, N={N})"
+
+
+def test_other_operands_take_the_triton_kernels(monkeypatch):
+    from megamoe.ops import k_grouped_mm
+    p, q, off = _problem(128, 128, COUNTS, seed=3)
+    idx = torch.arange(p.shape[0] - PAD, device=DEV, dtype=torch.int32).flip(0)
+    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "1")
+    spy = _Spy(monkeypatch)
+    k_grouped_mm(p, q, off, p_idx_R=idx)
+    k_grouped_mm(p, q, off, out=torch.empty(len(COUNTS), 128, 128, device=DEV, dtype=BF16))
+    k_grouped_mm(p.half(), q.half(), off)
+    assert spy.calls == 0, "gathered rows, out= or fp16 must not go to torch._grouped_mm"
+
+
+def test_no_sync_and_graph_replay(monkeypatch):
+    from megamoe.ops import k_grouped_mm
+    p, q, off = _problem(256, 128, COUNTS, seed=4)
+    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "1")
+    eager = k_grouped_mm(p, q, off)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        k_grouped_mm(p, q, off)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = k_grouped_mm(p, q, off)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, eager)
+
+
+def test_layer_switch_gives_the_same_bits(monkeypatch):
+    """The layer (routed + shared experts) with MEGAMOE_TORCH_WGRAD=1: its weight gradients go to torch (the
+    spy counts the routed dW2, dW13 and the shared pair) and every output and gradient keeps its bits."""
+    T, D, F, E, K, S = 300, 256, 192, 6, 3, 128
+    case = _make(T, D, F, E, K, S, seed=11)
+    dout = torch.randn(T, D, generator=torch.Generator(device=DEV).manual_seed(12), device=DEV).to(BF16)
+    base, got, calls = _both(monkeypatch, lambda: _run(_fused, *case, dout))
+    assert calls == 4, f"expected 4 weight gradients through torch._grouped_mm, got {calls}"
+    for name, a, b in zip(NAMES, got, base):
+        assert torch.equal(a, b), f"{name} changed bits with MEGAMOE_TORCH_WGRAD=1"
