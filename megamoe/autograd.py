@@ -36,8 +36,8 @@ swiglu_dgrad and the w2 gradient on that copy without a gather, so their A / P o
 the same rows in the same tile positions, so the same bits (tests/test_kernels_interpret.py). For layer A/B
 runs against the gathering default. ``MEGAMOE_TORCH_WGRAD=1`` (default off; ninth session) also copies x's
 rows into row order (N x D more transient memory) and runs both routed weight gradients (and the shared
-expert's) through ``torch._grouped_mm`` on the contiguous rows (megamoe.ops.torch_grouped_mm; measured
-bitwise equal to the Triton kernel), or the Triton kernels where it cannot take the operands.
+expert's) through ``torch._grouped_mm`` on the contiguous rows (megamoe.ops.torch_grouped_mm; bitwise the
+Triton kernels' result, tests/test_torch_wgrad_gpu.py), or the Triton kernels where it cannot take them.
 
 Determinism: no atomics, no split-K, configs a pure function of shape: bitwise reproducible.
 Sync: none (no .item(), no shapes from routing); CUDA-graph capturable.
