@@ -13,6 +13,8 @@ N = T*K (token, slot) rows in expert-grouped order, S shared-expert FFN size, H 
   backward  dgu, hw, part = swiglu_dgrad(dout[row_token], w2, gu, scale=w)   (dh, SwiGLU bwd, row dots)
             dw2  = k_grouped_mm(dout[row_token], hw)                 (sum over the expert's rows, fixed order)
             dw13 = k_grouped_mm(dgu, x[row_token])
+            (where the table sends a weight gradient to torch._grouped_mm, which takes contiguous rows
+            only: dout[row_token] and / or x[row_token] are first copied into row order, see below)
             dx_rows = grouped_mm_nn(dgu, w13)
             (shared expert: the same four launchers with one group)
             dx, dw = slot_sum_bwd(dx_rows, dx_shared, part)          (fp32, slot order, one cast)
@@ -23,21 +25,22 @@ anyway): the routed pre-activations gu (K * 2F elements of x's dtype), the share
 In bf16 that is 4KF + 4S + 12K bytes per token: qwen3-30b-a3b (F 768, K 8, S 0) 24.7 KB,
 deepseek-v3 (F 2048, K 8, S 2048) 73.8 KB. h (K*F) and y (K*D) are not kept: h is recomputed bitwise
 from gu in the dgrad epilogue; y is only needed through <dout, y>, which the dgrad epilogue gets as
-<dout @ w2, h>. Transient peak in backward: dgu (N x 2F), hw (N x F), dx_rows (N x D) in x's dtype.
+<dout @ w2, h>. Transient peak in backward: dgu (N x 2F), hw (N x F), dx_rows (N x D) in x's dtype, and
+with torch's weight-gradient kernel the row-order copies of dout and x (N x D each, below).
 
 Numerics: h and y are rounded to x's dtype exactly where megamoe.reference rounds them; the combine and
 the slot sums are fp32 in slot order. dh is computed as cast(w * (dout @ w2)) (reference:
 cast(cast(w * dout) @ w2)) and the w2 gradient as dout^T @ cast(w * h) (reference: cast(w * dout)^T @ h):
 the same function, one rounding placed differently, within the tested bf16 error bound.
 
-Experiment switch ``MEGAMOE_PERMUTED_DY=1`` (default off; docs/perf.md, eighth session): the backward first
-copies dout's rows into row order (``dy = dout[row_token]``, N x D more transient memory) and runs
-swiglu_dgrad and the w2 gradient on that copy without a gather, so their A / P operand can be TMA-loaded;
-the same rows in the same tile positions, so the same bits (tests/test_kernels_interpret.py). For layer A/B
-runs against the gathering default. ``MEGAMOE_TORCH_WGRAD=1`` (default off; ninth session) also copies x's
-rows into row order (N x D more transient memory) and runs both routed weight gradients (and the shared
-expert's) through ``torch._grouped_mm`` on the contiguous rows (megamoe.ops.torch_grouped_mm; bitwise the
-Triton kernels' result, tests/test_torch_wgrad_gpu.py), or the Triton kernels where it cannot take them.
+Weight gradients through ``torch._grouped_mm`` (megamoe.ops.torch_grouped_mm; the tile table's ``torch_mm``
+for bf16 experts of more than ~154 expected rows, on Hopper; ``MEGAMOE_TORCH_WGRAD=0 / 1`` off / everywhere):
+its kernel takes contiguous rows only, so the backward copies dout's rows (``dy = dout[row_token]``, then
+also read by swiglu_dgrad without a gather) and x's rows (``x[row_token]``) into row order first: N x D more
+transient memory each (qwen3-30b-a3b T=16384: 0.54 GB each), bitwise the same gradients (the same rows in
+the same order; tests/test_torch_wgrad_gpu.py). Measured -0.68 ms of 8.59 at qwen3-30b-a3b T=16384
+(docs/perf.md, ninth session). Experiment switch ``MEGAMOE_PERMUTED_DY=1`` (default off; eighth session):
+the dY copy alone, with the Triton weight-gradient kernels (tests/test_kernels_interpret.py).
 
 Determinism: no atomics, no split-K, configs a pure function of shape: bitwise reproducible.
 Sync: none (no .item(), no shapes from routing); CUDA-graph capturable.
@@ -50,8 +53,7 @@ import os
 import torch
 
 from .ops import (build_routing_plan, combine_fwd, down_proj, gate_up_swiglu, grouped_mm_nn, grouped_mm_nt,
-                  k_grouped_mm, single_group_offsets, slot_sum_bwd, swiglu_dgrad)
-from .ops.torch_grouped_mm import torch_wgrad_enabled
+                  k_grouped_mm, k_grouped_wants_rows_in_order, single_group_offsets, slot_sum_bwd, swiglu_dgrad)
 
 __all__ = ["MoEExpertsFunction", "RouterLogitsFunction"]
 
@@ -88,8 +90,11 @@ class MoEExpertsFunction(torch.autograd.Function):
         if dout_TD.dtype != x_TD.dtype:
             dout_TD = dout_TD.to(x_TD.dtype)
         scale_N = topk_weights_TK.reshape(-1).index_select(0, row_src_N).float()
-        torch_wgrad = torch_wgrad_enabled()  # experiment switches (module docstring)
-        if torch_wgrad or os.environ.get("MEGAMOE_PERMUTED_DY") == "1":
+        G, F, N = gu_NG.shape[1], w2_EDF.shape[2], row_token_N.shape[0]
+        rows_est = N / max(w13_EGD.shape[0], 1)  # k_grouped_mm's own estimate: its kernel choice
+        copy_dy = need_w2 and k_grouped_wants_rows_in_order(D, F, w2_EDF.dtype, x_TD.device, rows_est)
+        copy_x = need_w13 and k_grouped_wants_rows_in_order(G, D, w13_EGD.dtype, x_TD.device, rows_est)
+        if copy_dy or os.environ.get("MEGAMOE_PERMUTED_DY") == "1":  # (module docstring)
             dy_ND, dy_idx_N = dout_TD.index_select(0, row_token_N), None
         else:
             dy_ND, dy_idx_N = dout_TD, row_token_N
@@ -98,7 +103,7 @@ class MoEExpertsFunction(torch.autograd.Function):
         dw2 = k_grouped_mm(dy_ND, hw_NF, offsets_E1, p_idx_R=dy_idx_N, out_dtype=w2_EDF.dtype) if need_w2 else None
         del hw_NF, dy_ND
         dw13 = None
-        if need_w13 and torch_wgrad:
+        if copy_x:
             dw13 = k_grouped_mm(dgu_NG, x_TD.index_select(0, row_token_N), offsets_E1, out_dtype=w13_EGD.dtype)
         elif need_w13:
             dw13 = k_grouped_mm(dgu_NG, x_TD, offsets_E1, q_idx_R=row_token_N, out_dtype=w13_EGD.dtype)

@@ -29,14 +29,19 @@ def test_table_is_pure_function_of_shape():
     assert few.resident_chunks == 3 and few.block_k == 64 and few.num_stages == 3
     assert k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=40).resident_chunks == 1
     for many in (None, 0, 300, 4096):
-        cfg = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=many)
-        assert cfg.resident_chunks == 0 and cfg.block_k == 64 and not cfg.gluon
-    # ~160-256 rows per expert: the persistent Gluon kernel (P on chip up to 5 chunks = 1.25 x 256 rows); its
-    # launcher falls back to the Triton entry (allow_gluon=False) where the device or operands do not allow it
+        cfg = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=many, allow_torch=False)
+        assert cfg.resident_chunks == 0 and cfg.block_k == 64 and not cfg.gluon and not cfg.torch_mm
+    # more rows than the resident window, bf16: torch._grouped_mm (tests/test_torch_wgrad.py has the rest)
+    for many in (155, 160, 256, 300, 4096):
+        assert k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=many).torch_mm
+    # without it, ~160-256 rows per expert: the persistent Gluon kernel (P on chip up to 5 chunks = 1.25 x 256
+    # rows); its launcher falls back to the Triton entry (allow_gluon=False) where the device or operands do not
+    # allow it
     for mid in (160, 256):
-        cfg = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=mid)
+        cfg = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=mid, allow_torch=False)
         assert cfg.gluon and cfg.resident_chunks == 5 and cfg.block_k == 64
-        fallback = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=mid, allow_gluon=False)
+        fallback = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=mid, allow_gluon=False,
+                                    allow_torch=False)
         assert not fallback.gluon and fallback.resident_chunks == 0 and fallback.block_k == 64
     assert not k_grouped_config(4096, 7168, BF16, interpret=True, rows_per_group=256).gluon
     assert not k_grouped_config(4096, 7168, torch.float32, interpret=False, rows_per_group=256).gluon
@@ -63,7 +68,7 @@ def test_override_for_names_only_explicit_entries():
         assert tile_config.override_for("wgrad", 2048, 1536) is None
         assert k_grouped_config(1536, 2048, BF16, interpret=False) is cfg  # the override wins
         # the table's own Gluon entry is not an override (the launcher may then fall back below one unit per SM)
-        table = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=200)
+        table = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=200, allow_torch=False)
         assert table.gluon and tile_config.override_for("wgrad", 4096, 7168) is None
     finally:
         tile_config._OVERRIDES.clear()

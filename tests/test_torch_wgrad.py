@@ -1,6 +1,7 @@
-"""The ``MEGAMOE_TORCH_WGRAD`` switch's host-side logic (CPU): when torch._grouped_mm may take a weight gradient.
+"""When torch._grouped_mm takes a weight gradient: the host-side logic, on the CPU.
 
-Proves: the switch is off unless set to 1; the operand conditions accept contiguous, 16-byte aligned bf16
+Proves: ``MEGAMOE_TORCH_WGRAD`` reads as table / off / on and rejects other values; the tile table sends bf16
+weight gradients of more than the resident window's rows per expert to it and nothing else; the operand conditions accept contiguous, 16-byte aligned bf16
 rows and refuse fp16 / fp32, other output dtypes, misaligned bases, non-unit column strides, row strides
 that are not 16-byte multiples, different row counts and M or N not multiples of 8; gathered rows, a
 preallocated output and CPU tensors are never eligible; and the wrapper's call (P^T, offsets without their
@@ -12,19 +13,9 @@ megamoe's Triton kernels).
 import pytest
 import torch
 
-from megamoe.ops.torch_grouped_mm import torch_wgrad, torch_wgrad_eligible, torch_wgrad_enabled, wgrad_operands_fit
+from megamoe.ops.torch_grouped_mm import torch_wgrad, torch_wgrad_eligible, wgrad_operands_fit
 
 BF16 = torch.bfloat16
-
-
-def test_switch_is_off_unless_set(monkeypatch):
-    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD", raising=False)
-    assert not torch_wgrad_enabled()
-    for value in ("0", "true", ""):
-        monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", value)
-        assert not torch_wgrad_enabled()
-    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "1")
-    assert torch_wgrad_enabled() == hasattr(torch, "_grouped_mm")
 
 
 def test_operand_conditions():
@@ -42,8 +33,7 @@ def test_operand_conditions():
     assert wgrad_operands_fit(torch.zeros(50, 64, dtype=BF16)[:40], q, BF16)  # a row slice keeps the layout
 
 
-def test_never_eligible_for_gathers_out_or_cpu(monkeypatch):
-    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "1")
+def test_never_eligible_for_gathers_out_or_cpu():
     p, q = torch.zeros(40, 64, dtype=BF16), torch.zeros(40, 32, dtype=BF16)
     assert not torch_wgrad_eligible(p, q, BF16, gathered=False, has_out=False)  # CPU tensors
     assert not torch_wgrad_eligible(p, q, BF16, gathered=True, has_out=False)
@@ -68,3 +58,54 @@ def test_wrapper_computes_per_expert_products():
             assert torch.equal(got[e], torch.zeros_like(got[e]))
         # bf16 output: one rounding of an fp32 sum of at most 17 exact bf16 products
         torch.testing.assert_close(got[e].double(), want, rtol=2 ** -8, atol=1e-6)
+
+
+def test_mode_values(monkeypatch):
+    from megamoe.ops.torch_grouped_mm import torch_wgrad_mode
+    has = hasattr(torch, "_grouped_mm")
+    for value, want in (("", "table"), ("0", "off"), ("1", "on")):
+        monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", value)
+        assert torch_wgrad_mode() == (want if has or want == "off" else "off")
+    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD")
+    assert torch_wgrad_mode() == ("table" if has else "off")
+    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "yes")
+    with pytest.raises(ValueError, match="MEGAMOE_TORCH_WGRAD must be unset, 0 or 1, got 'yes'"):
+        torch_wgrad_mode()
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_table_rule(monkeypatch):
+    """bf16 weight gradients of more than the resident window's ~154 expected rows per expert go to torch's
+    kernel; fewer rows, fp16 / fp32, the interpreter, allow_torch=False and MEGAMOE_TORCH_WGRAD=0 keep the
+    Triton / Gluon kernels; an explicit torch_mm override wins unless torch is not allowed."""
+    from megamoe.ops import GemmConfig, k_grouped_config, tile_config
+    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD", raising=False)
+    cfg = lambda rows, **kw: k_grouped_config(1536, 2048, kw.pop("dtype", BF16), interpret=kw.pop("interpret", False),
+                                              rows_per_group=rows, **kw)
+    assert cfg(1024).torch_mm and cfg(155).torch_mm and cfg(512).torch_mm
+    assert not cfg(154).torch_mm and cfg(154).resident_chunks == 3  # 1.25 x 154 = 192 rows: 3 chunks of 64
+    assert not cfg(128).torch_mm and not cfg(None).torch_mm and not cfg(0).torch_mm
+    assert not cfg(1024, dtype=torch.float16).torch_mm and not cfg(1024, dtype=torch.float32).torch_mm
+    assert not cfg(1024, interpret=True).torch_mm
+    assert not cfg(1024, allow_torch=False).torch_mm
+    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "0")
+    assert not cfg(1024).torch_mm
+    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD")
+    forced = GemmConfig(128, 128, 64, 8, 3, torch_mm=True)
+    monkeypatch.setitem(tile_config._OVERRIDES, ("wgrad", 1536, 2048), forced)
+    assert cfg(64) is forced and not cfg(64, allow_torch=False).torch_mm
+    with pytest.raises(ValueError, match="torch_mm"):
+        GemmConfig(128, 128, 64, 8, 3, torch_mm=True, resident_chunks=2)
+    with pytest.raises(ValueError, match="weight-gradient"):
+        tile_config.parse_tiles_env("down:128,256,64,8,3,torch_mm=1")
+    assert tile_config.parse_tiles_env("wgrad:128,128,64,8,3,torch_mm=1")["wgrad"].torch_mm
+
+
+def test_rows_in_order_only_where_torch_runs(monkeypatch):
+    """k_grouped_wants_rows_in_order (the autograd's reason to copy gathered rows): never on the CPU or for
+    non-bf16 weights, whatever the switch says."""
+    from megamoe.ops import k_grouped_wants_rows_in_order
+    for value in ("", "1"):
+        monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", value)
+        assert not k_grouped_wants_rows_in_order(1536, 2048, BF16, torch.device("cpu"), 1024.0)
+        assert not k_grouped_wants_rows_in_order(1536, 2048, torch.float32, torch.device("cpu"), 1024.0)

@@ -1,13 +1,13 @@
-"""The ``MEGAMOE_TORCH_WGRAD=1`` experiment switch on a Hopper GPU: weight gradients through torch._grouped_mm.
+"""Weight gradients through torch._grouped_mm on a Hopper GPU (the table's torch_mm, MEGAMOE_TORCH_WGRAD).
 
-Proves: with the switch on, ``k_grouped_mm`` on contiguous bf16 rows really calls ``torch._grouped_mm`` and
+Proves: with ``MEGAMOE_TORCH_WGRAD=1``, ``k_grouped_mm`` on contiguous bf16 rows really calls ``torch._grouped_mm`` and
 its (E, M, N) result is bitwise the Triton kernels' (switch off), on experts of 0, 1, 63, 64, 65, 300 ...
 rows (empty experts: exact zeros), buffer rows past the last expert (EP capacity slack), M and N multiples of
 8 only, and at qwen3-30b-a3b's two weight-gradient shapes with ~1000 rows per expert; it reads nothing on
 the host (clean under ``set_sync_debug_mode("error")``) and replays bitwise from a CUDA graph; gathered
 rows, a preallocated output and fp16 still take the Triton kernels; the layer's output and every gradient
-are bitwise the default's with the switch on, and the switch really sends the layer's weight gradients
-to torch.
+are bitwise megamoe's kernels' (``MEGAMOE_TORCH_WGRAD=0``) with the table's choice and with ``=1``, and both
+really send the layer's weight gradients to torch where the table says so (and not below its row window).
 
 Run: python -m pytest tests/test_torch_wgrad_gpu.py -q   (skipped without a Hopper GPU)
 """
@@ -46,12 +46,14 @@ class _Spy:
         monkeypatch.setattr(grouped_gemm, "torch_wgrad", spy)
 
 
-def _both(monkeypatch, fn):
-    """fn() with the switch off (Triton kernels), then on; returns (triton, torch, torch calls)."""
-    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD", raising=False)
-    ref = fn()
+def _both(monkeypatch, fn, on="1"):
+    """fn() with MEGAMOE_TORCH_WGRAD=0 (megamoe's kernels), then with it set to ``on`` ("1": wherever the
+    operands allow; "": the table's choice); returns (megamoe's result, the other, torch._grouped_mm calls)."""
+    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "0")
     spy = _Spy(monkeypatch)
-    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "1")
+    ref = fn()
+    assert spy.calls == 0, "MEGAMOE_TORCH_WGRAD=0 must keep megamoe's kernels"
+    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", on)
     return ref, fn(), spy.calls
 
 
@@ -101,13 +103,27 @@ def test_no_sync_and_graph_replay(monkeypatch):
     assert torch.equal(static, eager)
 
 
-def test_layer_switch_gives_the_same_bits(monkeypatch):
-    """The layer (routed + shared experts) with MEGAMOE_TORCH_WGRAD=1: its weight gradients go to torch (the
-    spy counts the routed dW2, dW13 and the shared pair) and every output and gradient keeps its bits."""
-    T, D, F, E, K, S = 300, 256, 192, 6, 3, 128
+@pytest.mark.parametrize("on", ["1", ""])
+def test_layer_gives_the_same_bits(monkeypatch, on):
+    """The layer (routed + shared experts, ~512 rows per routed expert, so the table itself picks torch's
+    kernel; "1" forces it): its four weight gradients go to torch (the routed dW2 and dW13 on the row-order
+    copies the backward makes, the shared pair), and the output and every gradient keep their bits."""
+    T, D, F, E, K, S = 1024, 256, 192, 6, 3, 128
     case = _make(T, D, F, E, K, S, seed=11)
     dout = torch.randn(T, D, generator=torch.Generator(device=DEV).manual_seed(12), device=DEV).to(BF16)
-    base, got, calls = _both(monkeypatch, lambda: _run(_fused, *case, dout))
+    base, got, calls = _both(monkeypatch, lambda: _run(_fused, *case, dout), on=on)
     assert calls == 4, f"expected 4 weight gradients through torch._grouped_mm, got {calls}"
     for name, a, b in zip(NAMES, got, base):
-        assert torch.equal(a, b), f"{name} changed bits with MEGAMOE_TORCH_WGRAD=1"
+        assert torch.equal(a, b), f"{name} changed bits with MEGAMOE_TORCH_WGRAD={on!r}"
+
+
+def test_layer_few_rows_per_expert_keeps_megamoe_kernels(monkeypatch):
+    """~150 rows per expert (the resident kernel's window): the table keeps megamoe's routed weight gradients
+    (only the shared expert's 300-row pair goes to torch) and the backward copies no rows."""
+    T, D, F, E, K, S = 300, 256, 192, 6, 3, 128
+    case = _make(T, D, F, E, K, S, seed=13)
+    dout = torch.randn(T, D, generator=torch.Generator(device=DEV).manual_seed(14), device=DEV).to(BF16)
+    base, got, calls = _both(monkeypatch, lambda: _run(_fused, *case, dout), on="")
+    assert calls == 2, f"expected only the shared expert's 2 weight gradients through torch, got {calls}"
+    for name, a, b in zip(NAMES, got, base):
+        assert torch.equal(a, b), f"{name} changed bits"

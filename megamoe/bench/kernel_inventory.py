@@ -164,7 +164,8 @@ def compile_m_grouped(g: GemmShape, cfg: GemmConfig):
 
 def wgrad_config(g: WgradShape) -> GemmConfig:
     """The Triton kernels' config the launcher uses for ``g`` (the table's; a Gluon choice falls back)."""
-    return k_grouped_config(g.M, g.N, torch.bfloat16, interpret=False, rows_per_group=g.R / g.E, allow_gluon=False)
+    return k_grouped_config(g.M, g.N, torch.bfloat16, interpret=False, rows_per_group=g.R / g.E, allow_gluon=False,
+                            allow_torch=False)
 
 
 def compile_k_grouped(g: WgradShape, cfg: GemmConfig):

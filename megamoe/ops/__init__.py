@@ -8,17 +8,20 @@ Public pieces (the EP path calls these on rows received from peers):
   routing:      build_routing_plan, RoutingPlan, tile_offsets_for, single_group_offsets
   forward:      gate_up_swiglu, down_proj, grouped_mm_nt, combine_fwd
   backward:     swiglu_dgrad (m-grouped dgrad + SwiGLU backward + routing-weight row dots),
-                grouped_mm_nn (m-grouped dgrad), k_grouped_mm (weight gradients), slot_sum_bwd
+                grouped_mm_nn (m-grouped dgrad), k_grouped_mm (weight gradients), slot_sum_bwd,
+                k_grouped_wants_rows_in_order (whether a weight gradient wants its gathered rows copied)
   configs:      GemmConfig, m_grouped_config, k_grouped_config
 """
 
 from .combine import combine_fwd, slot_sum_bwd
-from .grouped_gemm import down_proj, gate_up_swiglu, grouped_mm_nn, grouped_mm_nt, k_grouped_mm, swiglu_dgrad
+from .grouped_gemm import (down_proj, gate_up_swiglu, grouped_mm_nn, grouped_mm_nt, k_grouped_mm, k_grouped_wants_rows_in_order,
+                           swiglu_dgrad)
 from .routing import RoutingPlan, build_routing_plan, single_group_offsets, tile_offsets_for
 from .tile_config import GemmConfig, k_grouped_config, m_grouped_config
 
 __all__ = [
     "RoutingPlan", "build_routing_plan", "tile_offsets_for", "single_group_offsets",
     "gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm",
+    "k_grouped_wants_rows_in_order",
     "combine_fwd", "slot_sum_bwd", "GemmConfig", "m_grouped_config", "k_grouped_config",
 ]

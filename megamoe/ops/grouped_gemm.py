@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .m_grouped_gluon import gluon_m_grouped_eligible, launch_gluon_m_grouped
-from .torch_grouped_mm import torch_wgrad, torch_wgrad_eligible
+from .torch_grouped_mm import torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, torch_wgrad_mode
 from .wgrad_gluon import gluon_wgrad_eligible, launch_gluon_wgrad
 from .routing import tile_offsets_for
 from . import tile_config
@@ -313,10 +313,23 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
     return dgu, hs, part
 
 
+def k_grouped_wants_rows_in_order(m: int, n: int, dtype: torch.dtype, device: torch.device,
+                                  rows_per_group: float) -> bool:
+    """True when :func:`k_grouped_mm` would run ``torch._grouped_mm`` for an (E, m, n) weight gradient of
+    ``dtype`` with ~rows_per_group rows per expert, had it contiguous rows (the table's ``torch_mm``, or
+    ``MEGAMOE_TORCH_WGRAD=1``, on a Hopper GPU, bf16): a caller whose rows are gathered by token should then
+    copy them into row order first (megamoe.autograd). A host-side function of shapes: no sync."""
+    if dtype != torch.bfloat16 or is_interpreted(_k_grouped_gemm_kernel) or not torch_wgrad_device(device):
+        return False
+    mode = torch_wgrad_mode()
+    return mode == "on" or (mode == "table" and k_grouped_config(m, n, dtype, interpret=False,
+                                                                 rows_per_group=rows_per_group).torch_mm)
+
+
 def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
                  p_idx_R: torch.Tensor | None = None, q_idx_R: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-                 rows_per_group: float | None = None) -> torch.Tensor:
+                 rows_per_group: float | None = None, allow_torch: bool = True) -> torch.Tensor:
     """k-grouped weight gradient ``C[e] = cast(sum_{r in group e} P[prow(r)]^T Q[qrow(r)])``: [E, M, N].
 
     Args:
@@ -330,10 +343,12 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     Determinism: each output element reduces its expert's rows from the expert's first row, in row order,
     in BLOCK_K chunks, fp32, one cast; no atomics, no split-K: bitwise reproducible, independent of the
     other groups and of the kernel variant (Triton per-tile, Triton resident, or on Hopper the persistent
-    Gluon kernel of :mod:`megamoe.ops.wgrad_gluon`, which the table picks for ~160-256 rows per group and
-    which falls back to the Triton kernels where it cannot run; with the experiment switch
-    ``MEGAMOE_TORCH_WGRAD=1``, ``torch._grouped_mm`` on contiguous bf16 rows, :mod:`megamoe.ops.torch_grouped_mm`).
-    An expert with no rows gets exact zeros. Sync: none.
+    Gluon kernel of :mod:`megamoe.ops.wgrad_gluon`, or ``torch._grouped_mm`` (:mod:`megamoe.ops.torch_grouped_mm`),
+    which the table picks for bf16 groups of more than ~154 rows when the rows are contiguous and
+    ``allow_torch``; the launcher falls back to the Triton kernels wherever the Gluon or torch kernel cannot
+    take the operands). An expert with no rows gets exact zeros. Sync: none.
+    allow_torch: False keeps megamoe's own kernels (the EP path, until measured); ``MEGAMOE_TORCH_WGRAD=1``
+    overrides it, ``=0`` turns torch's kernel off everywhere.
     """
     where = "k_grouped_mm"
     _check_2d("p", p, where)
@@ -351,24 +366,28 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     dev = check_device(kernel, where, p=p, q=q, offsets_E1=offsets_E1, p_idx_R=p_idx_R, q_idx_R=q_idx_R)
     if rows_per_group is None:
         rows_per_group = R / E
-    if R > 0 and E * M * N > 0 and torch_wgrad_eligible(p, q, out_dtype or p.dtype, has_out=out is not None,
-                                                         gathered=p_idx_R is not None or q_idx_R is not None):
-        return torch_wgrad(p, q, offsets_E1)  # experiment switch MEGAMOE_TORCH_WGRAD=1 (ops.torch_grouped_mm)
+    interpret = is_interpreted(kernel)
+    dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
+    cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_torch=allow_torch)
+    if ((cfg.torch_mm or torch_wgrad_mode() == "on") and R > 0 and E * M * N > 0
+            and torch_wgrad_eligible(p, q, out_dtype or p.dtype, has_out=out is not None,
+                                     gathered=p_idx_R is not None or q_idx_R is not None)):
+        return torch_wgrad(p, q, offsets_E1)  # torch._grouped_mm (megamoe.ops.torch_grouped_mm): the same bits
+    if cfg.torch_mm:  # operands it cannot take: the table's own kernel for the shape (the same bits)
+        cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_torch=False)
     c = _alloc(out, (E, M, N), out_dtype or p.dtype, dev, "out", where)
     if c.numel() == 0:
         return c
     if R == 0:
         return c.zero_()
-    interpret = is_interpreted(kernel)
-    dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
-    cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group)
     if cfg.gluon:
         forced = tile_config.override_for("wgrad", M, N) is cfg  # asked for explicitly (tests, sweeps)
         if not interpret and gluon_wgrad_eligible(cfg, p, q, c, fill_sms=not forced):
             launch_gluon_wgrad(cfg, p, p_idx_R, q, q_idx_R, offsets_E1, c)
             return c
         # the Triton kernels' own table entry (same chunk order, so the same bits)
-        cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_gluon=False)
+        cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_gluon=False,
+                               allow_torch=False)
     extra = {}
     if cfg.resident_chunks:
         kernel = _k_grouped_resident_kernel

@@ -5,7 +5,7 @@ Legend: D hidden size, F expert FFN size, G = 2F, E experts, N output columns, K
 Determinism: the only part of a config that can change bits is BLOCK_K (the K-loop order); it is fixed
 by (GEMM kind, dtype, interpreter or not), never by the number of tokens, the routing, or timing (no
 run-time autotuning). The rest (BLOCK_M, BLOCK_N, stages, load path, grid, and for the weight gradients
-the kernel structure) was verified on H200 not to change bits (tests/test_fused_gpu.py::
+the kernel structure, Triton, Gluon or torch._grouped_mm) was verified on H200 not to change bits (tests/test_fused_gpu.py::
 test_bits_do_not_depend_on_tile_shape), so the weight-gradient choice may also use a host-known static
 estimate of rows per expert. The same token therefore gets the same bits whatever else is in the batch,
 and every EP rank gets the same bits (docs/design.md, batch invariance).
@@ -30,6 +30,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from .torch_grouped_mm import torch_wgrad_mode
 
 __all__ = ["GemmConfig", "m_grouped_config", "k_grouped_config", "combine_block", "override_for", "parse_tiles_env"]
 
@@ -62,6 +64,10 @@ class GemmConfig:
     MMA warpgroups, the load warp comes on top. Neither Gluon kernel is in the table (measured not faster,
     docs/perf.md sixth and seventh sessions).
 
+    k-grouped only: ``torch_mm`` runs ``torch._grouped_mm`` (megamoe.ops.torch_grouped_mm; bitwise the Triton
+    kernels' result) where the operands allow it (contiguous bf16 rows on Hopper), else the table's own entry
+    for the shape (``k_grouped_config(..., allow_torch=False)``); its tiles are then not used.
+
     Bits: only block_k (the K order) can change results. block_m, block_n, the stage count, the load path
     and the grid were verified to give bitwise the same outputs and gradients on H200
     (tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape), as expected from wgmma: every
@@ -79,11 +85,15 @@ class GemmConfig:
     resident_chunks: int = 0
     gluon: bool = False
     warp_specialized: bool = False
+    torch_mm: bool = False
 
     def __post_init__(self) -> None:
         for v in (self.block_m, self.block_n, self.block_k):
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GemmConfig: block sizes must be powers of two >= 16, got {self}")
+        if self.torch_mm and (self.gluon or self.resident_chunks or self.tma_a or self.tma_b):
+            raise ValueError(f"GemmConfig: torch_mm (weight gradients through torch._grouped_mm) takes no Gluon, "
+                             f"resident or TMA fields, got {self}")
         if self.resident_chunks not in range(0, 7 if self.gluon else 5):
             raise ValueError(f"GemmConfig: resident_chunks must be 0..4 (0..6 with gluon), got {self}")
         if self.warp_specialized:
@@ -143,7 +153,7 @@ _RESIDENT_STAGES = {1: 4, 2: 4, 3: 3}
 _OVERRIDES: dict[tuple[str, int, int], GemmConfig] = {}
 
 
-_BOOL_FIELDS = ("tma_b", "tma_a", "gluon", "warp_specialized")
+_BOOL_FIELDS = ("tma_b", "tma_a", "gluon", "warp_specialized", "torch_mm")
 _INT_FIELDS = ("programs_per_sm", "resident_chunks")
 
 
@@ -182,6 +192,8 @@ def parse_tiles_env(text: str) -> dict[str, GemmConfig]:
         if cfg.block_k != table[kind].block_k:
             raise ValueError(f"MEGAMOE_TILES: entry {entry!r}: BLOCK_K must stay {table[kind].block_k} for {kind} "
                              f"(it fixes the reduction order, so another value would change the bits)")
+        if cfg.torch_mm and kind != "wgrad":
+            raise ValueError(f"MEGAMOE_TILES: entry {entry!r}: torch_mm is a weight-gradient (wgrad) field")
         if kind in out:
             raise ValueError(f"MEGAMOE_TILES: {kind} is given twice")
         out[kind] = cfg
@@ -221,6 +233,16 @@ _K_GROUPED_PER_TILE: dict[tuple[int, int], GemmConfig] = {
 _K_GROUPED_GLUON = GemmConfig(128, 128, 64, 8, 5, resident_chunks=5, gluon=True)
 _GLUON_MAX_ROWS = 256
 
+# bf16 experts with more rows than the resident kernel's window: torch._grouped_mm (CUTLASS's SM90 grouped GEMM,
+# cluster-shared operand tiles; bitwise the Triton kernels' result). Interleaved layer A/B on H200 (2026-12-01,
+# session 9, fwd+bwd ms, Triton vs torch, W=1, the backward copying dY and x into row order for it):
+# qwen3-30b-a3b T=4096 / 8192 / 16384 (256 / 512 / 1024 rows per expert) 2.96 vs 2.94, 4.76 vs 4.42, 8.59 vs
+# 7.91; deepseek-v3 T=8192 / 16384 (256 / 512 rows) 48.73 vs 46.81, 88.91 vs 79.58; at ~128 rows (deepseek-v3
+# T=4096, the resident kernel) 30.74 vs 31.58, so the resident window keeps the Triton kernel. It precedes the
+# Gluon kernel's window (beaten at 256 rows). Callers pass allow_torch=False to keep megamoe's kernels (the EP
+# path, not yet measured with it); MEGAMOE_TORCH_WGRAD=0 / 1 turns it off / on everywhere.
+_K_GROUPED_TORCH = GemmConfig(128, 128, 64, 8, 3, torch_mm=True)
+
 
 def _is_half(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
@@ -249,7 +271,8 @@ def _resident_chunks(rows_per_group: float | None, block_k: int) -> int:
 
 
 def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool,
-                     rows_per_group: float | None = None, allow_gluon: bool = True) -> GemmConfig:
+                     rows_per_group: float | None = None, allow_gluon: bool = True,
+                     allow_torch: bool = True) -> GemmConfig:
     """Config of a k-grouped (weight-gradient) GEMM producing [E, M, N].
 
     A pure function of (M, N, dtype, rows_per_group), where rows_per_group is a host-known static
@@ -257,18 +280,22 @@ def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool,
     structure and tile shape, which do not change bits (block_k, hence the reduction order, is fixed per
     dtype), so ranks or batches that estimate differently still agree bitwise. An ``_OVERRIDES`` entry
     for ("wgrad", M, N) wins (sweeps, tests), then a ``MEGAMOE_TILES`` "wgrad" entry; ``allow_gluon=False`` asks for the Triton kernels' entry (the
-    launcher's fallback where the Gluon kernel cannot run; a Gluon override is then skipped)."""
+    launcher's fallback where the Gluon kernel cannot run; a Gluon override is then skipped); likewise
+    ``allow_torch=False`` for torch._grouped_mm (``torch_mm``), which ``MEGAMOE_TORCH_WGRAD=0`` also turns off."""
     if interpret:
         chunks = _resident_chunks(rows_per_group, _INTERPRET.block_k)
         return dataclasses.replace(_INTERPRET, resident_chunks=chunks)
     if not _is_half(dtype):
         return _FP32
+    allow_torch = allow_torch and dtype == torch.bfloat16 and torch_wgrad_mode() != "off"
     override = override_for("wgrad", m, n)
-    if override is not None and (allow_gluon or not override.gluon):
+    if override is not None and (allow_gluon or not override.gluon) and (allow_torch or not override.torch_mm):
         return override
     chunks = _resident_chunks(rows_per_group, _K_GROUPED_RESIDENT.block_k)
     if chunks:
         return dataclasses.replace(_K_GROUPED_RESIDENT, resident_chunks=chunks, num_stages=_RESIDENT_STAGES[chunks])
+    if allow_torch and rows_per_group is not None and rows_per_group > 0:
+        return _K_GROUPED_TORCH
     if allow_gluon and rows_per_group is not None and 0 < rows_per_group <= _GLUON_MAX_ROWS:
         return _K_GROUPED_GLUON
     return _K_GROUPED_PER_TILE.get((m, n), _K_GROUPED_BF16)

@@ -1,24 +1,26 @@
-"""The weight-gradient (k-grouped) GEMMs through ``torch._grouped_mm`` (PyTorch's CUTLASS grouped GEMM): an
-experiment switch for layer A/B runs, off by default.
+"""The weight-gradient (k-grouped) GEMMs through ``torch._grouped_mm`` (PyTorch's CUTLASS grouped GEMM).
 
 Legend: R rows of an expert-grouped row buffer (expert e owns rows ``offsets_E1[e]:offsets_E1[e+1]``), E
 experts, P (R, M) and Q (R, N) row operands, C (E, M, N) = per expert ``P_e^T @ Q_e``.
 
-Why: on one H200 (2026-12-01, seventh session, ``scripts/grouped_mm_vs_torch.py``, docs/perf.md) the w2
-weight gradient on contiguous rows took 0.69 ms with ``torch._grouped_mm`` against 0.94 ms with megamoe's
-Triton kernel at qwen3-30b-a3b T=16384 (~1024 rows per expert), with **bitwise the same** output: both
-reduce an expert's rows from its first row in order with fp32 wgmma accumulation, one cast, no split-K. In
-the layer the weight gradients read gathered rows (dY and x by token), which ``torch._grouped_mm`` cannot
-take, so the switch also makes the backward copy those rows into row order first (megamoe.autograd).
-Whether that pays is what the switch is for (docs/perf.md, ninth session); the seventh session found that
-the same kernel's standalone lead on the m-grouped GEMMs did not carry over to the layer.
+Why: the tile table (megamoe.ops.tile_config, ``GemmConfig.torch_mm``) sends the bf16 weight gradients of
+experts with more rows than the resident Triton kernel keeps on chip (> ~154 expected rows per expert) here.
+Measured on one H200 (2026-12-01, ninth session, interleaved layer A/B, fwd+bwd ms, Triton kernels vs
+torch's, the backward copying dY's and x's rows into row order for it; docs/perf.md): qwen3-30b-a3b T=4096 /
+8192 / 16384 (256 / 512 / 1024 rows per expert) 2.96 vs 2.94, 4.76 vs 4.42, 8.59 vs 7.91; deepseek-v3 T=8192 /
+16384 (256 / 512) 48.73 vs 46.81, 88.91 vs 79.58; but deepseek-v3 T=4096 (128 rows, the resident kernel's
+range) 30.74 vs 31.58. CUTLASS's kernel shares operand tiles across a cluster (TMA multicast), which Triton 3.6
+cannot express, and it reduces an expert's rows in the same order as megamoe's kernels (fp32 wgmma
+accumulation from the first row, one cast, no split-K): its results are **bitwise** the Triton kernels'
+(tests/test_torch_wgrad_gpu.py: experts of 0 to ~1100 rows, rows past the last expert, the layer's output and
+every gradient), so the choice never changes bits, at any EP size.
 
-Switch: ``MEGAMOE_TORCH_WGRAD=1``. Conditions (:func:`torch_wgrad_eligible`, a host-side function of
-dtypes, shapes, strides and the device): a CUDA device of compute capability 9.x, bf16 P, Q and C, rows of
-P and Q not gathered, no preallocated output, P and Q with unit column stride, row strides and base pointers
-16-byte aligned. Anything else runs the Triton kernels. Sync: none (device offsets, no host read);
-CUDA-graph capturable. An expert with no rows must get exact zeros; the GPU test checks it against the
-Triton kernel (tests/test_torch_wgrad_gpu.py).
+Switch ``MEGAMOE_TORCH_WGRAD``: unset (or empty) lets the table decide; ``0`` never uses torch's kernel; ``1``
+uses it wherever the operands allow, whatever the table says (also on the EP path, which keeps megamoe's
+kernels by default until it is measured at EP). Operand conditions (:func:`torch_wgrad_eligible`): a CUDA
+device of compute capability 9.x, bf16 P, Q and C, rows of P and Q not gathered, no preallocated output, unit
+column strides, 16-byte aligned rows and base pointers, M and N multiples of 8; anything else runs the Triton
+kernels. Sync: none (device offsets, no host read); CUDA-graph capturable (GPU test).
 """
 
 from __future__ import annotations
@@ -27,12 +29,24 @@ import os
 
 import torch
 
-__all__ = ["torch_wgrad_enabled", "wgrad_operands_fit", "torch_wgrad_eligible", "torch_wgrad"]
+__all__ = ["torch_wgrad_mode", "torch_wgrad_device", "wgrad_operands_fit", "torch_wgrad_eligible", "torch_wgrad"]
 
 
-def torch_wgrad_enabled() -> bool:
-    """True when ``MEGAMOE_TORCH_WGRAD=1`` and this torch has ``torch._grouped_mm``."""
-    return os.environ.get("MEGAMOE_TORCH_WGRAD") == "1" and hasattr(torch, "_grouped_mm")
+def torch_wgrad_mode() -> str:
+    """``MEGAMOE_TORCH_WGRAD`` as "table" (unset or empty), "off" ("0", or no ``torch._grouped_mm`` in this
+    torch) or "on" ("1"). Raises ValueError for any other value."""
+    value = os.environ.get("MEGAMOE_TORCH_WGRAD", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"MEGAMOE_TORCH_WGRAD must be unset, 0 or 1, got {value!r}")
+    if value == "0" or not hasattr(torch, "_grouped_mm"):
+        return "off"
+    return "on" if value == "1" else "table"
+
+
+def torch_wgrad_device(device: torch.device) -> bool:
+    """True for a CUDA device of compute capability 9.x (where the bitwise equality was measured)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _rows_fit(t: torch.Tensor) -> bool:
@@ -51,11 +65,11 @@ def wgrad_operands_fit(p: torch.Tensor, q: torch.Tensor, out_dtype: torch.dtype)
 
 def torch_wgrad_eligible(p: torch.Tensor, q: torch.Tensor, out_dtype: torch.dtype, *, gathered: bool,
                          has_out: bool) -> bool:
-    """True when the switch is on and ``torch._grouped_mm`` can take these operands: rows not gathered, no
-    preallocated output, a CUDA device of compute capability 9.x, and :func:`wgrad_operands_fit`."""
-    if gathered or has_out or not torch_wgrad_enabled():
+    """True when ``torch._grouped_mm`` can take these operands: rows not gathered, no preallocated output, a
+    device of :func:`torch_wgrad_device`, and :func:`wgrad_operands_fit` (the switch is the caller's)."""
+    if gathered or has_out or not hasattr(torch, "_grouped_mm"):
         return False
-    if not (p.is_cuda and q.is_cuda) or torch.cuda.get_device_capability(p.device)[0] != 9:
+    if not (p.is_cuda and q.is_cuda) or not torch_wgrad_device(p.device):
         return False
     return wgrad_operands_fit(p, q, out_dtype)
 
