@@ -7,8 +7,10 @@ dgrad dx; k-grouped: the dW13 and dW2 weight gradients) at a preset's shapes and
 CPU, and reports registers per thread, spill bytes, shared memory, the blocks that fit per SM, the wgmma
 instruction shape and how each operand reaches shared memory in the loop that holds the MMA (TMA, cp.async,
 or a synchronous load through registers). Weight gradients the table sends to the persistent Gluon kernel
-(~160-256 rows per expert) are reported for the Triton kernel of the same tiles, the launcher's fallback (the
-Gluon kernel has its own compile test, tests/test_wgrad_gluon_compile.py). The specialization is the one a
+are reported for the Triton kernel of the same tiles, the launcher's fallback (the Gluon kernel has its own
+compile test, tests/test_wgrad_gluon_compile.py); those it sends to ``torch._grouped_mm`` (bf16, more than
+~154 rows per expert) for the Triton kernel that runs instead with ``MEGAMOE_TORCH_WGRAD=0`` (gathered rows),
+marked "(torch)"; dgrad + SwiGLU then reads dY's rows ungathered, as the backward copies them for torch. The specialization is the one a
 launch at those shapes gets (Triton specializes integer arguments equal to 1 as constants and marks
 multiples of 16, and 16-byte aligned pointers, as divisible by 16); the argument lists mirror
 ``megamoe.ops.grouped_gemm``'s launchers (a kernel parameter the mirror does not name is an error).
@@ -32,7 +34,7 @@ from ..config import get_preset
 from ..ops.grouped_gemm import _dot_cols, _weight_descriptor
 from ..ops.tile_config import GemmConfig, k_grouped_config, m_grouped_config
 
-__all__ = ["GemmShape", "WgradShape", "layer_gemms", "layer_wgrads", "wgrad_config", "compile_m_grouped",
+__all__ = ["GemmShape", "WgradShape", "torch_wgrad_in_layer", "layer_gemms", "layer_wgrads", "wgrad_config", "compile_m_grouped",
            "compile_k_grouped", "inventory_row", "main"]
 
 HOPPER_SMEM = 227 * 1024  # bytes of shared memory a Hopper thread block can have
@@ -52,13 +54,24 @@ class GemmShape:
     gathered: bool  # A's rows gathered from the token matrix (gate/up, dgrad + SwiGLU at W = 1)
 
 
+def torch_wgrad_in_layer(preset: str, tokens: int) -> bool:
+    """Whether the table sends the routed weight gradients at W = 1 to torch._grouped_mm (on a Hopper GPU,
+    bf16), so that the backward copies dY's rows into row order and dgrad + SwiGLU reads them ungathered."""
+    cfg = get_preset(preset)
+    D, E = cfg.hidden_size, cfg.num_experts
+    R = tokens * cfg.top_k
+    return k_grouped_config(2 * cfg.moe_intermediate_size, D, torch.bfloat16, interpret=False,
+                            rows_per_group=R / E).torch_mm
+
+
 def layer_gemms(preset: str, tokens: int) -> list[GemmShape]:
-    """The four routed-expert m-grouped GEMMs of one forward + backward at W = 1."""
+    """The four routed-expert m-grouped GEMMs of one forward + backward at W = 1 on a Hopper GPU."""
     cfg = get_preset(preset)
     D, F, E, K = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
     R = tokens * K
+    dy_gathered = not torch_wgrad_in_layer(preset, tokens)
     return [GemmShape("gate_up", F, D, R, E, True), GemmShape("down", D, F, R, E, False),
-            GemmShape("dgrad_swiglu", F, D, R, E, True), GemmShape("dgrad", D, 2 * F, R, E, False)]
+            GemmShape("dgrad_swiglu", F, D, R, E, dy_gathered), GemmShape("dgrad", D, 2 * F, R, E, False)]
 
 
 @dataclass(frozen=True)
@@ -253,9 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         T = int(tokens or 4096)
         shapes = [(g, m_grouped_config(g.kind, g.N, g.K, torch.bfloat16, interpret=False))
                   for g in layer_gemms(preset, T)] + [(w, wgrad_config(w)) for w in layer_wgrads(preset, T)]
+        torch_wgrad = torch_wgrad_in_layer(preset, T)
         for g, cfg in shapes:
             r = inventory_row(g, cfg)
-            print(f"{case:24s} {g.kind:13s} {_shown(cfg):34s} {r['registers']:4d} {r['spill_bytes']:7d} "
+            shown = _shown(cfg) + (" (torch)" if torch_wgrad and isinstance(g, WgradShape) else "")
+            print(f"{case:24s} {g.kind:13s} {shown:34s} {r['registers']:4d} {r['spill_bytes']:7d} "
                   f"{r['shared_bytes'] / 1024:8.1f} {r['blocks_per_sm']:6d} {r['tma_loads']:3d} {r['cp_async_loads']:8d} "
                   f"{r['sync_tile_loads']:4d}  {','.join(r['wgmma'])}", flush=True)
     return 0

@@ -127,7 +127,7 @@ _FP32 = GemmConfig(64, 64, 32, 4, 3)
 #   gate_up  tma_b        5.55-5.73 vs 5.78-6.01        | 1.67-1.90 vs 1.75-1.93
 #   down     tma_a+tma_b  3.03 vs 3.17 (3.02 vs 2.95 b) | 0.97 vs 0.91 (within run-to-run spread)
 #   dgrad    128x256 tma  5.70 vs 6.18                  | 1.55 vs 1.73
-#   dgrad_swiglu with tma_b: 1-4% slower (its epilogue, not the loads, limits it): pointer loads kept.
+#   dgrad_swiglu with tma_b: 1-4% slower alone (its epilogue, not the loads, limits it); see its entry.
 # The persistent Gluon kernel for down / dgrad (gluon=True: the TMA ring runs across tiles) is bitwise equal and
 # was not faster (H200 2026-12-01, session 6, same tiles; deepseek-v3 T=4096 / qwen3 T=16384, ms): down 2.76
 # vs 2.65 / 1.14 vs 1.16, dgrad 5.28 vs 5.58 / 1.60 vs 1.56; layer fwd+bwd 31.08 vs 31.25 / 8.85 vs 8.64.
@@ -136,7 +136,11 @@ _M_GROUPED_BF16 = {
     "gate_up": GemmConfig(128, 128, 64, 8, 3, tma_b=True),  # 2 x (128x128) accumulators, 48 KiB smem / stage
     # 128x256x64/3 stages beat 128x128x64/4 on H200 (2026-11-30): qwen3 1.00 vs 1.04 ms, deepseek-v3 2.88 vs 3.25 ms
     "down": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
-    "dgrad_swiglu": GemmConfig(128, 128, 64, 8, 4),
+    # TMA for B, and for A where dY's rows are contiguous (the W=1 backward copies them into row order when the
+    # weight gradients go to torch._grouped_mm, and the EP path receives them so): layer A/B on H200 (2026-12-01,
+    # session 9, fwd+bwd ms, pointer loads vs this, three interleaved rounds): qwen3-30b-a3b T=16384 (A by TMA)
+    # 7.94 vs 7.86, deepseek-v3 T=4096 (A gathered, B by TMA) 30.52 vs 30.48
+    "dgrad_swiglu": GemmConfig(128, 128, 64, 8, 4, tma_b=True, tma_a=True),
     "dgrad": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
 }
 _K_GROUPED_BF16 = GemmConfig(128, 128, 64, 8, 3)
