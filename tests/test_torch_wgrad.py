@@ -1,7 +1,8 @@
 """When torch._grouped_mm takes a weight gradient: the host-side logic, on the CPU.
 
 Proves: ``MEGAMOE_TORCH_WGRAD`` reads as table / off / on and rejects other values; the tile table sends bf16
-weight gradients of more than the resident window's rows per expert to it and nothing else; the operand conditions accept contiguous, 16-byte aligned bf16
+weight gradients of more than the resident window's rows per expert to it and nothing else; the operand
+conditions accept contiguous, 16-byte aligned bf16
 rows and refuse fp16 / fp32, other output dtypes, misaligned bases, non-unit column strides, row strides
 that are not 16-byte multiples, different row counts and M or N not multiples of 8; gathered rows, a
 preallocated output and CPU tensors are never eligible; and the wrapper's call (P^T, offsets without their
@@ -109,3 +110,20 @@ def test_rows_in_order_only_where_torch_runs(monkeypatch):
         monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", value)
         assert not k_grouped_wants_rows_in_order(1536, 2048, BF16, torch.device("cpu"), 1024.0)
         assert not k_grouped_wants_rows_in_order(1536, 2048, torch.float32, torch.device("cpu"), 1024.0)
+
+
+def test_rows_in_order_follows_the_table_on_hopper(monkeypatch):
+    """With a Hopper device assumed (the device check patched): rows are wanted in order exactly where the
+    table picks torch's kernel (more than ~154 rows per expert), everywhere with MEGAMOE_TORCH_WGRAD=1, and
+    nowhere with =0."""
+    from megamoe.ops import grouped_gemm, k_grouped_wants_rows_in_order
+    monkeypatch.setattr(grouped_gemm, "torch_wgrad_device", lambda device: True)
+    monkeypatch.setattr(grouped_gemm, "is_interpreted", lambda kernel: False)
+    want = lambda rows: k_grouped_wants_rows_in_order(1536, 2048, BF16, torch.device("cuda"), rows)
+    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD", raising=False)
+    assert want(1024.0) and want(155.0) and not want(154.0) and not want(128.0)
+    assert not k_grouped_wants_rows_in_order(1536, 2048, torch.float16, torch.device("cuda"), 1024.0)
+    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "1")
+    assert want(128.0) and want(1024.0)
+    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "0")
+    assert not want(1024.0)

@@ -10,7 +10,8 @@ or a synchronous load through registers). Weight gradients the table sends to th
 are reported for the Triton kernel of the same tiles, the launcher's fallback (the Gluon kernel has its own
 compile test, tests/test_wgrad_gluon_compile.py); those it sends to ``torch._grouped_mm`` (bf16, more than
 ~154 rows per expert) for the Triton kernel that runs instead with ``MEGAMOE_TORCH_WGRAD=0`` (gathered rows),
-marked "(torch)"; dgrad + SwiGLU then reads dY's rows ungathered, as the backward copies them for torch. The specialization is the one a
+marked "(torch)"; dgrad + SwiGLU then reads dY's rows ungathered, as the backward copies them for torch.
+The specialization is the one a
 launch at those shapes gets (Triton specializes integer arguments equal to 1 as constants and marks
 multiples of 16, and 16-byte aligned pointers, as divisible by 16); the argument lists mirror
 ``megamoe.ops.grouped_gemm``'s launchers (a kernel parameter the mirror does not name is an error).
@@ -34,7 +35,8 @@ from ..config import get_preset
 from ..ops.grouped_gemm import _dot_cols, _weight_descriptor
 from ..ops.tile_config import GemmConfig, k_grouped_config, m_grouped_config
 
-__all__ = ["GemmShape", "WgradShape", "torch_wgrad_in_layer", "layer_gemms", "layer_wgrads", "wgrad_config", "compile_m_grouped",
+__all__ = ["GemmShape", "WgradShape", "torch_wgrad_in_layer", "layer_gemms", "layer_wgrads", "wgrad_config",
+           "compile_m_grouped",
            "compile_k_grouped", "inventory_row", "main"]
 
 HOPPER_SMEM = 227 * 1024  # bytes of shared memory a Hopper thread block can have
