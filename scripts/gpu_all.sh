@@ -12,7 +12,8 @@
 #   abtiles (layer A/B of tile replacements: the table, then each MEGAMOE_TILES value of the space-separated
 #     $ABTILES, interleaved, $ABTILES_REPS rounds, on $ABTILES_CASES; the benchmark checks each against the
 #     reference first; e.g. ABTILES="dgrad_swiglu:128,256,64,8,3,tma_b=1 dgrad_swiglu:128,128,64,8,4,tma_b=1";
-#     an entry ENV=V[+ENV2=V2]@tiles also sets those variables, e.g. MEGAMOE_PERMUTED_DY=1@dgrad_swiglu:...),
+#     an entry ENV=V[+ENV2=V2]@tiles also sets those variables, e.g. MEGAMOE_PERMUTED_DY=1@dgrad_swiglu:...;
+#     ABTILES_EP=2 runs the EP=2 benchmark instead, e.g. ABTILES_EP=2 ABTILES="MEGAMOE_TORCH_WGRAD=1@"),
 #   profile (scripts/profile_layer.py: the layer's kernels, idle gaps, host and CUDA-graph time; $PROFILE_CASES),
 #   ncu (scripts/ncu_layer.sh: Nsight Compute on the layer's grouped GEMMs, $NCU_CASE),
 #   l2 (scripts/l2_bandwidth.py: L2 -> SM read bandwidth next to the GEMMs' operand-tile traffic),
@@ -80,12 +81,16 @@ for s in "${STAGES[@]}"; do
               --nproc-per-node 2 scripts/comm_bench.py ${COMM_ARGS:-} ;;
     abgluon) for g in 0 1; do MEGAMOE_GLUON=$g stage "abgluon$g" "${LIMIT_ABGLUON:-120}" python3 -m megamoe.bench --quiet \
                --iters "$ITERS" --providers megamoe --cases ${ABGLUON_CASES:-deepseek-v3:8192} --out "$OUT/logs/abgluon$g"; done ;;
-    abtiles) for r in $(seq 1 "${ABTILES_REPS:-2}"); do i=0
+    abtiles) runner=(python3 -m megamoe.bench)  # ABTILES_EP=N (N > 1): the EP benchmark on N GPUs, tokens per rank
+             [[ ${ABTILES_EP:-1} -gt 1 ]] && runner=(python3 -m torch.distributed.run --standalone \
+               --nproc-per-node "$ABTILES_EP" -m megamoe.bench)
+             [[ ${ABTILES_EP:-1} -gt $NGPU ]] && { echo "abtiles: ABTILES_EP=$ABTILES_EP needs $ABTILES_EP GPUs" | tee -a "$summary"; continue; }
+             for r in $(seq 1 "${ABTILES_REPS:-2}"); do i=0
                for t in table ${ABTILES:-}; do
                  [[ $t == table ]] && t=""
                  envs=""; [[ $t == *@* ]] && { envs="${t%%@*}"; t="${t#*@}"; }  # VAR=1+VAR2=0@tiles
                  ( for a in ${envs//+/ }; do export "$a"; done
-                   MEGAMOE_TILES="$t" stage "abtiles_r${r}_${i}" "${LIMIT_ABTILES:-120}" python3 -m megamoe.bench --quiet \
+                   MEGAMOE_TILES="$t" stage "abtiles_r${r}_${i}" "${LIMIT_ABTILES:-120}" "${runner[@]}" --quiet \
                      --iters "$ITERS" --providers megamoe --cases ${ABTILES_CASES:-qwen3-30b-a3b:16384} \
                      --out "$OUT/logs/abtiles_r${r}_${i}" )
                  echo "    (abtiles_r${r}_${i}: ${envs//+/ } MEGAMOE_TILES='$t')" | tee -a "$summary"; i=$((i + 1))
