@@ -160,7 +160,9 @@ def get_preset(name: str, **overrides) -> MoEConfig:
     """The named preset, optionally with fields overridden. Raises KeyError listing valid names, TypeError
     listing valid fields for an unknown override."""
     if name not in PRESETS:
-        raise KeyError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
+        raise KeyError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))} (these are MoE layer "
+                       f"presets; the training demo's model sizes, `python -m megamoe.train --preset`, are "
+                       f"megamoe.train.model.MODEL_PRESETS)")
     cfg = PRESETS[name]
     fields = {f.name for f in dataclasses.fields(MoEConfig)}
     unknown = sorted(set(overrides) - fields)

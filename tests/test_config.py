@@ -55,6 +55,10 @@ def test_config_frozen_and_replace():
     assert c2.shared_intermediate_size == 48 and c.shared_intermediate_size == 32
     with pytest.raises(KeyError, match="valid presets"):
         get_preset("nope")
+    from megamoe.train.model import MODEL_PRESETS
+    for name in set(MODEL_PRESETS) - set(PRESETS):  # a training-model size asked for as a layer preset
+        with pytest.raises(KeyError, match="MODEL_PRESETS"):
+            get_preset(name)
 
 
 def test_local_experts():
