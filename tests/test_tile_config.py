@@ -16,7 +16,7 @@ from megamoe.ops.grouped_gemm import _weight_descriptor
 BF16 = torch.bfloat16
 
 
-def test_table_is_pure_function_of_shape():
+def test_table_is_pure_function_of_shape(monkeypatch):
     for kind in ("gate_up", "down", "dgrad_swiglu", "dgrad"):
         a = m_grouped_config(kind, 2048, 7168, BF16, interpret=False)
         assert a == m_grouped_config(kind, 2048, 7168, BF16, interpret=False)
@@ -32,6 +32,7 @@ def test_table_is_pure_function_of_shape():
         cfg = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=many, allow_torch=False)
         assert cfg.resident_chunks == 0 and cfg.block_k == 64 and not cfg.gluon and not cfg.torch_mm
     # more rows than the resident window, bf16: torch._grouped_mm (tests/test_torch_wgrad.py has the rest)
+    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD", raising=False)
     for many in (155, 160, 256, 300, 4096):
         assert k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=many).torch_mm
     # without it, ~160-256 rows per expert: the persistent Gluon kernel (P on chip up to 5 chunks = 1.25 x 256
@@ -198,3 +199,19 @@ def test_tiles_env_rejects_bad_entries(monkeypatch, text, match):
     monkeypatch.setenv("MEGAMOE_TILES", text)
     with pytest.raises(ValueError, match=match):
         m_grouped_config("down", 2048, 768, BF16, interpret=False)
+
+
+def test_dgrad_swiglu_entry_depends_on_gathered_rows(monkeypatch):
+    """dgrad + SwiGLU: TMA for A and B when dY's rows are contiguous, pointer loads when they are gathered
+    (measured, tile_config); an explicit entry (code or MEGAMOE_TILES) wins in both; other kinds ignore it."""
+    from megamoe.ops import tile_config
+    monkeypatch.delenv("MEGAMOE_TILES", raising=False)
+    rows = m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=False)
+    gathered = m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=False, gathered=True)
+    assert rows.tma_a and rows.tma_b and not gathered.tma_a and not gathered.tma_b
+    assert rows.block_k == gathered.block_k and rows.block_n == gathered.block_n  # same bits, same row-dot count
+    for kind in ("gate_up", "down", "dgrad"):
+        assert m_grouped_config(kind, 768, 2048, BF16, interpret=False, gathered=True) == \
+            m_grouped_config(kind, 768, 2048, BF16, interpret=False)
+    monkeypatch.setenv("MEGAMOE_TILES", "dgrad_swiglu:128,256,64,8,3,tma_b=1")
+    assert m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=False, gathered=True).block_n == 256

@@ -109,7 +109,6 @@ def test_rows_in_order_only_where_torch_runs(monkeypatch):
     for value in ("", "1"):
         monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", value)
         assert not k_grouped_wants_rows_in_order(1536, 2048, BF16, torch.device("cpu"), 1024.0)
-        assert not k_grouped_wants_rows_in_order(1536, 2048, torch.float32, torch.device("cpu"), 1024.0)
 
 
 def test_rows_in_order_follows_the_table_on_hopper(monkeypatch):
@@ -122,8 +121,16 @@ def test_rows_in_order_follows_the_table_on_hopper(monkeypatch):
     want = lambda rows: k_grouped_wants_rows_in_order(1536, 2048, BF16, torch.device("cuda"), rows)
     monkeypatch.delenv("MEGAMOE_TORCH_WGRAD", raising=False)
     assert want(1024.0) and want(155.0) and not want(154.0) and not want(128.0)
-    assert not k_grouped_wants_rows_in_order(1536, 2048, torch.float16, torch.device("cuda"), 1024.0)
+    for dtype in (torch.float16, torch.float32):
+        assert not k_grouped_wants_rows_in_order(1536, 2048, dtype, torch.device("cuda"), 1024.0)
+    # torch's kernel cannot take M or N that are not multiples of 8: no copies for it then
+    assert not k_grouped_wants_rows_in_order(2048, 100, BF16, torch.device("cuda"), 1024.0)
     monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "1")
     assert want(128.0) and want(1024.0)
+    # an explicit wgrad entry for the shape wins over the switch (the launcher then runs it, so no copies)
+    from megamoe.ops import GemmConfig, tile_config
+    monkeypatch.setitem(tile_config._OVERRIDES, ("wgrad", 1536, 2048), GemmConfig(128, 128, 64, 8, 2))
+    assert not want(1024.0)
+    monkeypatch.delitem(tile_config._OVERRIDES, ("wgrad", 1536, 2048))
     monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "0")
     assert not want(1024.0)

@@ -119,7 +119,8 @@ def test_layer_gives_the_same_bits(monkeypatch, on):
 
 def test_layer_few_rows_per_expert_keeps_megamoe_kernels(monkeypatch):
     """~150 rows per expert (the resident kernel's window): the table keeps megamoe's routed weight gradients
-    (only the shared expert's 300-row pair goes to torch) and the backward copies no rows."""
+    (only the shared expert's 300-row pair goes to torch). (Whether the backward copies rows follows
+    k_grouped_wants_rows_in_order, tested on the CPU in tests/test_torch_wgrad.py.)"""
     T, D, F, E, K, S = 300, 256, 192, 6, 3, 128
     case = _make(T, D, F, E, K, S, seed=13)
     dout = torch.randn(T, D, generator=torch.Generator(device=DEV).manual_seed(14), device=DEV).to(BF16)

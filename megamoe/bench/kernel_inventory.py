@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.cases:
         preset, _, tokens = case.partition(":")
         T = int(tokens or 4096)
-        shapes = [(g, m_grouped_config(g.kind, g.N, g.K, torch.bfloat16, interpret=False))
+        shapes = [(g, m_grouped_config(g.kind, g.N, g.K, torch.bfloat16, interpret=False, gathered=g.gathered))
                   for g in layer_gemms(preset, T)] + [(w, wgrad_config(w)) for w in layer_wgrads(preset, T)]
         torch_wgrad = torch_wgrad_in_layer(preset, T)
         for g, cfg in shapes:

@@ -90,7 +90,7 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
     E = b.shape[0]
     kernel = _m_grouped_gemm_kernel
     interpret = is_interpreted(kernel)
-    cfg = m_grouped_config(kind, N, K, b.dtype, interpret=interpret)
+    cfg = m_grouped_config(kind, N, K, b.dtype, interpret=interpret, gathered=a_idx is not None)
     if num_rows == 0 or N == 0:
         return cfg
     if tile_offsets_E1 is None:
@@ -302,7 +302,8 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
         raise ValueError(f"{where}: row_scale_R must be fp32 of shape ({R},)")
     dev = check_device(_m_grouped_gemm_kernel, where, dy=dy, w2_EDF=w2_EDF, offsets_E1=offsets_E1, gu_RG=gu_RG,
                        gather_idx_R=gather_idx_R, row_scale_R=row_scale_R)
-    cfg = m_grouped_config("dgrad_swiglu", F, D, w2_EDF.dtype, interpret=is_interpreted(_m_grouped_gemm_kernel))
+    cfg = m_grouped_config("dgrad_swiglu", F, D, w2_EDF.dtype, interpret=is_interpreted(_m_grouped_gemm_kernel),
+                           gathered=gather_idx_R is not None)
     num_p = triton.cdiv(F, _dot_cols(cfg))
     dgu = torch.empty((R, 2 * F), dtype=dy.dtype, device=dev)
     hs = torch.empty((R, F), dtype=dy.dtype, device=dev)
@@ -319,11 +320,17 @@ def k_grouped_wants_rows_in_order(m: int, n: int, dtype: torch.dtype, device: to
     ``dtype`` with ~rows_per_group rows per expert, had it contiguous rows (the table's ``torch_mm``, or
     ``MEGAMOE_TORCH_WGRAD=1``, on a Hopper GPU, bf16): a caller whose rows are gathered by token should then
     copy them into row order first (megamoe.autograd). A host-side function of shapes: no sync."""
-    if dtype != torch.bfloat16 or is_interpreted(_k_grouped_gemm_kernel) or not torch_wgrad_device(device):
+    if (dtype != torch.bfloat16 or m % 8 or n % 8 or is_interpreted(_k_grouped_gemm_kernel)
+            or not torch_wgrad_device(device)):
         return False
-    mode = torch_wgrad_mode()
-    return mode == "on" or (mode == "table" and k_grouped_config(m, n, dtype, interpret=False,
-                                                                 rows_per_group=rows_per_group).torch_mm)
+    return (k_grouped_config(m, n, dtype, interpret=False, rows_per_group=rows_per_group).torch_mm
+            or _torch_wgrad_forced(m, n))
+
+
+def _torch_wgrad_forced(m: int, n: int) -> bool:
+    """``MEGAMOE_TORCH_WGRAD=1`` and no explicit wgrad entry for (m, n) (an override in code or MEGAMOE_TILES
+    wins over the switch, so tests and sweeps of megamoe's own kernels keep them)."""
+    return torch_wgrad_mode() == "on" and tile_config.override_for("wgrad", m, n) is None
 
 
 def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
@@ -348,7 +355,8 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     ``allow_torch``; the launcher falls back to the Triton kernels wherever the Gluon or torch kernel cannot
     take the operands). An expert with no rows gets exact zeros. Sync: none.
     allow_torch: False keeps megamoe's own kernels (the EP path, until measured); ``MEGAMOE_TORCH_WGRAD=1``
-    overrides it, ``=0`` turns torch's kernel off everywhere.
+    overrides it (but not an explicit wgrad entry in code or ``MEGAMOE_TILES``), ``=0`` turns torch's kernel
+    off everywhere.
     """
     where = "k_grouped_mm"
     _check_2d("p", p, where)
@@ -369,7 +377,7 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     interpret = is_interpreted(kernel)
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
     cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_torch=allow_torch)
-    if ((cfg.torch_mm or torch_wgrad_mode() == "on") and R > 0 and E * M * N > 0
+    if ((cfg.torch_mm or _torch_wgrad_forced(M, N)) and R > 0 and E * M * N > 0
             and torch_wgrad_eligible(p, q, out_dtype or p.dtype, has_out=out is not None,
                                      gathered=p_idx_R is not None or q_idx_R is not None)):
         return torch_wgrad(p, q, offsets_E1)  # torch._grouped_mm (megamoe.ops.torch_grouped_mm): the same bits

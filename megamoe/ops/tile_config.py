@@ -136,13 +136,16 @@ _M_GROUPED_BF16 = {
     "gate_up": GemmConfig(128, 128, 64, 8, 3, tma_b=True),  # 2 x (128x128) accumulators, 48 KiB smem / stage
     # 128x256x64/3 stages beat 128x128x64/4 on H200 (2026-11-30): qwen3 1.00 vs 1.04 ms, deepseek-v3 2.88 vs 3.25 ms
     "down": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
-    # TMA for B, and for A where dY's rows are contiguous (the W=1 backward copies them into row order when the
-    # weight gradients go to torch._grouped_mm, and the EP path receives them so): layer A/B on H200 (2026-12-01,
-    # session 9, fwd+bwd ms, pointer loads vs this, three interleaved rounds): qwen3-30b-a3b T=16384 (A by TMA)
-    # 7.94 vs 7.86, deepseek-v3 T=4096 (A gathered, B by TMA) 30.52 vs 30.48
+    # dY's rows contiguous (the W=1 backward copies them into row order when the weight gradients go to
+    # torch._grouped_mm; the EP path receives them so): TMA for A and B. Layer A/B on H200 (2026-12-01, session 9,
+    # fwd+bwd ms, pointer loads vs this, qwen3-30b-a3b T=16384): 8.59 vs 8.51 and 7.94 vs 7.86 (two runs, 2 and 3
+    # interleaved rounds). Gathered rows: _DGRAD_SWIGLU_GATHERED below.
     "dgrad_swiglu": GemmConfig(128, 128, 64, 8, 4, tma_b=True, tma_a=True),
     "dgrad": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
 }
+# dgrad + SwiGLU with dY's rows gathered (A by pointer loads): B by TMA was 1-4% slower alone (session 2) and in
+# the layer +0.41 and -0.04 ms on deepseek-v3 T=4096 in two session-9 A/Bs, so pointer loads stay.
+_DGRAD_SWIGLU_GATHERED = GemmConfig(128, 128, 64, 8, 4)
 _K_GROUPED_BF16 = GemmConfig(128, 128, 64, 8, 3)
 # few rows per expert (weight gradients at W = 1, 2): P chunks kept on chip, see k_grouped_config. Stages
 # matter most (H200 2026-11-30 session 3, deepseek-v3 T=4096, ~128 rows per expert, 3 chunks: dW13 6.36 ms
@@ -252,14 +255,18 @@ def _is_half(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
-def m_grouped_config(kind: str, n: int, k: int, dtype: torch.dtype, *, interpret: bool) -> GemmConfig:
-    """Config of an m-grouped GEMM of ``kind`` with N output columns and reduction size K (pure function)."""
+def m_grouped_config(kind: str, n: int, k: int, dtype: torch.dtype, *, interpret: bool,
+                     gathered: bool = False) -> GemmConfig:
+    """Config of an m-grouped GEMM of ``kind`` with N output columns and reduction size K (pure function);
+    ``gathered``: A's rows are gathered from a token matrix (only dgrad + SwiGLU has its own entry for it)."""
     if kind not in _M_GROUPED_BF16:
         raise ValueError(f"m_grouped_config: unknown kind {kind!r}; valid: {sorted(_M_GROUPED_BF16)}")
     if interpret:
         return _INTERPRET
     if not _is_half(dtype):
         return _FP32
+    if gathered and kind == "dgrad_swiglu":
+        return override_for(kind, n, k) or _DGRAD_SWIGLU_GATHERED
     return override_for(kind, n, k) or _M_GROUPED_BF16[kind]
 
 
