@@ -218,8 +218,8 @@ else:
         orig = gg.m_grouped_config
         for block_n in (128, 256):
             cfg = GemmConfig(16, block_n, 16, 4, 1)
-            monkeypatch.setattr(gg, "m_grouped_config", lambda kind, n, k, dtype, *, interpret, cfg=cfg:
-                                cfg if kind == "dgrad_swiglu" else orig(kind, n, k, dtype, interpret=interpret))
+            monkeypatch.setattr(gg, "m_grouped_config", lambda kind, n, k, dtype, *, interpret, cfg=cfg, **kw:
+                                cfg if kind == "dgrad_swiglu" else orig(kind, n, k, dtype, interpret=interpret, **kw))
             _, _, part = swiglu_dgrad(x, w2, plan.offsets_E1, gu, gather_idx_R=plan.row_token_N)
             assert part.shape == (R, 3), (block_n, part.shape)
             err = (part.double() - want).abs().max().item()
