@@ -29,7 +29,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .m_grouped_gluon import gluon_m_grouped_eligible, launch_gluon_m_grouped
-from .torch_grouped_mm import torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, torch_wgrad_mode
+from .torch_grouped_mm import (torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, torch_wgrad_mode,
+                               wgrad_shape_fits)
 from .wgrad_gluon import gluon_wgrad_eligible, launch_gluon_wgrad
 from .routing import tile_offsets_for
 from . import tile_config
@@ -320,7 +321,7 @@ def k_grouped_wants_rows_in_order(m: int, n: int, dtype: torch.dtype, device: to
     ``dtype`` with ~rows_per_group rows per expert, had it contiguous rows (the table's ``torch_mm``, or
     ``MEGAMOE_TORCH_WGRAD=1``, on a Hopper GPU, bf16): a caller whose rows are gathered by token should then
     copy them into row order first (megamoe.autograd). A host-side function of shapes: no sync."""
-    if (dtype != torch.bfloat16 or m % 8 or n % 8 or is_interpreted(_k_grouped_gemm_kernel)
+    if (not wgrad_shape_fits(m, n, dtype) or is_interpreted(_k_grouped_gemm_kernel)
             or not torch_wgrad_device(device)):
         return False
     return (k_grouped_config(m, n, dtype, interpret=False, rows_per_group=rows_per_group).torch_mm

@@ -30,7 +30,7 @@ import os
 
 import torch
 
-__all__ = ["torch_wgrad_mode", "torch_wgrad_device", "wgrad_operands_fit", "torch_wgrad_eligible", "torch_wgrad"]
+__all__ = ["torch_wgrad_mode", "torch_wgrad_device", "wgrad_shape_fits", "wgrad_operands_fit", "torch_wgrad_eligible", "torch_wgrad"]
 
 
 def torch_wgrad_mode() -> str:
@@ -50,6 +50,11 @@ def torch_wgrad_device(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
+def wgrad_shape_fits(m: int, n: int, dtype: torch.dtype) -> bool:
+    """The shape-level part of :func:`wgrad_operands_fit`: bf16, and M and N multiples of 8 (16-byte rows)."""
+    return dtype == torch.bfloat16 and m % 8 == 0 and n % 8 == 0
+
+
 def _rows_fit(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
@@ -57,11 +62,9 @@ def _rows_fit(t: torch.Tensor) -> bool:
 def wgrad_operands_fit(p: torch.Tensor, q: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """The operand conditions alone (CPU-testable): bf16 P, Q and C, both (R, .) with unit column stride,
     16-byte aligned rows and base pointers, the same number of rows, and M, N multiples of 8."""
-    if p.dtype != torch.bfloat16 or q.dtype != torch.bfloat16 or out_dtype != torch.bfloat16:
+    if p.dtype != q.dtype or out_dtype != p.dtype or not wgrad_shape_fits(p.shape[-1], q.shape[-1], p.dtype):
         return False
-    if not (_rows_fit(p) and _rows_fit(q)) or p.shape[0] != q.shape[0]:
-        return False
-    return p.shape[1] % 8 == 0 and q.shape[1] % 8 == 0
+    return _rows_fit(p) and _rows_fit(q) and p.shape[0] == q.shape[0]
 
 
 def torch_wgrad_eligible(p: torch.Tensor, q: torch.Tensor, out_dtype: torch.dtype, *, gathered: bool,
