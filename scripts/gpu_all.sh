@@ -13,7 +13,8 @@
 #     $ABTILES, interleaved, $ABTILES_REPS rounds, on $ABTILES_CASES; the benchmark checks each against the
 #     reference first; e.g. ABTILES="dgrad_swiglu:128,256,64,8,3,tma_b=1 dgrad_swiglu:128,128,64,8,4,tma_b=1";
 #     an entry ENV=V[+ENV2=V2]@tiles also sets those variables, e.g. MEGAMOE_PERMUTED_DY=1@dgrad_swiglu:...;
-#     ABTILES_EP=2 runs the EP=2 benchmark instead, e.g. ABTILES_EP=2 ABTILES="MEGAMOE_TORCH_WGRAD=1@"),
+#     ABTILES_EP=2 runs the EP=2 benchmark instead, e.g. ABTILES_EP=2 ABTILES="MEGAMOE_TORCH_WGRAD=1@";
+#     ABTILES_PROVIDERS (default megamoe), e.g. "megamoe megamoe-ep": the EP path on a one-rank group too),
 #   profile (scripts/profile_layer.py: the layer's kernels, idle gaps, host and CUDA-graph time; $PROFILE_CASES),
 #   ncu (scripts/ncu_layer.sh: Nsight Compute on the layer's grouped GEMMs, $NCU_CASE),
 #   l2 (scripts/l2_bandwidth.py: L2 -> SM read bandwidth next to the GEMMs' operand-tile traffic),
@@ -32,7 +33,7 @@ STAGES=("$@")
 [[ ${#STAGES[@]} -eq 0 ]] && STAGES=(tests bench1 bench2 train trainck)
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 ITERS="${ITERS:-10}"
-EP="${EP:-2}"   # EP size of the bench2 stage; the tests stage takes MEGAMOE_TEST_EP_SIZES (default "2")
+EP="${EP:-2}"   # EP size of the bench2 stage; the tests stage takes MEGAMOE_TEST_EP_SIZES (default "1,2")
 # 8-GPU run (issue 7): EP=8 MEGAMOE_TEST_EP_SIZES=2,4,8 \
 #   BENCH2_CASES="deepseek-v3:4096 deepseek-v3:2048 kimi-k2:4096 kimi-k2:2048 mok-bench:4096 mok-bench:2048" \
 #   scripts/gpu_all.sh tests bench2
@@ -52,7 +53,7 @@ stage() {  # stage NAME LIMIT CMD...
 
 for s in "${STAGES[@]}"; do
   case $s in
-    tests) stage tests "${LIMIT_TESTS:-300}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=10 \
+    tests) stage tests "${LIMIT_TESTS:-480}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=10 \
               tests/test_fused_gpu.py tests/test_wgrad_gluon_gpu.py tests/test_m_grouped_gluon_gpu.py tests/test_torch_wgrad_gpu.py \
               tests/test_ep_gpu.py ;;
     gluon) stage gluon "${LIMIT_GLUON:-200}" python3 -m pytest -q -ra -m gpu tests/test_m_grouped_gluon_gpu.py tests/test_wgrad_gluon_gpu.py \
@@ -91,7 +92,7 @@ for s in "${STAGES[@]}"; do
                  envs=""; [[ $t == *@* ]] && { envs="${t%%@*}"; t="${t#*@}"; }  # VAR=1+VAR2=0@tiles
                  ( for a in ${envs//+/ }; do export "$a"; done
                    MEGAMOE_TILES="$t" stage "abtiles_r${r}_${i}" "${LIMIT_ABTILES:-120}" "${runner[@]}" --quiet \
-                     --iters "$ITERS" --providers megamoe --cases ${ABTILES_CASES:-qwen3-30b-a3b:16384} \
+                     --iters "$ITERS" --providers ${ABTILES_PROVIDERS:-megamoe} --cases ${ABTILES_CASES:-qwen3-30b-a3b:16384} \
                      --out "$OUT/logs/abtiles_r${r}_${i}" )
                  echo "    (abtiles_r${r}_${i}: ${envs//+/ } MEGAMOE_TILES='$t')" | tee -a "$summary"; i=$((i + 1))
                done; done

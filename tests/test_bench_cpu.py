@@ -47,9 +47,9 @@ def test_single_process_all_cpu_providers(tmp_path):
     _trace(trace)
     out = tmp_path / "out"
     assert main(FAST + ["--cases", "tiny:37", "--routing", "uniform", "zipf:1.5", f"trace:{trace}",
-                        "--providers", "reference", "torch", "megamoe", "nccl", "--out", str(out)]) == 0
+                        "--providers", "reference", "torch", "megamoe", "nccl", "megamoe-ep", "--out", str(out)]) == 0
     rows, js = _read(out)
-    assert len(rows) == 3 * 4
+    assert len(rows) == 3 * 5
     by = {(r["routing"], r["provider"]): r for r in rows}
     for routing in ("uniform", "zipf:1.5", f"trace:{trace}"):
         for p in ("reference", "torch"):
@@ -57,6 +57,8 @@ def test_single_process_all_cpu_providers(tmp_path):
             assert r["status"] == "ok", r
             assert float(r["fwdbwd_ms"]) > 0 and float(r["tflops"]) > 0 and r["check_worst"]
         assert by[(routing, "nccl")]["status"] == "skip"  # EP-only provider at W = 1
+        ep1 = by[(routing, "megamoe-ep")]  # the EP path on a one-rank group needs CUDA
+        assert ep1["status"] == "skip" and "CUDA" in ep1["note"], ep1
         assert by[(routing, "megamoe")]["status"] in ("ok", "skip")  # skip until the fused path lands
     assert float(by[("uniform", "reference")]["speedup_vs_torch"]) > 0
     meta = js["meta"]
@@ -71,7 +73,7 @@ def _ep_worker(rank, world, port, out_dir):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     rc = main(FAST + ["--cases", "tiny:16", "--routing", "zipf", "--providers", "reference", "nccl", "megamoe",
-                      "symm-vdev", "torch", "--no-ceilings", "--out", out_dir])
+                      "symm-vdev", "torch", "megamoe-ep", "--no-ceilings", "--out", out_dir])
     assert rc == 0  # the process group the harness made is torn down by spawn_ranks, after the report
 
 
@@ -83,6 +85,7 @@ def test_ep2_gloo(tmp_path):
     by = {r["provider"]: r for r in rows}
     assert by["reference"]["status"] == "ok" and by["nccl"]["status"] == "ok", rows
     assert by["torch"]["status"] == "skip" and by["symm-vdev"]["status"] == "skip"
+    assert by["megamoe-ep"]["status"] == "skip" and "one-GPU" in by["megamoe-ep"]["note"]
     assert float(by["reference"]["speedup_vs_nccl"]) > 0
     assert js["meta"]["world_size"] == 2 and int(by["nccl"]["dispatch_bytes"]) > 0
 

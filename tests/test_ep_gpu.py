@@ -1,7 +1,9 @@
 """Expert parallelism on W GPUs (one spawned process per GPU, NCCL + symmetric memory).
 
-The EP sizes come from the launch: ``MEGAMOE_TEST_EP_SIZES`` (comma-separated, default "2"; e.g. "2,4,8"
-on an 8-GPU machine); sizes larger than the visible GPU count are skipped. For each W one spawned group
+The EP sizes come from the launch: ``MEGAMOE_TEST_EP_SIZES`` (comma-separated, default "1,2"; e.g. "1,2,4,8"
+on an 8-GPU machine); sizes larger than the visible GPU count are skipped. W = 1 (one process, a one-rank
+NCCL group, symmetric memory of one rank) runs the EP path's kernels on a one-GPU machine: the same code as
+W > 1, with the pool of the only rank as the "peer" memory. For each W one spawned group
 runs every case (process start and NCCL init cost more than the cases) and returns a report; the tests
 below assert on it. Proves, for each W, bf16:
   * output, input gradient, routing-weight gradient and the local experts' weight gradients are bitwise
@@ -11,7 +13,9 @@ below assert on it. Proves, for each W, bf16:
   * routings: uniform, Zipf, one hot expert, every token on rank 0's experts, a rank with 0 tokens,
     ties; capacity forcing several rounds; 50 repeated runs bitwise equal; clean under
     ``torch.cuda.set_sync_debug_mode("error")``; CUDA-graph capture and replay; a peer that never
-    calls gives EPTimeoutError naming rank and stage within a few seconds.
+    calls gives EPTimeoutError naming rank and stage within a few seconds (W > 1);
+  * the weight gradients through ``torch._grouped_mm`` (``MEGAMOE_TORCH_WGRAD=1`` forces it on the EP
+    path's contiguous receive buffers) keep every bit (case "torch_wgrad").
 
 Legend: W ranks, T tokens of a rank, K top-k, D hidden, F FFN, E experts, L = E / W, S shared FFN.
 """
@@ -24,10 +28,10 @@ import torch
 
 from ep_utils import routing, spawn_ranks
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+pytestmark = [pytest.mark.gpu]
 
 D, F, K, S = 256, 128, 4, 128
-EP_SIZES = [int(w) for w in os.environ.get("MEGAMOE_TEST_EP_SIZES", "2").split(",") if w.strip()]
+EP_SIZES = [int(w) for w in os.environ.get("MEGAMOE_TEST_EP_SIZES", "1,2").split(",") if w.strip()]
 
 
 def _num_experts(W: int) -> int:
@@ -57,7 +61,29 @@ def _leaf(t):
     return t.detach().clone().requires_grad_(True)
 
 
-def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1):
+def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
+    """One routing case; with ``env`` set for its duration, and then counting the calls of torch's
+    weight-gradient kernel (megamoe.ops.grouped_gemm.torch_wgrad), so a case that means to run it can
+    check that it did."""
+    import megamoe.ops.grouped_gemm as gg
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    real, calls = gg.torch_wgrad, []
+    gg.torch_wgrad = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats)
+        r["torch_wgrad_calls"] = len(calls)
+        return r
+    finally:
+        gg.torch_wgrad = real
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats):
     from megamoe import reference as ref
     from megamoe.functional import moe_experts
     from megamoe.functional_ep import moe_experts_ep
@@ -113,9 +139,11 @@ def _suite(rank, W):
     cases = {"uniform": (per_rank(64, 48), "uniform", None, 1), "zipf": (per_rank(80), "zipf", None, 1),
              "hot": (per_rank(64), "hot", None, 1), "one_rank": (per_rank(64), "one_rank", None, 1),
              "zero_tokens": (per_rank(96, 0), "uniform", None, 1), "ties": (per_rank(40, 56), "ties", None, 1),
-             "rounds": (per_rank(64), "one_rank", 128, 1), "repeat50": (per_rank(64, 48), "uniform", None, 50)}
+             "rounds": (per_rank(64), "one_rank", 128, 1), "repeat50": (per_rank(64, 48), "uniform", None, 50),
+             "torch_wgrad": (per_rank(64, 48), "zipf", None, 2)}
+    envs = {"torch_wgrad": {"MEGAMOE_TORCH_WGRAD": "1"}}  # both sides (EP and EP=1 fused) through torch's kernel
     for name, (Ts, kind, cap, reps) in cases.items():
-        rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps)
+        rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, env=envs.get(name))
     dev = torch.device("cuda", rank)
     w13, w2, s13, s2, xs, ids, ws, gos = _inputs([64] * W, "uniform", 7, dev)
     L = E // W
@@ -157,8 +185,8 @@ def _suite(rank, W):
     torch.cuda.synchronize()
     get_workspace(group, num_tokens=64, hidden=D, top_k=K, num_experts=E, dtype=torch.bfloat16, device=dev).check()
     dist.barrier()
-    # a peer that never calls: rank 1 stays out, rank 0 must get a readable error within seconds
-    if rank == 0:
+    # a peer that never calls: rank 1 stays out, rank 0 must get a readable error within seconds (W > 1)
+    if rank == 0 and W > 1:
         t0 = time.time()
         moe_experts_ep(*args(xs[0]), group=group, timeout_s=2.0)
         ws_ = get_workspace(group, num_tokens=64, hidden=D, top_k=K, num_experts=E, dtype=torch.bfloat16, device=dev)
@@ -171,7 +199,8 @@ def _suite(rank, W):
     return rep
 
 
-@pytest.fixture(scope="module", params=EP_SIZES, ids=[f"W{w}" for w in EP_SIZES])
+@pytest.fixture(scope="module", ids=[f"W{w}" for w in EP_SIZES],
+                params=[pytest.param(w, marks=[pytest.mark.multigpu] if w > 1 else []) for w in EP_SIZES])
 def report(request):
     W = request.param
     if torch.cuda.device_count() < W:
@@ -179,7 +208,7 @@ def report(request):
     return spawn_ranks(_suite, W, cuda=True, timeout=400)
 
 
-CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50"]
+CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50", "torch_wgrad"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -190,6 +219,15 @@ def test_bitwise_equal_to_single_gpu_fused(report, case):
         assert c["out_eq"] and c["dx_eq"] and c["dw_eq"], f"rank {r}: {case}: {c}"
         assert c["d13_eq"] and c["d2_eq"], f"rank {r}: {case}: expert weight gradients differ"
         assert c["tol_ok"], f"rank {r}: error vs fp64 {c['err']}"
+
+
+def test_torch_wgrad_case_ran_torch_kernel(report):
+    for r, rep in enumerate(report):
+        # per repeat: dw2 and dw13 on the EP side (receive buffers; the shared expert's too where this
+        # rank has tokens) and on the EP=1 fused side (row copies): at least 2 per repeat
+        assert rep["torch_wgrad"]["torch_wgrad_calls"] >= 2 * 2, (r, rep["torch_wgrad"]["torch_wgrad_calls"])
+        if os.environ.get("MEGAMOE_TORCH_WGRAD", "") == "":  # the table: ~16 rows per expert, our kernels
+            assert rep["uniform"]["torch_wgrad_calls"] == 0, (r, rep["uniform"]["torch_wgrad_calls"])
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -214,6 +252,8 @@ def test_sync_free_and_cuda_graph(report):
 
 
 def test_silent_peer_times_out(report):
+    if len(report) == 1:
+        pytest.skip("W = 1 has no peer to stay silent")
     msg, secs = report[0]["timeout"]
     assert f"rank 0 of {len(report)}" in msg and "from rank" in msg and "dispatch" in msg, msg
     assert secs < 10, secs

@@ -14,11 +14,16 @@ received by this rank.
 * ``deepep``: DeepEP when importable; this harness has no adapter for it yet, so it is reported as such.
 * ``megamoe`` / ``reference`` under EP: :func:`megamoe.functional_ep.moe_experts_ep` (fused path) and
   :func:`megamoe.reference_ep.moe_experts_ep` (the plain-PyTorch EP spec).
+* ``megamoe-ep`` (one GPU, no torchrun): the same EP path on a one-rank NCCL group that this process creates
+  (pull dispatch from its own pool, push combine, receive buffers, rounds): what the exchange machinery costs
+  at W = 1 against ``megamoe``'s direct path, and the EP path's GEMMs measurable on a one-GPU machine (at
+  W = 1 with M tokens a local expert gets M*K/E rows, as at EP = W with M / W tokens per rank).
 """
 
 from __future__ import annotations
 
 import importlib
+import socket
 import warnings
 
 import torch
@@ -31,7 +36,7 @@ from .providers import Context, Provider, swiglu_grouped, weighted_sum
 # torch >= 2.12 marks the autograd-aware all_to_all_single deprecated; it is still the recipe's call.
 warnings.filterwarnings("ignore", message=".*nn.functional.all_to_all_single is deprecated.*")
 
-__all__ = ["EP_PROVIDERS", "nccl_moe_experts_ep", "build_megamoe_ep", "build_reference_ep"]
+__all__ = ["EP_PROVIDERS", "nccl_moe_experts_ep", "build_megamoe_ep", "build_reference_ep", "one_rank_group"]
 
 
 def _inverse(order_N: torch.Tensor) -> torch.Tensor:
@@ -92,6 +97,38 @@ def build_megamoe_ep(prob, ctx: Context):
     return fn
 
 
+def one_rank_group(device: torch.device):
+    """The default process group of this single process: NCCL, one rank, created on first use (a free
+    localhost port). Raises RuntimeError if a default group of more than one rank already exists."""
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                device_id=device)
+    if dist.get_world_size() != 1:
+        raise RuntimeError(f"megamoe-ep provider: a default process group of {dist.get_world_size()} ranks "
+                           "exists; under torchrun use the megamoe provider")
+    return dist.group.WORLD
+
+
+def _one_rank_unavailable(ctx: Context, prob) -> str | None:
+    if ctx.world_size > 1:
+        return "one-GPU provider (under torchrun the megamoe provider runs the EP path)"
+    if ctx.device.type != "cuda":
+        return "the EP path needs CUDA (symmetric memory)"
+    return None
+
+
+def _build_megamoe_one_rank(prob, ctx: Context):
+    group = one_rank_group(ctx.device)
+    fused = importlib.import_module("megamoe.functional_ep").moe_experts_ep
+
+    def fn(*args):
+        return fused(*args, group=group)
+    return fn
+
+
 def build_reference_ep(prob, ctx: Context):
     from .. import reference_ep
 
@@ -129,6 +166,9 @@ EP_PROVIDERS = [
              "autograd, local permute, torch._grouped_mm", _ep_only, _build_nccl),
     Provider("symm-vdev", True, "symmetric memory all_to_all_vdev_2d / _2d_offset (NVSHMEM) + "
              "torch._grouped_mm (local experts <= 16)", _symm_unavailable, _build_symm),
+    Provider("megamoe-ep", False, "megamoe's EP path (functional_ep.moe_experts_ep) on a one-rank group: "
+             "the exchange machinery at W = 1 (one GPU, no torchrun)", _one_rank_unavailable,
+             _build_megamoe_one_rank),
     Provider("deepep", True, "DeepEP (external; skipped when not importable)", _deepep_unavailable,
              lambda prob, ctx: None),
 ]
