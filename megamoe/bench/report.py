@@ -122,7 +122,8 @@ def run_metadata(device: torch.device, world_size: int, args: dict) -> dict:
         "settings": args,
         # the library's environment switches: tile replacements, the Gluon kernels, the permuted-dY experiment
         "env": {k: os.environ[k]
-                for k in ("MEGAMOE_TILES", "MEGAMOE_GLUON", "MEGAMOE_PERMUTED_DY", "MEGAMOE_TORCH_WGRAD")
+                for k in ("MEGAMOE_TILES", "MEGAMOE_GLUON", "MEGAMOE_PERMUTED_DY", "MEGAMOE_TORCH_WGRAD",
+                          "MEGAMOE_SIDE_COPY")
                 if k in os.environ},
     }
 

@@ -93,8 +93,8 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
         _, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=True)
         dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False)
         if need_shared:
-            ds2 = k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype, allow_torch=False)[0]
-            ds13 = k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype, allow_torch=False)[0]
+            ds2 = k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype)[0]
+            ds13 = k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype)[0]
         dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2)
         del gus_TH, dgus_TH, hs_TS
     elif shared_w13_HD is not None and need_shared:
@@ -125,12 +125,13 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
             gate_up_swiglu(bufs.xr_CD, w13_LGD, roff, save_preact=True, out=h_CF, preact_out=gu_CG)
         dgu_CG, hw_CF, part_CP = swiglu_dgrad(bufs.gr_CD, w2_LDF, roff, gu_CG, row_scale_R=bufs.wr_C, row_dot=True)
         if need_w2:
-            g = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=wdt or w2_LDF.dtype, rows_per_group=rows_est,
-                                 allow_torch=False)  # torch's kernel: not yet measured at EP
+            # the receive buffers' rows are contiguous, so the table's torch._grouped_mm (more than ~154 rows
+            # per expert) needs no row copies here (docs/perf.md, tenth session); several rounds accumulate
+            # in fp32, which only megamoe's kernels write
+            g = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=wdt or w2_LDF.dtype, rows_per_group=rows_est)
             dw2 = g if one_round else dw2.add_(g)
         if need_w13:
-            g = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=wdt or w13_LGD.dtype, rows_per_group=rows_est,
-                                 allow_torch=False)
+            g = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=wdt or w13_LGD.dtype, rows_per_group=rows_est)
             dw13 = g if one_round else dw13.add_(g)
         dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff)
         P = part_CP.shape[1]

@@ -355,7 +355,7 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     which the table picks for bf16 groups of more than ~154 rows when the rows are contiguous and
     ``allow_torch``; the launcher falls back to the Triton kernels wherever the Gluon or torch kernel cannot
     take the operands). An expert with no rows gets exact zeros. Sync: none.
-    allow_torch: False keeps megamoe's own kernels (the EP path, until measured); ``MEGAMOE_TORCH_WGRAD=1``
+    allow_torch: False keeps megamoe's own kernels; ``MEGAMOE_TORCH_WGRAD=1``
     overrides it (but not an explicit wgrad entry in code or ``MEGAMOE_TILES``), ``=0`` turns torch's kernel
     off everywhere.
     """

@@ -246,9 +246,12 @@ _GLUON_MAX_ROWS = 256
 # qwen3-30b-a3b T=4096 / 8192 / 16384 (256 / 512 / 1024 rows per expert) 2.96 vs 2.94, 4.76 vs 4.42, 8.59 vs
 # 7.91; deepseek-v3 T=8192 / 16384 (256 / 512 rows) 48.73 vs 46.81, 88.91 vs 79.58; at ~128 rows (deepseek-v3
 # T=4096, the resident kernel) 30.74 vs 31.58, so the resident window keeps the Triton kernel. It precedes the
-# Gluon kernel's window (beaten at 256 rows on deepseek-v3; between ~155 and 256 rows not measured, a choice by
-# extrapolation). Callers pass allow_torch=False to keep megamoe's kernels (the EP
-# path, not yet measured with it); MEGAMOE_TORCH_WGRAD=0 / 1 turns it off / on everywhere.
+# Gluon kernel's window (beaten at 256 rows on deepseek-v3, and at 192 rows: deepseek-v3 T=6144 39.41 vs 40.34
+# ms with MEGAMOE_TORCH_WGRAD=0, session 10; between ~155 and 192 rows not measured). The EP path's receive
+# buffers are contiguous (no copies): its layer at W = 1 (provider megamoe-ep), deepseek-v3 M=8192 (256 rows
+# per local expert) 52.01 -> 49.66 ms with torch's kernel, mok-bench M=4096 (64 rows, resident window) 52.47 ->
+# 54.87 when forced (session 10). Callers pass allow_torch=False to keep megamoe's kernels;
+# MEGAMOE_TORCH_WGRAD=0 / 1 turns it off / on everywhere.
 _K_GROUPED_TORCH = GemmConfig(128, 128, 64, 8, 3, torch_mm=True)
 
 
