@@ -40,9 +40,7 @@ also read by swiglu_dgrad without a gather) and x's rows (``x[row_token]``) into
 transient memory each (qwen3-30b-a3b T=16384: 0.54 GB each), bitwise the same gradients (the same rows in
 the same order; tests/test_torch_wgrad_gpu.py). Measured -0.68 ms of 8.59 at qwen3-30b-a3b T=16384
 (docs/perf.md, ninth session). Experiment switch ``MEGAMOE_PERMUTED_DY=1`` (default off; eighth session):
-the dY copy alone, with the Triton weight-gradient kernels (tests/test_kernels_interpret.py). Experiment
-switch ``MEGAMOE_SIDE_COPY=x / xy`` (default off; tenth session): those copies on a side stream, overlapping
-dgrad + SwiGLU (megamoe.ops.row_copy).
+the dY copy alone, with the Triton weight-gradient kernels (tests/test_kernels_interpret.py).
 
 Determinism: no atomics, no split-K, configs a pure function of shape: bitwise reproducible.
 Sync: none (no .item(), no shapes from routing); CUDA-graph capturable.
@@ -56,7 +54,6 @@ import torch
 
 from .ops import (build_routing_plan, combine_fwd, down_proj, gate_up_swiglu, grouped_mm_nn, grouped_mm_nt,
                   k_grouped_mm, k_grouped_wants_rows_in_order, single_group_offsets, slot_sum_bwd, swiglu_dgrad)
-from .ops.row_copy import gather_rows, side_copy_mode
 
 __all__ = ["MoEExpertsFunction", "RouterLogitsFunction"]
 
@@ -97,28 +94,17 @@ class MoEExpertsFunction(torch.autograd.Function):
         rows_est = N / max(w13_EGD.shape[0], 1)  # k_grouped_mm's own estimate: its kernel choice
         copy_dy = need_w2 and k_grouped_wants_rows_in_order(D, F, w2_EDF.dtype, x_TD.device, rows_est)
         copy_x = need_w13 and k_grouped_wants_rows_in_order(G, D, w13_EGD.dtype, x_TD.device, rows_est)
-        side = side_copy_mode()  # (megamoe.ops.row_copy: copies on a side stream, an experiment switch)
-        dy_rows = x_rows = None
-        if copy_dy and side == "xy":  # dgrad + SwiGLU reads dout's rows gathered while they are copied
-            dy_rows = gather_rows(dout_TD, row_token_N, side=True)
-            dy_ND, dy_idx_N = dout_TD, row_token_N
-        elif copy_dy or os.environ.get("MEGAMOE_PERMUTED_DY") == "1":  # (module docstring)
+        if copy_dy or os.environ.get("MEGAMOE_PERMUTED_DY") == "1":  # (module docstring)
             dy_ND, dy_idx_N = dout_TD.index_select(0, row_token_N), None
         else:
             dy_ND, dy_idx_N = dout_TD, row_token_N
-        if copy_x and side != "off":
-            x_rows = gather_rows(x_TD, row_token_N, side=True)
         dgu_NG, hw_NF, part_NP = swiglu_dgrad(dy_ND, w2_EDF, offsets_E1, gu_NG, gather_idx_R=dy_idx_N,
                                               row_scale_R=scale_N, row_dot=need_w)
-        if dy_rows is not None:
-            dy_ND, dy_idx_N = dy_rows.wait(), None
         dw2 = k_grouped_mm(dy_ND, hw_NF, offsets_E1, p_idx_R=dy_idx_N, out_dtype=w2_EDF.dtype) if need_w2 else None
-        del hw_NF, dy_ND, dy_rows
+        del hw_NF, dy_ND
         dw13 = None
         if copy_x:
-            xr_ND = x_rows.wait() if x_rows is not None else x_TD.index_select(0, row_token_N)
-            dw13 = k_grouped_mm(dgu_NG, xr_ND, offsets_E1, out_dtype=w13_EGD.dtype)
-            del xr_ND, x_rows
+            dw13 = k_grouped_mm(dgu_NG, x_TD.index_select(0, row_token_N), offsets_E1, out_dtype=w13_EGD.dtype)
         elif need_w13:
             dw13 = k_grouped_mm(dgu_NG, x_TD, offsets_E1, q_idx_R=row_token_N, out_dtype=w13_EGD.dtype)
         dx_ND = grouped_mm_nn(dgu_NG, w13_EGD, offsets_E1) if need_x else None

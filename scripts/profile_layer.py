@@ -8,6 +8,8 @@ step's wall time from CUDA events; then where the GPU idles between kernels when
 replayed as a CUDA graph (no host launches at all). Writes OUT_DIR/profile_layer.json.
 
 Usage: python scripts/profile_layer.py OUT_DIR [preset:T ...]   (needs a CUDA GPU; installs nothing)
+With PROFILE_EP1=1 it profiles the EP path instead (``functional_ep.moe_experts_ep`` on a one-rank group,
+the benchmark's ``megamoe-ep`` provider): the exchange kernels next to the GEMMs, on one GPU.
 With STEPS_ONLY=N in the environment it only runs N steps per case and exits (for Nsight Compute,
 scripts/ncu_layer.sh: no torch.profiler, no graph capture).
 """
@@ -32,11 +34,22 @@ from megamoe.functional import moe_experts
 STEPS = 5
 
 
+EP1 = os.environ.get("PROFILE_EP1") == "1"
+
+
+def _layer(*args):
+    if EP1:
+        from megamoe.bench.providers_ep import one_rank_group
+        from megamoe.functional_ep import moe_experts_ep
+        return moe_experts_ep(*args, group=one_rank_group(args[0].device))
+    return moe_experts(*args, backend="fused")
+
+
 def _step(prob):
     leaves = [t for t in (prob.x_TD, prob.topk_weights_TK, prob.w13, prob.w2, prob.shared_w13_HD,
                           prob.shared_w2_DS) if t is not None]
-    out = moe_experts(prob.x_TD, prob.topk_ids_TK, prob.topk_weights_TK, prob.w13, prob.w2, prob.shared_w13_HD,
-                      prob.shared_w2_DS, backend="fused")
+    out = _layer(prob.x_TD, prob.topk_ids_TK, prob.topk_weights_TK, prob.w13, prob.w2, prob.shared_w13_HD,
+                 prob.shared_w2_DS)
     return torch.autograd.grad(out, leaves, prob.grad_out_TD)
 
 
@@ -96,7 +109,7 @@ def profile_case(name: str, T: int) -> dict:
     host_ms = (time.perf_counter() - t0) * 1e3 / STEPS
     torch.cuda.synchronize()
     graph_ms = _graph_ms(prob)
-    print(f"\n== {name} T={T}: step {wall:.2f} ms (CUDA events, synced steps, median of {STEPS}); kernels sum "
+    print(f"\n== {name} T={T}{' (EP path, one-rank group)' if EP1 else ''}: step {wall:.2f} ms (CUDA events, synced steps, median of {STEPS}); kernels sum "
           f"{total:.2f} ms per step; back to back: {span_ms:.2f} ms per step, GPU idle {idle / 1e3 / STEPS:.2f} "
           f"ms per step; host enqueue {host_ms:.2f} ms per step; CUDA graph replay {graph_ms:.2f} ms")
     for k, c, ms in rows:

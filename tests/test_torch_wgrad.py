@@ -134,24 +134,3 @@ def test_rows_in_order_follows_the_table_on_hopper(monkeypatch):
     monkeypatch.delitem(tile_config._OVERRIDES, ("wgrad", 1536, 2048))
     monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "0")
     assert not want(1024.0)
-
-
-def test_side_copy_mode_values(monkeypatch):
-    from megamoe.ops.row_copy import side_copy_mode
-    for value, mode in (("", "off"), ("0", "off"), ("x", "x"), ("xy", "xy")):
-        monkeypatch.setenv("MEGAMOE_SIDE_COPY", value)
-        assert side_copy_mode() == mode
-    monkeypatch.delenv("MEGAMOE_SIDE_COPY")
-    assert side_copy_mode() == "off"
-    monkeypatch.setenv("MEGAMOE_SIDE_COPY", "yes")
-    with pytest.raises(ValueError, match="MEGAMOE_SIDE_COPY"):
-        side_copy_mode()
-
-
-def test_gather_rows_is_the_index_select():
-    from megamoe.ops.row_copy import gather_rows
-    src = torch.randn(7, 5)
-    idx = torch.tensor([3, 3, 0, 6, 1], dtype=torch.int32)
-    for side in (False, True):  # a CPU tensor is always copied inline
-        got = gather_rows(src, idx, side=side).wait()
-        assert torch.equal(got, src[idx.long()])

@@ -7,9 +7,7 @@ rows (empty experts: exact zeros), buffer rows past the last expert (EP capacity
 the host (clean under ``set_sync_debug_mode("error")``) and replays bitwise from a CUDA graph; gathered
 rows, a preallocated output and fp16 still take the Triton kernels; the layer's output and every gradient
 are bitwise megamoe's kernels' (``MEGAMOE_TORCH_WGRAD=0``) with the table's choice and with ``=1``, and both
-really send the layer's weight gradients to torch where the table says so (and not below its row window);
-the row-order copies on a side stream (``MEGAMOE_SIDE_COPY``) keep every bit, stay sync-free and replay
-from a CUDA graph.
+really send the layer's weight gradients to torch where the table says so (and not below its row window).
 
 Run: python -m pytest tests/test_torch_wgrad_gpu.py -q   (skipped without a Hopper GPU)
 """
@@ -130,53 +128,3 @@ def test_layer_few_rows_per_expert_keeps_megamoe_kernels(monkeypatch):
     assert calls == 2, f"expected only the shared expert's 2 weight gradients through torch, got {calls}"
     for name, a, b in zip(NAMES, got, base):
         assert torch.equal(a, b), f"{name} changed bits"
-
-
-@pytest.mark.parametrize("mode", ["x", "xy"])
-def test_side_stream_copies_keep_bits_no_sync_and_graph(monkeypatch, mode):
-    """MEGAMOE_SIDE_COPY=x / xy (megamoe.ops.row_copy): the row-order copies for torch's weight gradients on
-    a side stream (x's rows; also dout's, with dgrad + SwiGLU then reading dout gathered). The layer's output
-    and every gradient are bitwise the inline copies', the side copies really happen (1 / 2), the backward
-    reads nothing on the host, and forward + backward captured in a CUDA graph replay bitwise."""
-    import megamoe.autograd as ag
-    T, D, F, E, K, S = 1024, 256, 192, 6, 3, 128  # ~512 rows per routed expert: the table copies both
-    case = _make(T, D, F, E, K, S, seed=21)
-    dout = torch.randn(T, D, generator=torch.Generator(device=DEV).manual_seed(22), device=DEV).to(BF16)
-    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD", raising=False)
-    monkeypatch.delenv("MEGAMOE_SIDE_COPY", raising=False)
-    base = _run(_fused, *case, dout)
-    monkeypatch.setenv("MEGAMOE_SIDE_COPY", mode)
-    real, sides = ag.gather_rows, []
-
-    def spy(src, idx, *, side=False):
-        sides.append(side)
-        return real(src, idx, side=side)
-    monkeypatch.setattr(ag, "gather_rows", spy)
-    got = _run(_fused, *case, dout)
-    assert sides == [True] * len(mode), sides
-    for name, a, b in zip(NAMES, got, base):
-        assert torch.equal(a, b), f"{name} changed bits with MEGAMOE_SIDE_COPY={mode}"
-    params = [p.detach().clone().requires_grad_() for p in case if p.is_floating_point()]
-    x, w, w13, w2, s13, s2 = params
-    ids = case[1]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        torch.autograd.grad(_fused(x, ids, w, w13, w2, s13, s2), params, dout)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            torch.autograd.grad(_fused(x, ids, w, w13, w2, s13, s2), params, dout)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _fused(x, ids, w, w13, w2, s13, s2)
-        grads = torch.autograd.grad(out, params, dout)
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, base[0])
-        assert all(torch.equal(g, e) for g, e in zip(grads, base[1:])), "graph replay differs"

@@ -122,8 +122,7 @@ def run_metadata(device: torch.device, world_size: int, args: dict) -> dict:
         "settings": args,
         # the library's environment switches: tile replacements, the Gluon kernels, the permuted-dY experiment
         "env": {k: os.environ[k]
-                for k in ("MEGAMOE_TILES", "MEGAMOE_GLUON", "MEGAMOE_PERMUTED_DY", "MEGAMOE_TORCH_WGRAD",
-                          "MEGAMOE_SIDE_COPY")
+                for k in ("MEGAMOE_TILES", "MEGAMOE_GLUON", "MEGAMOE_PERMUTED_DY", "MEGAMOE_TORCH_WGRAD")
                 if k in os.environ},
     }
 
