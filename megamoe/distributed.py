@@ -257,6 +257,16 @@ def _ws_key(group, hidden, top_k, num_experts, dtype) -> tuple:
     return (_group_key(group), hidden, top_k, num_experts, dtype)
 
 
+def release_workspaces(group) -> None:
+    """Forget ``group``'s workspaces and reserved capacity (before the group is destroyed, so a later group
+    of the same name cannot get a workspace bound to the old one). Call on every rank, with no exchange
+    in flight; the memory is freed once nothing else references it."""
+    name = _group_key(group)
+    for key in [k for k in _WORKSPACES if k[0] == name]:
+        del _WORKSPACES[key]
+    _RESERVED.pop(name, None)
+
+
 def reserve_workspace(group, max_tokens: int) -> None:
     """Fix the per-rank token capacity of ``group``'s workspace before its first use (call on every
     rank with the same value). Without it, the first call all-reduces the largest T of the group once

@@ -14,7 +14,8 @@
 #     reference first; e.g. ABTILES="dgrad_swiglu:128,256,64,8,3,tma_b=1 dgrad_swiglu:128,128,64,8,4,tma_b=1";
 #     an entry ENV=V[+ENV2=V2]@tiles also sets those variables, e.g. MEGAMOE_PERMUTED_DY=1@dgrad_swiglu:...;
 #     ABTILES_EP=2 runs the EP=2 benchmark instead, e.g. ABTILES_EP=2 ABTILES="MEGAMOE_TORCH_WGRAD=1@";
-#     ABTILES_PROVIDERS (default megamoe), e.g. "megamoe megamoe-ep": the EP path on a one-rank group too),
+#     ABTILES_PROVIDERS (default megamoe), e.g. "megamoe megamoe-ep": the EP path on a one-rank group too
+#     (each provider adds its check and timing to every run: raise LIMIT_ABTILES to match),
 #   profile (scripts/profile_layer.py: the layer's kernels, idle gaps, host and CUDA-graph time; $PROFILE_CASES),
 #   ncu (scripts/ncu_layer.sh: Nsight Compute on the layer's grouped GEMMs, $NCU_CASE),
 #   l2 (scripts/l2_bandwidth.py: L2 -> SM read bandwidth next to the GEMMs' operand-tile traffic),

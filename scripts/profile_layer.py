@@ -109,7 +109,8 @@ def profile_case(name: str, T: int) -> dict:
     host_ms = (time.perf_counter() - t0) * 1e3 / STEPS
     torch.cuda.synchronize()
     graph_ms = _graph_ms(prob)
-    print(f"\n== {name} T={T}{' (EP path, one-rank group)' if EP1 else ''}: step {wall:.2f} ms (CUDA events, synced steps, median of {STEPS}); kernels sum "
+    path = " (EP path, one-rank group)" if EP1 else ""
+    print(f"\n== {name} T={T}{path}: step {wall:.2f} ms (CUDA events, synced steps, median of {STEPS}); kernels sum "
           f"{total:.2f} ms per step; back to back: {span_ms:.2f} ms per step, GPU idle {idle / 1e3 / STEPS:.2f} "
           f"ms per step; host enqueue {host_ms:.2f} ms per step; CUDA graph replay {graph_ms:.2f} ms")
     for k, c, ms in rows:
@@ -155,9 +156,12 @@ def main():
     res = []
     for c in cases:
         name, T = c.split(":")
-        res.append(profile_case(name, int(T)))
+        res.append(profile_case(name, int(T)) | {"path": "ep1" if EP1 else "direct"})
         torch.cuda.empty_cache()
-    json.dump(res, open(f"{sys.argv[1]}/profile_layer.json", "w"), indent=1)
+    if EP1:
+        from megamoe.bench.providers_ep import close_one_rank_group
+        close_one_rank_group()
+    json.dump(res, open(f"{sys.argv[1]}/profile_layer{'_ep1' if EP1 else ''}.json", "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ below assert on it. Proves, for each W, bf16:
     ties; capacity forcing several rounds; 50 repeated runs bitwise equal; clean under
     ``torch.cuda.set_sync_debug_mode("error")``; CUDA-graph capture and replay; a peer that never
     calls gives EPTimeoutError naming rank and stage within a few seconds (W > 1);
-  * the weight gradients through ``torch._grouped_mm`` (``MEGAMOE_TORCH_WGRAD=1`` forces it on the EP
-    path's contiguous receive buffers) keep every bit (case "torch_wgrad").
+  * the weight gradients through ``torch._grouped_mm`` keep every bit, forced (``MEGAMOE_TORCH_WGRAD=1``,
+    case "torch_wgrad") and where the table picks it on the EP path's contiguous receive buffers (case
+    "torch_table", 256 rows and more per local expert); call counts show which kernel ran on which side.
+At W = 1 the "zero_tokens" and "one_rank" cases are plain routings of one rank (no peer to leave empty).
 
 Legend: W ranks, T tokens of a rank, K top-k, D hidden, F FFN, E experts, L = E / W, S shared FFN.
 """
@@ -62,17 +64,18 @@ def _leaf(t):
 
 
 def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
-    """One routing case; with ``env`` set for its duration, and then counting the calls of torch's
-    weight-gradient kernel (megamoe.ops.grouped_gemm.torch_wgrad), so a case that means to run it can
-    check that it did."""
+    """One routing case; with ``env`` set for its duration. Counts the calls of torch's weight-gradient
+    kernel (megamoe.ops.grouped_gemm.torch_wgrad) on the EP side ("ep_torch_calls": the repeated EP runs)
+    and in the EP=1 fused run it is compared with ("fused_torch_calls"), so a case can check which
+    kernel ran where."""
     import megamoe.ops.grouped_gemm as gg
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     real, calls = gg.torch_wgrad, []
     gg.torch_wgrad = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     try:
-        r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats)
-        r["torch_wgrad_calls"] = len(calls)
+        r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls)
+        r["fused_torch_calls"] = len(calls) - r["ep_torch_calls"]
         return r
     finally:
         gg.torch_wgrad = real
@@ -83,7 +86,7 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
                 os.environ[k] = v
 
 
-def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats):
+def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
     from megamoe import reference as ref
     from megamoe.functional import moe_experts
     from megamoe.functional_ep import moe_experts_ep
@@ -98,6 +101,7 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats):
     for _ in range(repeats):
         out = moe_experts_ep(x, ids[rank], w, l13, l2, p13, p2, group=group, capacity_rows=capacity)
         runs.append((out.detach(), torch.autograd.grad(out, params, gos[rank])))
+    ep_calls = len(calls)
     same = all(torch.equal(runs[0][0], o) and all(torch.equal(a, b) for a, b in zip(runs[0][1], g)) for o, g in runs)
     out, grads = runs[0]
     # EP=1 fused on the global batch
@@ -106,7 +110,7 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats):
     g1 = torch.autograd.grad(o1, (X, Wt, G13, G2, P13, P2), torch.cat(gos))
     lo = sum(Ts[:rank])
     sl, el = slice(lo, lo + Ts[rank]), slice(rank * L, (rank + 1) * L)
-    r = {"repeat_same": same,
+    r = {"repeat_same": same, "ep_torch_calls": ep_calls,
          "out_eq": torch.equal(out, o1[sl]), "dx_eq": torch.equal(grads[0], g1[0][sl]),
          "dw_eq": torch.equal(grads[1], g1[1][sl]), "d13_eq": torch.equal(grads[2], g1[2][el]),
          "d2_eq": torch.equal(grads[3], g1[3][el]),
@@ -140,7 +144,7 @@ def _suite(rank, W):
              "hot": (per_rank(64), "hot", None, 1), "one_rank": (per_rank(64), "one_rank", None, 1),
              "zero_tokens": (per_rank(96, 0), "uniform", None, 1), "ties": (per_rank(40, 56), "ties", None, 1),
              "rounds": (per_rank(64), "one_rank", 128, 1), "repeat50": (per_rank(64, 48), "uniform", None, 50),
-             "torch_wgrad": (per_rank(64, 48), "zipf", None, 2)}
+             "torch_wgrad": (per_rank(64, 48), "zipf", None, 2), "torch_table": (per_rank(1024), "uniform", None, 1)}
     envs = {"torch_wgrad": {"MEGAMOE_TORCH_WGRAD": "1"}}  # both sides (EP and EP=1 fused) through torch's kernel
     for name, (Ts, kind, cap, reps) in cases.items():
         rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, env=envs.get(name))
@@ -208,7 +212,7 @@ def report(request):
     return spawn_ranks(_suite, W, cuda=True, timeout=400)
 
 
-CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50", "torch_wgrad"]
+CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50", "torch_wgrad", "torch_table"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -221,13 +225,28 @@ def test_bitwise_equal_to_single_gpu_fused(report, case):
         assert c["tol_ok"], f"rank {r}: error vs fp64 {c['err']}"
 
 
-def test_torch_wgrad_case_ran_torch_kernel(report):
+def _torch_kernel_usable() -> bool:
+    from megamoe.ops.torch_grouped_mm import torch_wgrad_device
+    return (torch.cuda.is_available() and hasattr(torch, "_grouped_mm")
+            and torch_wgrad_device(torch.device("cuda", 0)))
+
+
+def test_weight_gradients_take_torch_kernel_where_the_table_says(report):
+    """Which weight-gradient kernel ran: per EP call four weight gradients (the local experts' dW2 and
+    dW13, the shared expert's pair; every rank here has tokens). ``torch_wgrad`` (forced by
+    MEGAMOE_TORCH_WGRAD=1): all four through torch._grouped_mm on the EP side, 2 repeats, and in the
+    fused run. ``torch_table`` (1024 tokens per rank: 256 rows per local expert at W = 1, more at W > 1,
+    above the table's window): the table alone sends all four there. ``uniform`` (16-64 rows per local
+    expert, 48-64 shared rows): none on the EP side."""
+    if not _torch_kernel_usable():
+        pytest.skip("torch._grouped_mm weight gradients need a CUDA device of compute capability 9.x")
+    if os.environ.get("MEGAMOE_TORCH_WGRAD", "") or "wgrad" in os.environ.get("MEGAMOE_TILES", ""):
+        pytest.skip("MEGAMOE_TORCH_WGRAD or a wgrad entry in MEGAMOE_TILES overrides the table")
     for r, rep in enumerate(report):
-        # per repeat: dw2 and dw13 on the EP side (receive buffers; the shared expert's too where this
-        # rank has tokens) and on the EP=1 fused side (row copies): at least 2 per repeat
-        assert rep["torch_wgrad"]["torch_wgrad_calls"] >= 2 * 2, (r, rep["torch_wgrad"]["torch_wgrad_calls"])
-        if os.environ.get("MEGAMOE_TORCH_WGRAD", "") == "":  # the table: ~16 rows per expert, our kernels
-            assert rep["uniform"]["torch_wgrad_calls"] == 0, (r, rep["uniform"]["torch_wgrad_calls"])
+        forced, table, uniform = rep["torch_wgrad"], rep["torch_table"], rep["uniform"]
+        assert forced["ep_torch_calls"] == 2 * 4 and forced["fused_torch_calls"] == 4, (r, forced)
+        assert table["ep_torch_calls"] == 4 and table["fused_torch_calls"] == 4, (r, table)
+        assert uniform["ep_torch_calls"] == 0, (r, uniform["ep_torch_calls"])
 
 
 @pytest.mark.parametrize("case", CASES)

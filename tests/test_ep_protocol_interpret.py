@@ -267,3 +267,30 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S)
         shared_sum = sh if shared_sum is None else [a + b for a, b in zip(shared_sum, sh)]
     for a, b in zip(shared_sum or [], res[0]["ref_shared"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_release_workspaces_forgets_only_that_group():
+    """megamoe.distributed.release_workspaces drops a group's cached workspaces and reserved capacity (so a
+    re-created group of the same name cannot get the old group's workspace) and leaves other groups'."""
+    from megamoe import distributed as mdist
+
+    class _Group:
+        def __init__(self, name):
+            self.group_name = name
+
+    a, b = _Group("release-test-a"), _Group("release-test-b")
+    saved_ws, saved_res = dict(mdist._WORKSPACES), dict(mdist._RESERVED)
+    try:
+        for g in (a, b):
+            mdist._WORKSPACES[mdist._ws_key(g, 64, 2, 8, torch.bfloat16)] = object()
+            mdist._WORKSPACES[mdist._ws_key(g, 128, 2, 8, torch.bfloat16)] = object()
+            mdist.reserve_workspace(g, 512)
+        mdist.release_workspaces(a)
+        assert not [k for k in mdist._WORKSPACES if k[0] == "release-test-a"]
+        assert len([k for k in mdist._WORKSPACES if k[0] == "release-test-b"]) == 2
+        assert "release-test-a" not in mdist._RESERVED and mdist._RESERVED["release-test-b"] == 512
+    finally:
+        mdist._WORKSPACES.clear()
+        mdist._WORKSPACES.update(saved_ws)
+        mdist._RESERVED.clear()
+        mdist._RESERVED.update(saved_res)

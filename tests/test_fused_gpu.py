@@ -299,7 +299,8 @@ def test_permuted_dy_switch_gives_the_same_bits(monkeypatch):
     for name, a, b in zip(NAMES, _run(_fused, *case, dout), base):
         assert torch.equal(a, b), f"{name} changed bits with the permuted dY"
     # TMA-fed dgrad + SwiGLU tiles: the 128-row one, and 64-row tiles of 4 warps (two programs per SM)
-    for cfg in (GemmConfig(128, 128, 64, 8, 4, tma_b=True, tma_a=True), GemmConfig(64, 128, 64, 4, 4, tma_b=True, tma_a=True),
+    for cfg in (GemmConfig(128, 128, 64, 8, 4, tma_b=True, tma_a=True),
+                GemmConfig(64, 128, 64, 4, 4, tma_b=True, tma_a=True),
                 GemmConfig(64, 128, 64, 4, 3, tma_b=True, tma_a=True)):
         for key in (("dgrad_swiglu", F, D), ("dgrad_swiglu", S, D)):
             monkeypatch.setitem(tile_config._OVERRIDES, key, cfg)

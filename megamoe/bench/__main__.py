@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "providers: megamoe (fused; W=1 and EP), torch (W=1: sort + torch._grouped_mm), reference (the\n"
             "spec; slow), nccl (EP: all_to_all_single recipe), symm-vdev (EP: NVSHMEM all_to_all_vdev_2d,\n"
-            "local experts <= 16), deepep (EP: skipped unless importable).\n"
+            "local experts <= 16), deepep (EP: skipped unless importable), megamoe-ep (one GPU: the EP path\n"
+            "on a one-rank group).\n"
             f"presets: {', '.join(PRESETS)}\n\n"
             "examples:\n"
             "  python -m megamoe.bench --cases qwen3-30b-a3b:16384 deepseek-v3:4096 mok-bench:2048 --out out/1gpu\n"

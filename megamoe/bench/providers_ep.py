@@ -17,13 +17,14 @@ received by this rank.
 * ``megamoe-ep`` (one GPU, no torchrun): the same EP path on a one-rank NCCL group that this process creates
   (pull dispatch from its own pool, push combine, receive buffers, rounds): what the exchange machinery costs
   at W = 1 against ``megamoe``'s direct path, and the EP path's GEMMs measurable on a one-GPU machine (at
-  W = 1 with M tokens a local expert gets M*K/E rows, as at EP = W with M / W tokens per rank).
+  W = 1 with M tokens a local expert gets M*K/E rows, as at EP = W with M / W tokens per rank). The run
+  keeps the EP workspace (symmetric memory, allocated once per layer shape) until it ends; whether the
+  peak-memory column counts that pool depends on symmetric memory's allocator (not checked).
 """
 
 from __future__ import annotations
 
 import importlib
-import socket
 import warnings
 
 import torch
@@ -36,7 +37,8 @@ from .providers import Context, Provider, swiglu_grouped, weighted_sum
 # torch >= 2.12 marks the autograd-aware all_to_all_single deprecated; it is still the recipe's call.
 warnings.filterwarnings("ignore", message=".*nn.functional.all_to_all_single is deprecated.*")
 
-__all__ = ["EP_PROVIDERS", "nccl_moe_experts_ep", "build_megamoe_ep", "build_reference_ep", "one_rank_group"]
+__all__ = ["EP_PROVIDERS", "nccl_moe_experts_ep", "build_megamoe_ep", "build_reference_ep", "one_rank_group",
+           "close_one_rank_group"]
 
 
 def _inverse(order_N: torch.Tensor) -> torch.Tensor:
@@ -97,19 +99,31 @@ def build_megamoe_ep(prob, ctx: Context):
     return fn
 
 
+_OWN_GROUP: list = []  # the one-rank default group one_rank_group created (closed by close_one_rank_group)
+
+
 def one_rank_group(device: torch.device):
-    """The default process group of this single process: NCCL, one rank, created on first use (a free
-    localhost port). Raises RuntimeError if a default group of more than one rank already exists."""
+    """The default process group of this single process: NCCL, one rank, over an in-process store, created on
+    first use. Raises RuntimeError if a default group of more than one rank already exists."""
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                                device_id=device)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+        _OWN_GROUP.append(dist.group.WORLD)
     if dist.get_world_size() != 1:
         raise RuntimeError(f"megamoe-ep provider: a default process group of {dist.get_world_size()} ranks "
                            "exists; under torchrun use the megamoe provider")
     return dist.group.WORLD
+
+
+def close_one_rank_group() -> None:
+    """Destroy the group :func:`one_rank_group` created, after dropping its EP workspaces; a no-op otherwise."""
+    if not _OWN_GROUP:
+        return
+    from ..distributed import release_workspaces
+    group = _OWN_GROUP.pop()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    release_workspaces(group)
+    dist.destroy_process_group()
 
 
 def _one_rank_unavailable(ctx: Context, prob) -> str | None:

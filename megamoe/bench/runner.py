@@ -227,6 +227,9 @@ def run(args) -> list[Row]:
                 torch.cuda.empty_cache()
     if bar:
         bar.close()
+    if not ep:
+        from .providers_ep import close_one_rank_group
+        close_one_rank_group()  # the megamoe-ep provider's one-rank group, if it made one
     finalize(rows, ceilings["matmul_tflops"], baselines)
     table = format_table(rows, baselines)
     if ctx.rank == 0:

@@ -20,7 +20,8 @@ pulled x, runs ``swiglu_dgrad`` (row scale = w), the weight gradients over its r
 ``dx_rows = dgu @ w13``, and pushes dx rows plus the P partial dots of each row; the owner reduces with
 ``slot_sum_bwd``.
 
-The expert GEMMs are megamoe's batch-invariant kernels (megamoe.ops.grouped_gemm), so with one round
+The expert GEMMs are megamoe's batch-invariant kernels (megamoe.ops.grouped_gemm; the weight gradients of
+experts with many rows go to ``torch._grouped_mm`` where the table says so, with the same bits), so with one round
 (always the case for W <= 2 at the default capacity) the output, the input gradient and the expert
 weight gradients are bitwise those of the single-GPU fused path on the global batch. With several rounds
 the weight gradients are sums of per-round fp32 partials (equal up to fp32 rounding).

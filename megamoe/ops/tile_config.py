@@ -249,8 +249,9 @@ _GLUON_MAX_ROWS = 256
 # Gluon kernel's window (beaten at 256 rows on deepseek-v3, and at 192 rows: deepseek-v3 T=6144 39.41 vs 40.34
 # ms with MEGAMOE_TORCH_WGRAD=0, session 10; between ~155 and 192 rows not measured). The EP path's receive
 # buffers are contiguous (no copies): its layer at W = 1 (provider megamoe-ep), deepseek-v3 M=8192 (256 rows
-# per local expert) 52.01 -> 49.66 ms with torch's kernel, mok-bench M=4096 (64 rows, resident window) 52.47 ->
-# 54.87 when forced (session 10). Callers pass allow_torch=False to keep megamoe's kernels;
+# per local expert) 52.01 -> 49.66 ms with torch's kernel forced, 52.59 -> 51.00 ms table vs
+# MEGAMOE_TORCH_WGRAD=0 once adopted; mok-bench M=4096 (64 rows, resident window) 52.47 -> 54.87 when forced
+# (session 10). Callers pass allow_torch=False to keep megamoe's kernels;
 # MEGAMOE_TORCH_WGRAD=0 / 1 turns it off / on everywhere.
 _K_GROUPED_TORCH = GemmConfig(128, 128, 64, 8, 3, torch_mm=True)
 
