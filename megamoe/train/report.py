@@ -95,7 +95,7 @@ def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str) -> s
         basis = ("median over log intervals after the first" if len(res.tokens_per_s) > 1 else
                  "the only log interval, start-up included: run more steps for a steady rate")
         lines.append(f"speed: {statistics.median(steady):,.0f} tokens/s ({basis}); MoE layers {100 * statistics.median(shares) if shares else float('nan'):.0f}% "
-                     f"of step time; wall {res.seconds:.0f} s")
+                     f"of step time; training loop {res.seconds:.1f} s (setup and data loading not included)")
     if res.loads:
         lines.append(f"expert balance (max/mean load, mean over layers): first step "
                      f"{_balance(res.loads[0]):.2f} -> last step {_balance(res.loads[-1]):.2f}")
