@@ -21,7 +21,8 @@ uses it wherever the operands allow, whatever the table says, except where a wgr
 no copies (its layer at W = 1, deepseek-v3 M=8192, tenth session: 52.59 -> 51.00 ms, table vs ``=0``).
 Operand conditions (:func:`torch_wgrad_eligible`): a CUDA device of compute capability 9.x, bf16 P, Q and C,
 rows of P and Q not gathered, no preallocated output, unit column strides, 16-byte aligned rows and base
-pointers, M and N multiples of 8; anything else runs the Triton kernels. Sync: none (device offsets, no host read); CUDA-graph capturable (GPU test).
+pointers, M and N multiples of 8; anything else runs the Triton kernels. Sync: none (device offsets, no host
+read); CUDA-graph capturable (GPU test).
 """
 
 from __future__ import annotations
