@@ -337,7 +337,7 @@ def _torch_wgrad_forced(m: int, n: int) -> bool:
 def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
                  p_idx_R: torch.Tensor | None = None, q_idx_R: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-                 rows_per_group: float | None = None, allow_torch: bool = True) -> torch.Tensor:
+                 rows_per_group: float | None = None) -> torch.Tensor:
     """k-grouped weight gradient ``C[e] = cast(sum_{r in group e} P[prow(r)]^T Q[qrow(r)])``: [E, M, N].
 
     Args:
@@ -352,12 +352,10 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     in BLOCK_K chunks, fp32, one cast; no atomics, no split-K: bitwise reproducible, independent of the
     other groups and of the kernel variant (Triton per-tile, Triton resident, or on Hopper the persistent
     Gluon kernel of :mod:`megamoe.ops.wgrad_gluon`, or ``torch._grouped_mm`` (:mod:`megamoe.ops.torch_grouped_mm`),
-    which the table picks for bf16 groups of more than ~154 rows when the rows are contiguous and
-    ``allow_torch``; the launcher falls back to the Triton kernels wherever the Gluon or torch kernel cannot
-    take the operands). An expert with no rows gets exact zeros. Sync: none.
-    allow_torch: False keeps megamoe's own kernels; ``MEGAMOE_TORCH_WGRAD=1``
-    overrides it (but not an explicit wgrad entry in code or ``MEGAMOE_TILES``), ``=0`` turns torch's kernel
-    off everywhere.
+    which the table picks for bf16 groups of more than ~154 rows when the rows are contiguous; the launcher
+    falls back to the Triton kernels wherever the Gluon or torch kernel cannot take the operands). An expert
+    with no rows gets exact zeros. Sync: none. ``MEGAMOE_TORCH_WGRAD=1`` uses torch's kernel wherever the
+    operands allow (but not over an explicit wgrad entry in code or ``MEGAMOE_TILES``), ``=0`` never.
     """
     where = "k_grouped_mm"
     _check_2d("p", p, where)
@@ -377,7 +375,7 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         rows_per_group = R / E
     interpret = is_interpreted(kernel)
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
-    cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_torch=allow_torch)
+    cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group)
     if ((cfg.torch_mm or _torch_wgrad_forced(M, N)) and R > 0 and E * M * N > 0
             and torch_wgrad_eligible(p, q, out_dtype or p.dtype, has_out=out is not None,
                                      gathered=p_idx_R is not None or q_idx_R is not None)):

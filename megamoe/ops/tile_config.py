@@ -251,7 +251,7 @@ _GLUON_MAX_ROWS = 256
 # buffers are contiguous (no copies): its layer at W = 1 (provider megamoe-ep), deepseek-v3 M=8192 (256 rows
 # per local expert) 52.01 -> 49.66 ms with torch's kernel forced, 52.59 -> 51.00 ms table vs
 # MEGAMOE_TORCH_WGRAD=0 once adopted; mok-bench M=4096 (64 rows, resident window) 52.47 -> 54.87 when forced
-# (session 10). Callers pass allow_torch=False to keep megamoe's kernels;
+# (session 10). k_grouped_config(..., allow_torch=False) gives the kernel that runs where torch's cannot;
 # MEGAMOE_TORCH_WGRAD=0 / 1 turns it off / on everywhere.
 _K_GROUPED_TORCH = GemmConfig(128, 128, 64, 8, 3, torch_mm=True)
 
