@@ -118,7 +118,8 @@ class EPWorkspace:
     """One rank's view of the pool: local region views, the peer base-pointer table, the status word.
 
     Attributes: ``rank``, ``world``, ``spec``, ``offsets`` ({region: byte offset}), ``ptrs_W`` (int64
-    [W] device tensor: base address of every rank's pool as mapped in this process), and local tensor
+    [W] device tensor: base address of every rank's pool as mapped in this process; ``peer_base_ptrs``
+    the same on the host), and local tensor
     views ``flags``, ``plan``, ``sorted_N``, ``weights_N``, ``rows_2TD``, ``slots_TKD``, ``dots_NP`` (flat).
     """
 
@@ -133,6 +134,7 @@ class EPWorkspace:
         self._keepalive = keepalive
         lay = spec.layout()
         self.offsets = {k: v[0] for k, v in lay.items() if k != "total"}
+        self.peer_base_ptrs = [int(p) for p in peer_base_ptrs]
         self.ptrs_W = torch.tensor(peer_base_ptrs, dtype=torch.int64, device=buffer_u8.device)
         if peer_base_ptrs[rank] != buffer_u8.data_ptr():
             raise ValueError("megamoe.distributed: own entry of the pointer table must be the local buffer")

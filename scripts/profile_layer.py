@@ -10,6 +10,8 @@ replayed as a CUDA graph (no host launches at all). Writes OUT_DIR/profile_layer
 Usage: python scripts/profile_layer.py OUT_DIR [preset:T ...]   (needs a CUDA GPU; installs nothing)
 With PROFILE_EP1=1 it profiles the EP path instead (``functional_ep.moe_experts_ep`` on a one-rank group,
 the benchmark's ``megamoe-ep`` provider): the exchange kernels next to the GEMMs, on one GPU.
+With PROFILE_HOST=1 it also runs the host-enqueue loop under cProfile and prints the 30 functions with the
+most own time (where the host's per-step cost goes when a shape is host-bound).
 With STEPS_ONLY=N in the environment it only runs N steps per case and exits (for Nsight Compute,
 scripts/ncu_layer.sh: no torch.profiler, no graph capture).
 """
@@ -108,6 +110,8 @@ def profile_case(name: str, T: int) -> dict:
         _step(prob)
     host_ms = (time.perf_counter() - t0) * 1e3 / STEPS
     torch.cuda.synchronize()
+    if os.environ.get("PROFILE_HOST") == "1":
+        _host_profile(prob)
     graph_ms = _graph_ms(prob)
     path = " (EP path, one-rank group)" if EP1 else ""
     print(f"\n== {name} T={T}{path}: step {wall:.2f} ms (CUDA events, synced steps, median of {STEPS}); kernels sum "
@@ -121,6 +125,25 @@ def profile_case(name: str, T: int) -> dict:
     return dict(case=f"{name}:{T}", step_ms=wall, kernel_sum_ms=total, back_to_back_ms=span_ms,
                 idle_ms=idle / 1e3 / STEPS, host_ms=host_ms, graph_ms=graph_ms,
                 kernels=[dict(name=k, calls=c, ms=ms) for k, c, ms in rows])
+
+
+def _host_profile(prob) -> None:
+    """cProfile of STEPS enqueued steps (synced only at the end): the 30 largest own times, per step."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(STEPS):
+        _step(prob)
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf)
+    st.sort_stats("tottime").print_stats(30)
+    print(f"  host profile of {STEPS} steps (cProfile, own time first):")
+    print("\n".join("    " + line for line in buf.getvalue().splitlines()[4:45]))
 
 
 def _graph_ms(prob) -> float:

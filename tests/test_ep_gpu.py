@@ -16,7 +16,9 @@ below assert on it. Proves, for each W, bf16:
     calls gives EPTimeoutError naming rank and stage within a few seconds (W > 1);
   * the weight gradients through ``torch._grouped_mm`` keep every bit, forced (``MEGAMOE_TORCH_WGRAD=1``,
     case "torch_wgrad") and where the table picks it on the EP path's contiguous receive buffers (case
-    "torch_table", 256 rows and more per local expert); call counts show which kernel ran on which side.
+    "torch_table", 256 rows and more per local expert); call counts show which kernel ran on which side;
+  * result rows stored from the GEMM epilogue into the owners' slots (the default) and through the separate
+    push kernel (``MEGAMOE_EP_PUSH=kernel``, case "push_kernel") give the same bits.
 At W = 1 the "zero_tokens" and "one_rank" cases are plain routings of one rank (no peer to leave empty).
 
 Legend: W ranks, T tokens of a rank, K top-k, D hidden, F FFN, E experts, L = E / W, S shared FFN.
@@ -144,8 +146,10 @@ def _suite(rank, W):
              "hot": (per_rank(64), "hot", None, 1), "one_rank": (per_rank(64), "one_rank", None, 1),
              "zero_tokens": (per_rank(96, 0), "uniform", None, 1), "ties": (per_rank(40, 56), "ties", None, 1),
              "rounds": (per_rank(64), "one_rank", 128, 1), "repeat50": (per_rank(64, 48), "uniform", None, 50),
-             "torch_wgrad": (per_rank(64, 48), "zipf", None, 2), "torch_table": (per_rank(1024), "uniform", None, 1)}
-    envs = {"torch_wgrad": {"MEGAMOE_TORCH_WGRAD": "1"}}  # both sides (EP and EP=1 fused) through torch's kernel
+             "torch_wgrad": (per_rank(64, 48), "zipf", None, 2), "torch_table": (per_rank(1024), "uniform", None, 1),
+             "push_kernel": (per_rank(80, 40), "zipf", None, 1)}
+    envs = {"torch_wgrad": {"MEGAMOE_TORCH_WGRAD": "1"},  # both sides (EP and EP=1 fused) through torch's kernel
+            "push_kernel": {"MEGAMOE_EP_PUSH": "kernel"}}  # result rows by the separate push kernel, not the epilogue
     for name, (Ts, kind, cap, reps) in cases.items():
         rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, env=envs.get(name))
     dev = torch.device("cuda", rank)
@@ -212,7 +216,8 @@ def report(request):
     return spawn_ranks(_suite, W, cuda=True, timeout=400)
 
 
-CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50", "torch_wgrad", "torch_table"]
+CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50", "torch_wgrad", "torch_table",
+         "push_kernel"]
 
 
 @pytest.mark.parametrize("case", CASES)

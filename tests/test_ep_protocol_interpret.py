@@ -177,8 +177,10 @@ def test_bad_expert_id_is_reported_by_its_owner(bad, by_sort):
 
 
 # ------------------------------------------------------------------ the whole EP layer on the protocol
-def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed):
+def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, push):
     import torch.nn.functional  # noqa: F401
+
+    os.environ["MEGAMOE_EP_PUSH"] = push  # result rows from the GEMM epilogue, or the separate push kernel
 
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
     from megamoe.functional import moe_experts
@@ -229,19 +231,20 @@ def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed):
 # shared expert's rows sit at different tile positions for EP=1 (global batch) and EP=2 (local batch):
 # bitwise checks run without a shared expert; with one, outputs agree to fp32 rounding (on the GPU the
 # shared rows are bitwise too: tests/test_ep_gpu.py).
-@pytest.mark.parametrize("W,Ts,K,E,kind,C,S", [
-    (2, [5, 3], 2, 4, "uniform", 64, 0),
-    (2, [4, 0], 2, 4, "hot", 8, 0),       # rank with no tokens; capacity 8: several rounds
-    (2, [3, 6], 2, 4, "zipf", 64, 16),    # shared expert
+@pytest.mark.parametrize("W,Ts,K,E,kind,C,S,push", [
+    (2, [5, 3], 2, 4, "uniform", 64, 0, "epilogue"),
+    (2, [4, 0], 2, 4, "hot", 8, 0, "epilogue"),    # rank with no tokens; capacity 8: several rounds
+    (2, [4, 0], 2, 4, "hot", 8, 0, "kernel"),      # the same through the separate push kernel
+    (2, [3, 6], 2, 4, "zipf", 64, 16, "epilogue"),  # shared expert
 ])
-def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S):
+def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S, push):
     from megamoe.distributed import EPWorkspace, WorkspaceSpec, max_rounds
 
     Dm, F = 32, 16
     spec = WorkspaceSpec(W, max(Ts), Dm, K, E, torch.float32)
     buffers = EPWorkspace.allocate_shared(spec)
     res = spawn_ranks(_layer_worker, W, buffers, (W, spec.max_tokens, Dm, K, E, torch.float32), Ts, K, E, F, S,
-                      kind, C, 0, env=ENV)
+                      kind, C, 0, push, env=ENV)
     multi_round = max_rounds(spec, C) > 1
     shared_sum = None
     for r in range(W):

@@ -38,6 +38,21 @@ def test_table_configs_compile_pipelined(preset, tokens, gemm):
     assert 0 <= r["spill_bytes"] <= SPILL_BUDGET[gemm.kind], r
 
 
+PUSH_CASES = [(p, t, g) for p, t in (("qwen3-30b-a3b", 4096), ("deepseek-v3", 4096)) for g in layer_gemms(p, t)
+              if g.kind in ("down", "dgrad")]
+
+
+@pytest.mark.parametrize("preset, tokens, gemm", PUSH_CASES, ids=[f"{p}-{g.kind}" for p, _, g in PUSH_CASES])
+def test_push_epilogue_compiles_like_the_plain_one(preset, tokens, gemm):
+    """The EP path's down projection and dx GEMM store through a RowPush (rows to the owners' slots): the same
+    wgmma, operand paths and shared memory as the plain store, no spills."""
+    cfg = m_grouped_config(gemm.kind, gemm.N, gemm.K, torch.bfloat16, interpret=False, gathered=gemm.gathered)
+    plain, push = inventory_row(gemm, cfg), inventory_row(gemm, cfg, push=True)
+    for key in ("wgmma", "tma_loads", "cp_async_loads", "sync_tile_loads", "shared_bytes"):
+        assert push[key] == plain[key], (key, plain, push)
+    assert push["spill_bytes"] == 0, push
+
+
 WCASES = [(p, t, g) for p, t in (("qwen3-30b-a3b", 16384), ("deepseek-v3", 4096)) for g in layer_wgrads(p, t)]
 
 

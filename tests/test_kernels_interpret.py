@@ -188,6 +188,52 @@ else:
         gu_ref = torch.cat([xs[a:b] @ w13[e].t() for e, (a, b) in enumerate(zip(plan.offsets_E1[:-1].tolist(), plan.offsets_E1[1:].tolist()))])
         torch.testing.assert_close(gu, gu_ref, rtol=1e-5, atol=1e-5)
 
+    def test_row_push_stores_each_row_at_its_slot_bitwise(monkeypatch):
+        # RowPush (the EP path's combine from the GEMM epilogue): every row of down_proj / grouped_mm_nn lands
+        # at row token*K + slot of its source's buffer (two "ranks": two buffers through an address table),
+        # bitwise the row the plain output has; rows with source -1 and untouched slots stay NaN; rows past
+        # the last expert are not stored; a bad push table is a clear error.
+        from megamoe.ops import RowPush, row_push_deltas
+
+        x, ids, w, w13, w2, s13, s2 = _make(23, 64, 32, 5, 2, 0, seed=13)
+        plan = build_routing_plan(ids, 5)
+        N, Kk, T = 46, 2, 23
+        h, _ = gate_up_swiglu(x, w13, plan.offsets_E1, gather_idx_R=plan.row_token_N, save_preact=False)
+        g = torch.Generator().manual_seed(5)
+        src = torch.randint(0, 2, (N,), generator=g, dtype=torch.int32)
+        src[7] = -1  # a row that is not stored
+        tok, slot = plan.row_token_N.clone(), plan.row_slot_N.clone()
+        R = N - 3  # the last three rows lie past the (shrunk) last expert
+        offs = plan.offsets_E1.clone()
+        offs[-1] = R
+        offs[:-1] = torch.minimum(offs[:-1], torch.tensor(R, dtype=torch.int32))
+        for fn, a, b, dcols in ((down_proj, h, w2, 64), (grouped_mm_nn, torch.randn(N, 64, generator=g), w13, 64)):
+            plain = fn(a, b, offs)
+            bufs = [torch.full((T * Kk + 5, dcols), float("nan")) for _ in range(2)]
+            off_rows = 5  # each rank's destination starts 5 rows into its buffer
+            dest = bufs[0][off_rows:]
+            deltas = row_push_deltas(dest, [t.data_ptr() + off_rows * dcols * 4 for t in bufs])
+            tab = torch.stack([src, tok, slot]).contiguous()
+            push = RowPush(dest, deltas, tab, Kk)
+            assert fn(a, b, offs, push=push) is None
+            for r in range(N):
+                dst = off_rows + int(tok[r]) * Kk + int(slot[r])
+                if r < R and src[r] >= 0:
+                    assert torch.equal(bufs[int(src[r])][dst], plain[r]), (fn.__name__, r)
+                    bufs[int(src[r])][dst] = float("nan")
+            for t in bufs:  # everything else untouched
+                assert torch.isnan(t).all(), fn.__name__
+        with pytest.raises(ValueError, match="rowtab_3C"):
+            down_proj(h, w2, offs, push=RowPush(dest, deltas, tab[:, :10].contiguous(), Kk))
+        with pytest.raises(TypeError, match="deltas_W"):
+            down_proj(h, w2, offs, push=RowPush(dest, deltas.int(), tab, Kk))
+        with pytest.raises(ValueError, match="push.dest"):
+            down_proj(h, w2, offs, push=RowPush(bufs[0][:, :32], deltas, tab, Kk))
+        with pytest.raises(ValueError, match="either out or push"):
+            down_proj(h, w2, offs, out=torch.empty(N, 64), push=push)
+        with pytest.raises(ValueError, match="multiple of 16 elements"):
+            row_push_deltas(dest, [dest.data_ptr() + 4])
+
     def test_swiglu_dgrad_row_dot_partials_per_128_columns(monkeypatch):
         # The routing-weight row-dot partials are written per 128 columns whatever the tile width: a
         # 256-column tile writes two, and with F = 320 the last tile's second partial lies past F and must

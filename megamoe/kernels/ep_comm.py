@@ -252,9 +252,10 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr
 @triton.jit
 def ep_push_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, y_ptr, dot_ptr, round_start, C, D, K, P, SLOTS_OFF, DOTS_OFF,
                    BM: tl.constexpr, BD: tl.constexpr, HAS_DOT: tl.constexpr,
-                   P_POW2: tl.constexpr):
+                   P_POW2: tl.constexpr, HAS_ROWS: tl.constexpr = True):
     """Push round row i of ``y`` into slot (token, slot) of its owner's slot buffer (each slot once);
-    ``HAS_DOT``: also the row's P fp32 partial dots into the owner's ``dots[(token*K + slot)*P ...]``."""
+    ``HAS_DOT``: also the row's P fp32 partial dots into the owner's ``dots[(token*K + slot)*P ...]``.
+    ``HAS_ROWS`` False: the dots only (the rows were stored by the GEMM's epilogue, ops.ep_comm.push_target)."""
     pid = tl.program_id(0)
     total = tl.load(sched_ptr)
     if round_start + pid * BM >= total:
@@ -276,13 +277,14 @@ def ep_push_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, y_ptr, dot_ptr, round_start,
         part = tl.load(dot_ptr + i64[:, None] * P + pp[None, :], mask=mp)
         ddst = (base + DOTS_OFF).to(tl.pointer_type(tl.float32)) + (tok * K + slot) * P
         tl.store(ddst[:, None] + pp[None, :], part, mask=mp)
-    d0 = 0
-    while d0 < D:
-        dd = d0 + tl.arange(0, BD)
-        m = valid[:, None] & (dd < D)[None, :]
-        y = tl.load(y_ptr + i64[:, None] * D + dd[None, :], mask=m)
-        tl.store(dst[:, None] + dd[None, :], y, mask=m)
-        d0 += BD
+    if HAS_ROWS:
+        d0 = 0
+        while d0 < D:
+            dd = d0 + tl.arange(0, BD)
+            m = valid[:, None] & (dd < D)[None, :]
+            y = tl.load(y_ptr + i64[:, None] * D + dd[None, :], mask=m)
+            tl.store(dst[:, None] + dd[None, :], y, mask=m)
+            d0 += BD
 
 
 @triton.jit

@@ -18,7 +18,12 @@ Two kernel families (GEMM naming after DeepGEMM: which dimension is grouped):
   when A's rows are not gathered; the hardware zero-fills past the view's edges, and rows of a
   neighbouring expert or token only ever reach output rows / columns that are masked at the store.
   Epilogues:
-    0 PLAIN:      C = cast(acc [* scale[r]])
+    0 PLAIN:      C = cast(acc [* scale[r]]); with PUSH (expert parallelism) row r is stored instead at row
+                  ``token * push_k + slot`` of the buffer that starts ``push_deltas[src]`` elements from C
+                  (src, token, slot = the row table's columns r; src < 0: not stored), so the result rows
+                  go straight into their owners' slots, local or a peer's (NVLink). The offsets are
+                  multiples of 16 elements, so the stores stay 16-byte vectors (without that promise the
+                  compile held one address per element and spilled ~9 KB per thread).
     1 SWIGLU:     two accumulators (gate columns n, up columns N + n of B[e]); g, u rounded to the output
                   dtype, ``h = cast(silu(g) * u)``; optionally stores [g | u] (the pre-activations) in AUX.
     2 SWIGLU_BWD: acc = dY @ W2[e] (dh before scaling); reads the saved [g | u], recomputes h exactly as
@@ -136,13 +141,16 @@ def _m_grouped_gemm_kernel(
     a_ptr, a_desc, a_idx_ptr, b_ptr, b_desc, row_offsets_ptr, tile_offsets_ptr, scale_ptr, gu_ptr,
     # outputs
     c_ptr, aux_ptr, dot_ptr,
+    # PUSH: per-row destinations (EP): element offsets [W] int64 of each rank's buffer from C's, row table
+    # [3, push_c] int32
+    push_deltas_ptr, push_tab_ptr, push_c, push_k,
     # shapes (K is a compile-time constant: a weight dimension, D or F)
     num_rows, N, num_experts, K: tl.constexpr,
     # strides, in elements (the last dimension of C, AUX, GU is contiguous)
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_gm, stride_xm,
     # variant
     EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr,
-    HAS_DOT: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_DOT: tl.constexpr, PUSH: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     E_POW2: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, B_ROWS: tl.constexpr,
     # tile config; DOT_N: columns per row-dot partial of SWIGLU_BWD (BLOCK_N or BLOCK_N / 2)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_N: tl.constexpr,
@@ -200,6 +208,15 @@ def _m_grouped_gemm_kernel(
         if EPILOGUE == PLAIN:
             if HAS_SCALE:
                 acc = acc * tl.load(scale_ptr + rows).to(tl.float32)[:, None]
+            if PUSH:  # row r goes to row (token * push_k + slot) of its source rank's buffer (N columns)
+                src = tl.load(push_tab_ptr + rows, mask=mask_m, other=-1)
+                mask_m = mask_m & (src >= 0)
+                tok = tl.load(push_tab_ptr + push_c + rows, mask=mask_m, other=0).to(tl.int64)
+                slot = tl.load(push_tab_ptr + 2 * push_c + rows, mask=mask_m, other=0).to(tl.int64)
+                # multiples of 16 elements (RowPush's contract): keeps the stores 16-byte vectors
+                delta = tl.multiple_of(tl.load(push_deltas_ptr + tl.maximum(src, 0), mask=mask_m, other=0), 16)
+                c_ptrs = c_ptr + (delta + (tok * push_k + slot) * N)[:, None] + offs_n[None, :]
+                mask = mask_m[:, None] & mask_n[None, :]
             tl.store(c_ptrs, acc.to(out_ty), mask=mask)
         elif EPILOGUE == SWIGLU:
             gate = acc.to(out_ty).to(tl.float32)

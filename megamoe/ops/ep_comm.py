@@ -28,10 +28,11 @@ import triton
 
 from ..distributed import FLAG_READY, P_MAX, EPWorkspace
 from ..kernels import ep_comm as K_
+from .grouped_gemm import RowPush, row_push_deltas
 from .routing import expert_sort
 
 __all__ = ["ExchangeBuffers", "publish", "routing_plan", "build_schedule", "dispatch_round", "push_round",
-           "signal_done", "wait_done", "slot_views", "sched_size", "interpret_mode"]
+           "signal_done", "wait_done", "slot_views", "sched_size", "interpret_mode", "push_target", "fused_push"]
 
 # rows per program, columns per copy step, warps of the dispatch (pull) and push kernels; combine's rows per
 # program. Copies only: these never change bits. Copy shapes from 8 to 32 rows x 256 to 1024 columns, 4 or 8
@@ -168,18 +169,51 @@ def dispatch_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: boo
                                 num_warps=_NW)
 
 
-def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tensor,
+def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tensor | None,
                dots_CP: torch.Tensor | None = None) -> None:
-    """Push round r's result rows (and backward the routing-weight partial dots) into the owners' slots."""
+    """Push round r's result rows (and backward the routing-weight partial dots) into the owners' slots.
+    y_CD None: the rows are already there (the GEMM stored them through :func:`push_target`); only the
+    dots are pushed (nothing at all without them)."""
     s = ws.spec
     C = bufs.C
+    if y_CD is None and dots_CP is None:
+        return
     P = dots_CP.shape[1] if dots_CP is not None else 1
     if P > P_MAX:
         raise ValueError(f"megamoe EP: {P} partial dots per row exceed the workspace's P_MAX={P_MAX}")
-    K_.ep_push_kernel[(triton.cdiv(C, _BM),)](ws.ptrs_W, bufs.sched, bufs.rowtab_3C, y_CD,
-                                              dots_CP if dots_CP is not None else y_CD, r * C, C, s.hidden,
+    y = y_CD if y_CD is not None else dots_CP
+    K_.ep_push_kernel[(triton.cdiv(C, _BM),)](ws.ptrs_W, bufs.sched, bufs.rowtab_3C, y,
+                                              dots_CP if dots_CP is not None else y, r * C, C, s.hidden,
                                               s.top_k, P, ws.offsets["slots"], ws.offsets["dots"], BM=_BM, BD=_BD,
-                                              HAS_DOT=dots_CP is not None, P_POW2=_pow2(P), num_warps=_NW)
+                                              HAS_DOT=dots_CP is not None, P_POW2=_pow2(P),
+                                              HAS_ROWS=y_CD is not None, num_warps=_NW)
+
+
+def push_target(ws: EPWorkspace, bufs: ExchangeBuffers) -> RowPush:
+    """The current round's result rows as a :class:`~megamoe.ops.grouped_gemm.RowPush` for the plain-epilogue
+    GEMMs (``down_proj`` forward, ``grouped_mm_nn`` dx backward): row i goes to slot (token, slot) of its
+    source rank's slot buffer, which is where :func:`push_round` would copy it; valid after
+    :func:`dispatch_round` of the round wrote ``bufs.rowtab_3C``. The same bits, without the (C, D) round
+    buffer and the separate copy pass."""
+    deltas = getattr(ws, "_slot_deltas_W", None)
+    if deltas is None:  # once per workspace: the slot buffers of all ranks, relative to this rank's
+        deltas = row_push_deltas(_slot_rows(ws), [p + ws.offsets["slots"] for p in ws.peer_base_ptrs])
+        ws._slot_deltas_W = deltas
+    return RowPush(_slot_rows(ws), deltas, bufs.rowtab_3C, ws.spec.top_k)
+
+
+def _slot_rows(ws: EPWorkspace) -> torch.Tensor:
+    s = ws.spec
+    return ws.slots_TKD.view(s.max_tokens * s.top_k, s.hidden)
+
+
+def fused_push() -> bool:
+    """Whether the EP path stores result rows from the GEMM epilogue (default) or with the separate push
+    kernel (``MEGAMOE_EP_PUSH=kernel``: the earlier path, kept for A/B runs and as a test reference)."""
+    mode = os.environ.get("MEGAMOE_EP_PUSH", "epilogue")
+    if mode not in ("epilogue", "kernel"):
+        raise ValueError(f"MEGAMOE_EP_PUSH must be 'epilogue' or 'kernel', got {mode!r}")
+    return mode == "epilogue"
 
 
 def signal_done(ws: EPWorkspace) -> None:
@@ -200,7 +234,7 @@ def slot_views(ws: EPWorkspace, T: int, P: int = 1):
     ``row_of[t, k] = t*K + k``, partial dots [T_cap*K, P] fp32)."""
     s = ws.spec
     K = s.top_k
-    rows = ws.slots_TKD.view(s.max_tokens * K, s.hidden)
+    rows = _slot_rows(ws)
     row_of = torch.arange(T * K, dtype=torch.int32, device=ws.device).view(T, K)
     dots = ws.dots_NP[:s.max_tokens * K * P].view(s.max_tokens * K, P)
     return rows, row_of, dots

@@ -10,7 +10,7 @@ Forward (every rank is both owner of its tokens and host of its L experts)::
     shared = down(swiglu(x @ sw13))       local, overlaps the peers' pulls
     build_schedule                        wait "ready" of all, receive order (expert, global token, slot)
     for round r < rounds:                 rows [r*C, (r+1)*C) of the schedule; unused rounds exit at once
-        xr = pull rows;  h = gate_up_swiglu(xr);  y = down_proj(h);  push y -> owner slot (t, k)
+        xr = pull rows;  h = gate_up_swiglu(xr);  down_proj(h) -> owner slot (t, k)   (epilogue stores)
     signal_done; wait_done                every owner waits for all pushes
     out = combine_fwd(slots, w, shared)   fp32, slot order, shared last, one cast
 
@@ -19,6 +19,10 @@ gu of round 0 (kept when ``save_preact``: C x 2F elements between the passes) or
 pulled x, runs ``swiglu_dgrad`` (row scale = w), the weight gradients over its rows and
 ``dx_rows = dgu @ w13``, and pushes dx rows plus the P partial dots of each row; the owner reduces with
 ``slot_sum_bwd``.
+
+The result rows (forward y, backward dx) are stored by the GEMM's epilogue straight into the owners' slots
+(``ops.grouped_gemm.RowPush``, local or across NVLink): no (C, D) round buffer and no copy pass, the same
+bits. ``MEGAMOE_EP_PUSH=kernel`` keeps the earlier round buffer + ``push_round`` copy (A/B runs, tests).
 
 The expert GEMMs are megamoe's batch-invariant kernels (megamoe.ops.grouped_gemm; the weight gradients of
 experts with many rows go to ``torch._grouped_mm`` where the table says so, with the same bits), so with one round
@@ -60,15 +64,19 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     bufs = X.ExchangeBuffers(ws, capacity_rows, backward=False)
     X.build_schedule(ws, bufs, rounds, timeout_s)
     h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
-    y_CD = torch.empty(capacity_rows, D, dtype=x_TD.dtype, device=dev)
+    fused = X.fused_push()  # result rows stored by down_proj's epilogue into the owners' slots
+    y_CD = None if fused else torch.empty(capacity_rows, D, dtype=x_TD.dtype, device=dev)
     gu_CG = torch.empty(capacity_rows, 2 * F, dtype=x_TD.dtype, device=dev) if save_preact else None
     for r in range(rounds):
         X.dispatch_round(ws, bufs, r, backward=False)
         keep = gu_CG is not None and r == 0
         gate_up_swiglu(bufs.xr_CD, w13_LGD, bufs.roff_L1, save_preact=keep, out=h_CF,
                        preact_out=gu_CG if keep else None)
-        down_proj(h_CF, w2_LDF, bufs.roff_L1, out=y_CD)
-        X.push_round(ws, bufs, r, y_CD)
+        if fused:
+            down_proj(h_CF, w2_LDF, bufs.roff_L1, push=X.push_target(ws, bufs))
+        else:
+            down_proj(h_CF, w2_LDF, bufs.roff_L1, out=y_CD)
+            X.push_round(ws, bufs, r, y_CD)
     X.signal_done(ws)
     X.wait_done(ws, timeout_s)
     rows, row_of_TK, _ = X.slot_views(ws, T)
@@ -114,6 +122,7 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     # of the weight gradients; it never changes bits)
     rows_est = min(T * topk_ids_TK.shape[1], capacity_rows) / L
     P = 1
+    fused = X.fused_push()
     for r in range(rounds):
         X.dispatch_round(ws, bufs, r, backward=True)
         roff = bufs.roff_L1
@@ -134,7 +143,10 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
         if need_w13:
             g = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=wdt or w13_LGD.dtype, rows_per_group=rows_est)
             dw13 = g if one_round else dw13.add_(g)
-        dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff)
+        if fused:  # dx rows stored by the GEMM's epilogue into the owners' slots, then the dots
+            dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff, push=X.push_target(ws, bufs))
+        else:
+            dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff)
         P = part_CP.shape[1]
         X.push_round(ws, bufs, r, dx_CD, part_CP)
         del dgu_CG, hw_CF, part_CP, dx_CD

@@ -21,6 +21,8 @@ result is independent of the other rows (batch invariance).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -36,10 +38,48 @@ from .routing import tile_offsets_for
 from . import tile_config
 from .tile_config import k_grouped_config, m_grouped_config
 
-__all__ = ["gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm"]
+__all__ = ["gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm", "RowPush",
+           "row_push_deltas"]
 
 _PLAIN, _SWIGLU, _SWIGLU_BWD = 0, 1, 2
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class RowPush:
+    """Where a plain-epilogue m-grouped GEMM stores its rows instead of an (R, N) output (expert parallelism:
+    result rows go straight into their owners' slot buffers, megamoe.ops.ep_comm.push_target).
+
+    dest: this rank's (rows, N) contiguous destination buffer (gives the dtype and the base); deltas_W:
+    (W,) int64 device tensor, the element offset of rank s's buffer from ``dest`` (0 for this rank; a
+    peer's mapping elsewhere in the address space), each a multiple of 16 (the kernel relies on it for
+    16-byte stores; :func:`row_push_deltas` builds and checks the table); rowtab_3C: (3, C) int32 device tensor, C >= R, columns
+    r = (source rank, token, slot) of row r, source < 0 for a row that is not stored; top_k: slots per
+    token. Row r is written to row ``token * top_k + slot`` of rank ``source``'s buffer. The caller
+    guarantees those rows exist and that no two rows share one (the EP schedule gives each slot one row).
+    """
+
+    dest: torch.Tensor
+    deltas_W: torch.Tensor
+    rowtab_3C: torch.Tensor
+    top_k: int
+
+    def check(self, where: str, num_rows: int, N: int, dtype: torch.dtype, dev) -> None:
+        d = self.dest
+        if d.dim() != 2 or d.shape[1] != N or d.dtype != dtype or not d.is_contiguous():
+            raise ValueError(f"{where}: push.dest must be a contiguous {dtype} (rows, {N}) tensor, got {d.dtype} "
+                             f"{tuple(d.shape)}")
+        if self.deltas_W.dtype != torch.int64 or self.deltas_W.dim() != 1:
+            raise TypeError(f"{where}: push.deltas_W must be a 1-D int64 tensor, got {self.deltas_W.dtype} "
+                            f"{tuple(self.deltas_W.shape)}")
+        t = self.rowtab_3C
+        if t.dtype != torch.int32 or t.dim() != 2 or t.shape[0] != 3 or t.shape[1] < num_rows or not t.is_contiguous():
+            raise ValueError(f"{where}: push.rowtab_3C must be a contiguous int32 (3, C >= {num_rows}) tensor, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+        if self.top_k < 1:
+            raise ValueError(f"{where}: push needs top_k >= 1, got {self.top_k}")
+        if any(x.device != dev for x in (d, self.deltas_W, t)):
+            raise ValueError(f"{where}: push tensors must be on {dev}")
 
 
 def _check_2d(name: str, t: torch.Tensor, where: str, cols: int | None = None) -> None:
@@ -86,8 +126,9 @@ def _alloc(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, n
 
 
 def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows, N, K, offsets_E1, c, aux=None,
-                      dot=None, scale=None, gu=None, tile_offsets_E1=None):
-    """Launch the persistent m-grouped kernel. stride_b = (stride_e, stride_n, stride_k) of B, in elements."""
+                      dot=None, scale=None, gu=None, tile_offsets_E1=None, push: RowPush | None = None):
+    """Launch the persistent m-grouped kernel. stride_b = (stride_e, stride_n, stride_k) of B, in elements.
+    push (plain epilogue only): store rows through ``push`` (c is then its dest)."""
     E = b.shape[0]
     kernel = _m_grouped_gemm_kernel
     interpret = is_interpreted(kernel)
@@ -96,7 +137,7 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         return cfg
     if tile_offsets_E1 is None:
         tile_offsets_E1 = tile_offsets_for(offsets_E1, cfg.block_m)
-    if (cfg.gluon and epilogue == _PLAIN and not interpret
+    if (cfg.gluon and epilogue == _PLAIN and not interpret and push is None
             and gluon_m_grouped_eligible(cfg, a, b, stride_b, K, c, gathered=a_idx is not None)):
         launch_gluon_m_grouped(cfg, a, b, stride_b, K, N, num_rows, offsets_E1, tile_offsets_E1, c, scale)
         return cfg
@@ -112,11 +153,15 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         a, a_desc, a_idx if a_idx is not None else offsets_E1, b, b_desc, offsets_E1, tile_offsets_E1,
         scale if scale is not None else dummy, gu if gu is not None else dummy,
         c, aux if aux is not None else dummy, dot if dot is not None else dummy,
+        # without push: integer 1s (a launch makes them compile-time constants; unused runtime ints moved the
+        # register allocation of dgrad + SwiGLU to 16 spilled bytes in the sm_90a compile test)
+        push.deltas_W if push is not None else offsets_E1, push.rowtab_3C if push is not None else offsets_E1,
+        push.rowtab_3C.shape[1] if push is not None else 1, push.top_k if push is not None else 1,
         num_rows, N, E, K,
         a.stride(0), a.stride(1), stride_b[0], stride_b[1], stride_b[2], c.stride(0),
         gu.stride(0) if gu is not None else 0, aux.stride(0) if aux is not None else 0,
         EPILOGUE=epilogue, HAS_GATHER=a_idx is not None, HAS_SCALE=scale is not None,
-        SAVE_AUX=aux is not None, HAS_DOT=dot is not None, FP32_DOT=fp32_dot, EVEN_K=K % cfg.block_k == 0,
+        SAVE_AUX=aux is not None, HAS_DOT=dot is not None, PUSH=push is not None, FP32_DOT=fp32_dot, EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_N=_dot_cols(cfg) if epilogue == _SWIGLU_BWD else cfg.block_n,
@@ -219,52 +264,84 @@ def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Ten
 def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor, *,
                   gather_idx_R: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None, kind: str = "down",
-                  tile_offsets_E1: torch.Tensor | None = None) -> torch.Tensor:
+                  tile_offsets_E1: torch.Tensor | None = None, push: RowPush | None = None) -> torch.Tensor | None:
     """m-grouped ``C[r] = cast(A[row(r)] @ B[e].T [* row_scale[r]])``, B[e] stored (N, K).
 
     a: (R, K) grouped rows or (T, K) with gather_idx_R (R,) int32. b_ENK: (E, N, K) contiguous.
     row_scale_R: optional (R,) fp32, applied to the fp32 accumulator before the one cast.
     Returns c_RN (R, N) in out_dtype (default a's dtype). fp32 operands use IEEE fp32 dots.
+    push: a :class:`RowPush`: the rows are stored where it says (the same values; no (R, N) output, ``out``
+    must be None) and None is returned.
     """
     where = "grouped_mm_nt"
     dev, R = _check_plain_operands(where, a, "b_ENK", b_ENK, 2, offsets_E1, gather_idx_R, row_scale_R=row_scale_R)
     E, N, K = b_ENK.shape
     if row_scale_R is not None and (row_scale_R.shape != (R,) or row_scale_R.dtype != torch.float32):
         raise ValueError(f"{where}: row_scale_R must be fp32 of shape ({R},), got {row_scale_R.dtype} {tuple(row_scale_R.shape)}")
-    c = _alloc(out, (R, N), out_dtype or a.dtype, dev, "out", where)
+    c = _plain_out(where, out, push, R, N, out_dtype or a.dtype, dev)
     _launch_m_grouped(where=where, kind=kind, epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_ENK,
                       stride_b=(N * K, K, 1), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
-                      scale=row_scale_R, tile_offsets_E1=tile_offsets_E1)
-    return c
+                      scale=row_scale_R, tile_offsets_E1=tile_offsets_E1, push=push)
+    return None if push is not None else c
+
+
+def row_push_deltas(dest: torch.Tensor, addresses: list[int]) -> torch.Tensor:
+    """The ``RowPush.deltas_W`` table for destination buffers at the given host-known byte ``addresses``
+    (``addresses[s]``: rank s's buffer as mapped in this process; one of them is ``dest``'s own). Raises
+    ValueError when an offset is not a multiple of 16 elements. Built once per workspace (a host-to-device
+    copy)."""
+    es = dest.element_size()
+    out = []
+    for a in addresses:
+        d = a - dest.data_ptr()
+        if d % (16 * es):
+            raise ValueError(f"row_push_deltas: buffer at {a:#x} is {d} bytes from dest, not a multiple of "
+                             f"16 elements ({16 * es} bytes)")
+        out.append(d // es)
+    return torch.tensor(out, dtype=torch.int64, device=dest.device)
+
+
+def _plain_out(where: str, out, push: RowPush | None, R: int, N: int, dtype: torch.dtype, dev) -> torch.Tensor:
+    """The (R, N) output of a plain m-grouped GEMM, or with ``push`` its checked ``dest`` (the kernel then
+    writes through the push table)."""
+    if push is None:
+        return _alloc(out, (R, N), dtype, dev, "out", where)
+    if out is not None:
+        raise ValueError(f"{where}: give either out or push, not both")
+    push.check(where, R, N, dtype, dev)
+    return push.dest
 
 
 def down_proj(h_RF: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor,
               row_scale_R: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-              tile_offsets_E1: torch.Tensor | None = None) -> torch.Tensor:
+              tile_offsets_E1: torch.Tensor | None = None, push: RowPush | None = None) -> torch.Tensor | None:
     """Down projection ``y[r] = cast(h[r] @ w2[e].T [* row_scale[r]])``: (R, F) x (E, D, F) -> (R, D).
 
     Each (token, slot) row is written exactly once; with row_scale_R (fp32 routing weights) the scaling
-    happens on the fp32 accumulator. Sync: none. Determinism: bitwise, batch invariant.
+    happens on the fp32 accumulator. ``push``: rows stored through a :class:`RowPush` (returns None).
+    Sync: none. Determinism: bitwise, batch invariant (the same bits with or without push).
     """
     return grouped_mm_nt(h_RF, w2_EDF, offsets_E1, row_scale_R=row_scale_R, out=out, kind="down",
-                         tile_offsets_E1=tile_offsets_E1)
+                         tile_offsets_E1=tile_offsets_E1, push=push)
 
 
 def grouped_mm_nn(a: torch.Tensor, b_EKN: torch.Tensor, offsets_E1: torch.Tensor, *,
                   gather_idx_R: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                  out: torch.Tensor | None = None, tile_offsets_E1: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, tile_offsets_E1: torch.Tensor | None = None,
+                  push: RowPush | None = None) -> torch.Tensor | None:
     """m-grouped dgrad ``C[r] = cast(A[row(r)] @ B[e])``, B[e] stored (K, N): e.g. dx = dGU @ W13[e].
 
-    a: (R, K) or (T, K) with gather_idx_R. b_EKN: (E, K, N) contiguous. Returns (R, N).
+    a: (R, K) or (T, K) with gather_idx_R. b_EKN: (E, K, N) contiguous. Returns (R, N), or with ``push``
+    (a :class:`RowPush`) stores the same rows through it and returns None.
     """
     where = "grouped_mm_nn"
     dev, R = _check_plain_operands(where, a, "b_EKN", b_EKN, 1, offsets_E1, gather_idx_R)
     E, K, N = b_EKN.shape
-    c = _alloc(out, (R, N), out_dtype or a.dtype, dev, "out", where)
+    c = _plain_out(where, out, push, R, N, out_dtype or a.dtype, dev)
     _launch_m_grouped(where=where, kind="dgrad", epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_EKN,
                       stride_b=(K * N, 1, N), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
-                      tile_offsets_E1=tile_offsets_E1)
-    return c
+                      tile_offsets_E1=tile_offsets_E1, push=push)
+    return None if push is not None else c
 
 
 def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor, gu_RG: torch.Tensor, *,
