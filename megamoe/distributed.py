@@ -119,7 +119,8 @@ class EPWorkspace:
 
     Attributes: ``rank``, ``world``, ``spec``, ``offsets`` ({region: byte offset}), ``ptrs_W`` (int64
     [W] device tensor: base address of every rank's pool as mapped in this process; ``peer_base_ptrs``
-    the same on the host), and local tensor
+    the same on the host; ``slot_deltas_W``: int64 [W], every rank's slot buffer as an element offset from
+    this rank's), and local tensor
     views ``flags``, ``plan``, ``sorted_N``, ``weights_N``, ``rows_2TD``, ``slots_TKD``, ``dots_NP`` (flat).
     """
 
@@ -151,6 +152,15 @@ class EPWorkspace:
         self.rows_2TD = view("rows", spec.dtype, (2, T, D))
         self.slots_TKD = view("slots", spec.dtype, (T, K, D))
         self.dots_NP = view("dots", torch.float32, (T * K * P_MAX,))
+        # every rank's slot buffer as an element offset from this rank's (ops.grouped_gemm.RowPush: the GEMM
+        # epilogue stores result rows straight into their owners' slots); built here, outside any captured
+        # or sync-checked region. The regions sit at one offset in every pool, so these are base differences.
+        es = torch.empty(0, dtype=spec.dtype).element_size()
+        deltas = [p - peer_base_ptrs[rank] for p in peer_base_ptrs]
+        if any(d % (16 * es) for d in deltas):
+            raise ValueError(f"megamoe.distributed: pool bases {[hex(p) for p in peer_base_ptrs]} are not "
+                             f"{16 * es}-byte aligned relative to each other")
+        self.slot_deltas_W = torch.tensor([d // es for d in deltas], dtype=torch.int64, device=buffer_u8.device)
         self._pending: list[tuple[torch.Tensor, object]] = []  # (pinned status copy, event)
         self._pinned, self._slot = None, 0
         self.timeout_s = 10.0

@@ -28,7 +28,7 @@ import triton
 
 from ..distributed import FLAG_READY, P_MAX, EPWorkspace
 from ..kernels import ep_comm as K_
-from .grouped_gemm import RowPush, row_push_deltas
+from .grouped_gemm import RowPush
 from .routing import expert_sort
 
 __all__ = ["ExchangeBuffers", "publish", "routing_plan", "build_schedule", "dispatch_round", "push_round",
@@ -195,11 +195,7 @@ def push_target(ws: EPWorkspace, bufs: ExchangeBuffers) -> RowPush:
     source rank's slot buffer, which is where :func:`push_round` would copy it; valid after
     :func:`dispatch_round` of the round wrote ``bufs.rowtab_3C``. The same bits, without the (C, D) round
     buffer and the separate copy pass."""
-    deltas = getattr(ws, "_slot_deltas_W", None)
-    if deltas is None:  # once per workspace: the slot buffers of all ranks, relative to this rank's
-        deltas = row_push_deltas(_slot_rows(ws), [p + ws.offsets["slots"] for p in ws.peer_base_ptrs])
-        ws._slot_deltas_W = deltas
-    return RowPush(_slot_rows(ws), deltas, bufs.rowtab_3C, ws.spec.top_k)
+    return RowPush(_slot_rows(ws), ws.slot_deltas_W, bufs.rowtab_3C, ws.spec.top_k)
 
 
 def _slot_rows(ws: EPWorkspace) -> torch.Tensor:

@@ -53,9 +53,9 @@ class RowPush:
     dest: this rank's (rows, N) contiguous destination buffer (gives the dtype and the base); deltas_W:
     (W,) int64 device tensor, the element offset of rank s's buffer from ``dest`` (0 for this rank; a
     peer's mapping elsewhere in the address space), each a multiple of 16 (the kernel relies on it for
-    16-byte stores; :func:`row_push_deltas` builds and checks the table); rowtab_3C: (3, C) int32 device tensor, C >= R, columns
-    r = (source rank, token, slot) of row r, source < 0 for a row that is not stored; top_k: slots per
-    token. Row r is written to row ``token * top_k + slot`` of rank ``source``'s buffer. The caller
+    16-byte stores; :func:`row_push_deltas` builds and checks the table); rowtab_3C: (3, C) int32 device
+    tensor, C >= R, columns r = (source rank, token, slot) of row r, source < 0 for a row that is not
+    stored; top_k: slots per token. Row r is written to row ``token * top_k + slot`` of rank ``source``'s buffer. The caller
     guarantees those rows exist and that no two rows share one (the EP schedule gives each slot one row).
     """
 
@@ -161,7 +161,8 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         a.stride(0), a.stride(1), stride_b[0], stride_b[1], stride_b[2], c.stride(0),
         gu.stride(0) if gu is not None else 0, aux.stride(0) if aux is not None else 0,
         EPILOGUE=epilogue, HAS_GATHER=a_idx is not None, HAS_SCALE=scale is not None,
-        SAVE_AUX=aux is not None, HAS_DOT=dot is not None, PUSH=push is not None, FP32_DOT=fp32_dot, EVEN_K=K % cfg.block_k == 0,
+        SAVE_AUX=aux is not None, HAS_DOT=dot is not None, PUSH=push is not None, FP32_DOT=fp32_dot,
+        EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_N=_dot_cols(cfg) if epilogue == _SWIGLU_BWD else cfg.block_n,
