@@ -171,6 +171,15 @@ def _m_grouped_gemm_kernel(
             a_rows = tl.load(a_idx_ptr + rows).to(tl.int64)
         else:
             a_rows = rows
+        if PUSH:  # row r goes to row (token * push_k + slot) of its source rank's buffer (N columns); loaded
+            # before the K loop so the dependent loads (row table, then the rank's offset) overlap it
+            src = tl.load(push_tab_ptr + rows, mask=mask_m, other=-1)
+            push_mask = mask_m & (src >= 0)
+            tok = tl.load(push_tab_ptr + push_c + rows, mask=push_mask, other=0).to(tl.int64)
+            slot = tl.load(push_tab_ptr + 2 * push_c + rows, mask=push_mask, other=0).to(tl.int64)
+            # multiples of 16 elements (RowPush's contract): keeps the stores 16-byte vectors
+            delta = tl.multiple_of(tl.load(push_deltas_ptr + tl.maximum(src, 0), mask=push_mask, other=0), 16)
+            push_rows = delta + (tok * push_k + slot) * N
         offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
@@ -208,15 +217,9 @@ def _m_grouped_gemm_kernel(
         if EPILOGUE == PLAIN:
             if HAS_SCALE:
                 acc = acc * tl.load(scale_ptr + rows).to(tl.float32)[:, None]
-            if PUSH:  # row r goes to row (token * push_k + slot) of its source rank's buffer (N columns)
-                src = tl.load(push_tab_ptr + rows, mask=mask_m, other=-1)
-                mask_m = mask_m & (src >= 0)
-                tok = tl.load(push_tab_ptr + push_c + rows, mask=mask_m, other=0).to(tl.int64)
-                slot = tl.load(push_tab_ptr + 2 * push_c + rows, mask=mask_m, other=0).to(tl.int64)
-                # multiples of 16 elements (RowPush's contract): keeps the stores 16-byte vectors
-                delta = tl.multiple_of(tl.load(push_deltas_ptr + tl.maximum(src, 0), mask=mask_m, other=0), 16)
-                c_ptrs = c_ptr + (delta + (tok * push_k + slot) * N)[:, None] + offs_n[None, :]
-                mask = mask_m[:, None] & mask_n[None, :]
+            if PUSH:
+                c_ptrs = c_ptr + push_rows[:, None] + offs_n[None, :]
+                mask = push_mask[:, None] & mask_n[None, :]
             tl.store(c_ptrs, acc.to(out_ty), mask=mask)
         elif EPILOGUE == SWIGLU:
             gate = acc.to(out_ty).to(tl.float32)
