@@ -188,6 +188,23 @@ else:
         gu_ref = torch.cat([xs[a:b] @ w13[e].t() for e, (a, b) in enumerate(zip(plan.offsets_E1[:-1].tolist(), plan.offsets_E1[1:].tolist()))])
         torch.testing.assert_close(gu, gu_ref, rtol=1e-5, atol=1e-5)
 
+    def test_tile_offsets_kernel_equals_the_torch_formula():
+        # tile_offsets_for runs a Triton kernel (here under the interpreter): the exclusive prefix sum of
+        # ceil(count / BLOCK_M) must equal the PyTorch formula exactly, with empty groups, one group, 512 groups
+        from megamoe.ops import tile_offsets_for
+
+        g = torch.Generator().manual_seed(9)
+        for E in (1, 2, 5, 256, 512):
+            counts = torch.randint(0, 300, (E,), generator=g)
+            counts[torch.rand(E, generator=g) < 0.3] = 0
+            offs = torch.zeros(E + 1, dtype=torch.int32)
+            offs[1:] = torch.cumsum(counts, 0)
+            for bm in (64, 128):
+                ref = torch.zeros(E + 1, dtype=torch.int64)
+                ref[1:] = torch.cumsum((counts + bm - 1) // bm, 0)
+                got = tile_offsets_for(offs, bm)
+                assert got.dtype == torch.int32 and torch.equal(got.long(), ref), (E, bm)
+
     def test_row_push_stores_each_row_at_its_slot_bitwise(monkeypatch):
         # RowPush (the EP path's combine from the GEMM epilogue): every row of down_proj / grouped_mm_nn lands
         # at row token*K + slot of its source's buffer (two "ranks": two buffers through an address table),

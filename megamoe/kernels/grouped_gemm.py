@@ -474,3 +474,16 @@ def _k_grouped_resident_kernel(
                 _per_tile_reduction(n_tile, num_iters, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows,
                                     offs_m, mask_m, N, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER,
                                     FP32_DOT, INTERPRET, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _tile_offsets_kernel(offsets_ptr, tiles_ptr, num_groups, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """One program: ``tiles[0] = 0``, ``tiles[e + 1] = sum over j <= e of ceil(count_j / BLOCK_M)`` with
+    ``count_j = offsets[j + 1] - offsets[j]`` (>= 0): the first m-tile of each group (exact integers)."""
+    e = tl.arange(0, E_POW2)
+    m = e < num_groups
+    lo = tl.load(offsets_ptr + e, mask=m, other=0)
+    hi = tl.load(offsets_ptr + e + 1, mask=m, other=0)
+    tiles = tl.where(m, (hi - lo + (BLOCK_M - 1)) // BLOCK_M, 0)
+    tl.store(tiles_ptr + 1 + e, tl.cumsum(tiles, axis=0), mask=m)
+    tl.store(tiles_ptr + e, 0, mask=e == 0)

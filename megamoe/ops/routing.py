@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.grouped_gemm import _tile_offsets_kernel
+from ._common import is_interpreted, pow2
+
 __all__ = ["RoutingPlan", "build_routing_plan", "expert_sort", "tile_offsets_for", "single_group_offsets"]
 
 
@@ -50,7 +53,18 @@ class RoutingPlan:
 
 
 def tile_offsets_for(offsets_E1: torch.Tensor, block_m: int) -> torch.Tensor:
-    """(E+1,) int32: ``tile_offsets[e]`` is the first m-tile of group e for BLOCK_M = block_m (no sync)."""
+    """(E+1,) int32: ``tile_offsets[e]`` is the first m-tile of group e for BLOCK_M = block_m (no sync).
+
+    offsets_E1: (E+1,) int32 non-decreasing group offsets. On CUDA (and under TRITON_INTERPRET=1) one
+    small Triton kernel computes it (five PyTorch ops cost ~0.13 ms of host time per call, and the
+    fused layer calls this up to nine times a step: docs/perf.md, eleventh session); plain CPU tensors
+    take the PyTorch ops. The same integers either way."""
+    E = offsets_E1.shape[0] - 1
+    if offsets_E1.dtype == torch.int32 and offsets_E1.is_contiguous() and (
+            offsets_E1.is_cuda or is_interpreted(_tile_offsets_kernel)):
+        tiles_E1 = torch.empty_like(offsets_E1)
+        _tile_offsets_kernel[(1,)](offsets_E1, tiles_E1, E, BLOCK_M=block_m, E_POW2=pow2(E), num_warps=4)
+        return tiles_E1
     counts_E = offsets_E1[1:] - offsets_E1[:-1]
     tiles_E1 = torch.zeros_like(offsets_E1)
     torch.cumsum(torch.div(counts_E + (block_m - 1), block_m, rounding_mode="floor"), 0, out=tiles_E1[1:])
