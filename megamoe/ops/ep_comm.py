@@ -9,8 +9,9 @@ One *exchange* moves the rows of one MoE call to the experts' ranks and the resu
    pool, build the expert-sorted routing plan on the device, advance the epoch, signal "ready" to all.
 2. :func:`build_schedule` (destination): wait for every source's "ready", derive the receive schedule.
 3. per round r < ``rounds``: :func:`dispatch_round` pulls receive rows ``[r*C, (r+1)*C)`` from the
-   owners, the caller runs the expert GEMMs on them, :func:`push_round` writes the results into the
-   owners' (token, slot) slots. Rounds past R exit at once (no host sync decides how many run).
+   owners, the caller runs the expert GEMMs on them, and the results reach the owners' (token, slot)
+   slots either from the GEMM's epilogue (:func:`push_target`, the default) or by :func:`push_round`'s
+   copy; rounds past R exit at once (no host sync decides how many run).
 4. :func:`signal_done` (destination) then :func:`wait_done` (owner); the owner then reduces its slots
    with the single-GPU fixed-order kernels (``combine_fwd`` / ``slot_sum_bwd``) through
    :func:`slot_views`.
