@@ -118,9 +118,9 @@ class EPWorkspace:
     """One rank's view of the pool: local region views, the peer base-pointer table, the status word.
 
     Attributes: ``rank``, ``world``, ``spec``, ``offsets`` ({region: byte offset}), ``ptrs_W`` (int64
-    [W] device tensor: base address of every rank's pool as mapped in this process; ``peer_base_ptrs``
-    the same on the host; ``slot_deltas_W``: int64 [W], every rank's slot buffer as an element offset from
-    this rank's), and local tensor
+    [W] device tensor: base address of every rank's pool as mapped in this process; ``slot_deltas_W``:
+    int64 [W], every rank's slot buffer as an element offset from this rank's, or None if the pools are
+    not 16-element aligned to each other, when the EP path pushes with the copy kernel), and local tensor
     views ``flags``, ``plan``, ``sorted_N``, ``weights_N``, ``rows_2TD``, ``slots_TKD``, ``dots_NP`` (flat).
     """
 
@@ -135,7 +135,6 @@ class EPWorkspace:
         self._keepalive = keepalive
         lay = spec.layout()
         self.offsets = {k: v[0] for k, v in lay.items() if k != "total"}
-        self.peer_base_ptrs = [int(p) for p in peer_base_ptrs]
         self.ptrs_W = torch.tensor(peer_base_ptrs, dtype=torch.int64, device=buffer_u8.device)
         if peer_base_ptrs[rank] != buffer_u8.data_ptr():
             raise ValueError("megamoe.distributed: own entry of the pointer table must be the local buffer")
@@ -157,10 +156,9 @@ class EPWorkspace:
         # or sync-checked region. The regions sit at one offset in every pool, so these are base differences.
         es = torch.empty(0, dtype=spec.dtype).element_size()
         deltas = [p - peer_base_ptrs[rank] for p in peer_base_ptrs]
-        if any(d % (16 * es) for d in deltas):
-            raise ValueError(f"megamoe.distributed: pool bases {[hex(p) for p in peer_base_ptrs]} are not "
-                             f"{16 * es}-byte aligned relative to each other")
-        self.slot_deltas_W = torch.tensor([d // es for d in deltas], dtype=torch.int64, device=buffer_u8.device)
+        self.slot_deltas_W = None  # symmetric-memory and shared-memory pools are always aligned; if not: copy kernel
+        if not any(d % (16 * es) for d in deltas):
+            self.slot_deltas_W = torch.tensor([d // es for d in deltas], dtype=torch.int64, device=buffer_u8.device)
         self._pending: list[tuple[torch.Tensor, object]] = []  # (pinned status copy, event)
         self._pinned, self._slot = None, 0
         self.timeout_s = 10.0

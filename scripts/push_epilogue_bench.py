@@ -1,4 +1,4 @@
-"""The EP path's result-row store, three ways, on one GPU: the plain m-grouped GEMM (rows into a round buffer)
+"""The EP path's result-row store, four ways, on one GPU: the plain m-grouped GEMM (rows into a round buffer)
 followed by nothing, the same GEMM storing through a RowPush (rows straight to their (token, slot) rows of a
 destination buffer, as the EP path does into the owners' slots), with the destinations in token order
 (identity: what locality costs nothing) and scattered (the EP schedule's order: rows of one expert go to

@@ -70,17 +70,23 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
     kernel (megamoe.ops.grouped_gemm.torch_wgrad) on the EP side ("ep_torch_calls": the repeated EP runs)
     and in the EP=1 fused run it is compared with ("fused_torch_calls"), so a case can check which
     kernel ran where."""
+    import megamoe.ops.ep_comm as ec
     import megamoe.ops.grouped_gemm as gg
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     real, calls = gg.torch_wgrad, []
     gg.torch_wgrad = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    real_push, row_copies = ec.push_round, []  # pushes that copy result rows (not only the backward's dots)
+    ec.push_round = (lambda ws, bufs, r, y, dots=None:
+                     row_copies.append(y is not None) or real_push(ws, bufs, r, y, dots))
     try:
         r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls)
         r["fused_torch_calls"] = len(calls) - r["ep_torch_calls"]
+        r["row_copies"] = sum(row_copies)
         return r
     finally:
         gg.torch_wgrad = real
+        ec.push_round = real_push
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -261,6 +267,17 @@ def test_shared_expert_partial_gradients_sum(report, case):
         # two bf16-rounded partials summed vs one bf16 rounding of the whole sum: a few bf16 ulps of the
         # gradient's scale (bf16 has 8 significant bits)
         assert (a - b).abs().max() <= 2 ** -6 * b.abs().max(), (a - b).abs().max()
+
+
+def test_result_rows_take_the_push_asked_for(report):
+    """By default the EP path's result rows go from the GEMM epilogue into the owners' slots: no row copies
+    on the EP side; ``push_kernel`` (MEGAMOE_EP_PUSH=kernel) copies them with the push kernel, one forward and
+    one backward copy per run."""
+    if os.environ.get("MEGAMOE_EP_PUSH", "epilogue") != "epilogue":
+        pytest.skip("MEGAMOE_EP_PUSH is set for the whole run")
+    for r, rep in enumerate(report):
+        assert rep["uniform"]["row_copies"] == 0 and rep["torch_table"]["row_copies"] == 0, (r, rep["uniform"])
+        assert rep["push_kernel"]["row_copies"] == 2, (r, rep["push_kernel"]["row_copies"])
 
 
 def test_capacity_rounds(report):

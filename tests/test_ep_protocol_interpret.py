@@ -181,6 +181,19 @@ def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, pu
     import torch.nn.functional  # noqa: F401
 
     os.environ["MEGAMOE_EP_PUSH"] = push  # result rows from the GEMM epilogue, or the separate push kernel
+    from megamoe.ops import ep_comm
+    pushes = {"epilogue": 0, "row_copies": 0}  # which way the result rows went (counted, then asserted)
+    real_target, real_push = ep_comm.push_target, ep_comm.push_round
+
+    def counted_target(*a, **kw):
+        pushes["epilogue"] += 1
+        return real_target(*a, **kw)
+
+    def counted_push(ws, bufs, r, y_CD, dots_CP=None):
+        pushes["row_copies"] += y_CD is not None
+        return real_push(ws, bufs, r, y_CD, dots_CP)
+
+    ep_comm.push_target, ep_comm.push_round = counted_target, counted_push
 
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
     from megamoe.functional import moe_experts
@@ -224,7 +237,7 @@ def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, pu
     sl = slice(lo, lo + Ts[rank])
     ref_local = [rg[0][sl], rg[1][sl], rg[2][rank * L:(rank + 1) * L], rg[3][rank * L:(rank + 1) * L]]
     return {"out": outs, "grads": grads, "ref_out": ref.detach()[sl], "ref_grads": ref_local,
-            "ref_shared": list(rg[4:]), "rounds": None}
+            "ref_shared": list(rg[4:]), "rounds": None, "pushes": pushes}
 
 
 # The interpreter's numpy matmul is not batch invariant across a row's position inside a tile, and the
@@ -249,6 +262,11 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S,
     shared_sum = None
     for r in range(W):
         got = res[r]
+        # the result rows took the way asked for: GEMM-epilogue stores, or the copy kernel's row copies
+        if push == "epilogue":
+            assert got["pushes"]["epilogue"] > 0 and got["pushes"]["row_copies"] == 0, got["pushes"]
+        else:
+            assert got["pushes"]["epilogue"] == 0 and got["pushes"]["row_copies"] > 0, got["pushes"]
         assert torch.equal(got["out"][0], got["out"][1]), "not repeatable"
         for a, b in zip(got["grads"][0], got["grads"][1]):
             assert torch.equal(a, b), "gradients differ between save_preact=True and False (or not repeatable)"

@@ -10,6 +10,8 @@ Public pieces (the EP path calls these on rows received from peers):
   backward:     swiglu_dgrad (m-grouped dgrad + SwiGLU backward + routing-weight row dots),
                 grouped_mm_nn (m-grouped dgrad), k_grouped_mm (weight gradients), slot_sum_bwd,
                 k_grouped_wants_rows_in_order (whether a weight gradient wants its gathered rows copied)
+  EP stores:    RowPush, row_push_deltas (plain-epilogue GEMMs storing rows straight into (token, slot) rows
+                of several ranks' buffers)
   configs:      GemmConfig, m_grouped_config, k_grouped_config
 """
 

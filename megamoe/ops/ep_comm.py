@@ -204,13 +204,14 @@ def _slot_rows(ws: EPWorkspace) -> torch.Tensor:
     return ws.slots_TKD.view(s.max_tokens * s.top_k, s.hidden)
 
 
-def fused_push() -> bool:
+def fused_push(ws: EPWorkspace) -> bool:
     """Whether the EP path stores result rows from the GEMM epilogue (default) or with the separate push
-    kernel (``MEGAMOE_EP_PUSH=kernel``: the earlier path, kept for A/B runs and as a test reference)."""
+    kernel (``MEGAMOE_EP_PUSH=kernel``: the earlier path, kept for A/B runs and as a test reference; also
+    taken when the workspace has no aligned slot-offset table, ``EPWorkspace.slot_deltas_W``)."""
     mode = os.environ.get("MEGAMOE_EP_PUSH", "epilogue")
     if mode not in ("epilogue", "kernel"):
         raise ValueError(f"MEGAMOE_EP_PUSH must be 'epilogue' or 'kernel', got {mode!r}")
-    return mode == "epilogue"
+    return mode == "epilogue" and ws.slot_deltas_W is not None
 
 
 def signal_done(ws: EPWorkspace) -> None:

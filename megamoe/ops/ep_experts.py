@@ -64,7 +64,7 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     bufs = X.ExchangeBuffers(ws, capacity_rows, backward=False)
     X.build_schedule(ws, bufs, rounds, timeout_s)
     h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
-    fused = X.fused_push()  # result rows stored by down_proj's epilogue into the owners' slots
+    fused = X.fused_push(ws)  # result rows stored by down_proj's epilogue into the owners' slots
     y_CD = None if fused else torch.empty(capacity_rows, D, dtype=x_TD.dtype, device=dev)
     gu_CG = torch.empty(capacity_rows, 2 * F, dtype=x_TD.dtype, device=dev) if save_preact else None
     for r in range(rounds):
@@ -122,7 +122,7 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     # of the weight gradients; it never changes bits)
     rows_est = min(T * topk_ids_TK.shape[1], capacity_rows) / L
     P = 1
-    fused = X.fused_push()
+    fused = X.fused_push(ws)
     for r in range(rounds):
         X.dispatch_round(ws, bufs, r, backward=True)
         roff = bufs.roff_L1

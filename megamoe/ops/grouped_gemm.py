@@ -52,11 +52,13 @@ class RowPush:
 
     dest: this rank's (rows, N) contiguous destination buffer (gives the dtype and the base); deltas_W:
     (W,) int64 device tensor, the element offset of rank s's buffer from ``dest`` (0 for this rank; a
-    peer's mapping elsewhere in the address space), each a multiple of 16 (the kernel relies on it for
-    16-byte stores; :func:`row_push_deltas` builds and checks the table); rowtab_3C: (3, C) int32 device
-    tensor, C >= R, columns r = (source rank, token, slot) of row r, source < 0 for a row that is not
-    stored; top_k: slots per token. Row r is written to row ``token * top_k + slot`` of rank ``source``'s buffer. The caller
-    guarantees those rows exist and that no two rows share one (the EP schedule gives each slot one row).
+    peer's mapping elsewhere in the address space), each a multiple of 16. The kernel relies on that for
+    16-byte stores and the table is not read on the host, so build it with :func:`row_push_deltas` (or
+    ``EPWorkspace.slot_deltas_W``), which check it: a misaligned entry faults on the GPU. rowtab_3C:
+    (3, C) int32 device tensor, C >= R, columns r = (source rank, token, slot) of row r, source < 0 for a
+    row that is not stored; top_k: slots per token. Row r is written to row ``token * top_k + slot`` of
+    rank ``source``'s buffer. The caller guarantees those rows exist and that no two rows share one (the
+    EP schedule gives each slot one row).
     """
 
     dest: torch.Tensor

@@ -55,10 +55,11 @@ class RoutingPlan:
 def tile_offsets_for(offsets_E1: torch.Tensor, block_m: int) -> torch.Tensor:
     """(E+1,) int32: ``tile_offsets[e]`` is the first m-tile of group e for BLOCK_M = block_m (no sync).
 
-    offsets_E1: (E+1,) int32 non-decreasing group offsets. On CUDA (and under TRITON_INTERPRET=1) one
+    offsets_E1: (E+1,) non-decreasing group offsets (counts >= 0). On CUDA (and under TRITON_INTERPRET=1) one
     small Triton kernel computes it (five PyTorch ops cost ~0.13 ms of host time per call, and the
     fused layer calls this up to nine times a step: docs/perf.md, eleventh session); plain CPU tensors
-    take the PyTorch ops. The same integers either way."""
+    (and int64 or non-contiguous offsets) take the PyTorch ops. The same integers either way for valid
+    offsets; the kernel launches on the current CUDA device, like the GEMMs that use it."""
     E = offsets_E1.shape[0] - 1
     if offsets_E1.dtype == torch.int32 and offsets_E1.is_contiguous() and (
             offsets_E1.is_cuda or is_interpreted(_tile_offsets_kernel)):
