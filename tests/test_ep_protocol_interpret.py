@@ -290,6 +290,45 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S,
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _bad_switch_worker(rank, W, buffers, spec_args):
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+    from megamoe.functional_ep import moe_experts_ep_workspace
+
+    spec = WorkspaceSpec(*spec_args)
+    ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)
+    g = torch.Generator().manual_seed(1)
+    E, D, F = spec.num_experts, spec.hidden, 16
+    x = torch.randn(4, D, generator=g)
+    ids = routing("uniform", 4, spec.top_k, E, 0, rank)
+    w = torch.rand(4, spec.top_k, generator=g)
+    w13, w2 = torch.randn(E, 2 * F, D, generator=g), torch.randn(E, D, F, generator=g)
+    before = ws.epoch()
+    os.environ["MEGAMOE_EP_PUSH"] = "bogus"
+    try:
+        moe_experts_ep_workspace(x, ids, w, w13, w2, None, None, workspace=ws, capacity_rows=64, timeout_s=10)
+        msg = None
+    except ValueError as e:
+        msg = str(e)
+    after_bad = ws.epoch()
+    os.environ["MEGAMOE_EP_PUSH"] = "epilogue"
+    out = moe_experts_ep_workspace(x, ids, w, w13, w2, None, None, workspace=ws, capacity_rows=64, timeout_s=10)
+    return {"msg": msg, "epochs": (before, after_bad, ws.epoch()), "finite": bool(torch.isfinite(out).all())}
+
+
+def test_bad_push_switch_is_a_clear_error_before_the_exchange():
+    """MEGAMOE_EP_PUSH must be 'epilogue' or 'kernel': anything else raises ValueError before this rank publishes
+    (its epoch does not move, so no peer waits on it), and the workspace works afterwards."""
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+
+    spec = WorkspaceSpec(1, 4, D, 2, 4, torch.float32)
+    res = spawn_ranks(_bad_switch_worker, 1, EPWorkspace.allocate_shared(spec), (1, 4, D, 2, 4, torch.float32),
+                      env=ENV)[0]
+    assert res["msg"] and "MEGAMOE_EP_PUSH" in res["msg"] and "bogus" in res["msg"], res
+    before, after_bad, after_good = res["epochs"]
+    assert after_bad == before and after_good > before, res["epochs"]
+    assert res["finite"]
+
+
 def test_release_workspaces_forgets_only_that_group():
     """megamoe.distributed.release_workspaces drops a group's cached workspaces and reserved capacity (so a
     re-created group of the same name cannot get the old group's workspace) and leaves other groups'."""

@@ -120,9 +120,11 @@ def run_metadata(device: torch.device, world_size: int, args: dict) -> dict:
         "host": platform.node(),
         "python": platform.python_version(),
         "settings": args,
-        # the library's environment switches: tile replacements, the Gluon kernels, the permuted-dY experiment
+        # the library's environment switches: tile replacements, the Gluon kernels, the permuted-dY experiment,
+        # torch's weight gradients, the EP path's result-row push
         "env": {k: os.environ[k]
-                for k in ("MEGAMOE_TILES", "MEGAMOE_GLUON", "MEGAMOE_PERMUTED_DY", "MEGAMOE_TORCH_WGRAD")
+                for k in ("MEGAMOE_TILES", "MEGAMOE_GLUON", "MEGAMOE_PERMUTED_DY", "MEGAMOE_TORCH_WGRAD",
+                          "MEGAMOE_EP_PUSH")
                 if k in os.environ},
     }
 

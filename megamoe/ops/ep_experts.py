@@ -55,6 +55,8 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     T, D = x_TD.shape
     F = w2_LDF.shape[2]
     dev = x_TD.device
+    fused = X.fused_push(ws)  # result rows stored by down_proj's epilogue into the owners' slots (checked
+    # before publish: a bad MEGAMOE_EP_PUSH must not leave the peers waiting for this rank)
     X.publish(ws, topk_ids_TK, x_TD)
     shared_TD = None
     if shared_w13_HD is not None and T:
@@ -64,7 +66,6 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     bufs = X.ExchangeBuffers(ws, capacity_rows, backward=False)
     X.build_schedule(ws, bufs, rounds, timeout_s)
     h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
-    fused = X.fused_push(ws)  # result rows stored by down_proj's epilogue into the owners' slots
     y_CD = None if fused else torch.empty(capacity_rows, D, dtype=x_TD.dtype, device=dev)
     gu_CG = torch.empty(capacity_rows, 2 * F, dtype=x_TD.dtype, device=dev) if save_preact else None
     for r in range(rounds):
@@ -94,6 +95,7 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     L, G, _ = w13_LGD.shape
     F = G // 2
     dev = x_TD.device
+    fused = X.fused_push(ws)  # checked before publish, as in the forward
     X.publish(ws, topk_ids_TK, x_TD, dout_TD=dout_TD, topk_weights_TK=topk_weights_TK)
 
     ds13 = ds2 = dxs_TD = None
@@ -122,7 +124,6 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     # of the weight gradients; it never changes bits)
     rows_est = min(T * topk_ids_TK.shape[1], capacity_rows) / L
     P = 1
-    fused = X.fused_push(ws)
     for r in range(rounds):
         X.dispatch_round(ws, bufs, r, backward=True)
         roff = bufs.roff_L1
