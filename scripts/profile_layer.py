@@ -111,7 +111,7 @@ def profile_case(name: str, T: int) -> dict:
     host_ms = (time.perf_counter() - t0) * 1e3 / STEPS
     torch.cuda.synchronize()
     if os.environ.get("PROFILE_HOST") == "1":
-        _host_profile(prob)
+        _host_profile(prob, f"{name} T={T}")
     graph_ms = _graph_ms(prob)
     path = " (EP path, one-rank group)" if EP1 else ""
     print(f"\n== {name} T={T}{path}: step {wall:.2f} ms (CUDA events, synced steps, median of {STEPS}); kernels sum "
@@ -127,8 +127,9 @@ def profile_case(name: str, T: int) -> dict:
                 kernels=[dict(name=k, calls=c, ms=ms) for k, c, ms in rows])
 
 
-def _host_profile(prob) -> None:
-    """cProfile of STEPS enqueued steps (synced only at the end): the 30 largest own times, per step."""
+def _host_profile(prob, case: str) -> None:
+    """cProfile of STEPS enqueued steps (synced only at the end): the 30 largest own times, totals over the
+    STEPS steps (printed before the case's summary line, so it names its case)."""
     import cProfile
     import io
     import pstats
@@ -142,7 +143,7 @@ def _host_profile(prob) -> None:
     buf = io.StringIO()
     st = pstats.Stats(pr, stream=buf)
     st.sort_stats("tottime").print_stats(30)
-    print(f"  host profile of {STEPS} steps (cProfile, own time first):")
+    print(f"  host profile of {case}, totals over {STEPS} steps (cProfile, own time first):")
     print("\n".join("    " + line for line in buf.getvalue().splitlines()[4:45]))
 
 

@@ -291,8 +291,9 @@ def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor
 def row_push_deltas(dest: torch.Tensor, addresses: list[int]) -> torch.Tensor:
     """The ``RowPush.deltas_W`` table for destination buffers at the given host-known byte ``addresses``
     (``addresses[s]``: rank s's buffer as mapped in this process; one of them is ``dest``'s own). Raises
-    ValueError when an offset is not a multiple of 16 elements. Built once per workspace (a host-to-device
-    copy)."""
+    ValueError when an offset is not a multiple of 16 elements. A host-to-device copy: build it once, outside
+    captured regions (``EPWorkspace`` builds its own ``slot_deltas_W`` the same way, as ``megamoe.distributed``
+    may not import ops)."""
     es = dest.element_size()
     out = []
     for a in addresses:
