@@ -9,6 +9,7 @@
 #   sweep (scripts/gemm_sweep.py $SWEEP_ARGS: per-GEMM tile candidates, bitwise checked),
 #   comm (scripts/comm_bench.py $COMM_ARGS: dispatch / combine GB/s vs the peer-copy rate, 2 GPUs),
 #   abgluon (the layer with the Gluon weight-gradient kernel off, MEGAMOE_GLUON=0, then on; $ABGLUON_CASES),
+#   eptests (only tests/test_ep_gpu.py, the EP GPU tests at the sizes MEGAMOE_TEST_EP_SIZES allows),
 #   abtiles (layer A/B of tile replacements: the table, then each MEGAMOE_TILES value of the space-separated
 #     $ABTILES, interleaved, $ABTILES_REPS rounds, on $ABTILES_CASES; the benchmark checks each against the
 #     reference first; e.g. ABTILES="dgrad_swiglu:128,256,64,8,3,tma_b=1 dgrad_swiglu:128,128,64,8,4,tma_b=1";
@@ -56,6 +57,8 @@ for s in "${STAGES[@]}"; do
   case $s in
     tests) stage tests "${LIMIT_TESTS:-480}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=10 \
               tests/test_fused_gpu.py tests/test_wgrad_gluon_gpu.py tests/test_m_grouped_gluon_gpu.py tests/test_torch_wgrad_gpu.py \
+              tests/test_ep_gpu.py ;;
+    eptests) stage eptests "${LIMIT_EPTESTS:-240}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=5 \
               tests/test_ep_gpu.py ;;
     gluon) stage gluon "${LIMIT_GLUON:-200}" python3 -m pytest -q -ra -m gpu tests/test_m_grouped_gluon_gpu.py tests/test_wgrad_gluon_gpu.py \
               tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape ;;

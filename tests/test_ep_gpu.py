@@ -18,12 +18,16 @@ below assert on it. Proves, for each W, bf16:
     case "torch_wgrad") and where the table picks it on the EP path's contiguous receive buffers (case
     "torch_table", 256 rows and more per local expert); call counts show which kernel ran on which side;
   * result rows stored from the GEMM epilogue into the owners' slots (the default) and through the separate
-    push kernel (``MEGAMOE_EP_PUSH=kernel``, case "push_kernel") give the same bits.
+    push kernel (``MEGAMOE_EP_PUSH=kernel``, case "push_kernel") give the same bits;
+  * the shared expert beside the exchange on the side stream with 16 SMs left to the exchange (the default),
+    with 64 (case "comm_sms_64") and inline on one stream (``MEGAMOE_EP_COMM_SMS=0``, case "no_overlap") give
+    the same bits; a record of each shared-expert block shows which way ran and the SM budget inside it.
 At W = 1 the "zero_tokens" and "one_rank" cases are plain routings of one rank (no peer to leave empty).
 
 Legend: W ranks, T tokens of a rank, K top-k, D hidden, F FFN, E experts, L = E / W, S shared FFN.
 """
 
+import contextlib
 import os
 import time
 
@@ -71,7 +75,9 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
     and in the EP=1 fused run it is compared with ("fused_torch_calls"), so a case can check which
     kernel ran where."""
     import megamoe.ops.ep_comm as ec
+    import megamoe.ops.ep_experts as ee
     import megamoe.ops.grouped_gemm as gg
+    from megamoe.ops import _common
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     real, calls = gg.torch_wgrad, []
@@ -79,14 +85,25 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
     real_push, row_copies = ec.push_round, []  # pushes that copy result rows (not only the backward's dots)
     ec.push_round = (lambda ws, bufs, r, y, dots=None:
                      row_copies.append(y is not None) or real_push(ws, bufs, r, y, dots))
+    real_beside, shared_blocks = ee._beside, []  # (on the side stream?, SM budget inside) per shared-expert block
+
+    @contextlib.contextmanager
+    def beside(side):
+        with real_beside(side):
+            shared_blocks.append((side is not None, _common.sm_budget(torch.device("cuda", rank))))
+            yield
+    ee._beside = beside
     try:
         r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls)
         r["fused_torch_calls"] = len(calls) - r["ep_torch_calls"]
         r["row_copies"] = sum(row_copies)
+        r["shared_blocks"] = shared_blocks
+        r["sms"] = _common._sm_count(rank)
         return r
     finally:
         gg.torch_wgrad = real
         ec.push_round = real_push
+        ee._beside = real_beside
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -153,9 +170,12 @@ def _suite(rank, W):
              "zero_tokens": (per_rank(96, 0), "uniform", None, 1), "ties": (per_rank(40, 56), "ties", None, 1),
              "rounds": (per_rank(64), "one_rank", 128, 1), "repeat50": (per_rank(64, 48), "uniform", None, 50),
              "torch_wgrad": (per_rank(64, 48), "zipf", None, 2), "torch_table": (per_rank(1024), "uniform", None, 1),
-             "push_kernel": (per_rank(80, 40), "zipf", None, 1)}
+             "push_kernel": (per_rank(80, 40), "zipf", None, 1), "no_overlap": (per_rank(80, 40), "zipf", None, 1),
+             "comm_sms_64": (per_rank(80, 40), "zipf", None, 1)}
     envs = {"torch_wgrad": {"MEGAMOE_TORCH_WGRAD": "1"},  # both sides (EP and EP=1 fused) through torch's kernel
-            "push_kernel": {"MEGAMOE_EP_PUSH": "kernel"}}  # result rows by the separate push kernel, not the epilogue
+            "push_kernel": {"MEGAMOE_EP_PUSH": "kernel"},  # result rows by the separate push kernel, not the epilogue
+            "no_overlap": {"MEGAMOE_EP_COMM_SMS": "0"},  # the shared expert inline, then the exchange
+            "comm_sms_64": {"MEGAMOE_EP_COMM_SMS": "64"}}  # beside it, with 64 SMs left to the exchange
     for name, (Ts, kind, cap, reps) in cases.items():
         rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, env=envs.get(name))
     dev = torch.device("cuda", rank)
@@ -223,7 +243,7 @@ def report(request):
 
 
 CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50", "torch_wgrad", "torch_table",
-         "push_kernel"]
+         "push_kernel", "no_overlap", "comm_sms_64"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -278,6 +298,20 @@ def test_result_rows_take_the_push_asked_for(report):
     for r, rep in enumerate(report):
         assert rep["uniform"]["row_copies"] == 0 and rep["torch_table"]["row_copies"] == 0, (r, rep["uniform"])
         assert rep["push_kernel"]["row_copies"] == 2, (r, rep["push_kernel"]["row_copies"])
+
+
+def test_shared_expert_runs_beside_the_exchange_as_asked(report):
+    """Every rank here has tokens and a shared expert: one shared-expert block per forward and per backward.
+    By default it runs on the side stream with all SMs but 16 for its persistent grids; ``comm_sms_64`` leaves
+    64; ``no_overlap`` (MEGAMOE_EP_COMM_SMS=0) runs it inline with every SM."""
+    if os.environ.get("MEGAMOE_EP_COMM_SMS", "16") != "16":
+        pytest.skip("MEGAMOE_EP_COMM_SMS is set for the whole run")
+    for r, rep in enumerate(report):
+        sms = rep["uniform"]["sms"]
+        assert rep["uniform"]["shared_blocks"] == [(True, sms - 16)] * 2, (r, rep["uniform"]["shared_blocks"])
+        assert rep["repeat50"]["shared_blocks"] == [(True, sms - 16)] * 100, r
+        assert rep["comm_sms_64"]["shared_blocks"] == [(True, sms - 64)] * 2, (r, rep["comm_sms_64"]["shared_blocks"])
+        assert rep["no_overlap"]["shared_blocks"] == [(False, sms)] * 2, (r, rep["no_overlap"]["shared_blocks"])
 
 
 def test_capacity_rounds(report):

@@ -290,7 +290,7 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S,
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _bad_switch_worker(rank, W, buffers, spec_args):
+def _bad_switch_worker(rank, W, buffers, spec_args, switch):
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
     from megamoe.functional_ep import moe_experts_ep_workspace
 
@@ -302,28 +302,32 @@ def _bad_switch_worker(rank, W, buffers, spec_args):
     ids = routing("uniform", 4, spec.top_k, E, 0, rank)
     w = torch.rand(4, spec.top_k, generator=g)
     w13, w2 = torch.randn(E, 2 * F, D, generator=g), torch.randn(E, D, F, generator=g)
+    name, bad, good = switch
     before = ws.epoch()
-    os.environ["MEGAMOE_EP_PUSH"] = "bogus"
+    os.environ[name] = bad
     try:
         moe_experts_ep_workspace(x, ids, w, w13, w2, None, None, workspace=ws, capacity_rows=64, timeout_s=10)
         msg = None
     except ValueError as e:
         msg = str(e)
     after_bad = ws.epoch()
-    os.environ["MEGAMOE_EP_PUSH"] = "epilogue"
+    os.environ[name] = good
     out = moe_experts_ep_workspace(x, ids, w, w13, w2, None, None, workspace=ws, capacity_rows=64, timeout_s=10)
     return {"msg": msg, "epochs": (before, after_bad, ws.epoch()), "finite": bool(torch.isfinite(out).all())}
 
 
-def test_bad_push_switch_is_a_clear_error_before_the_exchange():
-    """MEGAMOE_EP_PUSH must be 'epilogue' or 'kernel': anything else raises ValueError before this rank publishes
-    (its epoch does not move, so no peer waits on it), and the workspace works afterwards."""
+@pytest.mark.parametrize("switch", [("MEGAMOE_EP_PUSH", "bogus", "epilogue"), ("MEGAMOE_EP_COMM_SMS", "many", "16"),
+                                    ("MEGAMOE_EP_COMM_SMS", "-1", "0"), ("MEGAMOE_EP_COMM_SMS", "65", "64")])
+def test_bad_ep_switch_is_a_clear_error_before_the_exchange(switch):
+    """MEGAMOE_EP_PUSH must be 'epilogue' or 'kernel', MEGAMOE_EP_COMM_SMS an integer in [0, 64]: anything else
+    raises ValueError naming the variable and the value before this rank publishes (its epoch does not move,
+    so no peer waits on it), and the workspace works afterwards with a good value."""
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
 
     spec = WorkspaceSpec(1, 4, D, 2, 4, torch.float32)
     res = spawn_ranks(_bad_switch_worker, 1, EPWorkspace.allocate_shared(spec), (1, 4, D, 2, 4, torch.float32),
-                      env=ENV)[0]
-    assert res["msg"] and "MEGAMOE_EP_PUSH" in res["msg"] and "bogus" in res["msg"], res
+                      switch, env=ENV)[0]
+    assert res["msg"] and switch[0] in res["msg"] and repr(switch[1]) in res["msg"], res
     before, after_bad, after_good = res["epochs"]
     assert after_bad == before and after_good > before, res["epochs"]
     assert res["finite"]

@@ -215,3 +215,42 @@ def test_dgrad_swiglu_entry_depends_on_gathered_rows(monkeypatch):
             m_grouped_config(kind, 768, 2048, BF16, interpret=False)
     monkeypatch.setenv("MEGAMOE_TILES", "dgrad_swiglu:128,256,64,8,3,tma_b=1")
     assert m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=False, gathered=True).block_n == 256
+
+
+def test_reserve_sms_shrinks_persistent_grids_in_this_thread_only(monkeypatch):
+    """ops._common.reserve_sms (the EP path's shared expert beside the exchange): persistent grids inside the
+    block leave n SMs free, at least one program remains, the largest of nested reservations holds, the
+    reservation ends with the block (also on an exception) and does not reach other threads (the autograd
+    engine's backward thread); a bad n raises."""
+    import threading
+
+    from megamoe.ops import _common
+
+    monkeypatch.setattr(_common, "_sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    kernel = object()  # not an interpreted kernel: the grid follows the SM budget
+
+    def grid(bound=10_000, per_sm=1):
+        return _common.persistent_programs(dev, kernel, bound, per_sm)
+
+    assert grid() == 132 and grid(per_sm=2) == 264 and grid(bound=7) == 7
+    seen = []
+    with _common.reserve_sms(16):
+        assert grid() == 116 and grid(per_sm=2) == 232 and _common.sm_budget(dev) == 116
+        with _common.reserve_sms(8):
+            assert grid() == 116
+        with _common.reserve_sms(40):
+            assert grid() == 92
+        assert grid() == 116
+        t = threading.Thread(target=lambda: seen.append(grid()))
+        t.start()
+        t.join()
+    assert seen == [132] and grid() == 132
+    with _common.reserve_sms(500):
+        assert grid() == 1
+    with pytest.raises(RuntimeError), _common.reserve_sms(16):
+        raise RuntimeError("inside")
+    assert grid() == 132
+    for bad in (-1, 1.5, True, "16"):
+        with pytest.raises(ValueError, match="reserve_sms"), _common.reserve_sms(bad):
+            pass

@@ -121,10 +121,10 @@ def run_metadata(device: torch.device, world_size: int, args: dict) -> dict:
         "python": platform.python_version(),
         "settings": args,
         # the library's environment switches: tile replacements, the Gluon kernels, the permuted-dY experiment,
-        # torch's weight gradients, the EP path's result-row push
+        # torch's weight gradients, the EP path's result-row push and its SMs left to the exchange
         "env": {k: os.environ[k]
                 for k in ("MEGAMOE_TILES", "MEGAMOE_GLUON", "MEGAMOE_PERMUTED_DY", "MEGAMOE_TORCH_WGRAD",
-                          "MEGAMOE_EP_PUSH")
+                          "MEGAMOE_EP_PUSH", "MEGAMOE_EP_COMM_SMS")
                 if k in os.environ},
     }
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 import triton
@@ -38,9 +40,34 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+_RESERVED = threading.local()  # per thread: the autograd engine runs the backward on its own thread
+
+
+@contextlib.contextmanager
+def reserve_sms(n: int):
+    """Within the block, persistent kernels launched from this thread size their grids for all SMs but ``n``
+    (at least one), leaving those SMs to work on another stream (megamoe.ops.ep_experts: the exchange beside
+    the shared expert). Grids never change bits (tile_config), so neither does this. Nests: the largest
+    reservation holds."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"reserve_sms: n must be an int >= 0, got {n!r}")
+    old = getattr(_RESERVED, "n", 0)
+    _RESERVED.n = max(old, n)
+    try:
+        yield
+    finally:
+        _RESERVED.n = old
+
+
+def sm_budget(device: torch.device) -> int:
+    """SMs a persistent kernel may fill on ``device``: all of them minus the current :func:`reserve_sms`."""
+    return max(1, _sm_count(device.index or 0) - getattr(_RESERVED, "n", 0))
+
+
 def persistent_programs(device: torch.device, kernel, bound: int, per_sm: int = 1) -> int:
-    """Grid of a persistent kernel: per_sm programs per SM (interpreter: INTERPRET_PROGRAMS), at most ``bound``."""
-    cap = INTERPRET_PROGRAMS if is_interpreted(kernel) else per_sm * _sm_count(device.index or 0)
+    """Grid of a persistent kernel: per_sm programs per SM of :func:`sm_budget` (interpreter:
+    INTERPRET_PROGRAMS), at most ``bound``."""
+    cap = INTERPRET_PROGRAMS if is_interpreted(kernel) else per_sm * sm_budget(device)
     return max(1, min(cap, bound))
 
 

@@ -33,7 +33,8 @@ from .grouped_gemm import RowPush
 from .routing import expert_sort
 
 __all__ = ["ExchangeBuffers", "publish", "routing_plan", "build_schedule", "dispatch_round", "push_round",
-           "signal_done", "wait_done", "slot_views", "sched_size", "interpret_mode", "push_target", "fused_push"]
+           "signal_done", "wait_done", "slot_views", "sched_size", "interpret_mode", "push_target", "fused_push",
+           "comm_sms", "shared_expert_stream"]
 
 # rows per program, columns per copy step, warps of the dispatch (pull) and push kernels; combine's rows per
 # program. Copies only: these never change bits. Copy shapes from 8 to 32 rows x 256 to 1024 columns, 4 or 8
@@ -212,6 +213,39 @@ def fused_push(ws: EPWorkspace) -> bool:
     if mode not in ("epilogue", "kernel"):
         raise ValueError(f"MEGAMOE_EP_PUSH must be 'epilogue' or 'kernel', got {mode!r}")
     return mode == "epilogue" and ws.slot_deltas_W is not None
+
+
+# SMs left to the exchange while the shared expert runs beside it (megamoe.ops.ep_experts); DeepEP likewise
+# gives its intranode kernels a fixed number of SMs. docs/perf.md, twelfth session, has the A/B that chose it.
+_COMM_SMS_DEFAULT = 16
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def comm_sms() -> int:
+    """``MEGAMOE_EP_COMM_SMS`` (default 16): the SMs the shared expert's persistent GEMMs leave to the schedule
+    build and round 0's pull, which run beside them on the current stream; 0 runs the shared expert first and
+    the exchange after it on one stream. ValueError for anything but an integer in [0, 64]."""
+    text = os.environ.get("MEGAMOE_EP_COMM_SMS", str(_COMM_SMS_DEFAULT)).strip()
+    if not text.isdigit() or int(text) > 64:
+        raise ValueError(f"MEGAMOE_EP_COMM_SMS must be an integer in [0, 64], got {text!r}")
+    return int(text)
+
+
+def shared_expert_stream(ws: EPWorkspace) -> tuple[torch.cuda.Stream, int] | None:
+    """(side stream, SMs to leave free) for the shared expert of an EP call, or None to run it inline (CPU /
+    interpreter, or ``MEGAMOE_EP_COMM_SMS=0``). The stream is one high-priority stream per device, so that the
+    shared expert's programs are placed first when both streams have work queued and the exchange takes the
+    SMs they leave. Creating it is not a sync; it is made once per device (outside any captured region when
+    the first call is eager, as megamoe's graph users warm up first)."""
+    n = comm_sms()
+    if n == 0 or ws.device.type != "cuda" or interpret_mode():
+        return None
+    idx = ws.device.index if ws.device.index is not None else torch.cuda.current_device()
+    st = _SIDE_STREAMS.get(idx)
+    if st is None:
+        # a lower number is a higher priority; torch maps values outside the device's range to its edge
+        st = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=-1)
+    return st, n
 
 
 def signal_done(ws: EPWorkspace) -> None:

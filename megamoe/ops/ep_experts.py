@@ -7,14 +7,27 @@ H = 2S.
 Forward (every rank is both owner of its tokens and host of its L experts)::
 
     publish(x, ids)                       stage x, routing plan, epoch += 1, "ready" -> all
-    shared = down(swiglu(x @ sw13))       local, overlaps the peers' pulls
-    build_schedule                        wait "ready" of all, receive order (expert, global token, slot)
-    for round r < rounds:                 rows [r*C, (r+1)*C) of the schedule; unused rounds exit at once
-        xr = pull rows;  h = gate_up_swiglu(xr);  down_proj(h) -> owner slot (t, k)   (epilogue stores)
+    | side stream: shared = down(swiglu(x @ sw13))       all SMs but MEGAMOE_EP_COMM_SMS (default 16)
+    | build_schedule; pull round 0      wait "ready" of all, receive order (expert, global token, slot),
+    |                                   rows [0, C) of the schedule, on the SMs the shared expert leaves
+    join
+    for round r < rounds:                 rows [r*C, (r+1)*C); r > 0 pulls first; unused rounds exit at once
+        h = gate_up_swiglu(xr);  down_proj(h) -> owner slot (t, k)   (epilogue stores)
     signal_done; wait_done                every owner waits for all pushes
     out = combine_fwd(slots, w, shared)   fp32, slot order, shared last, one cast
 
-Backward: the same exchange with x and the output gradient staged; the destination uses the forward's
+The shared expert needs only this rank's tokens, so it runs beside the exchange: on a high-priority side
+stream (``ep_comm.shared_expert_stream``) with its persistent grids sized for all SMs but ``MEGAMOE_EP_COMM_SMS``
+(``_common.reserve_sms``), while the current stream waits for the peers' plans and pulls round 0 (the overlap
+of Megatron-core's ``moe_shared_expert_overlap``; the SM split as DeepEP's fixed communication SMs).
+``MEGAMOE_EP_COMM_SMS=0``, CPU and the interpreter run the same steps in this order on one stream. Either way
+the same kernels see the same rows: the bits do not depend on it. Tensors made on the side stream and used
+after the join go back to that stream's pool when freed; every later use of the side stream first waits for
+the current stream, so a reused block is never written early (no ``record_stream`` needed).
+
+Backward: the same exchange with x and the output gradient staged (the shared expert's gate/up recompute,
+SwiGLU backward and dx beside the schedule build and round 0's pull, its weight gradients after the join on
+the whole GPU); the destination uses the forward's
 gu of round 0 (kept when ``save_preact``: C x 2F elements between the passes) or recomputes it from the
 pulled x, runs ``swiglu_dgrad`` (row scale = w), the weight gradients over its rows and
 ``dx_rows = dgu @ w13``, and pushes dx rows plus the P partial dots of each row; the owner reduces with
@@ -33,15 +46,38 @@ the weight gradients are sums of per-round fp32 partials (equal up to fp32 round
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..distributed import EPWorkspace
 from . import ep_comm as X
+from ._common import reserve_sms
 from .combine import combine_fwd, slot_sum_bwd
 from .grouped_gemm import down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm, swiglu_dgrad
 from .routing import single_group_offsets
 
 __all__ = ["ep_moe_forward", "ep_moe_backward"]
+
+
+@contextlib.contextmanager
+def _beside(side):
+    """Run the block on the side stream of :func:`ep_comm.shared_expert_stream` (after the current stream's
+    work so far), its persistent grids leaving the exchange its SMs; inline when ``side`` is None."""
+    if side is None:
+        yield
+        return
+    stream, sms = side
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream), reserve_sms(sms):
+        yield
+
+
+def _join(side) -> None:
+    """The current stream waits for the side stream's work (no host sync)."""
+    if side is not None:
+        stream = side[0]
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS,
@@ -56,20 +92,29 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     F = w2_LDF.shape[2]
     dev = x_TD.device
     fused = X.fused_push(ws)  # result rows stored by down_proj's epilogue into the owners' slots (checked
-    # before publish: a bad MEGAMOE_EP_PUSH must not leave the peers waiting for this rank)
+    # before publish, like the side stream's switch: a bad value must not leave the peers waiting for this rank)
+    side = X.shared_expert_stream(ws)
     X.publish(ws, topk_ids_TK, x_TD)
     shared_TD = None
-    if shared_w13_HD is not None and T:
-        one_2 = single_group_offsets(T, dev)
-        hs_TS, _ = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=False)
-        shared_TD = down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2)
     bufs = X.ExchangeBuffers(ws, capacity_rows, backward=False)
-    X.build_schedule(ws, bufs, rounds, timeout_s)
     h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
     y_CD = None if fused else torch.empty(capacity_rows, D, dtype=x_TD.dtype, device=dev)
     gu_CG = torch.empty(capacity_rows, 2 * F, dtype=x_TD.dtype, device=dev) if save_preact else None
+    if shared_w13_HD is not None and T:
+        one_2 = single_group_offsets(T, dev)
+        shared_TD = torch.empty(T, D, dtype=x_TD.dtype, device=dev)
+        with _beside(side):
+            hs_TS, _ = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=False)
+            down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, out=shared_TD)
+            del hs_TS
+    else:
+        side = None
+    X.build_schedule(ws, bufs, rounds, timeout_s)
+    X.dispatch_round(ws, bufs, 0, backward=False)
+    _join(side)
     for r in range(rounds):
-        X.dispatch_round(ws, bufs, r, backward=False)
+        if r:
+            X.dispatch_round(ws, bufs, r, backward=False)
         keep = gu_CG is not None and r == 0
         gate_up_swiglu(bufs.xr_CD, w13_LGD, bufs.roff_L1, save_preact=keep, out=h_CF,
                        preact_out=gu_CG if keep else None)
@@ -96,23 +141,32 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     F = G // 2
     dev = x_TD.device
     fused = X.fused_push(ws)  # checked before publish, as in the forward
+    side = X.shared_expert_stream(ws)
     X.publish(ws, topk_ids_TK, x_TD, dout_TD=dout_TD, topk_weights_TK=topk_weights_TK)
 
     ds13 = ds2 = dxs_TD = None
-    if shared_w13_HD is not None and T:
+    bufs = X.ExchangeBuffers(ws, capacity_rows, backward=True)
+    has_shared = shared_w13_HD is not None and T > 0
+    if has_shared:  # the shared expert's gate/up recompute, SwiGLU backward and dx beside the exchange
         one_2 = single_group_offsets(T, dev)
-        _, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=True)
-        dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False)
+        with _beside(side):
+            _, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=True)
+            dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False)
+            dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2)
+            del gus_TH
+    else:
+        side = None
+        if shared_w13_HD is not None and need_shared:
+            ds13, ds2 = torch.zeros_like(shared_w13_HD), torch.zeros_like(shared_w2_DS)
+    X.build_schedule(ws, bufs, rounds, timeout_s)
+    X.dispatch_round(ws, bufs, 0, backward=True)
+    _join(side)
+    if has_shared:  # its weight gradients on the whole GPU (torch._grouped_mm where the table says so)
         if need_shared:
             ds2 = k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype)[0]
             ds13 = k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype)[0]
-        dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2)
-        del gus_TH, dgus_TH, hs_TS
-    elif shared_w13_HD is not None and need_shared:
-        ds13, ds2 = torch.zeros_like(shared_w13_HD), torch.zeros_like(shared_w2_DS)
+        del dgus_TH, hs_TS
 
-    bufs = X.ExchangeBuffers(ws, capacity_rows, backward=True)
-    X.build_schedule(ws, bufs, rounds, timeout_s)
     one_round = rounds == 1
     wdt = None if one_round else torch.float32
     dw13 = dw2 = None
@@ -125,7 +179,8 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     rows_est = min(T * topk_ids_TK.shape[1], capacity_rows) / L
     P = 1
     for r in range(rounds):
-        X.dispatch_round(ws, bufs, r, backward=True)
+        if r:
+            X.dispatch_round(ws, bufs, r, backward=True)
         roff = bufs.roff_L1
         if r == 0 and saved_gu_CG is not None:
             gu_CG = saved_gu_CG

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._common import _sm_count, pow2
+from ._common import pow2, sm_budget
 from .wgrad_gluon import _gl_dtype, gluon_device_ok
 
 try:  # Gluon is experimental: keep the library importable without it
@@ -80,7 +80,7 @@ def launch_gluon_m_grouped(cfg, a: torch.Tensor, b: torch.Tensor, stride_b, K: i
     block_b = [bn, bk] if b_nk else [bk, bn]
     b_desc = TensorDescriptor(b, [E * r, cols], [cols, 1], block_b, gl.NVMMASharedLayout.get_default_for(block_b, gdt))
     bound = (triton.cdiv(num_rows, bm) + E) * triton.cdiv(N, bn)
-    grid = (max(1, min(_sm_count(c.device.index or 0), bound)),)
+    grid = (max(1, min(sm_budget(c.device), bound)),)
     if cfg.warp_specialized:
         # num_warps 4 is the default partition (MMA warpgroup 0); the second MMA warpgroup and the load warp are
         # the kernel's worker partitions (12 warps in all). maxnreg 168 = 64K registers / 384 threads; the
