@@ -124,7 +124,7 @@ def run_metadata(device: torch.device, world_size: int, args: dict) -> dict:
         # torch's weight gradients, the EP path's result-row push and its SMs left to the exchange
         "env": {k: os.environ[k]
                 for k in ("MEGAMOE_TILES", "MEGAMOE_GLUON", "MEGAMOE_PERMUTED_DY", "MEGAMOE_TORCH_WGRAD",
-                          "MEGAMOE_EP_PUSH", "MEGAMOE_EP_COMM_SMS", "MEGAMOE_EP_PULL_STREAM")
+                          "MEGAMOE_EP_PUSH", "MEGAMOE_EP_COMM_SMS")
                 if k in os.environ},
     }
 

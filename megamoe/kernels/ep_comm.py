@@ -193,7 +193,7 @@ def ep_schedule_kernel(ptrs_ptr, flags_ptr, sched_ptr, rank, L, row_limit, max_i
 def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr, wr_ptr, round_start, C, D, K, L,
                        SORTED_OFF, WEIGHTS_OFF, ROWS_OFF, CH1_ELEMS,
                        W: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr,
-                       BM: tl.constexpr, BD: tl.constexpr, BWD: tl.constexpr, STREAM: tl.constexpr = False):
+                       BM: tl.constexpr, BD: tl.constexpr, BWD: tl.constexpr):
     """Pull receive rows ``[round_start, round_start + C)`` of the schedule into the local round buffer.
 
     Row i: segment q (binary search by comparison), source s = q % W, flat source row read from the
@@ -201,8 +201,7 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr
     (source, token, slot) (-1 source for unused rows), the round's local expert offsets ``roff[0..L]``
     (program 0), and copies x rows (``BWD``: also the owner's output-gradient rows into ``gr`` and the
     row's routing weight into ``wr`` (fp32)). Programs of an unused round only mark their rows unused
-    and exit. ``STREAM``: the row copies read with an L2 evict-first policy and store streaming (``.cs``),
-    so that a pull running beside the shared expert's GEMMs evicts their tiles from L2 less.
+    and exit.
     """
     pid = tl.program_id(0)
     total = tl.load(sched_ptr)
@@ -242,19 +241,11 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr
     while d0 < D:
         dd = d0 + tl.arange(0, BD)
         m = valid[:, None] & (dd < D)[None, :]
-        if STREAM:
-            x = tl.load(src_rows[:, None] + dd[None, :], mask=m, other=0.0, eviction_policy="evict_first")
-            tl.store(xr_ptr + i64[:, None] * D + dd[None, :], x, mask=m, cache_modifier=".cs")
-            if BWD:
-                go = tl.load(src_rows[:, None] + CH1_ELEMS + dd[None, :], mask=m, other=0.0,
-                             eviction_policy="evict_first")
-                tl.store(gr_ptr + i64[:, None] * D + dd[None, :], go, mask=m, cache_modifier=".cs")
-        else:
-            x = tl.load(src_rows[:, None] + dd[None, :], mask=m, other=0.0)
-            tl.store(xr_ptr + i64[:, None] * D + dd[None, :], x, mask=m)
-            if BWD:
-                go = tl.load(src_rows[:, None] + CH1_ELEMS + dd[None, :], mask=m, other=0.0)
-                tl.store(gr_ptr + i64[:, None] * D + dd[None, :], go, mask=m)
+        x = tl.load(src_rows[:, None] + dd[None, :], mask=m, other=0.0)
+        tl.store(xr_ptr + i64[:, None] * D + dd[None, :], x, mask=m)
+        if BWD:
+            go = tl.load(src_rows[:, None] + CH1_ELEMS + dd[None, :], mask=m, other=0.0)
+            tl.store(gr_ptr + i64[:, None] * D + dd[None, :], go, mask=m)
         d0 += BD
 
 

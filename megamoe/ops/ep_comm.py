@@ -168,16 +168,7 @@ def dispatch_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: boo
                                 r * C, C, s.hidden, s.top_k, L, ws.offsets["sorted"], ws.offsets["weights"],
                                 ws.offsets["rows"], s.max_tokens * s.hidden, W=s.world, E=s.num_experts,
                                 E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM, BD=_BD, BWD=backward,
-                                STREAM=_pull_streams(), num_warps=_NW)
-
-
-def _pull_streams() -> bool:
-    """Experiment switch of the twelfth session (``MEGAMOE_EP_PULL_STREAM``, default 1): the pull's row copies
-    with L2 evict-first loads and streaming stores (kernels.ep_comm.ep_dispatch_kernel ``STREAM``)."""
-    v = os.environ.get("MEGAMOE_EP_PULL_STREAM", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"MEGAMOE_EP_PULL_STREAM must be 0 or 1, got {v!r}")
-    return v == "1"
+                                num_warps=_NW)
 
 
 def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tensor | None,
