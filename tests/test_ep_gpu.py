@@ -19,9 +19,10 @@ below assert on it. Proves, for each W, bf16:
     "torch_table", 256 rows and more per local expert); call counts show which kernel ran on which side;
   * result rows stored from the GEMM epilogue into the owners' slots (the default) and through the separate
     push kernel (``MEGAMOE_EP_PUSH=kernel``, case "push_kernel") give the same bits;
-  * the shared expert beside the exchange on the side stream with 16 SMs left to the exchange (the default),
-    with 64 (case "comm_sms_64") and inline on one stream (``MEGAMOE_EP_COMM_SMS=0``, case "no_overlap") give
-    the same bits; a record of each shared-expert block shows which way ran and the SM budget inside it.
+  * the shared expert inline on one stream (the default), beside the exchange on the side stream with 16 SMs
+    left to the exchange (``MEGAMOE_EP_COMM_SMS=16``, case "overlap", also under CUDA-graph capture and the
+    sync check) and with 64 (case "comm_sms_64") give the same bits; a record of each shared-expert block
+    shows which way ran and the SM budget inside it.
 At W = 1 the "zero_tokens" and "one_rank" cases are plain routings of one rank (no peer to leave empty).
 
 Legend: W ranks, T tokens of a rank, K top-k, D hidden, F FFN, E experts, L = E / W, S shared FFN.
@@ -153,6 +154,46 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
     return r
 
 
+def _sync_and_graph(rep, tag, group, args, x0, go):
+    """No host sync in forward + backward (after the workspace exists): ``rep["sync_free" + tag]``; CUDA-graph
+    capture and replay of the forward equal to eager and following its input: ``graph_same`` / ``graph_moves``."""
+    import torch.distributed as dist
+
+    from megamoe.functional_ep import moe_experts_ep
+
+    torch.cuda.synchronize()
+    x = _leaf(x0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe_experts_ep(*args(x), group=group)
+        torch.autograd.grad(out, (x,), go)
+        rep["sync_free" + tag] = True
+    except RuntimeError as exc:
+        rep["sync_free" + tag] = f"{exc}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    static_x = x0.clone()
+    eager = moe_experts_ep(*args(static_x), group=group)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe_experts_ep(*args(static_x), group=group)
+    torch.cuda.current_stream().wait_stream(s)
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe_experts_ep(*args(static_x), group=group)
+    outs = []
+    for i in range(3):
+        static_x.copy_(x0 * (i + 1))
+        graph.replay()
+        outs.append(static_out.clone())
+    static_x.copy_(x0)
+    graph.replay()
+    rep["graph_same" + tag] = torch.equal(static_out, eager)
+    rep["graph_moves" + tag] = not torch.equal(outs[0], outs[1])
+
+
 def _suite(rank, W):
     import torch.distributed as dist
 
@@ -170,12 +211,15 @@ def _suite(rank, W):
              "zero_tokens": (per_rank(96, 0), "uniform", None, 1), "ties": (per_rank(40, 56), "ties", None, 1),
              "rounds": (per_rank(64), "one_rank", 128, 1), "repeat50": (per_rank(64, 48), "uniform", None, 50),
              "torch_wgrad": (per_rank(64, 48), "zipf", None, 2), "torch_table": (per_rank(1024), "uniform", None, 1),
-             "push_kernel": (per_rank(80, 40), "zipf", None, 1), "no_overlap": (per_rank(80, 40), "zipf", None, 1),
-             "comm_sms_64": (per_rank(80, 40), "zipf", None, 1)}
+             "push_kernel": (per_rank(80, 40), "zipf", None, 1), "overlap": (per_rank(80, 40), "zipf", None, 1),
+             "comm_sms_64": (per_rank(80, 40), "zipf", None, 1),
+             "overlap_repeat50": (per_rank(64, 48), "uniform", None, 50),
+             "overlap_rounds": (per_rank(64), "one_rank", 128, 1)}
     envs = {"torch_wgrad": {"MEGAMOE_TORCH_WGRAD": "1"},  # both sides (EP and EP=1 fused) through torch's kernel
             "push_kernel": {"MEGAMOE_EP_PUSH": "kernel"},  # result rows by the separate push kernel, not the epilogue
-            "no_overlap": {"MEGAMOE_EP_COMM_SMS": "0"},  # the shared expert inline, then the exchange
-            "comm_sms_64": {"MEGAMOE_EP_COMM_SMS": "64"}}  # beside it, with 64 SMs left to the exchange
+            "overlap": {"MEGAMOE_EP_COMM_SMS": "16"},  # the shared expert beside the exchange, 16 SMs left to it
+            "comm_sms_64": {"MEGAMOE_EP_COMM_SMS": "64"},  # beside it, with 64 SMs left to the exchange
+            "overlap_repeat50": {"MEGAMOE_EP_COMM_SMS": "16"}, "overlap_rounds": {"MEGAMOE_EP_COMM_SMS": "16"}}
     for name, (Ts, kind, cap, reps) in cases.items():
         rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, env=envs.get(name))
     dev = torch.device("cuda", rank)
@@ -183,39 +227,17 @@ def _suite(rank, W):
     L = E // W
     l13, l2 = w13[rank * L:(rank + 1) * L].contiguous(), w2[rank * L:(rank + 1) * L].contiguous()
     args = lambda x: (x, ids[rank], ws[rank], l13, l2, s13, s2)  # noqa: E731
-    # no host sync in the fused path (after the workspace exists)
-    torch.cuda.synchronize()
-    x = _leaf(xs[rank])
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = moe_experts_ep(*args(x), group=group)
-        torch.autograd.grad(out, (x,), gos[rank])
-        rep["sync_free"] = True
-    except RuntimeError as exc:
-        rep["sync_free"] = f"{exc}"
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    # CUDA graph capture and replay (forward)
-    static_x = xs[rank].clone()
-    eager = moe_experts_ep(*args(static_x), group=group)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        moe_experts_ep(*args(static_x), group=group)
-    torch.cuda.current_stream().wait_stream(s)
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = moe_experts_ep(*args(static_x), group=group)
-    outs = []
-    for i in range(3):
-        static_x.copy_(xs[rank] * (i + 1))
-        graph.replay()
-        outs.append(static_out.clone())
-    static_x.copy_(xs[rank])
-    graph.replay()
-    rep["graph_same"] = torch.equal(static_out, eager)
-    rep["graph_moves"] = not torch.equal(outs[0], outs[1])
+    for tag, env in (("", None), ("_overlap", {"MEGAMOE_EP_COMM_SMS": "16"})):  # inline / beside the exchange
+        old = os.environ.get("MEGAMOE_EP_COMM_SMS")
+        if env:
+            os.environ.update(env)
+        try:
+            _sync_and_graph(rep, tag, group, args, xs[rank], gos[rank])
+        finally:
+            if old is None:
+                os.environ.pop("MEGAMOE_EP_COMM_SMS", None)
+            else:
+                os.environ["MEGAMOE_EP_COMM_SMS"] = old
     torch.cuda.synchronize()
     get_workspace(group, num_tokens=64, hidden=D, top_k=K, num_experts=E, dtype=torch.bfloat16, device=dev).check()
     dist.barrier()
@@ -243,7 +265,7 @@ def report(request):
 
 
 CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50", "torch_wgrad", "torch_table",
-         "push_kernel", "no_overlap", "comm_sms_64"]
+         "push_kernel", "overlap", "comm_sms_64", "overlap_repeat50"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -302,28 +324,31 @@ def test_result_rows_take_the_push_asked_for(report):
 
 def test_shared_expert_runs_beside_the_exchange_as_asked(report):
     """Every rank here has tokens and a shared expert: one shared-expert block per forward and per backward.
-    By default it runs on the side stream with all SMs but 16 for its persistent grids; ``comm_sms_64`` leaves
-    64; ``no_overlap`` (MEGAMOE_EP_COMM_SMS=0) runs it inline with every SM."""
-    if os.environ.get("MEGAMOE_EP_COMM_SMS", "16") != "16":
+    By default (MEGAMOE_EP_COMM_SMS unset) it runs inline with every SM; ``overlap`` (=16) on the side stream
+    with all SMs but 16 for its persistent grids, ``comm_sms_64`` with all but 64."""
+    if os.environ.get("MEGAMOE_EP_COMM_SMS", "0") not in ("", "0"):
         pytest.skip("MEGAMOE_EP_COMM_SMS is set for the whole run")
     for r, rep in enumerate(report):
         sms = rep["uniform"]["sms"]
-        assert rep["uniform"]["shared_blocks"] == [(True, sms - 16)] * 2, (r, rep["uniform"]["shared_blocks"])
-        assert rep["repeat50"]["shared_blocks"] == [(True, sms - 16)] * 100, r
+        assert rep["uniform"]["shared_blocks"] == [(False, sms)] * 2, (r, rep["uniform"]["shared_blocks"])
+        assert rep["overlap"]["shared_blocks"] == [(True, sms - 16)] * 2, (r, rep["overlap"]["shared_blocks"])
+        assert rep["overlap_repeat50"]["shared_blocks"] == [(True, sms - 16)] * 100, r
         assert rep["comm_sms_64"]["shared_blocks"] == [(True, sms - 64)] * 2, (r, rep["comm_sms_64"]["shared_blocks"])
-        assert rep["no_overlap"]["shared_blocks"] == [(False, sms)] * 2, (r, rep["no_overlap"]["shared_blocks"])
 
 
-def test_capacity_rounds(report):
+@pytest.mark.parametrize("case", ["rounds", "overlap_rounds"])
+def test_capacity_rounds(report, case):
     for r, rep in enumerate(report):
-        c = rep["rounds"]
+        c = rep[case]
         assert c["out_eq"] and c["dx_eq"] and c["dw_eq"] and c["d13_close"], f"rank {r}: {c}"
 
 
-def test_sync_free_and_cuda_graph(report):
+@pytest.mark.parametrize("tag", ["", "_overlap"])
+def test_sync_free_and_cuda_graph(report, tag):
+    """Inline (the default) and with the shared expert beside the exchange (MEGAMOE_EP_COMM_SMS=16)."""
     for r, rep in enumerate(report):
-        assert rep["sync_free"] is True, rep["sync_free"]
-        assert rep["graph_same"] and rep["graph_moves"], f"rank {r}: graph replay differs from eager"
+        assert rep["sync_free" + tag] is True, rep["sync_free" + tag]
+        assert rep["graph_same" + tag] and rep["graph_moves" + tag], f"rank {r}: graph replay differs from eager"
 
 
 def test_silent_peer_times_out(report):

@@ -7,21 +7,21 @@ H = 2S.
 Forward (every rank is both owner of its tokens and host of its L experts)::
 
     publish(x, ids)                       stage x, routing plan, epoch += 1, "ready" -> all
-    | side stream: shared = down(swiglu(x @ sw13))       all SMs but MEGAMOE_EP_COMM_SMS (default 16)
-    | build_schedule; pull round 0      wait "ready" of all, receive order (expert, global token, slot),
-    |                                   rows [0, C) of the schedule, on the SMs the shared expert leaves
-    join
+    shared = down(swiglu(x @ sw13))       with MEGAMOE_EP_COMM_SMS=n > 0: on a side stream, all SMs but n,
+    build_schedule; pull round 0          beside these two (wait "ready" of all, receive order (expert,
+                                          global token, slot), rows [0, C) of the schedule); then join
     for round r < rounds:                 rows [r*C, (r+1)*C); r > 0 pulls first; unused rounds exit at once
         h = gate_up_swiglu(xr);  down_proj(h) -> owner slot (t, k)   (epilogue stores)
     signal_done; wait_done                every owner waits for all pushes
     out = combine_fwd(slots, w, shared)   fp32, slot order, shared last, one cast
 
-The shared expert needs only this rank's tokens, so it runs beside the exchange: on a high-priority side
-stream (``ep_comm.shared_expert_stream``) with its persistent grids sized for all SMs but ``MEGAMOE_EP_COMM_SMS``
-(``_common.reserve_sms``), while the current stream waits for the peers' plans and pulls round 0 (the overlap
-of Megatron-core's ``moe_shared_expert_overlap``; the SM split as DeepEP's fixed communication SMs).
-``MEGAMOE_EP_COMM_SMS=0``, CPU and the interpreter run the same steps in this order on one stream. Either way
-the same kernels see the same rows: the bits do not depend on it. Tensors made on the side stream and used
+The shared expert needs only this rank's tokens, so it can run beside the exchange: with
+``MEGAMOE_EP_COMM_SMS=n`` (n > 0) on a high-priority side stream (``ep_comm.shared_expert_stream``), its
+persistent grids sized for all SMs but n (``_common.reserve_sms``), while the current stream waits for the
+peers' plans and pulls round 0 (the overlap of Megatron-core's ``moe_shared_expert_overlap``; the SM split as
+DeepEP's fixed communication SMs). The default (0), CPU and the interpreter run the same steps in this order
+on one stream: at W = 1 the overlap measured level to worse (docs/perf.md, twelfth session), at W > 1 it is
+not measured yet. Either way the same kernels see the same rows: the bits do not depend on it. Tensors made on the side stream and used
 after the join go back to that stream's pool when freed; every later use of the side stream first waits for
 the current stream, so a reused block is never written early (no ``record_stream`` needed).
 
