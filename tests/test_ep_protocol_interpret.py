@@ -290,6 +290,79 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S,
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _two_layer_worker(rank, W, buffers, spec_args, Ts, K, E, F):
+    """Two MoE layers with different routings share one workspace, as layers of one shape do in a model: forward
+    A, forward B, backward B, backward A. A's backward must restore A's routing plan (B's forward overwrote the
+    pool). Counts the plan builds and restores."""
+    import megamoe.ops.ep_comm as ep_comm
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+    from megamoe.functional import moe_experts
+    from megamoe.functional_ep import moe_experts_ep_workspace
+
+    counts = {"built": 0, "restored": 0}
+    real_plan, real_restore = ep_comm.routing_plan, ep_comm.restore_plan
+
+    def built(*a, **kw):
+        counts["built"] += 1
+        return real_plan(*a, **kw)
+
+    def restored(*a, **kw):
+        counts["restored"] += 1
+        return real_restore(*a, **kw)
+    ep_comm.routing_plan, ep_comm.restore_plan = built, restored
+    spec = WorkspaceSpec(*spec_args)
+    ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)
+    L, Dm = E // W, spec.hidden
+    res = {}
+    layers = {}
+    for name, seed in (("A", 3), ("B", 4)):
+        g = torch.Generator().manual_seed(seed)
+        w13 = torch.randn(E, 2 * F, Dm, generator=g) * Dm ** -0.5
+        w2 = torch.randn(E, Dm, F, generator=g) * F ** -0.5
+        xs = [torch.randn(T, Dm, generator=g) for T in Ts]
+        ids = [routing("zipf" if name == "A" else "uniform", T, K, E, seed, r) for r, T in enumerate(Ts)]
+        wts = [torch.rand(T, K, generator=g) + 0.1 for T in Ts]
+        gos = [torch.randn(T, Dm, generator=g) for T in Ts]
+        layers[name] = (w13, w2, xs, ids, wts, gos)
+    eps = {}
+    for name in ("A", "B"):  # both forwards first
+        w13, w2, xs, ids, wts, gos = layers[name]
+        params = [t.clone().requires_grad_(True) for t in (xs[rank], wts[rank], w13[rank * L:(rank + 1) * L],
+                                                             w2[rank * L:(rank + 1) * L])]
+        out = moe_experts_ep_workspace(params[0], ids[rank], *params[1:], None, None, workspace=ws,
+                                       capacity_rows=64, timeout_s=60)
+        eps[name] = (out, params)
+    for name in ("B", "A"):  # backwards in reverse order
+        w13, w2, xs, ids, wts, gos = layers[name]
+        out, params = eps[name]
+        gr = torch.autograd.grad(out, params, gos[rank])
+        leaves = [t.clone().requires_grad_(True) for t in (torch.cat(xs), torch.cat(wts), w13, w2)]
+        ref = moe_experts(leaves[0], torch.cat(ids), *leaves[1:], None, None, backend="fused")
+        rg = torch.autograd.grad(ref, leaves, torch.cat(gos))
+        lo = sum(Ts[:rank])
+        sl, el = slice(lo, lo + Ts[rank]), slice(rank * L, (rank + 1) * L)
+        res[name] = [torch.equal(out.detach(), ref.detach()[sl]), torch.equal(gr[0], rg[0][sl]),
+                     torch.equal(gr[1], rg[1][sl]), torch.equal(gr[2], rg[2][el]), torch.equal(gr[3], rg[3][el])]
+    res["counts"] = counts
+    return res
+
+
+def test_backward_restores_its_routing_plan_after_another_layers_exchange():
+    """The backward restores the forward's routing plan (megamoe.ops.ep_comm.save_plan / restore_plan) rather
+    than rebuilding it: with two layers' exchanges interleaved (forward A, forward B, backward B, backward A)
+    every output and gradient is bitwise the single-GPU fused path's, the plan is built once per forward and
+    restored once per backward on each rank."""
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+
+    W, Ts, K, E, Dm, F = 2, [5, 3], 2, 4, 32, 16
+    spec = WorkspaceSpec(W, max(Ts), Dm, K, E, torch.float32)
+    res = spawn_ranks(_two_layer_worker, W, EPWorkspace.allocate_shared(spec), (W, spec.max_tokens, Dm, K, E,
+                      torch.float32), Ts, K, E, F, env=ENV)
+    for r, got in enumerate(res):
+        assert got["A"] == [True] * 5 and got["B"] == [True] * 5, (r, got)
+        assert got["counts"] == {"built": 2, "restored": 2}, (r, got["counts"])
+
+
 def _bad_switch_worker(rank, W, buffers, spec_args, switch):
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
     from megamoe.functional_ep import moe_experts_ep_workspace

@@ -32,8 +32,8 @@ from ..kernels import ep_comm as K_
 from .grouped_gemm import RowPush
 from .routing import expert_sort
 
-__all__ = ["ExchangeBuffers", "publish", "routing_plan", "build_schedule", "dispatch_round", "push_round",
-           "signal_done", "wait_done", "slot_views", "sched_size", "interpret_mode", "push_target", "fused_push",
+__all__ = ["ExchangeBuffers", "publish", "routing_plan", "save_plan", "restore_plan", "build_schedule",
+           "dispatch_round", "push_round", "signal_done", "wait_done", "slot_views", "sched_size", "interpret_mode", "push_target", "fused_push",
            "comm_sms", "shared_expert_stream"]
 
 # rows per program, columns per copy step, warps of the dispatch (pull) and push kernels; combine's rows per
@@ -93,8 +93,9 @@ class ExchangeBuffers:
 
 
 def publish(ws: EPWorkspace, topk_ids_TK: torch.Tensor, x_TD: torch.Tensor, dout_TD: torch.Tensor | None = None,
-            topk_weights_TK: torch.Tensor | None = None) -> None:
-    """Owner: stage rows (+ backward extras), build the plan, advance the epoch, signal "ready"."""
+            topk_weights_TK: torch.Tensor | None = None, saved_plan: tuple | None = None) -> None:
+    """Owner: stage rows (+ backward extras), build the plan (or restore ``saved_plan``, what :func:`save_plan`
+    kept of an earlier exchange with the same ids), advance the epoch, signal "ready"."""
     s = ws.spec
     T, K = topk_ids_TK.shape
     _check_tokens(ws, T)
@@ -104,7 +105,10 @@ def publish(ws: EPWorkspace, topk_ids_TK: torch.Tensor, x_TD: torch.Tensor, dout
             ws.rows_2TD[1, :T].copy_(dout_TD)
         if topk_weights_TK is not None:
             ws.weights_N[:T * K].copy_(topk_weights_TK.reshape(-1))
-    routing_plan(ws, topk_ids_TK)
+    if saved_plan is None:
+        routing_plan(ws, topk_ids_TK)
+    else:
+        restore_plan(ws, saved_plan, T, K)
     K_.ep_signal_kernel[(1,)](ws.ptrs_W, ws.flags, ws.rank, WORD0=FLAG_READY, W=s.world, BUMP=True, num_warps=1)
 
 
@@ -144,6 +148,25 @@ def routing_plan(ws: EPWorkspace, topk_ids_TK: torch.Tensor) -> None:
     K_.ep_plan_kernel[(max(1, triton.cdiv(N, block)),)](ids_N, offsets_E1, ws.plan, ws.flags, N, T,
                                                          s.num_experts, ws.rank, BLOCK=block,
                                                          E_PAD=_pow2(s.num_experts))
+
+
+def save_plan(ws: EPWorkspace, T: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of this rank's routing plan as :func:`routing_plan` left it (``plan`` header [4 + E] and the
+    sorted rows [T*K], int32, T*K*4 + (4 + E)*4 bytes): the forward keeps them so that the backward, whose ids
+    are the same, restores them instead of rebuilding the plan (another MoE layer's exchange may have
+    overwritten the pool in between). Two device copies, no sync."""
+    return ws.plan.clone(), ws.sorted_N[:T * K].clone()
+
+
+def restore_plan(ws: EPWorkspace, saved: tuple[torch.Tensor, torch.Tensor], T: int, K: int) -> None:
+    """Write a :func:`save_plan` copy back into the pool. ValueError if it is not one for T*K rows of this
+    workspace (a mismatch would route rows wrongly, so it is checked on the host: shapes only, no sync)."""
+    plan, sorted_N = saved
+    if plan.shape != ws.plan.shape or sorted_N.shape != (T * K,) or plan.device != ws.device:
+        raise ValueError(f"megamoe EP: saved routing plan of shapes {tuple(plan.shape)} / {tuple(sorted_N.shape)} "
+                         f"does not fit T*K = {T * K} rows of this workspace (plan {tuple(ws.plan.shape)})")
+    ws.plan.copy_(plan)
+    ws.sorted_N[:T * K].copy_(sorted_N)
 
 
 def build_schedule(ws: EPWorkspace, bufs: ExchangeBuffers, rounds: int, timeout_s: float) -> None:

@@ -81,13 +81,17 @@ def _join(side) -> None:
 
 
 def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS,
-                   *, capacity_rows: int, rounds: int, timeout_s: float, save_preact: bool = False):
-    """Forward exchange; returns (out_TD in x's dtype, gu_CG or None). Inputs contiguous and validated.
+                   *, capacity_rows: int, rounds: int, timeout_s: float, save_preact: bool = False,
+                   save_plan: bool = False):
+    """Forward exchange; returns (out_TD in x's dtype, gu_CG or None, plan or None). Inputs contiguous and
+    validated.
 
     save_preact: also return the gate/up pre-activations gu_CG (C, 2F) of round 0's received rows (all
     of them unless the routing overflowed the capacity), which :func:`ep_moe_backward` then uses instead
     of recomputing them (C * 2F elements of x's dtype held from forward to backward, whatever W and
-    the number of rounds). No host sync."""
+    the number of rounds). save_plan: also return copies of this rank's routing plan
+    (``ep_comm.save_plan``: T*K*4 + (4 + E)*4 bytes), which the backward restores instead of rebuilding it.
+    No host sync."""
     T, D = x_TD.shape
     F = w2_LDF.shape[2]
     dev = x_TD.device
@@ -95,6 +99,7 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     # before publish, like the side stream's switch: a bad value must not leave the peers waiting for this rank)
     side = X.shared_expert_stream(ws)
     X.publish(ws, topk_ids_TK, x_TD)
+    plan = X.save_plan(ws, T, topk_ids_TK.shape[1]) if save_plan else None
     shared_TD = None
     bufs = X.ExchangeBuffers(ws, capacity_rows, backward=False)
     h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
@@ -126,23 +131,25 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     X.signal_done(ws)
     X.wait_done(ws, timeout_s)
     rows, row_of_TK, _ = X.slot_views(ws, T)
-    return combine_fwd(rows, row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype), gu_CG
+    return combine_fwd(rows, row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype), gu_CG, plan
 
 
 def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD,
                     shared_w2_DS, *, capacity_rows: int, rounds: int, timeout_s: float, need_w: bool = True,
-                    need_w13: bool = True, need_w2: bool = True, need_shared: bool = True, saved_gu_CG=None):
+                    need_w13: bool = True, need_w2: bool = True, need_shared: bool = True, saved_gu_CG=None,
+                    saved_plan=None):
     """Backward exchange: (dx_TD, dw_TK, dw13_LGD, dw2_LDF, dshared_w13_HD, dshared_w2_DS); None where
     not needed. dx is always computed (every rank must take part in the exchange). saved_gu_CG: the forward's
     pre-activations of round 0 (the schedule, hence the row order, is rebuilt identically from the
-    same ids); other rounds, or all without it, recompute them from the pulled x. No host sync."""
+    same ids); other rounds, or all without it, recompute them from the pulled x. saved_plan: the forward's
+    routing plan (``save_plan``), restored instead of rebuilt from the same ids. No host sync."""
     T, D = x_TD.shape
     L, G, _ = w13_LGD.shape
     F = G // 2
     dev = x_TD.device
     fused = X.fused_push(ws)  # checked before publish, as in the forward
     side = X.shared_expert_stream(ws)
-    X.publish(ws, topk_ids_TK, x_TD, dout_TD=dout_TD, topk_weights_TK=topk_weights_TK)
+    X.publish(ws, topk_ids_TK, x_TD, dout_TD=dout_TD, topk_weights_TK=topk_weights_TK, saved_plan=saved_plan)
 
     ds13 = ds2 = dxs_TD = None
     bufs = X.ExchangeBuffers(ws, capacity_rows, backward=True)
