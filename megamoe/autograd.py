@@ -66,15 +66,19 @@ class MoEExpertsFunction(torch.autograd.Function):
     def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS):
         T = x_TD.shape[0]
         plan = build_routing_plan(topk_ids_TK, w13_EGD.shape[0])
-        h_NF, gu_NG = gate_up_swiglu(x_TD, w13_EGD, plan.offsets_E1, gather_idx_R=plan.row_token_N)
-        y_ND = down_proj(h_NF, w2_EDF, plan.offsets_E1)
+        # the m-tile offsets of each group-offset table, computed once and shared by the GEMMs of both passes
+        # (the backward's offsets are the same saved tensors)
+        tiles = {}
+        h_NF, gu_NG = gate_up_swiglu(x_TD, w13_EGD, plan.offsets_E1, gather_idx_R=plan.row_token_N, tile_cache=tiles)
+        y_ND = down_proj(h_NF, w2_EDF, plan.offsets_E1, tile_cache=tiles)
         del h_NF
-        shared_TD = gus_TH = None
+        shared_TD = gus_TH = one_2 = None
         if shared_w13_HD is not None:
             one_2 = single_group_offsets(T, x_TD.device)
-            hs_TS, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2)
-            shared_TD = down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2)
+            hs_TS, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, tile_cache=tiles)
+            shared_TD = down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, tile_cache=tiles)
             del hs_TS
+        ctx.tiles, ctx.one_2 = tiles, one_2
         out_TD = combine_fwd(y_ND, plan.row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype)
         ctx.save_for_backward(x_TD, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, gu_NG, gus_TH,
                               plan.offsets_E1, plan.row_token_N, plan.row_src_N, plan.row_of_TK)
@@ -98,8 +102,9 @@ class MoEExpertsFunction(torch.autograd.Function):
             dy_ND, dy_idx_N = dout_TD.index_select(0, row_token_N), None
         else:
             dy_ND, dy_idx_N = dout_TD, row_token_N
+        tiles = ctx.tiles
         dgu_NG, hw_NF, part_NP = swiglu_dgrad(dy_ND, w2_EDF, offsets_E1, gu_NG, gather_idx_R=dy_idx_N,
-                                              row_scale_R=scale_N, row_dot=need_w)
+                                              row_scale_R=scale_N, row_dot=need_w, tile_cache=tiles)
         dw2 = k_grouped_mm(dy_ND, hw_NF, offsets_E1, p_idx_R=dy_idx_N, out_dtype=w2_EDF.dtype) if need_w2 else None
         del hw_NF, dy_ND
         dw13 = None
@@ -107,18 +112,19 @@ class MoEExpertsFunction(torch.autograd.Function):
             dw13 = k_grouped_mm(dgu_NG, x_TD.index_select(0, row_token_N), offsets_E1, out_dtype=w13_EGD.dtype)
         elif need_w13:
             dw13 = k_grouped_mm(dgu_NG, x_TD, offsets_E1, q_idx_R=row_token_N, out_dtype=w13_EGD.dtype)
-        dx_ND = grouped_mm_nn(dgu_NG, w13_EGD, offsets_E1) if need_x else None
+        dx_ND = grouped_mm_nn(dgu_NG, w13_EGD, offsets_E1, tile_cache=tiles) if need_x else None
         del dgu_NG
         ds13 = ds2 = dxs_TD = None
         if shared_w13_HD is not None and (need_x or need_s13 or need_s2):
-            one_2 = single_group_offsets(T, x_TD.device)
-            dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False)
+            one_2 = ctx.one_2
+            dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False,
+                                             tile_cache=tiles)
             if need_s2:
                 ds2 = k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype)[0]
             if need_s13:
                 ds13 = k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype)[0]
             if need_x:
-                dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2)
+                dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2, tile_cache=tiles)
         dx_TD, dw_TK = slot_sum_bwd(dx_ND, row_of_TK, dxs_TD, part_NP if need_w else None, num_cols=D,
                                     dx_dtype=x_TD.dtype, dw_dtype=topk_weights_TK.dtype)
         return dx_TD, None, dw_TK, dw13, dw2, ds13, ds2

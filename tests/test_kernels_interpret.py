@@ -171,6 +171,22 @@ else:
         for name, p, q in zip(NAMES, a[1], b[1]):
             assert torch.equal(p, q), name
 
+    def test_tile_offsets_computed_once_per_offset_table(monkeypatch):
+        # the m-grouped GEMMs of one group-offset table share its m-tile offsets (ops.grouped_gemm tile_cache):
+        # forward + backward with a shared expert computes them twice (the routed offsets, the shared expert's
+        # one group) instead of once per GEMM (8), with the same bits
+        import megamoe.ops.grouped_gemm as gg
+        x, ids, w, w13, w2, s13, s2 = _make(45, 64, 32, 6, 3, 16, seed=13)
+        dout = torch.randn(45, 64, generator=torch.Generator().manual_seed(4))
+        real_offsets, real_launch, calls = gg.tile_offsets_for, gg._launch_m_grouped, []
+        monkeypatch.setattr(gg, "tile_offsets_for", lambda *a, **kw: calls.append(1) or real_offsets(*a, **kw))
+        a = _run(moe_experts, x, ids, w, w13, w2, s13, s2, dout)
+        shared_calls = len(calls)
+        monkeypatch.setattr(gg, "_launch_m_grouped", lambda **kw: real_launch(**{**kw, "tile_cache": None}))
+        b = _run(moe_experts, x, ids, w, w13, w2, s13, s2, dout)
+        assert (shared_calls, len(calls) - shared_calls) == (2, 8)
+        assert torch.equal(a[0], b[0]) and all(torch.equal(p, q) for p, q in zip(a[1], b[1]))
+
     def test_poisoned_outputs_overwritten():
         x, ids, w, w13, w2, s13, s2 = _make(29, 64, 32, 5, 2, 0, seed=11)
         plan = build_routing_plan(ids, 5)

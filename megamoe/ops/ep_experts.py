@@ -109,8 +109,9 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
         one_2 = single_group_offsets(T, dev)
         shared_TD = torch.empty(T, D, dtype=x_TD.dtype, device=dev)
         with _beside(side):
-            hs_TS, _ = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=False)
-            down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, out=shared_TD)
+            st = {}  # m-tile offsets of one_2, computed once for both GEMMs (ops.grouped_gemm tile_cache)
+            hs_TS, _ = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=False, tile_cache=st)
+            down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, out=shared_TD, tile_cache=st)
             del hs_TS
     else:
         side = None
@@ -121,12 +122,13 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
         if r:
             X.dispatch_round(ws, bufs, r, backward=False)
         keep = gu_CG is not None and r == 0
+        rt = {}  # this round's m-tile offsets (roff_L1 is rewritten by every round's dispatch)
         gate_up_swiglu(bufs.xr_CD, w13_LGD, bufs.roff_L1, save_preact=keep, out=h_CF,
-                       preact_out=gu_CG if keep else None)
+                       preact_out=gu_CG if keep else None, tile_cache=rt)
         if fused:
-            down_proj(h_CF, w2_LDF, bufs.roff_L1, push=X.push_target(ws, bufs))
+            down_proj(h_CF, w2_LDF, bufs.roff_L1, push=X.push_target(ws, bufs), tile_cache=rt)
         else:
-            down_proj(h_CF, w2_LDF, bufs.roff_L1, out=y_CD)
+            down_proj(h_CF, w2_LDF, bufs.roff_L1, out=y_CD, tile_cache=rt)
             X.push_round(ws, bufs, r, y_CD)
     X.signal_done(ws)
     X.wait_done(ws, timeout_s)
@@ -157,9 +159,11 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     if has_shared:  # the shared expert's gate/up recompute, SwiGLU backward and dx beside the exchange
         one_2 = single_group_offsets(T, dev)
         with _beside(side):
-            _, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=True)
-            dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False)
-            dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2)
+            st = {}
+            _, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=True, tile_cache=st)
+            dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False,
+                                             tile_cache=st)
+            dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2, tile_cache=st)
             del gus_TH
     else:
         side = None
@@ -189,14 +193,16 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
         if r:
             X.dispatch_round(ws, bufs, r, backward=True)
         roff = bufs.roff_L1
+        rt = {}  # this round's m-tile offsets
         if r == 0 and saved_gu_CG is not None:
             gu_CG = saved_gu_CG
         else:
             if h_CF is None:
                 h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
                 gu_CG = torch.empty(capacity_rows, G, dtype=x_TD.dtype, device=dev)
-            gate_up_swiglu(bufs.xr_CD, w13_LGD, roff, save_preact=True, out=h_CF, preact_out=gu_CG)
-        dgu_CG, hw_CF, part_CP = swiglu_dgrad(bufs.gr_CD, w2_LDF, roff, gu_CG, row_scale_R=bufs.wr_C, row_dot=True)
+            gate_up_swiglu(bufs.xr_CD, w13_LGD, roff, save_preact=True, out=h_CF, preact_out=gu_CG, tile_cache=rt)
+        dgu_CG, hw_CF, part_CP = swiglu_dgrad(bufs.gr_CD, w2_LDF, roff, gu_CG, row_scale_R=bufs.wr_C, row_dot=True,
+                                              tile_cache=rt)
         if need_w2:
             # the receive buffers' rows are contiguous, so the table's torch._grouped_mm (more than ~154 rows
             # per expert) needs no row copies here (docs/perf.md, tenth session); several rounds accumulate
@@ -207,9 +213,9 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
             g = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=wdt or w13_LGD.dtype, rows_per_group=rows_est)
             dw13 = g if one_round else dw13.add_(g)
         if fused:  # dx rows stored by the GEMM's epilogue into the owners' slots, then the dots
-            dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff, push=X.push_target(ws, bufs))
+            dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff, push=X.push_target(ws, bufs), tile_cache=rt)
         else:
-            dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff)
+            dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff, tile_cache=rt)
         P = part_CP.shape[1]
         X.push_round(ws, bufs, r, dx_CD, part_CP)
         del dgu_CG, hw_CF, part_CP, dx_CD

@@ -128,9 +128,11 @@ def _alloc(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, n
 
 
 def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows, N, K, offsets_E1, c, aux=None,
-                      dot=None, scale=None, gu=None, tile_offsets_E1=None, push: RowPush | None = None):
+                      dot=None, scale=None, gu=None, tile_offsets_E1=None, push: RowPush | None = None,
+                      tile_cache: dict | None = None):
     """Launch the persistent m-grouped kernel. stride_b = (stride_e, stride_n, stride_k) of B, in elements.
-    push (plain epilogue only): store rows through ``push`` (c is then its dest)."""
+    push (plain epilogue only): store rows through ``push`` (c is then its dest). tile_cache: see
+    :func:`gate_up_swiglu`."""
     E = b.shape[0]
     kernel = _m_grouped_gemm_kernel
     interpret = is_interpreted(kernel)
@@ -138,7 +140,12 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
     if num_rows == 0 or N == 0:
         return cfg
     if tile_offsets_E1 is None:
-        tile_offsets_E1 = tile_offsets_for(offsets_E1, cfg.block_m)
+        key = (offsets_E1.data_ptr(), offsets_E1.shape[0], cfg.block_m)
+        tile_offsets_E1 = tile_cache.get(key) if tile_cache is not None else None
+        if tile_offsets_E1 is None:
+            tile_offsets_E1 = tile_offsets_for(offsets_E1, cfg.block_m)
+            if tile_cache is not None:
+                tile_cache[key] = tile_offsets_E1
     if (cfg.gluon and epilogue == _PLAIN and not interpret and push is None
             and gluon_m_grouped_eligible(cfg, a, b, stride_b, K, c, gathered=a_idx is not None)):
         launch_gluon_m_grouped(cfg, a, b, stride_b, K, N, num_rows, offsets_E1, tile_offsets_E1, c, scale)
@@ -225,7 +232,7 @@ def _check_plain_operands(where: str, a, b_name: str, b, k_dim: int, offsets_E1,
 def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Tensor, *,
                    gather_idx_R: torch.Tensor | None = None, save_preact: bool = True,
                    out: torch.Tensor | None = None, preact_out: torch.Tensor | None = None,
-                   tile_offsets_E1: torch.Tensor | None = None):
+                   tile_offsets_E1: torch.Tensor | None = None, tile_cache: dict | None = None):
     """Gate/up projection with SwiGLU fused into the epilogue (m-grouped "nt").
 
     ``gu[r] = A[row(r)] @ w13[e].T`` rounded to A's dtype, ``h[r] = cast(silu(gate) * up)`` in fp32.
@@ -238,6 +245,10 @@ def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Ten
         save_preact: also return the pre-activations [gate | up] (R, 2F), what the backward needs.
         out / preact_out: optional preallocated outputs (contiguous, right shape and dtype).
         tile_offsets_E1: optional cached ``tile_offsets_for(offsets_E1, BLOCK_M)``.
+        tile_cache: optional dict shared by the GEMMs of one set of group offsets (this and the other
+            m-grouped launchers take it too): each m-tile offset table is computed once per (offsets tensor,
+            BLOCK_M) and reused, one small kernel launch fewer per further GEMM. Valid only while the values of
+            ``offsets_E1`` do not change (use a new dict after rewriting them).
 
     Returns:
         h_RF: (R, F) in a's dtype.  gu_RG: (R, 2F) or None.
@@ -260,14 +271,15 @@ def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Ten
     gu = _alloc(preact_out, (R, G), a.dtype, dev, "preact_out", where) if save_preact else None
     _launch_m_grouped(where=where, kind="gate_up", epilogue=_SWIGLU, a=a, a_idx=gather_idx_R, b=w13_EGD,
                       stride_b=(G * D, D, 1), num_rows=R, N=F, K=D, offsets_E1=offsets_E1, c=h, aux=gu,
-                      tile_offsets_E1=tile_offsets_E1)
+                      tile_offsets_E1=tile_offsets_E1, tile_cache=tile_cache)
     return h, gu
 
 
 def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor, *,
                   gather_idx_R: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None, kind: str = "down",
-                  tile_offsets_E1: torch.Tensor | None = None, push: RowPush | None = None) -> torch.Tensor | None:
+                  tile_offsets_E1: torch.Tensor | None = None, push: RowPush | None = None,
+                  tile_cache: dict | None = None) -> torch.Tensor | None:
     """m-grouped ``C[r] = cast(A[row(r)] @ B[e].T [* row_scale[r]])``, B[e] stored (N, K).
 
     a: (R, K) grouped rows or (T, K) with gather_idx_R (R,) int32. b_ENK: (E, N, K) contiguous.
@@ -284,7 +296,7 @@ def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor
     c = _plain_out(where, out, push, R, N, out_dtype or a.dtype, dev)
     _launch_m_grouped(where=where, kind=kind, epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_ENK,
                       stride_b=(N * K, K, 1), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
-                      scale=row_scale_R, tile_offsets_E1=tile_offsets_E1, push=push)
+                      scale=row_scale_R, tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache)
     return None if push is not None else c
 
 
@@ -318,7 +330,8 @@ def _plain_out(where: str, out, push: RowPush | None, R: int, N: int, dtype: tor
 
 def down_proj(h_RF: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor,
               row_scale_R: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-              tile_offsets_E1: torch.Tensor | None = None, push: RowPush | None = None) -> torch.Tensor | None:
+              tile_offsets_E1: torch.Tensor | None = None, push: RowPush | None = None,
+              tile_cache: dict | None = None) -> torch.Tensor | None:
     """Down projection ``y[r] = cast(h[r] @ w2[e].T [* row_scale[r]])``: (R, F) x (E, D, F) -> (R, D).
 
     Each (token, slot) row is written exactly once; with row_scale_R (fp32 routing weights) the scaling
@@ -326,13 +339,13 @@ def down_proj(h_RF: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor
     Sync: none. Determinism: bitwise, batch invariant (the same bits with or without push).
     """
     return grouped_mm_nt(h_RF, w2_EDF, offsets_E1, row_scale_R=row_scale_R, out=out, kind="down",
-                         tile_offsets_E1=tile_offsets_E1, push=push)
+                         tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache)
 
 
 def grouped_mm_nn(a: torch.Tensor, b_EKN: torch.Tensor, offsets_E1: torch.Tensor, *,
                   gather_idx_R: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   out: torch.Tensor | None = None, tile_offsets_E1: torch.Tensor | None = None,
-                  push: RowPush | None = None) -> torch.Tensor | None:
+                  push: RowPush | None = None, tile_cache: dict | None = None) -> torch.Tensor | None:
     """m-grouped dgrad ``C[r] = cast(A[row(r)] @ B[e])``, B[e] stored (K, N): e.g. dx = dGU @ W13[e].
 
     a: (R, K) or (T, K) with gather_idx_R. b_EKN: (E, K, N) contiguous. Returns (R, N), or with ``push``
@@ -344,13 +357,13 @@ def grouped_mm_nn(a: torch.Tensor, b_EKN: torch.Tensor, offsets_E1: torch.Tensor
     c = _plain_out(where, out, push, R, N, out_dtype or a.dtype, dev)
     _launch_m_grouped(where=where, kind="dgrad", epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_EKN,
                       stride_b=(K * N, 1, N), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
-                      tile_offsets_E1=tile_offsets_E1, push=push)
+                      tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache)
     return None if push is not None else c
 
 
 def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor, gu_RG: torch.Tensor, *,
                  gather_idx_R: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None,
-                 row_dot: bool = True, tile_offsets_E1: torch.Tensor | None = None):
+                 row_dot: bool = True, tile_offsets_E1: torch.Tensor | None = None, tile_cache: dict | None = None):
     """Down-projection dgrad with the SwiGLU backward fused (m-grouped "nn").
 
     With ``acc = dY[row(r)] @ w2[e]`` (fp32) and h recomputed from the saved ``gu_RG`` exactly as
@@ -392,7 +405,7 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
     part = torch.empty((R, num_p), dtype=torch.float32, device=dev) if row_dot else None
     _launch_m_grouped(where=where, kind="dgrad_swiglu", epilogue=_SWIGLU_BWD, a=dy, a_idx=gather_idx_R, b=w2_EDF,
                       stride_b=(D * F, 1, F), num_rows=R, N=F, K=D, offsets_E1=offsets_E1, c=dgu, aux=hs,
-                      dot=part, scale=row_scale_R, gu=gu_RG, tile_offsets_E1=tile_offsets_E1)
+                      dot=part, scale=row_scale_R, gu=gu_RG, tile_offsets_E1=tile_offsets_E1, tile_cache=tile_cache)
     return dgu, hs, part
 
 
