@@ -33,8 +33,8 @@ from .grouped_gemm import RowPush
 from .routing import expert_sort
 
 __all__ = ["ExchangeBuffers", "publish", "routing_plan", "save_plan", "restore_plan", "build_schedule",
-           "dispatch_round", "push_round", "signal_done", "wait_done", "slot_views", "sched_size", "interpret_mode", "push_target", "fused_push",
-           "comm_sms", "shared_expert_stream"]
+           "dispatch_round", "push_round", "signal_done", "wait_done", "slot_views", "sched_size", "interpret_mode",
+           "push_target", "fused_push", "comm_sms", "shared_expert_stream"]
 
 # rows per program, columns per copy step, warps of the dispatch (pull) and push kernels; combine's rows per
 # program. Copies only: these never change bits. Copy shapes from 8 to 32 rows x 256 to 1024 columns, 4 or 8

@@ -21,9 +21,10 @@ persistent grids sized for all SMs but n (``_common.reserve_sms``), while the cu
 peers' plans and pulls round 0 (the overlap of Megatron-core's ``moe_shared_expert_overlap``; the SM split as
 DeepEP's fixed communication SMs). The default (0), CPU and the interpreter run the same steps in this order
 on one stream: at W = 1 the overlap measured level to worse (docs/perf.md, twelfth session), at W > 1 it is
-not measured yet. Either way the same kernels see the same rows: the bits do not depend on it. Tensors made on the side stream and used
-after the join go back to that stream's pool when freed; every later use of the side stream first waits for
-the current stream, so a reused block is never written early (no ``record_stream`` needed).
+not measured yet. Either way the same kernels see the same rows: the bits do not depend on it. Tensors made
+on the side stream and used after the join go back to that stream's pool when freed; every later use of the
+side stream first waits for the current stream, so a reused block is never written early (no
+``record_stream`` needed).
 
 Backward: the same exchange with x and the output gradient staged (the shared expert's gate/up recompute,
 SwiGLU backward and dx beside the schedule build and round 0's pull, its weight gradients after the join on
