@@ -390,7 +390,8 @@ def _bad_switch_worker(rank, W, buffers, spec_args, switch):
 
 
 @pytest.mark.parametrize("switch", [("MEGAMOE_EP_PUSH", "bogus", "epilogue"), ("MEGAMOE_EP_COMM_SMS", "many", "16"),
-                                    ("MEGAMOE_EP_COMM_SMS", "-1", "0"), ("MEGAMOE_EP_COMM_SMS", "65", "64")])
+                                    ("MEGAMOE_EP_COMM_SMS", "-1", "0"), ("MEGAMOE_EP_COMM_SMS", "65", "64"),
+                                    ("MEGAMOE_EP_COMM_SMS", "\u0663", "16")])  # an Arabic-Indic digit: not ASCII
 def test_bad_ep_switch_is_a_clear_error_before_the_exchange(switch):
     """MEGAMOE_EP_PUSH must be 'epilogue' or 'kernel', MEGAMOE_EP_COMM_SMS an integer in [0, 64]: anything else
     raises ValueError naming the variable and the value before this rank publishes (its epoch does not move,

@@ -48,7 +48,8 @@ def reserve_sms(n: int):
     """Within the block, persistent kernels launched from this thread size their grids for all SMs but ``n``
     (at least one), leaving those SMs to work on another stream (megamoe.ops.ep_experts: the exchange beside
     the shared expert). Grids never change bits (tile_config), so neither does this. Nests: the largest
-    reservation holds."""
+    reservation holds. Only megamoe's persistent launchers follow it: a GEMM inside the block that goes to
+    torch / cuBLAS (``torch._grouped_mm``) or a non-persistent grid does not."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise ValueError(f"reserve_sms: n must be an int >= 0, got {n!r}")
     old = getattr(_RESERVED, "n", 0)

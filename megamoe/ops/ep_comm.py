@@ -241,18 +241,20 @@ def fused_push(ws: EPWorkspace) -> bool:
 # SMs left to the exchange while the shared expert runs beside it (megamoe.ops.ep_experts); DeepEP likewise
 # gives its intranode kernels a fixed number of SMs. Off by default: at W = 1 (H200, 2026-12-01, twelfth session,
 # docs/perf.md) 16 SMs gave deepseek-v3 M=8192 -0.39 / -0.24 ms and mok-bench M=4096 +0.48 / +0.65 ms on two
-# machines, 8 and 32 were worse; the pull there is a local HBM copy that wants the whole GPU. At W > 1 (rows over
+# machines; 8 SMs was worse on both, 32 worse on deepseek-v3 and level on mok-bench; the pull there is a local HBM
+# copy that wants the whole GPU. At W > 1 (rows over
 # NVLink, the wait for the peers' plans hidden too) it is not measured yet: MEGAMOE_EP_COMM_SMS=16 is the A/B.
 _COMM_SMS_DEFAULT = 0
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def comm_sms() -> int:
-    """``MEGAMOE_EP_COMM_SMS``: with n > 0 the shared expert runs on a side stream beside the schedule build
-    and round 0's pull, its persistent GEMMs leaving n SMs to them; 0 (the default, or unset) runs the shared
-    expert first and the exchange after it on one stream. ValueError for anything but an integer in [0, 64]."""
+    """``MEGAMOE_EP_COMM_SMS``: n > 0 turns the overlap on: after publish, the shared expert runs on a side
+    stream beside the schedule build and round 0's pull, its persistent GEMMs leaving n SMs to them (n at or
+    above the GPU's SM count leaves them one program: slow, not wrong); 0 (the default, or unset) runs publish,
+    the shared expert, then the exchange on one stream. ValueError for anything but an integer in [0, 64]."""
     text = os.environ.get("MEGAMOE_EP_COMM_SMS", "").strip() or str(_COMM_SMS_DEFAULT)
-    if not text.isdigit() or int(text) > 64:
+    if not (text.isascii() and text.isdigit()) or int(text) > 64:
         raise ValueError(f"MEGAMOE_EP_COMM_SMS must be an integer in [0, 64], got {text!r}")
     return int(text)
 

@@ -21,10 +21,10 @@ persistent grids sized for all SMs but n (``_common.reserve_sms``), while the cu
 peers' plans and pulls round 0 (the overlap of Megatron-core's ``moe_shared_expert_overlap``; the SM split as
 DeepEP's fixed communication SMs). The default (0), CPU and the interpreter run the same steps in this order
 on one stream: at W = 1 the overlap measured level to worse (docs/perf.md, twelfth session), at W > 1 it is
-not measured yet. Either way the same kernels see the same rows: the bits do not depend on it. Tensors made
-on the side stream and used after the join go back to that stream's pool when freed; every later use of the
-side stream first waits for the current stream, so a reused block is never written early (no
-``record_stream`` needed).
+not measured yet. Either way the same kernels see the same rows: the bits do not depend on it. Memory: what
+outlives the block is allocated on the current stream (forward) or marked with ``record_stream`` for it
+(backward: the side stream comes from torch's stream pool, which other code may share); the join also runs
+when an error is raised in between.
 
 Backward: the same exchange with x and the output gradient staged (the shared expert's gate/up recompute,
 SwiGLU backward and dx beside the schedule build and round 0's pull, its weight gradients after the join on
@@ -106,19 +106,21 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
     y_CD = None if fused else torch.empty(capacity_rows, D, dtype=x_TD.dtype, device=dev)
     gu_CG = torch.empty(capacity_rows, 2 * F, dtype=x_TD.dtype, device=dev) if save_preact else None
-    if shared_w13_HD is not None and T:
-        one_2 = single_group_offsets(T, dev)
-        shared_TD = torch.empty(T, D, dtype=x_TD.dtype, device=dev)
-        with _beside(side):
-            st = {}  # m-tile offsets of one_2, computed once for both GEMMs (ops.grouped_gemm tile_cache)
-            hs_TS, _ = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=False, tile_cache=st)
-            down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, out=shared_TD, tile_cache=st)
-            del hs_TS
-    else:
+    if not (shared_w13_HD is not None and T):
         side = None
-    X.build_schedule(ws, bufs, rounds, timeout_s)
-    X.dispatch_round(ws, bufs, 0, backward=False)
-    _join(side)
+    try:  # the join also on an error, so that nothing the side stream still reads is freed under it
+        if shared_w13_HD is not None and T:
+            one_2 = single_group_offsets(T, dev)
+            shared_TD = torch.empty(T, D, dtype=x_TD.dtype, device=dev)  # on the current stream: it outlives the block
+            with _beside(side):
+                st = {}  # m-tile offsets of one_2, computed once for both GEMMs (ops.grouped_gemm tile_cache)
+                hs_TS, _ = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=False, tile_cache=st)
+                down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, out=shared_TD, tile_cache=st)
+                del hs_TS
+        X.build_schedule(ws, bufs, rounds, timeout_s)
+        X.dispatch_round(ws, bufs, 0, backward=False)
+    finally:
+        _join(side)
     for r in range(rounds):
         if r:
             X.dispatch_round(ws, bufs, r, backward=False)
@@ -157,26 +159,42 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     ds13 = ds2 = dxs_TD = None
     bufs = X.ExchangeBuffers(ws, capacity_rows, backward=True)
     has_shared = shared_w13_HD is not None and T > 0
-    if has_shared:  # the shared expert's gate/up recompute, SwiGLU backward and dx beside the exchange
-        one_2 = single_group_offsets(T, dev)
-        with _beside(side):
-            st = {}
-            _, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=True, tile_cache=st)
-            dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False,
-                                             tile_cache=st)
-            dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2, tile_cache=st)
-            del gus_TH
-    else:
+    if not has_shared:
         side = None
         if shared_w13_HD is not None and need_shared:
             ds13, ds2 = torch.zeros_like(shared_w13_HD), torch.zeros_like(shared_w2_DS)
-    X.build_schedule(ws, bufs, rounds, timeout_s)
-    X.dispatch_round(ws, bufs, 0, backward=True)
-    _join(side)
-    if has_shared:  # its weight gradients on the whole GPU (torch._grouped_mm where the table says so)
+
+    def shared_wgrads():  # on the whole GPU (torch._grouped_mm where the table says so)
         if need_shared:
-            ds2 = k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype)[0]
-            ds13 = k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype)[0]
+            return (k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype)[0],
+                    k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype)[0])
+        return None, None
+
+    try:  # the join also on an error (as in the forward)
+        if has_shared:  # the shared expert's gate/up recompute, SwiGLU backward and dx, beside the exchange
+            one_2 = single_group_offsets(T, dev)
+            with _beside(side):
+                st = {}
+                _, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=True, tile_cache=st)
+                dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False,
+                                                 tile_cache=st)
+                dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2, tile_cache=st)
+                del gus_TH
+                if side is not None:  # made on the side stream, used on the current one after the join: the
+                    # side stream is one of torch's pooled streams, which other code may also use, so its
+                    # blocks must not be reused before the current stream's uses are done
+                    cur = torch.cuda.current_stream(side[0].device)
+                    for t in (dgus_TH, hs_TS, dxs_TD):
+                        t.record_stream(cur)
+            if side is None:  # inline: the weight gradients before the exchange, as without the switch before
+                ds13, ds2 = shared_wgrads()
+        X.build_schedule(ws, bufs, rounds, timeout_s)
+        X.dispatch_round(ws, bufs, 0, backward=True)
+    finally:
+        _join(side)
+    if has_shared:
+        if side is not None:
+            ds13, ds2 = shared_wgrads()
         del dgus_TH, hs_TS
 
     one_round = rounds == 1

@@ -17,7 +17,7 @@ import os
 import torch
 import triton
 
-from ._common import _sm_count, sm_budget
+from ._common import _sm_count
 
 try:  # Gluon is experimental: keep the library importable without it
     from triton.experimental.gluon import language as gl
@@ -99,7 +99,7 @@ def launch_gluon_wgrad(cfg, p: torch.Tensor, p_idx_R: torch.Tensor | None, q: to
     E, M, N = c.shape
     bm, bn = _BLOCK_M, cfg.block_n
     num_units = E * triton.cdiv(M, bm)  # (expert, m-tile) units, each with all its n-tiles
-    sms = sm_budget(c.device)
+    sms = _sm_count(c.device.index or 0)
     tma_c = M % bm == 0 and c.dtype in _HALF and c.data_ptr() % 16 == 0 and (N * c.element_size()) % 16 == 0
     if tma_c:
         layout = gl.NVMMASharedLayout.get_default_for([bm, bn], _gl_dtype(c.dtype))
