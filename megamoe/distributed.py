@@ -117,11 +117,11 @@ class WorkspaceSpec:
 class EPWorkspace:
     """One rank's view of the pool: local region views, the peer base-pointer table, the status word.
 
-    Attributes: ``rank``, ``world``, ``spec``, ``offsets`` ({region: byte offset}), ``ptrs_W`` (int64
-    [W] device tensor: base address of every rank's pool as mapped in this process; ``slot_deltas_W``:
-    int64 [W], every rank's slot buffer as an element offset from this rank's, or None if the pools are
-    not 16-element aligned to each other, when the EP path pushes with the copy kernel), and local tensor
-    views ``flags``, ``plan``, ``sorted_N``, ``weights_N``, ``rows_2TD``, ``slots_TKD``, ``dots_NP`` (flat).
+    Attributes: ``rank``, ``world``, ``spec``, ``offsets`` ({region: byte offset}), ``aligned`` (every pool
+    base 16-byte aligned: the pull / push kernels then move rows in 16-byte vectors), ``ptrs_W`` (int64 [W]
+    device tensor: base address of every rank's pool as mapped in this process; ``slot_deltas_W``: int64 [W],
+    every rank's slot buffer as an element offset from this rank's, or None if the pools are not 16-element
+    aligned to each other, when the EP path pushes with the copy kernel), and local tensor views ``flags``, ``plan``, ``sorted_N``, ``weights_N``, ``rows_2TD``, ``slots_TKD``, ``dots_NP`` (flat).
     """
 
     def __init__(self, spec: WorkspaceSpec, rank: int, buffer_u8: torch.Tensor, peer_base_ptrs: list[int],
@@ -159,6 +159,9 @@ class EPWorkspace:
         self.slot_deltas_W = None  # symmetric-memory and shared-memory pools are always aligned; if not: copy kernel
         if not any(d % (16 * es) for d in deltas):
             self.slot_deltas_W = torch.tensor([d // es for d in deltas], dtype=torch.int64, device=buffer_u8.device)
+        # every pool base 16-byte aligned (the region offsets are multiples of 256): the pull and push kernels may
+        # then move rows in 16-byte vectors (kernels.ep_comm ALIGNED); symmetric memory always is
+        self.aligned = all(p % 16 == 0 for p in peer_base_ptrs)
         self._pending: list[tuple[torch.Tensor, object]] = []  # (pinned status copy, event)
         self._pinned, self._slot = None, 0
         self.timeout_s = 10.0

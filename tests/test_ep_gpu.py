@@ -242,7 +242,9 @@ def _suite(rank, W):
             else:
                 os.environ["MEGAMOE_EP_COMM_SMS"] = old
     torch.cuda.synchronize()
-    get_workspace(group, num_tokens=64, hidden=D, top_k=K, num_experts=E, dtype=torch.bfloat16, device=dev).check()
+    ws0 = get_workspace(group, num_tokens=64, hidden=D, top_k=K, num_experts=E, dtype=torch.bfloat16, device=dev)
+    ws0.check()
+    rep["aligned"] = ws0.aligned  # the pull / push kernels' 16-byte row copies
     dist.barrier()
     # a peer that never calls: rank 1 stays out, rank 0 must get a readable error within seconds (W > 1)
     if rank == 0 and W > 1:
@@ -353,6 +355,12 @@ def test_sync_free_and_cuda_graph(report, tag):
     for r, rep in enumerate(report):
         assert rep["sync_free" + tag] is True, rep["sync_free" + tag]
         assert rep["graph_same" + tag] and rep["graph_moves" + tag], f"rank {r}: graph replay differs from eager"
+
+
+def test_symmetric_pools_are_16_byte_aligned(report):
+    """Every rank's pool base is 16-byte aligned, so the pull and push kernels move rows in 16-byte vectors
+    (tests/test_ep_comm_compile.py shows the difference in the compiled code)."""
+    assert all(rep["aligned"] is True for rep in report), [rep["aligned"] for rep in report]
 
 
 def test_silent_peer_times_out(report):

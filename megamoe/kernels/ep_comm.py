@@ -193,7 +193,7 @@ def ep_schedule_kernel(ptrs_ptr, flags_ptr, sched_ptr, rank, L, row_limit, max_i
 def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr, wr_ptr, round_start, C, D, K, L,
                        SORTED_OFF, WEIGHTS_OFF, ROWS_OFF, CH1_ELEMS,
                        W: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr,
-                       BM: tl.constexpr, BD: tl.constexpr, BWD: tl.constexpr):
+                       BM: tl.constexpr, BD: tl.constexpr, BWD: tl.constexpr, ALIGNED: tl.constexpr = False):
     """Pull receive rows ``[round_start, round_start + C)`` of the schedule into the local round buffer.
 
     Row i: segment q (binary search by comparison), source s = q % W, flat source row read from the
@@ -201,7 +201,9 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr
     (source, token, slot) (-1 source for unused rows), the round's local expert offsets ``roff[0..L]``
     (program 0), and copies x rows (``BWD``: also the owner's output-gradient rows into ``gr`` and the
     row's routing weight into ``wr`` (fp32)). Programs of an unused round only mark their rows unused
-    and exit.
+    and exit. ``ALIGNED``: every pool base is 16-byte aligned (``EPWorkspace.aligned``; the region offsets are
+    multiples of 256 and D of 16), which lets the row loads be 16-byte vectors: the compiler cannot know it of
+    an address loaded from the pointer table, and without it reads each row two bytes at a time.
     """
     pid = tl.program_id(0)
     total = tl.load(sched_ptr)
@@ -232,7 +234,10 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr
     tl.store(rowtab_ptr + C + i, tok, mask=i < C)
     tl.store(rowtab_ptr + 2 * C + i, slot, mask=i < C)
     DT = xr_ptr.dtype.element_ty
-    src_rows = (base + ROWS_OFF).to(tl.pointer_type(DT)) + tok.to(tl.int64) * D
+    src_rows = (base + ROWS_OFF).to(tl.pointer_type(DT))
+    if ALIGNED:
+        src_rows = tl.multiple_of(src_rows, 16)
+    src_rows = src_rows + tok.to(tl.int64) * D
     if BWD:
         w = tl.load((base + WEIGHTS_OFF).to(tl.pointer_type(tl.float32)) + srow, mask=valid, other=0.0)
         tl.store(wr_ptr + i, w, mask=i < C)
@@ -252,10 +257,11 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr
 @triton.jit
 def ep_push_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, y_ptr, dot_ptr, round_start, C, D, K, P, SLOTS_OFF, DOTS_OFF,
                    BM: tl.constexpr, BD: tl.constexpr, HAS_DOT: tl.constexpr,
-                   P_POW2: tl.constexpr, HAS_ROWS: tl.constexpr = True):
+                   P_POW2: tl.constexpr, HAS_ROWS: tl.constexpr = True, ALIGNED: tl.constexpr = False):
     """Push round row i of ``y`` into slot (token, slot) of its owner's slot buffer (each slot once);
     ``HAS_DOT``: also the row's P fp32 partial dots into the owner's ``dots[(token*K + slot)*P ...]``.
-    ``HAS_ROWS`` False: the dots only (the rows were stored by the GEMM's epilogue, ops.ep_comm.push_target)."""
+    ``HAS_ROWS`` False: the dots only (the rows were stored by the GEMM's epilogue, ops.ep_comm.push_target).
+    ``ALIGNED``: as in :func:`ep_dispatch_kernel` (16-byte row stores)."""
     pid = tl.program_id(0)
     total = tl.load(sched_ptr)
     if round_start + pid * BM >= total:
@@ -269,7 +275,10 @@ def ep_push_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, y_ptr, dot_ptr, round_start,
     slot = tl.load(rowtab_ptr + 2 * C + i, mask=valid, other=0).to(tl.int64)
     DT = y_ptr.dtype.element_ty
     base = tl.load(ptrs_ptr + s)
-    dst = (base + SLOTS_OFF).to(tl.pointer_type(DT)) + (tok * K + slot) * D
+    dst = (base + SLOTS_OFF).to(tl.pointer_type(DT))
+    if ALIGNED:
+        dst = tl.multiple_of(dst, 16)
+    dst = dst + (tok * K + slot) * D
     i64 = i.to(tl.int64)
     if HAS_DOT:
         pp = tl.arange(0, P_POW2)

@@ -191,7 +191,7 @@ def dispatch_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: boo
                                 r * C, C, s.hidden, s.top_k, L, ws.offsets["sorted"], ws.offsets["weights"],
                                 ws.offsets["rows"], s.max_tokens * s.hidden, W=s.world, E=s.num_experts,
                                 E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM, BD=_BD, BWD=backward,
-                                num_warps=_NW)
+                                ALIGNED=ws.aligned, num_warps=_NW)
 
 
 def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tensor | None,
@@ -211,7 +211,7 @@ def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tenso
                                               dots_CP if dots_CP is not None else y, r * C, C, s.hidden,
                                               s.top_k, P, ws.offsets["slots"], ws.offsets["dots"], BM=_BM, BD=_BD,
                                               HAS_DOT=dots_CP is not None, P_POW2=_pow2(P),
-                                              HAS_ROWS=y_CD is not None, num_warps=_NW)
+                                              HAS_ROWS=y_CD is not None, ALIGNED=ws.aligned, num_warps=_NW)
 
 
 def push_target(ws: EPWorkspace, bufs: ExchangeBuffers) -> RowPush:

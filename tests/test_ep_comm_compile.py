@@ -1,0 +1,61 @@
+"""The EP pull and push kernels compiled for sm_90a on the CPU: with aligned pools (``EPWorkspace.aligned``) the
+row copies are 16-byte vector loads and stores; without the alignment promise the compiler reads rows from a
+peer two bytes at a time (an address loaded from the pointer table carries no alignment), which is what this
+guards against. Speed itself is measured on the GPU (docs/perf.md, twelfth session)."""
+
+import re
+from collections import Counter
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+
+def _ptx(kernel, sig: dict, const: dict, divisible: tuple) -> Counter:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(kernel.arg_names)
+    sig = {**sig, **{n: "constexpr" for n in const}}
+    assert set(sig) == set(names), set(names) ^ set(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    c = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4))
+    return Counter(re.findall(r"(ld\.global[\.\w:]*|st\.global[\.\w:]*)", c.asm["ptx"]))
+
+
+@pytest.mark.parametrize("bwd", [False, True])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_pull_rows_in_16_byte_vectors_when_aligned(bwd, aligned):
+    from megamoe.kernels.ep_comm import ep_dispatch_kernel
+
+    sig = {"ptrs_ptr": "*i64", "sched_ptr": "*i32", "rowtab_ptr": "*i32", "roff_ptr": "*i32", "xr_ptr": "*bf16",
+           "gr_ptr": "*bf16", "wr_ptr": "*fp32", "round_start": "i32", "C": "i32", "D": "i32", "K": "i32",
+           "L": "i32", "SORTED_OFF": "i64", "WEIGHTS_OFF": "i64", "ROWS_OFF": "i64", "CH1_ELEMS": "i64"}
+    const = dict(W=2, E=256, E_PAD=256, L_PAD=256, BM=32, BD=256, BWD=bwd, ALIGNED=aligned)
+    ops = _ptx(ep_dispatch_kernel, sig, const, ("ptrs_ptr", "sched_ptr", "rowtab_ptr", "roff_ptr", "xr_ptr", "gr_ptr",
+                                                "wr_ptr", "C", "D", "SORTED_OFF", "WEIGHTS_OFF", "ROWS_OFF",
+                                                "CH1_ELEMS"))
+    copies = 2 if bwd else 1  # x rows (and the output-gradient rows)
+    assert ops["st.global.v4.b32"] == 8 * copies, ops  # 32 x 256 bf16 per step over 128 threads
+    if aligned:
+        assert ops["ld.global.v4.b32"] == 8 * copies and ops["ld.global.b16"] == 0, ops
+    else:
+        assert ops["ld.global.b16"] == 64 * copies, ops  # what the alignment promise removes
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_push_rows_in_16_byte_vectors_when_aligned(aligned):
+    from megamoe.kernels.ep_comm import ep_push_kernel
+
+    sig = {"ptrs_ptr": "*i64", "sched_ptr": "*i32", "rowtab_ptr": "*i32", "y_ptr": "*bf16", "dot_ptr": "*fp32",
+           "round_start": "i32", "C": "i32", "D": "i32", "K": "i32", "P": "i32", "SLOTS_OFF": "i64",
+           "DOTS_OFF": "i64"}
+    const = dict(BM=32, BD=256, HAS_DOT=False, P_POW2=2, HAS_ROWS=True, ALIGNED=aligned)
+    ops = _ptx(ep_push_kernel, sig, const, ("ptrs_ptr", "sched_ptr", "rowtab_ptr", "y_ptr", "dot_ptr", "C", "D",
+                                            "SLOTS_OFF", "DOTS_OFF"))
+    assert ops["ld.global.v4.b32"] == 8, ops
+    if aligned:
+        assert ops["st.global.v4.b32"] == 8 and ops["st.global.b16"] == 0, ops
+    else:
+        assert ops["st.global.b16"] == 64, ops
