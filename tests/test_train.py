@@ -199,6 +199,33 @@ def test_cli_run_folder(tmp_path, capsys):
     assert main(["--out", str(out), "--resume", "--no-progress", "--data", str(CORPUS)]) == 0
 
 
+def test_ctrl_c_checkpoints_without_a_progress_bar(tmp_path):
+    """docs/train.md: in a single-process run Ctrl-C finishes the step, saves a checkpoint and stops; with
+    --no-progress too (a new user's trial found it only worked with the bar). SIGINT once the first metrics are
+    written: exit code 0, fewer steps than asked, a checkpoint whose step count matches the metrics."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "megamoe.train", "--preset", "tiny", "--steps", "100000",
+                             "--log-every", "1", "--no-progress", "--threads", "1", "--data", str(CORPUS),
+                             "--out", str(out)], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics = out / "metrics.jsonl"
+    t0 = time.time()
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert time.time() - t0 < 240, "no metrics after 240 s"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    log = proc.communicate(timeout=240)[0].decode()
+    assert proc.returncode == 0, log[-3000:]
+    steps = [json.loads(ln)["step"] for ln in metrics.read_text().splitlines() if '"loss"' in ln]
+    assert 2 <= len(steps) < 100000 and steps == list(range(len(steps)))
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == len(steps)
+
+
 def test_check_on_cpu(capsys):
     assert main(["--preset", "tiny", "--check", "--steps", "4", "--data", str(CORPUS), "--threads", "1"]) == 0
     assert "--check PASSED" in capsys.readouterr().out

@@ -110,7 +110,8 @@ def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
     out = args.out if args.out is not None else f"runs/{cfg.name}-ep{dctx.world}"
     return RunConfig(model=cfg, backend=backend, device=device, seed=args.seed, data=args.data,
                      out_dir=out or None, log_every=max(1, args.log_every), ckpt_every=args.ckpt_every,
-                     stop_after=args.stop_after, progress=not args.no_progress and dctx.main)
+                     stop_after=args.stop_after, progress=not args.no_progress and dctx.main,
+                     catch_interrupt=True)
 
 
 def _resume_config(rc: RunConfig) -> RunConfig:

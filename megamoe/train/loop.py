@@ -68,6 +68,7 @@ class RunConfig:
     virtual_ranks: int = 1       # C > 1: an EP=1 run computing what an EP=C run computes (see GPT.forward)
     init_dtype: torch.dtype | None = None  # init experts in this dtype, then cast (same start, other dtype)
     progress: bool = True
+    catch_interrupt: bool = False  # Ctrl-C ends the step, checkpoints and stops also without a progress bar (CLI)
     save_trace: bool = True
     save_plot: bool = True
 
@@ -302,7 +303,7 @@ def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corp
     vbatches = val_batches(corpus, num_batches=cfg.eval_batches, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
     timer = StepTimer(device)
     timer.attach(model.moe_layers())
-    interrupt = _Interrupt(enabled=dctx.world == 1 and rc.progress)
+    interrupt = _Interrupt(enabled=dctx.world == 1 and (rc.progress or rc.catch_interrupt))
     C = rc.virtual_ranks
     tokens_per_step = cfg.batch_size * cfg.seq_len * dctx.world * C
     pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
