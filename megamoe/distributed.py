@@ -121,7 +121,8 @@ class EPWorkspace:
     base 16-byte aligned: the pull / push kernels then move rows in 16-byte vectors), ``ptrs_W`` (int64 [W]
     device tensor: base address of every rank's pool as mapped in this process; ``slot_deltas_W``: int64 [W],
     every rank's slot buffer as an element offset from this rank's, or None if the pools are not 16-element
-    aligned to each other, when the EP path pushes with the copy kernel), and local tensor views ``flags``, ``plan``, ``sorted_N``, ``weights_N``, ``rows_2TD``, ``slots_TKD``, ``dots_NP`` (flat).
+    aligned to each other, when the EP path pushes with the copy kernel), and local tensor views ``flags``,
+    ``plan``, ``sorted_N``, ``weights_N``, ``rows_2TD``, ``slots_TKD``, ``dots_NP`` (flat).
     """
 
     def __init__(self, spec: WorkspaceSpec, rank: int, buffer_u8: torch.Tensor, peer_base_ptrs: list[int],
