@@ -242,8 +242,8 @@ def fused_push(ws: EPWorkspace) -> bool:
 # gives its intranode kernels a fixed number of SMs. Off by default: at W = 1 (H200, 2026-12-01, twelfth session,
 # docs/perf.md) 16 SMs gave deepseek-v3 M=8192 -0.39 / -0.24 ms and mok-bench M=4096 +0.48 / +0.65 ms on two
 # machines; 8 SMs was worse on both, 32 worse on deepseek-v3 and level on mok-bench; the pull there is a local HBM
-# copy that wants the whole GPU. At W > 1 (rows over
-# NVLink, the wait for the peers' plans hidden too) it is not measured yet: MEGAMOE_EP_COMM_SMS=16 is the A/B.
+# copy that wants the whole GPU. At W > 1 (rows over NVLink, the wait for the peers' plans hidden too) it is not
+# measured yet: MEGAMOE_EP_COMM_SMS=16 is the A/B.
 _COMM_SMS_DEFAULT = 0
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 

@@ -106,10 +106,11 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
     y_CD = None if fused else torch.empty(capacity_rows, D, dtype=x_TD.dtype, device=dev)
     gu_CG = torch.empty(capacity_rows, 2 * F, dtype=x_TD.dtype, device=dev) if save_preact else None
-    if not (shared_w13_HD is not None and T):
+    has_shared = shared_w13_HD is not None and T > 0
+    if not has_shared:
         side = None
     try:  # the join also on an error, so that nothing the side stream still reads is freed under it
-        if shared_w13_HD is not None and T:
+        if has_shared:
             one_2 = single_group_offsets(T, dev)
             shared_TD = torch.empty(T, D, dtype=x_TD.dtype, device=dev)  # on the current stream: it outlives the block
             with _beside(side):
