@@ -10,6 +10,8 @@
 #   comm (scripts/comm_bench.py $COMM_ARGS: dispatch / combine GB/s vs the peer-copy rate, 2 GPUs),
 #   abgluon (the layer with the Gluon weight-gradient kernel off, MEGAMOE_GLUON=0, then on; $ABGLUON_CASES),
 #   eptests (only tests/test_ep_gpu.py, the EP GPU tests at the sizes MEGAMOE_TEST_EP_SIZES allows),
+#   epshared (tests/test_ep_gpu.py with the ranks sharing the visible GPUs, MEGAMOE_TEST_EP_SHARED_GPU=1, at
+#     the sizes $EPSHARED_SIZES, default 2,4: W > 1 on a one-GPU machine; the protocol and kernels, not NVLink),
 #   abtiles (layer A/B of tile replacements: the table, then each MEGAMOE_TILES value of the space-separated
 #     $ABTILES, interleaved, $ABTILES_REPS rounds, on $ABTILES_CASES; the benchmark checks each against the
 #     reference first; e.g. ABTILES="dgrad_swiglu:128,256,64,8,3,tma_b=1 dgrad_swiglu:128,128,64,8,4,tma_b=1";
@@ -60,6 +62,8 @@ for s in "${STAGES[@]}"; do
               tests/test_ep_gpu.py ;;
     eptests) stage eptests "${LIMIT_EPTESTS:-240}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=5 \
               tests/test_ep_gpu.py ;;
+    epshared) MEGAMOE_TEST_EP_SHARED_GPU=1 MEGAMOE_TEST_EP_SIZES="${EPSHARED_SIZES:-2,4}" stage epshared \
+              "${LIMIT_EPSHARED:-480}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=5 tests/test_ep_gpu.py ;;
     gluon) stage gluon "${LIMIT_GLUON:-200}" python3 -m pytest -q -ra -m gpu tests/test_m_grouped_gluon_gpu.py tests/test_wgrad_gluon_gpu.py \
               tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape ;;
     bench1) stage bench1 "${LIMIT_BENCH1:-200}" python3 -m megamoe.bench --quiet --iters "$ITERS" \

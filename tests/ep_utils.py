@@ -5,6 +5,11 @@ Legend: W ranks, T tokens of a rank, K top-k, D hidden, E global experts, L = E 
 * :func:`spawn_ranks` runs ``fn(rank, world, *args)`` in W spawned processes and returns their results
   (a failure in any rank is re-raised with that rank's traceback). ``backend="gloo"`` initialises a
   gloo process group first; ``cuda=True`` initialises NCCL on GPU ``rank``; both use a free port.
+* Ranks sharing GPUs (``MEGAMOE_TEST_EP_SHARED_GPU=1``, :func:`shared_gpu`): ``cuda=True`` puts rank r on
+  GPU ``r mod n`` (:func:`rank_device`) over gloo instead of NCCL (NCCL refuses two ranks on one GPU), with
+  ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` so symmetric memory maps the peers' pools. The contexts
+  of one GPU are time-sliced by the driver: this checks the protocol and the compiled kernels at W > 1 on
+  a one-GPU machine (bits, rounds, flags, timeouts), not NVLink or speed.
 * :func:`payload_rows` makes token rows that encode (source rank, token) in columns 0 and 1, so a
   misrouted row names itself.
 * :func:`model_schedule` is the plain-Python statement of the receive order the kernels must produce.
@@ -34,6 +39,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def shared_gpu() -> bool:
+    """True when ``MEGAMOE_TEST_EP_SHARED_GPU=1``: GPU ranks share the visible GPUs (see the module doc)."""
+    flag = os.environ.get("MEGAMOE_TEST_EP_SHARED_GPU", "0")
+    if flag not in ("0", "1", ""):
+        raise ValueError(f"MEGAMOE_TEST_EP_SHARED_GPU must be 0 or 1, got {flag!r}")
+    return flag == "1"
+
+
+def rank_device(rank: int) -> torch.device:
+    """The GPU of ``rank``: ``cuda:rank``, or ``cuda:(rank mod visible GPUs)`` when the ranks share GPUs."""
+    return torch.device("cuda", rank % torch.cuda.device_count() if shared_gpu() else rank)
+
+
 def _entry(fn, rank, world, args, q, port, backend):
     import torch.distributed as dist
     ok = False
@@ -41,8 +59,12 @@ def _entry(fn, rank, world, args, q, port, backend):
         if backend is not None:
             kw = {}
             if backend == "nccl":
-                torch.cuda.set_device(rank)
-                kw["device_id"] = torch.device("cuda", rank)
+                torch.cuda.set_device(rank_device(rank))
+                if shared_gpu():  # NCCL refuses two ranks on one GPU; gloo moves the few setup collectives
+                    backend = "gloo"
+                    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+                else:
+                    kw["device_id"] = rank_device(rank)
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=PG_TIMEOUT_S), **kw)
         res = fn(rank, world, *args)
@@ -66,7 +88,8 @@ def spawn_ranks(fn, world: int, *args, cuda: bool = False, backend: str | None =
                 env: dict | None = None):
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; return [result of rank r].
 
-    ``backend`` ("gloo" or "nccl"; ``cuda=True`` means "nccl" on GPU ``rank``) initialises the default
+    ``backend`` ("gloo" or "nccl"; ``cuda=True`` means "nccl" on GPU ``rank``, or gloo on
+    :func:`rank_device` when the ranks share GPUs) initialises the default
     process group before ``fn``; a default process group that exists after ``fn`` (ours or fn's own) is
     torn down after the report, behind a barrier. A rank that raises is reported with its
     traceback; a rank that dies without reporting (a signal, ``std::terminate``) is reported with its exit

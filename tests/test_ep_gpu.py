@@ -12,8 +12,9 @@ below assert on it. Proves, for each W, bf16:
   * the output and gradients are within 2x (+tiny) of PyTorch's own bf16 error against fp64;
   * routings: uniform, Zipf, one hot expert, every token on rank 0's experts, a rank with 0 tokens,
     ties; capacity forcing several rounds; 50 repeated runs bitwise equal; clean under
-    ``torch.cuda.set_sync_debug_mode("error")``; CUDA-graph capture and replay; a peer that never
-    calls gives EPTimeoutError naming rank and stage within a few seconds (W > 1);
+    ``torch.cuda.set_sync_debug_mode("error")``; CUDA-graph capture and replay (forward, and forward +
+    backward in one graph); a peer that never calls gives EPTimeoutError naming rank and stage within a
+    few seconds (W > 1);
   * the weight gradients through ``torch._grouped_mm`` keep every bit, forced (``MEGAMOE_TORCH_WGRAD=1``,
     case "torch_wgrad") and where the table picks it on the EP path's contiguous receive buffers (case
     "torch_table", 256 rows and more per local expert); call counts show which kernel ran on which side;
@@ -25,6 +26,12 @@ below assert on it. Proves, for each W, bf16:
     shows which way ran and the SM budget inside it.
 At W = 1 the "zero_tokens" and "one_rank" cases are plain routings of one rank (no peer to leave empty).
 
+With ``MEGAMOE_TEST_EP_SHARED_GPU=1`` the W ranks share the visible GPUs (rank r on GPU r mod n, gloo for
+the setup collectives, ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``; tests/ep_utils.py): every case above
+at W = 2, 4, 8 on a one-GPU machine, the peers' pools mapped from the same GPU's memory and the ranks'
+kernels time-sliced by the driver. That checks the protocol and the compiled kernels at W > 1 (the bits,
+rounds, flags and the timeout), not NVLink and not speed.
+
 Legend: W ranks, T tokens of a rank, K top-k, D hidden, F FFN, E experts, L = E / W, S shared FFN.
 """
 
@@ -35,7 +42,7 @@ import time
 import pytest
 import torch
 
-from ep_utils import routing, spawn_ranks
+from ep_utils import rank_device, routing, shared_gpu, spawn_ranks
 
 pytestmark = [pytest.mark.gpu]
 
@@ -91,7 +98,7 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
 
     @contextlib.contextmanager
     def beside(side):
-        dev = torch.device("cuda", rank)
+        dev = rank_device(rank)
         outer = torch.cuda.current_stream(dev)
         with real_beside(side):
             shared_blocks.append((side is not None, _common.sm_budget(dev), torch.cuda.current_stream(dev) != outer))
@@ -102,7 +109,7 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
         r["fused_torch_calls"] = len(calls) - r["ep_torch_calls"]
         r["row_copies"] = sum(row_copies)
         r["shared_blocks"] = shared_blocks
-        r["sms"] = _common._sm_count(rank)
+        r["sms"] = _common._sm_count(rank_device(rank).index)
         return r
     finally:
         gg.torch_wgrad = real
@@ -120,7 +127,7 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
     from megamoe.functional import moe_experts
     from megamoe.functional_ep import moe_experts_ep
 
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     L = _num_experts(W) // W
     w13, w2, s13, s2, xs, ids, ws, gos = _inputs(Ts, kind, seed, dev)
     x, w = _leaf(xs[rank]), _leaf(ws[rank])
@@ -159,7 +166,9 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
 
 def _sync_and_graph(rep, tag, group, args, x0, go):
     """No host sync in forward + backward (after the workspace exists): ``rep["sync_free" + tag]``; CUDA-graph
-    capture and replay of the forward equal to eager and following its input: ``graph_same`` / ``graph_moves``."""
+    capture and replay of the forward equal to eager and following its input: ``graph_same`` / ``graph_moves``;
+    the same for forward + backward captured in one graph (the input gradient): ``graph_bwd_same`` /
+    ``graph_bwd_moves``."""
     import torch.distributed as dist
 
     from megamoe.functional_ep import moe_experts_ep
@@ -195,6 +204,29 @@ def _sync_and_graph(rep, tag, group, args, x0, go):
     graph.replay()
     rep["graph_same" + tag] = torch.equal(static_out, eager)
     rep["graph_moves" + tag] = not torch.equal(outs[0], outs[1])
+    # forward + backward in one graph (the backward's exchange, and with the overlap its side-stream block)
+    eager_dx = []
+    for scale in (1, 2):
+        xe = _leaf(x0 * scale)
+        eager_dx.append(torch.autograd.grad(moe_experts_ep(*args(xe), group=group), (xe,), go)[0])
+    static_xg = _leaf(x0)
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            torch.autograd.grad(moe_experts_ep(*args(static_xg), group=group), (static_xg,), go)
+    torch.cuda.current_stream().wait_stream(s)
+    dist.barrier()
+    graph_fb = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph_fb):
+        static_dx = torch.autograd.grad(moe_experts_ep(*args(static_xg), group=group), (static_xg,), go)[0]
+    replayed = []
+    for scale in (2, 1):
+        with torch.no_grad():
+            static_xg.copy_(x0 * scale)
+        graph_fb.replay()
+        replayed.append(static_dx.clone())
+    rep["graph_bwd_same" + tag] = torch.equal(replayed[1], eager_dx[0]) and torch.equal(replayed[0], eager_dx[1])
+    rep["graph_bwd_moves" + tag] = not torch.equal(replayed[0], replayed[1])
 
 
 def _suite(rank, W):
@@ -225,7 +257,7 @@ def _suite(rank, W):
             "overlap_repeat50": {"MEGAMOE_EP_COMM_SMS": "16"}, "overlap_rounds": {"MEGAMOE_EP_COMM_SMS": "16"}}
     for name, (Ts, kind, cap, reps) in cases.items():
         rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, env=envs.get(name))
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     w13, w2, s13, s2, xs, ids, ws, gos = _inputs([64] * W, "uniform", 7, dev)
     L = E // W
     l13, l2 = w13[rank * L:(rank + 1) * L].contiguous(), w2[rank * L:(rank + 1) * L].contiguous()
@@ -260,13 +292,18 @@ def _suite(rank, W):
     return rep
 
 
+SHARED = shared_gpu()  # the ranks share the visible GPUs (one is enough): the protocol and kernels, not NVLink
+
+
 @pytest.fixture(scope="module", ids=[f"W{w}" for w in EP_SIZES],
-                params=[pytest.param(w, marks=[pytest.mark.multigpu] if w > 1 else []) for w in EP_SIZES])
+                params=[pytest.param(w, marks=[pytest.mark.multigpu] if w > 1 and not SHARED else [])
+                        for w in EP_SIZES])
 def report(request):
     W = request.param
-    if torch.cuda.device_count() < W:
-        pytest.skip(f"EP size {W} needs {W} GPUs, {torch.cuda.device_count()} visible")
-    return spawn_ranks(_suite, W, cuda=True, timeout=400)
+    if torch.cuda.device_count() < W and not SHARED:
+        pytest.skip(f"EP size {W} needs {W} GPUs, {torch.cuda.device_count()} visible "
+                    "(MEGAMOE_TEST_EP_SHARED_GPU=1 runs it with ranks sharing GPUs)")
+    return spawn_ranks(_suite, W, cuda=True, timeout=400 * (1 + W // 2 if SHARED else 1))
 
 
 CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50", "torch_wgrad", "torch_table",
@@ -355,6 +392,8 @@ def test_sync_free_and_cuda_graph(report, tag):
     for r, rep in enumerate(report):
         assert rep["sync_free" + tag] is True, rep["sync_free" + tag]
         assert rep["graph_same" + tag] and rep["graph_moves" + tag], f"rank {r}: graph replay differs from eager"
+        assert rep["graph_bwd_same" + tag] and rep["graph_bwd_moves" + tag], \
+            f"rank {r}: forward + backward graph replay differs from eager"
 
 
 def test_symmetric_pools_are_16_byte_aligned(report):
