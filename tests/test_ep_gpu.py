@@ -110,6 +110,7 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
         r["row_copies"] = sum(row_copies)
         r["shared_blocks"] = shared_blocks
         r["sms"] = _common._sm_count(rank_device(rank).index)
+        r["rounds"] = _rounds_launched(group, Ts[rank], capacity, rank_device(rank))
         return r
     finally:
         gg.torch_wgrad = real
@@ -120,6 +121,15 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _rounds_launched(group, T, capacity, dev) -> int:
+    """Rounds each exchange of the case launched: enough for the worst routing at its capacity (2 at W = 4, 4 at
+    W = 8 with the default one, whatever the routing used)."""
+    from megamoe.distributed import default_capacity_rows, get_workspace, max_rounds
+    ws = get_workspace(group, num_tokens=T, hidden=D, top_k=K, num_experts=_num_experts(group.size()),
+                       dtype=torch.bfloat16, device=dev)  # the case's own (cached) workspace: no collective
+    return max_rounds(ws.spec, capacity or default_capacity_rows(ws.spec))
 
 
 def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
@@ -356,12 +366,14 @@ def test_shared_expert_partial_gradients_sum(report, case):
 def test_result_rows_take_the_push_asked_for(report):
     """By default the EP path's result rows go from the GEMM epilogue into the owners' slots: no row copies
     on the EP side; ``push_kernel`` (MEGAMOE_EP_PUSH=kernel) copies them with the push kernel, one forward and
-    one backward copy per run."""
+    one backward copy per run and round launched (rounds: 1 at W <= 2, more at W >= 4)."""
     if os.environ.get("MEGAMOE_EP_PUSH", "epilogue") != "epilogue":
         pytest.skip("MEGAMOE_EP_PUSH is set for the whole run")
     for r, rep in enumerate(report):
         assert rep["uniform"]["row_copies"] == 0 and rep["torch_table"]["row_copies"] == 0, (r, rep["uniform"])
-        assert rep["push_kernel"]["row_copies"] == 2, (r, rep["push_kernel"]["row_copies"])
+        pk = rep["push_kernel"]
+        assert pk["row_copies"] == 2 * pk["rounds"], (r, pk["row_copies"], pk["rounds"])
+        assert (pk["rounds"] == 1) == (len(report) <= 2), ("one round exactly when W <= 2", pk["rounds"])
 
 
 def test_shared_expert_runs_beside_the_exchange_as_asked(report):

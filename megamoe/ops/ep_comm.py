@@ -32,7 +32,7 @@ from ..kernels import ep_comm as K_
 from .grouped_gemm import RowPush
 from .routing import expert_sort
 
-__all__ = ["ExchangeBuffers", "publish", "routing_plan", "save_plan", "restore_plan", "build_schedule",
+__all__ = ["ExchangeBuffers", "expert_offsets", "publish", "routing_plan", "save_plan", "restore_plan", "build_schedule",
            "dispatch_round", "push_round", "signal_done", "wait_done", "slot_views", "sched_size", "interpret_mode",
            "push_target", "fused_push", "comm_sms", "shared_expert_stream"]
 
@@ -90,6 +90,15 @@ class ExchangeBuffers:
         self.xr_CD = torch.empty(capacity_rows, s.hidden, dtype=s.dtype, device=dev)
         self.gr_CD = torch.empty_like(self.xr_CD) if backward else self.xr_CD
         self.wr_C = torch.empty(capacity_rows if backward else 1, dtype=torch.float32, device=dev)
+
+
+def expert_offsets(ws: EPWorkspace, bufs: ExchangeBuffers) -> torch.Tensor:
+    """int32 [L + 1] view of ``bufs.sched``: local expert l's rows are ``[off[l], off[l+1])`` of the whole receive
+    order (all rounds; round r holds rows ``[r*C, (r+1)*C)``). Valid after :func:`build_schedule`."""
+    s = ws.spec
+    L = s.num_experts // s.world
+    start = K_.SCHED_SEG + 3 * s.num_experts
+    return bufs.sched[start:start + L + 1]
 
 
 def publish(ws: EPWorkspace, topk_ids_TK: torch.Tensor, x_TD: torch.Tensor, dout_TD: torch.Tensor | None = None,

@@ -41,8 +41,11 @@ bits. ``MEGAMOE_EP_PUSH=kernel`` keeps the earlier round buffer + ``push_round``
 The expert GEMMs are megamoe's batch-invariant kernels (megamoe.ops.grouped_gemm; the weight gradients of
 experts with many rows go to ``torch._grouped_mm`` where the table says so, with the same bits), so with one round
 (always the case for W <= 2 at the default capacity) the output, the input gradient and the expert
-weight gradients are bitwise those of the single-GPU fused path on the global batch. With several rounds
-the weight gradients are sums of per-round fp32 partials (equal up to fp32 rounding).
+weight gradients are bitwise those of the single-GPU fused path on the global batch. Several rounds are
+launched when the worst routing needs them (W >= 4 at the default capacity), whether or not the routing
+does: round 0's weight gradients are the one-round GEMMs, later rounds store only the experts they hold
+(bitwise the same), and only an expert whose rows cross a round boundary (at most one per boundary) sums
+fp32 partials in round order (equal up to fp32 rounding; ops/wgrad_rounds.py).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from ._common import reserve_sms
 from .combine import combine_fwd, slot_sum_bwd
 from .grouped_gemm import down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm, swiglu_dgrad
 from .routing import single_group_offsets
+from .wgrad_rounds import finalize_split, k_grouped_round, split_slots
 
 __all__ = ["ep_moe_forward", "ep_moe_backward"]
 
@@ -199,11 +203,14 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
         del dgus_TH, hs_TS
 
     one_round = rounds == 1
-    wdt = None if one_round else torch.float32
     dw13 = dw2 = None
-    if not one_round:
-        dw13 = torch.zeros(L, G, D, dtype=torch.float32, device=dev) if need_w13 else None
-        dw2 = torch.zeros(L, D, F, dtype=torch.float32, device=dev) if need_w2 else None
+    C = capacity_rows
+    if not one_round:  # rounds launched for the worst case: later rounds touch only experts with rows there,
+        # the few experts split across rounds sum fp32 partials in slots (ops/wgrad_rounds.py)
+        S = split_slots(rounds, L)
+        full_off_L1 = X.expert_offsets(ws, bufs)
+        s13_SGD = torch.empty(S, G, D, dtype=torch.float32, device=dev) if need_w13 else None
+        s2_SDF = torch.empty(S, D, F, dtype=torch.float32, device=dev) if need_w2 else None
     h_CF = gu_CG = None  # recompute buffers, allocated only for a round without saved pre-activations
     # rows per local expert if every rank routes like this one (a host-side estimate for the kernel choice
     # of the weight gradients; it never changes bits)
@@ -223,15 +230,19 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
             gate_up_swiglu(bufs.xr_CD, w13_LGD, roff, save_preact=True, out=h_CF, preact_out=gu_CG, tile_cache=rt)
         dgu_CG, hw_CF, part_CP = swiglu_dgrad(bufs.gr_CD, w2_LDF, roff, gu_CG, row_scale_R=bufs.wr_C, row_dot=True,
                                               tile_cache=rt)
+        # the receive buffers' rows are contiguous, so the table's torch._grouped_mm (more than ~154 rows per
+        # expert) needs no row copies here (docs/perf.md, tenth session); round 0 is the one-round GEMM
         if need_w2:
-            # the receive buffers' rows are contiguous, so the table's torch._grouped_mm (more than ~154 rows
-            # per expert) needs no row copies here (docs/perf.md, tenth session); several rounds accumulate
-            # in fp32, which only megamoe's kernels write
-            g = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=wdt or w2_LDF.dtype, rows_per_group=rows_est)
-            dw2 = g if one_round else dw2.add_(g)
+            if r == 0:
+                dw2 = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=w2_LDF.dtype, rows_per_group=rows_est)
+            if not one_round:
+                k_grouped_round(bufs.gr_CD, hw_CF, roff, full_off_L1, dw2, s2_SDF, round_idx=r, capacity_rows=C)
         if need_w13:
-            g = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=wdt or w13_LGD.dtype, rows_per_group=rows_est)
-            dw13 = g if one_round else dw13.add_(g)
+            if r == 0:
+                dw13 = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=w13_LGD.dtype, rows_per_group=rows_est)
+            if not one_round:
+                k_grouped_round(dgu_CG, bufs.xr_CD, roff, full_off_L1, dw13, s13_SGD, round_idx=r,
+                                capacity_rows=C)
         if fused:  # dx rows stored by the GEMM's epilogue into the owners' slots, then the dots
             dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff, push=X.push_target(ws, bufs), tile_cache=rt)
         else:
@@ -242,8 +253,10 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     X.signal_done(ws)
     X.wait_done(ws, timeout_s)
     if not one_round:
-        dw13 = dw13.to(w13_LGD.dtype) if dw13 is not None else None
-        dw2 = dw2.to(w2_LDF.dtype) if dw2 is not None else None
+        if dw13 is not None:
+            finalize_split(s13_SGD, full_off_L1, dw13, capacity_rows=C)
+        if dw2 is not None:
+            finalize_split(s2_SDF, full_off_L1, dw2, capacity_rows=C)
     rows, row_of_TK, dots = X.slot_views(ws, T, P)
     dx_TD, dw_TK = slot_sum_bwd(rows, row_of_TK, dxs_TD, dots if need_w else None, num_cols=D,
                                 dx_dtype=x_TD.dtype, dw_dtype=topk_weights_TK.dtype)

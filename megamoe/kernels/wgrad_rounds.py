@@ -1,0 +1,109 @@
+"""Weight gradients of an exchange processed in several rounds (``@triton.jit`` only; launchers in
+megamoe.ops.wgrad_rounds).
+
+Legend: L local experts, C capacity rows per round, M / N the weight gradient's sizes, S split slots.
+
+Expert e's received rows are ``[off[e], off[e+1])`` of the whole receive order (all rounds, ``full_off``);
+round r holds rows ``[r*C, (r+1)*C)`` of it, with round-local offsets ``roff``. An expert is *split* when
+its rows cross a round boundary (``off[e] // C != (off[e+1] - 1) // C``): at most one expert per boundary,
+so at most ``min(rounds - 1, L)`` of them, and split expert number j (in expert order) owns fp32 slot j.
+Round 0's weight gradient is the ordinary one-round GEMM (any kernel of the table) into the bf16 output;
+:func:`_k_grouped_round_kernel` then, in round 0, starts the split experts' fp32 partial sums, and in
+rounds r >= 1 stores the experts wholly in round r straight into the output (the rows from the expert's
+first row in BLOCK_K chunks, as every k-grouped kernel: the same bits as one round) and continues the
+split experts' partial sums; :func:`_split_finalize_kernel` casts the split slots into the output. Experts
+without rows in a round are not touched, so a round the routing did not need costs a launch whose
+programs exit at once.
+"""
+
+import triton
+import triton.language as tl
+
+from .grouped_gemm import _k_step
+
+
+@triton.jit
+def _split_of(full_off_ptr, L, C, L_PAD: tl.constexpr):
+    """(idx, split) over the L experts: whether expert idx's rows cross a round boundary (all >= 0)."""
+    idx = tl.arange(0, L_PAD)
+    valid = idx < L
+    lo = tl.load(full_off_ptr + idx, mask=valid, other=0)
+    hi = tl.load(full_off_ptr + idx + 1, mask=valid, other=0)
+    split = valid & (hi > lo) & ((lo // C) != ((tl.maximum(hi, 1) - 1) // C))
+    return idx, split
+
+
+@triton.jit
+def _k_grouped_round_kernel(
+    # inputs: this round's rows, its local expert offsets [L + 1], the whole receive order's [L + 1]
+    p_ptr, q_ptr, roff_ptr, full_off_ptr,
+    # outputs: the weight gradient [L, M, N] and the fp32 split slots [S, M, N], last dimensions contiguous
+    c_ptr, s_ptr,
+    # shapes, round
+    M, N, L, C, round_idx,
+    # strides, in elements
+    stride_pr, stride_pm, stride_qr, stride_qn, stride_ce, stride_cm, stride_se, stride_sm,
+    # variant
+    FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    L_PAD: tl.constexpr,
+    # tile config
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles_per_expert = tl.cdiv(M, BLOCK_M) * num_n_tiles
+    expert = pid // tiles_per_expert
+    pid_m = (pid % tiles_per_expert) // num_n_tiles
+    pid_n = pid % num_n_tiles
+    row_start = tl.load(roff_ptr + expert)
+    row_end = tl.load(roff_ptr + expert + 1)
+    if row_end > row_start:  # the expert has rows in this round
+        idx, split_v = _split_of(full_off_ptr, L, C, L_PAD)
+        split = tl.sum(tl.where(split_v & (idx == expert), 1, 0), axis=0) > 0
+        if split or round_idx > 0:  # round 0's whole experts are the one-round GEMM's
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_m = offs_m < M
+            mask_n = offs_n < N
+            mask = mask_m[:, None] & mask_n[None, :]
+            slot = tl.sum(tl.where(split_v & (idx < expert), 1, 0), axis=0)
+            s_tile = (s_ptr + slot.to(tl.int64) * stride_se + offs_m.to(tl.int64)[:, None] * stride_sm
+                      + offs_n[None, :])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if split:
+                if round_idx > tl.load(full_off_ptr + expert) // C:  # not the expert's first round: continue
+                    acc = tl.load(s_tile, mask=mask, other=0.0)
+            num_iters = tl.cdiv(row_end - row_start, BLOCK_K)
+            if INTERPRET:  # the interpreter cannot range() over a loaded bound
+                it = 0
+                while it < num_iters:
+                    acc = _k_step(acc, it, row_start, row_end, p_ptr, roff_ptr, q_ptr, roff_ptr, offs_m, offs_n,
+                                  mask_m, mask_n, stride_pr, stride_pm, stride_qr, stride_qn, False, False, FP32_DOT,
+                                  EVEN_M, EVEN_N, BLOCK_K)
+                    it += 1
+            else:
+                for it in range(0, num_iters):
+                    acc = _k_step(acc, it, row_start, row_end, p_ptr, roff_ptr, q_ptr, roff_ptr, offs_m, offs_n,
+                                  mask_m, mask_n, stride_pr, stride_pm, stride_qr, stride_qn, False, False, FP32_DOT,
+                                  EVEN_M, EVEN_N, BLOCK_K)
+            if split:
+                tl.store(s_tile, acc, mask=mask)
+            else:
+                c_tile = (c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm
+                          + offs_n[None, :])
+                tl.store(c_tile, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_finalize_kernel(s_ptr, full_off_ptr, c_ptr, MN, L, C, L_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (S, cdiv(M*N, BLOCK)): cast split slot j into the output of the j-th split expert (if any)."""
+    slot = tl.program_id(0)
+    idx, split = _split_of(full_off_ptr, L, C, L_PAD)
+    si = split.to(tl.int32)
+    nth = tl.cumsum(si, axis=0) - si  # slot of each split expert
+    expert = tl.max(tl.where(split & (nth == slot), idx, -1), axis=0)
+    if expert >= 0:
+        offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < MN
+        v = tl.load(s_ptr + slot.to(tl.int64) * MN + offs, mask=m)
+        tl.store(c_ptr + expert.to(tl.int64) * MN + offs, v.to(c_ptr.dtype.element_ty), mask=m)

@@ -1,0 +1,89 @@
+"""Cost of the EP rounds that the routing did not need, on one GPU (a one-rank group, W = 1), bitwise-checked.
+
+An exchange launches enough rounds for the worst routing (megamoe.distributed.max_rounds: 2 at W = 4 and
+4 at W = 8 with the default capacity), however the routing falls. This script builds that situation on one
+GPU: the workspace's token capacity is reserved at ROUNDS x T, and the layer runs with the receive capacity
+of the rows it has (T*K: every row in round 0, ROUNDS - 1 rounds unused) and with a capacity for the worst
+case (one round). Per case it prints both forward+backward medians (megamoe.bench.Timer, L2 flush,
+interleaved) and whether the several-round run gives bitwise the one-round output and gradients.
+
+Default case: deepseek-v3's D, F, K and shared expert with E = 32 experts, the local experts of one rank at
+EP = 8, and T = 4096 (1024 rows per expert, as each rank of EP = 8 with 4096 tokens per rank receives).
+
+Usage:  python scripts/ab_rounds.py OUT_DIR [preset:T:E ...]   (ROUNDS env, default 4)
+Needs a CUDA GPU; installs nothing. Writes OUT_DIR/ab_rounds.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+from megamoe.bench.providers_ep import close_one_rank_group, one_rank_group
+from megamoe.bench.timing import Timer
+from megamoe.config import get_preset
+
+
+def main():
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
+    from megamoe.distributed import reserve_workspace
+    from megamoe.functional_ep import moe_experts_ep
+
+    out_dir, cases = sys.argv[1], sys.argv[2:] or ["deepseek-v3:4096:32"]
+    rounds = int(os.environ.get("ROUNDS", "4"))
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    group = one_rank_group(dev)
+    timer = Timer(dev)
+    rows = []
+    for case in cases:
+        name, T, E = case.split(":")
+        T, E = int(T), int(E)
+        cfg = get_preset(name)
+        D, F, K, S = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, cfg.shared_intermediate_size
+        reserve_workspace(group, rounds * T)
+        g = torch.Generator(device=dev).manual_seed(100)
+        x = torch.randn(T, D, generator=g, device=dev).bfloat16().requires_grad_()
+        ids = torch.rand(T, E, generator=g, device=dev).topk(K, dim=1).indices
+        w = torch.softmax(torch.randn(T, K, generator=g, device=dev), -1).requires_grad_()
+        w13 = (torch.randn(E, 2 * F, D, generator=g, device=dev) / D ** 0.5).bfloat16().requires_grad_()
+        w2 = (torch.randn(E, D, F, generator=g, device=dev) / F ** 0.5).bfloat16().requires_grad_()
+        s13 = (torch.randn(2 * S, D, generator=g, device=dev) / D ** 0.5).bfloat16().requires_grad_() if S else None
+        s2 = (torch.randn(D, S, generator=g, device=dev) / S ** 0.5).bfloat16().requires_grad_() if S else None
+        params = [p for p in (x, w, w13, w2, s13, s2) if p is not None]
+        dout = torch.randn(T, D, generator=g, device=dev).bfloat16()
+        caps = {"1 round": rounds * T * K, f"{rounds} rounds": T * K}  # worst case in one round / rows of round 0
+
+        def run(cap):
+            out = moe_experts_ep(x, ids, w, w13, w2, s13, s2, group=group, capacity_rows=cap)
+            return [out.detach()] + list(torch.autograd.grad(out, params, dout))
+
+        base = [t.clone() for t in run(caps["1 round"])]
+        same = all(torch.equal(a, b) for a, b in zip(base, run(caps[f"{rounds} rounds"])))
+        del base
+        samples = {k: [] for k in caps}
+        for _ in range(4):  # interleaved
+            for k, cap in caps.items():
+                samples[k] += timer.time(lambda _s, cap=cap: run(cap), iters=3)
+        peak = torch.cuda.max_memory_allocated(dev) / 2 ** 30
+        for k in caps:
+            ms = statistics.median(samples[k])
+            r = dict(case=f"{name} T={T} E={E}", variant=k, capacity_rows=caps[k], ms=ms,
+                     bitwise_equal_to_one_round=same, commit=os.environ.get("MEGAMOE_COMMIT", ""))
+            rows.append(r)
+            print(f"{r['case']:28s} {k:9s} capacity {caps[k]:6d}  fwd+bwd {ms:7.2f} ms  bitwise "
+                  f"{'==' if same else 'DIFFERENT'}  (peak {peak:.1f} GiB)", flush=True)
+        del x, w, w13, w2, s13, s2, params
+        torch.cuda.empty_cache()
+    json.dump(rows, open(f"{out_dir}/ab_rounds.json", "w"), indent=1)
+    close_one_rank_group()
+
+
+if __name__ == "__main__":
+    main()
