@@ -10,7 +10,8 @@ interleaved) and whether the several-round run gives bitwise the one-round outpu
 Default case: deepseek-v3's D, F, K and shared expert with E = 32 experts, the local experts of one rank at
 EP = 8, and T = 4096 (1024 rows per expert, as each rank of EP = 8 with 4096 tokens per rank receives).
 
-Usage:  python scripts/ab_rounds.py OUT_DIR [preset:T:E ...]   (ROUNDS env, default 4)
+Usage:  python scripts/ab_rounds.py OUT_DIR [preset:T:E ...]   (ROUNDS env, default 4; PROFILE=1 also prints
+        the kernels of one several-round step)
 Needs a CUDA GPU; installs nothing. Writes OUT_DIR/ab_rounds.json.
 """
 
@@ -72,6 +73,14 @@ def main():
             for k, cap in caps.items():
                 samples[k] += timer.time(lambda _s, cap=cap: run(cap), iters=3)
         peak = torch.cuda.max_memory_allocated(dev) / 2 ** 30
+        if os.environ.get("PROFILE") == "1":  # kernels of one several-round step, largest first
+            from torch.profiler import ProfilerActivity, profile
+            run(caps[f"{rounds} rounds"])
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run(caps[f"{rounds} rounds"])
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
         for k in caps:
             ms = statistics.median(samples[k])
             r = dict(case=f"{name} T={T} E={E}", variant=k, capacity_rows=caps[k], ms=ms,

@@ -34,6 +34,12 @@ def _split_of(full_off_ptr, L, C, L_PAD: tl.constexpr):
 
 
 @triton.jit
+def _pick(idx, vec, i):
+    """vec[i] of an L_PAD vector (a masked sum: one value per program, no gather)."""
+    return tl.sum(tl.where(idx == i, vec, 0), axis=0)
+
+
+@triton.jit
 def _k_grouped_round_kernel(
     # inputs: this round's rows, its local expert offsets [L + 1], the whole receive order's [L + 1]
     p_ptr, q_ptr, roff_ptr, full_off_ptr,
@@ -49,49 +55,63 @@ def _k_grouped_round_kernel(
     # tile config
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    """Persistent over this round's active tiles: the (expert, m-tile, n-tile) tiles of experts with rows in
+    this round that are split (any round) or whole (rounds >= 1), experts slowest. Every program first derives
+    that tile list from the two offset tables (one vector load each), so in a round without such experts (an
+    unused round; round 0 without a split expert) every program exits after those loads."""
+    idx, split_v = _split_of(full_off_ptr, L, C, L_PAD)
+    valid = idx < L
+    lo_v = tl.load(full_off_ptr + idx, mask=valid, other=0)
+    rs_v = tl.load(roff_ptr + idx, mask=valid, other=0)
+    re_v = tl.load(roff_ptr + idx + 1, mask=valid, other=0)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_expert = tl.cdiv(M, BLOCK_M) * num_n_tiles
-    expert = pid // tiles_per_expert
-    pid_m = (pid % tiles_per_expert) // num_n_tiles
-    pid_n = pid % num_n_tiles
-    row_start = tl.load(roff_ptr + expert)
-    row_end = tl.load(roff_ptr + expert + 1)
-    if row_end > row_start:  # the expert has rows in this round
-        idx, split_v = _split_of(full_off_ptr, L, C, L_PAD)
-        split = tl.sum(tl.where(split_v & (idx == expert), 1, 0), axis=0) > 0
-        if split or round_idx > 0:  # round 0's whole experts are the one-round GEMM's
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_m = offs_m < M
-            mask_n = offs_n < N
-            mask = mask_m[:, None] & mask_n[None, :]
-            slot = tl.sum(tl.where(split_v & (idx < expert), 1, 0), axis=0)
-            s_tile = (s_ptr + slot.to(tl.int64) * stride_se + offs_m.to(tl.int64)[:, None] * stride_sm
+    active = valid & (re_v > rs_v) & (split_v | (round_idx > 0))
+    n_act = tl.where(active, tiles_per_expert, 0)
+    cum = tl.cumsum(n_act, axis=0)  # inclusive: active tiles of experts <= e
+    total = tl.sum(n_act, axis=0)
+    si = split_v.to(tl.int32)
+    slot_v = tl.cumsum(si, axis=0) - si  # slot of each split expert
+    t = tl.program_id(0)
+    while t < total:
+        expert = tl.sum(tl.where(cum <= t, 1, 0), axis=0)  # the first expert whose tiles reach past t
+        local = t - (_pick(idx, cum, expert) - _pick(idx, n_act, expert))
+        pid_m = local // num_n_tiles
+        pid_n = local % num_n_tiles
+        row_start = _pick(idx, rs_v, expert)
+        row_end = _pick(idx, re_v, expert)
+        split = _pick(idx, si, expert) > 0
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        mask = mask_m[:, None] & mask_n[None, :]
+        s_tile = (s_ptr + _pick(idx, slot_v, expert).to(tl.int64) * stride_se
+                  + offs_m.to(tl.int64)[:, None] * stride_sm + offs_n[None, :])
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if split:
+            if round_idx > _pick(idx, lo_v, expert) // C:  # not the expert's first round: continue its sum
+                acc = tl.load(s_tile, mask=mask, other=0.0)
+        num_iters = tl.cdiv(row_end - row_start, BLOCK_K)
+        if INTERPRET:  # the interpreter cannot range() over a loaded bound
+            it = 0
+            while it < num_iters:
+                acc = _k_step(acc, it, row_start, row_end, p_ptr, roff_ptr, q_ptr, roff_ptr, offs_m, offs_n,
+                              mask_m, mask_n, stride_pr, stride_pm, stride_qr, stride_qn, False, False, FP32_DOT,
+                              EVEN_M, EVEN_N, BLOCK_K)
+                it += 1
+        else:
+            for it in range(0, num_iters):
+                acc = _k_step(acc, it, row_start, row_end, p_ptr, roff_ptr, q_ptr, roff_ptr, offs_m, offs_n,
+                              mask_m, mask_n, stride_pr, stride_pm, stride_qr, stride_qn, False, False, FP32_DOT,
+                              EVEN_M, EVEN_N, BLOCK_K)
+        if split:
+            tl.store(s_tile, acc, mask=mask)
+        else:
+            c_tile = (c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm
                       + offs_n[None, :])
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if split:
-                if round_idx > tl.load(full_off_ptr + expert) // C:  # not the expert's first round: continue
-                    acc = tl.load(s_tile, mask=mask, other=0.0)
-            num_iters = tl.cdiv(row_end - row_start, BLOCK_K)
-            if INTERPRET:  # the interpreter cannot range() over a loaded bound
-                it = 0
-                while it < num_iters:
-                    acc = _k_step(acc, it, row_start, row_end, p_ptr, roff_ptr, q_ptr, roff_ptr, offs_m, offs_n,
-                                  mask_m, mask_n, stride_pr, stride_pm, stride_qr, stride_qn, False, False, FP32_DOT,
-                                  EVEN_M, EVEN_N, BLOCK_K)
-                    it += 1
-            else:
-                for it in range(0, num_iters):
-                    acc = _k_step(acc, it, row_start, row_end, p_ptr, roff_ptr, q_ptr, roff_ptr, offs_m, offs_n,
-                                  mask_m, mask_n, stride_pr, stride_pm, stride_qr, stride_qn, False, False, FP32_DOT,
-                                  EVEN_M, EVEN_N, BLOCK_K)
-            if split:
-                tl.store(s_tile, acc, mask=mask)
-            else:
-                c_tile = (c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm
-                          + offs_n[None, :])
-                tl.store(c_tile, acc.to(c_ptr.dtype.element_ty), mask=mask)
+            tl.store(c_tile, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        t += tl.num_programs(0)
 
 
 @triton.jit

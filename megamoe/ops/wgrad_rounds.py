@@ -23,11 +23,12 @@ import torch
 import triton
 
 from ..kernels.wgrad_rounds import _k_grouped_round_kernel, _split_finalize_kernel
-from ._common import check_device, is_interpreted, pow2
+from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .tile_config import k_grouped_config
 
 __all__ = ["split_slots", "k_grouped_round", "finalize_split"]
 
+_PROGRAMS_PER_SM = 2  # the per-tile weight-gradient kernels' occupancy at these tiles
 _FIN_BLOCK = 4096
 _FIN_BLOCK_INTERPRET = 256
 
@@ -86,7 +87,8 @@ def k_grouped_round(p: torch.Tensor, q: torch.Tensor, roff_L1: torch.Tensor, ful
     interpret = is_interpreted(_k_grouped_round_kernel)
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
     cfg = k_grouped_config(M, N, dtype, interpret=interpret, allow_gluon=False, allow_torch=False)
-    grid = (L * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    grid = (persistent_programs(p.device, _k_grouped_round_kernel, L * triton.cdiv(M, cfg.block_m)
+                                * triton.cdiv(N, cfg.block_n), per_sm=_PROGRAMS_PER_SM),)
     _k_grouped_round_kernel[grid](
         p, q, roff_L1, full_off_L1, out, scratch, M, N, L, capacity_rows, round_idx,
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), out.stride(0), out.stride(1),

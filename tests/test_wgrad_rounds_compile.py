@@ -1,0 +1,47 @@
+"""The rounds' weight-gradient kernels (megamoe.kernels.wgrad_rounds) compile for sm_90a on the CPU, with the
+table's bf16 tiles: the split experts' partial sums and the whole experts' stores are both there, and the
+reduction uses wgmma. Their results are tested in tests/test_wgrad_rounds_interpret.py and on the GPU."""
+
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+
+def _compile(kernel, sig: dict, const: dict, num_warps: int, num_stages: int = 1):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**sig, **{n: "constexpr" for n in const}}
+    assert set(sig) == set(kernel.arg_names), set(kernel.arg_names) ^ set(sig)
+    return triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def test_round_kernel_compiles_with_wgmma():
+    import torch
+
+    from megamoe.kernels.wgrad_rounds import _k_grouped_round_kernel
+    from megamoe.ops.tile_config import k_grouped_config
+
+    cfg = k_grouped_config(4096, 7168, torch.bfloat16, interpret=False, allow_gluon=False, allow_torch=False)
+    ints = ("M", "N", "L", "C", "round_idx", "stride_pr", "stride_pm", "stride_qr", "stride_qn", "stride_ce",
+            "stride_cm", "stride_se", "stride_sm")
+    sig = {"p_ptr": "*bf16", "q_ptr": "*bf16", "roff_ptr": "*i32", "full_off_ptr": "*i32", "c_ptr": "*bf16",
+           "s_ptr": "*fp32", **{n: "i32" for n in ints}}
+    const = dict(FP32_DOT=False, INTERPRET=False, EVEN_M=True, EVEN_N=True, L_PAD=32, BLOCK_M=cfg.block_m,
+                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    c = _compile(_k_grouped_round_kernel, sig, const, cfg.num_warps, cfg.num_stages)
+    ptx = c.asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert re.search(r"st\.global[\.\w]*\.b16|st\.global\.v\d\.b32", ptx)  # bf16 stores (whole experts)
+    assert "ld.global" in ptx and c.metadata.shared <= 227 * 1024
+
+
+def test_finalize_kernel_compiles():
+    from megamoe.kernels.wgrad_rounds import _split_finalize_kernel
+
+    sig = {"s_ptr": "*fp32", "full_off_ptr": "*i32", "c_ptr": "*bf16", "MN": "i64", "L": "i32", "C": "i32"}
+    c = _compile(_split_finalize_kernel, sig, dict(L_PAD=32, BLOCK=4096), 4)
+    assert "cvt.rn.bf16" in c.asm["ptx"]
