@@ -3,9 +3,12 @@
 An exchange launches enough rounds for the worst routing (megamoe.distributed.max_rounds: 2 at W = 4 and
 4 at W = 8 with the default capacity), however the routing falls. This script builds that situation on one
 GPU: the workspace's token capacity is reserved at ROUNDS x T, and the layer runs with the receive capacity
-of the rows it has (T*K: every row in round 0, ROUNDS - 1 rounds unused) and with a capacity for the worst
-case (one round). Per case it prints both forward+backward medians (megamoe.bench.Timer, L2 flush,
-interleaved) and whether the several-round run gives bitwise the one-round output and gradients.
+of the rows it has (T*K: every row in round 0, ROUNDS - 1 rounds unused), with a capacity for the worst
+case (one round), and with a quarter of the rows per round ("rows in all": ROUNDS rounds used, experts
+split across them, more rounds launched). Per case it prints the forward+backward medians
+(megamoe.bench.Timer, L2 flush, interleaved), whether a variant gives bitwise the one-round output and
+gradients, and how many experts' weight gradients are bitwise the one-round ones (the split ones agree to
+fp32 rounding).
 
 Default case: deepseek-v3's D, F, K and shared expert with E = 32 experts, the local experts of one rank at
 EP = 8, and T = 4096 (1024 rows per expert, as each rank of EP = 8 with 4096 tokens per rank receives).
@@ -59,14 +62,24 @@ def main():
         s2 = (torch.randn(D, S, generator=g, device=dev) / S ** 0.5).bfloat16().requires_grad_() if S else None
         params = [p for p in (x, w, w13, w2, s13, s2) if p is not None]
         dout = torch.randn(T, D, generator=g, device=dev).bfloat16()
-        caps = {"1 round": rounds * T * K, f"{rounds} rounds": T * K}  # worst case in one round / rows of round 0
+        # worst case in one round / every row in round 0 / the rows spread over ``rounds`` rounds (experts split)
+        caps = {"1 round": rounds * T * K, f"{rounds} rounds": T * K,
+                "rows in all": (T * K // rounds + 127) // 128 * 128}
 
         def run(cap):
             out = moe_experts_ep(x, ids, w, w13, w2, s13, s2, group=group, capacity_rows=cap)
             return [out.detach()] + list(torch.autograd.grad(out, params, dout))
 
         base = [t.clone() for t in run(caps["1 round"])]
-        same = all(torch.equal(a, b) for a, b in zip(base, run(caps[f"{rounds} rounds"])))
+        same, wdiff = {}, {}
+        for k in list(caps)[1:]:
+            got = run(caps[k])
+            same[k] = all(torch.equal(a, b) for a, b in zip(base, got))
+            # the expert weight gradients: experts bitwise equal to one round, largest relative difference
+            eq = [bool(torch.equal(a[e], b[e])) for a, b in zip(base[3:5], got[3:5]) for e in range(E)]
+            rel = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                      for a, b in zip(base[3:5], got[3:5]))
+            wdiff[k] = (sum(eq), len(eq), rel)
         del base
         samples = {k: [] for k in caps}
         for _ in range(4):  # interleaved
@@ -81,13 +94,19 @@ def main():
                 run(caps[f"{rounds} rounds"])
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        from megamoe.distributed import WorkspaceSpec, max_rounds
+        spec = WorkspaceSpec(1, rounds * T, D, K, E, torch.bfloat16)
         for k in caps:
             ms = statistics.median(samples[k])
-            r = dict(case=f"{name} T={T} E={E}", variant=k, capacity_rows=caps[k], ms=ms,
-                     bitwise_equal_to_one_round=same, commit=os.environ.get("MEGAMOE_COMMIT", ""))
+            n_eq, n_all, rel = wdiff.get(k, (2 * E, 2 * E, 0.0))
+            r = dict(case=f"{name} T={T} E={E}", variant=k, capacity_rows=caps[k],
+                     rounds_launched=max_rounds(spec, caps[k]), ms=ms,
+                     bitwise_equal_to_one_round=same.get(k, True), expert_grads_bitwise=n_eq, expert_grads=n_all,
+                     expert_grads_max_rel_diff=rel, commit=os.environ.get("MEGAMOE_COMMIT", ""))
             rows.append(r)
-            print(f"{r['case']:28s} {k:9s} capacity {caps[k]:6d}  fwd+bwd {ms:7.2f} ms  bitwise "
-                  f"{'==' if same else 'DIFFERENT'}  (peak {peak:.1f} GiB)", flush=True)
+            print(f"{r['case']:24s} {k:11s} capacity {caps[k]:6d} ({r['rounds_launched']:2d} rounds launched)  "
+                  f"fwd+bwd {ms:7.2f} ms  all bitwise {'==' if r['bitwise_equal_to_one_round'] else 'no'}; "
+                  f"expert grads bitwise {n_eq}/{n_all}, max rel diff {rel:.1e}  (peak {peak:.1f} GiB)", flush=True)
         del x, w, w13, w2, s13, s2, params
         torch.cuda.empty_cache()
     json.dump(rows, open(f"{out_dir}/ab_rounds.json", "w"), indent=1)
