@@ -181,6 +181,10 @@ def test_cli_run_folder(tmp_path, capsys):
     screen = capsys.readouterr().out
     assert "train loss" in screen and "tokens/s" in screen and "MoE layers" in screen
     assert "median over log intervals after the first" in screen  # 3 intervals of 2 steps
+    # --no-progress: one plain line per log flush instead of the bar
+    lines = [ln for ln in screen.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in lines] == ["2/6", "4/6", "6/6"], lines
+    assert all(" loss " in ln and " tok/s " in ln and " moe " in ln for ln in lines), lines
     recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     train_recs = [r for r in recs if "loss" in r]
     assert [r["step"] for r in train_recs] == list(range(6))

@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after N steps, as if interrupted")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: one plain line per --log-every steps instead")
     p.add_argument("--check", action="store_true", help="compare backends (and EP=W with EP=1) and exit")
     p.add_argument("--check-atol", type=float, default=2e-2, help="--check absolute slack on losses (nats)")
     p.add_argument("--check-strict", action="store_true",
@@ -166,7 +167,7 @@ def _train_and_report(rc: RunConfig, dctx: Dist, corpus, *, resume: bool, say) -
     say(f"training preset {cfg.name!r} for {cfg.steps} steps on {device_name} x{dctx.world} "
         f"(backend {rc.backend}, EP={dctx.world}) -> {rc.out_dir or '(no run folder)'}")
     bar = ProgressBar(total=rc.stop_after and min(rc.stop_after, cfg.steps) or cfg.steps, initial=0,
-                      enabled=rc.progress)
+                      enabled=rc.progress, say=None if rc.progress or not dctx.main else say)
     try:
         res = train(rc, dctx, resume=resume, corpus=corpus, on_log=bar)
     finally:

@@ -15,25 +15,30 @@ __all__ = ["ProgressBar", "param_counts", "summary"]
 
 
 class ProgressBar:
-    """tqdm bar over the steps, updated at every log flush with loss, tokens/s and the MoE time share."""
+    """tqdm bar over the steps, updated at every log flush with loss, tokens/s and the MoE time share.
+    Disabled with ``say`` given (``--no-progress``): the same numbers as one plain line per log flush, for
+    logs and pipes."""
 
-    def __init__(self, total: int, initial: int, enabled: bool):
+    def __init__(self, total: int, initial: int, enabled: bool, say=None):
         self.bar = None
         if enabled:
             from tqdm.auto import tqdm
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
-        self.done = initial
+        self.done, self.total, self.say = initial, total, say
 
     def __call__(self, result: RunResult, step: int) -> None:
-        if self.bar is None:
+        if self.bar is None and self.say is None:
             return
-        if self.done == 0 and result.first_step:  # resumed run: start the bar at the checkpoint
-            self.done = result.first_step
-            self.bar.update(self.done)
         post = {"loss": f"{result.losses[-1]:.3f}", "tok/s": f"{result.tokens_per_s[-1]:,.0f}",
                 "moe": f"{100 * result.moe_share[-1]:.0f}%"}
         if result.val:
             post["val"] = f"{result.val[-1][1]:.3f}"
+        if self.bar is None:
+            self.say(f"step {step + 1}/{self.total}  " + "  ".join(f"{k} {v}" for k, v in post.items()))
+            return
+        if self.done == 0 and result.first_step:  # resumed run: start the bar at the checkpoint
+            self.done = result.first_step
+            self.bar.update(self.done)
         self.bar.set_postfix(post, refresh=False)  # before update(), which redraws: no one-interval lag
         self.bar.update(step + 1 - self.done)
         self.done = step + 1
