@@ -88,8 +88,9 @@ def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
     """CLI arguments -> RunConfig (device-dependent defaults). Raises SystemExit with a clear message."""
     on_gpu = device.startswith("cuda")
     backend = args.backend if args.backend != "auto" else ("fused" if on_gpu else "reference")
-    if backend == "fused" and not on_gpu:
-        raise SystemExit("error: --backend fused needs a CUDA GPU (use --backend reference on CPU)")
+    if backend == "fused" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("error: --backend fused needs a CUDA GPU (use --backend reference on CPU, or set "
+                         "TRITON_INTERPRET=1 to run the Triton kernels in the interpreter: slow, for debugging)")
     try:
         cfg = get_model_preset(args.preset or ("small" if on_gpu else "mini"))
     except ValueError as e:
