@@ -110,7 +110,7 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
         r["row_copies"] = sum(row_copies)
         r["shared_blocks"] = shared_blocks
         r["sms"] = _common._sm_count(rank_device(rank).index)
-        r["rounds"] = _rounds_launched(group, Ts[rank], capacity, rank_device(rank))
+        r["rounds"] = _rounds_and_capacity(group, Ts[rank], capacity, rank_device(rank))[0]
         return r
     finally:
         gg.torch_wgrad = real
@@ -123,13 +123,29 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
                 os.environ[k] = v
 
 
-def _rounds_launched(group, T, capacity, dev) -> int:
-    """Rounds each exchange of the case launched: enough for the worst routing at its capacity (2 at W = 4, 4 at
-    W = 8 with the default one, whatever the routing used)."""
+def _rounds_and_capacity(group, T, capacity, dev) -> tuple[int, int]:
+    """(rounds each exchange of the case launched, capacity C): enough rounds for the worst routing at C (2 at
+    W = 4, 4 at W = 8 with the default C, whatever the routing used)."""
     from megamoe.distributed import default_capacity_rows, get_workspace, max_rounds
     ws = get_workspace(group, num_tokens=T, hidden=D, top_k=K, num_experts=_num_experts(group.size()),
                        dtype=torch.bfloat16, device=dev)  # the case's own (cached) workspace: no collective
-    return max_rounds(ws.spec, capacity or default_capacity_rows(ws.spec))
+    C = capacity or default_capacity_rows(ws.spec)
+    return max_rounds(ws.spec, C), C
+
+
+def _split_local_experts(ids_all, rank, L, C) -> list[bool]:
+    """Per local expert of ``rank``: do its received rows (receive order: expert-major over all ranks' slots)
+    cross a multiple of C, i.e. span two receive rounds?"""
+    counts = [sum(int((ids == rank * L + l).sum()) for ids in ids_all) for l in range(L)]
+    out, lo = [], 0
+    for c in counts:
+        out.append(c > 0 and lo // C != (lo + c - 1) // C)
+        lo += c
+    return out
+
+
+def _within(a, b) -> bool:
+    return bool((a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max() + 1e-30)
 
 
 def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
@@ -161,6 +177,11 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
          "dw_eq": torch.equal(grads[1], g1[1][sl]), "d13_eq": torch.equal(grads[2], g1[2][el]),
          "d2_eq": torch.equal(grads[3], g1[3][el]),
          "d13_close": torch.allclose(grads[2].float(), g1[2][el].float(), rtol=2e-2, atol=1e-3),
+         # per local expert: split across receive rounds?, (dW13, dW2) bitwise?, within 2^-7 of the expert's
+         # largest entry (one bf16 rounding step either way of an fp32 sum that differs by fp32 rounding)?
+         "split": _split_local_experts(ids, rank, L, _rounds_and_capacity(group, Ts[rank], capacity, dev)[1]),
+         "w_exp": [(torch.equal(grads[2][l], g1[2][el][l]), torch.equal(grads[3][l], g1[3][el][l]),
+                    _within(grads[2][l], g1[2][el][l]), _within(grads[3][l], g1[3][el][l])) for l in range(L)],
          "shared": [grads[4].float().cpu(), grads[5].float().cpu()],
          "shared_ref": [g1[4].float().cpu(), g1[5].float().cpu()]}
     # tolerance against fp64 (our error <= 2x torch bf16's own error + tiny)
@@ -214,29 +235,45 @@ def _sync_and_graph(rep, tag, group, args, x0, go):
     graph.replay()
     rep["graph_same" + tag] = torch.equal(static_out, eager)
     rep["graph_moves" + tag] = not torch.equal(outs[0], outs[1])
-    # forward + backward in one graph (the backward's exchange, and with the overlap its side-stream block)
-    eager_dx = []
-    for scale in (1, 2):
-        xe = _leaf(x0 * scale)
-        eager_dx.append(torch.autograd.grad(moe_experts_ep(*args(xe), group=group), (xe,), go)[0])
+    _graph_fwd_bwd(rep, tag, group, args, x0, go)
+
+
+def _graph_fwd_bwd(rep, tag, group, args, x0, go, capacity=None):
+    """Forward + backward captured in one graph (the backward's exchange; with the overlap its side-stream
+    block; with ``capacity`` several rounds and their weight-gradient kernels): every gradient (x, topk
+    weights, the local experts' w13 and w2) equal to eager at two inputs: ``graph_bwd_same`` / ``graph_bwd_moves``."""
+    import torch.distributed as dist
+
+    from megamoe.functional_ep import moe_experts_ep
+
+    x_, ids_, w_, l13_, l2_, s13_, s2_ = args(x0)
+
+    def step(x):
+        leaves = (x, _leaf(w_), _leaf(l13_), _leaf(l2_))
+        out = moe_experts_ep(x, ids_, *leaves[1:], s13_, s2_, group=group, capacity_rows=capacity)
+        return torch.autograd.grad(out, leaves, go)
+
+    eager = [step(_leaf(x0 * scale)) for scale in (1, 2)]
     static_xg = _leaf(x0)
+    s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            torch.autograd.grad(moe_experts_ep(*args(static_xg), group=group), (static_xg,), go)
+            step(static_xg)
     torch.cuda.current_stream().wait_stream(s)
     dist.barrier()
     graph_fb = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph_fb):
-        static_dx = torch.autograd.grad(moe_experts_ep(*args(static_xg), group=group), (static_xg,), go)[0]
+        static_grads = step(static_xg)
     replayed = []
     for scale in (2, 1):
         with torch.no_grad():
             static_xg.copy_(x0 * scale)
         graph_fb.replay()
-        replayed.append(static_dx.clone())
-    rep["graph_bwd_same" + tag] = torch.equal(replayed[1], eager_dx[0]) and torch.equal(replayed[0], eager_dx[1])
-    rep["graph_bwd_moves" + tag] = not torch.equal(replayed[0], replayed[1])
+        replayed.append([g.clone() for g in static_grads])
+    same = lambda a, b: all(torch.equal(u, v) for u, v in zip(a, b))  # noqa: E731
+    rep["graph_bwd_same" + tag] = same(replayed[1], eager[0]) and same(replayed[0], eager[1])
+    rep["graph_bwd_moves" + tag] = not torch.equal(replayed[0][0], replayed[1][0])
 
 
 def _suite(rank, W):
@@ -283,6 +320,8 @@ def _suite(rank, W):
                 os.environ.pop("MEGAMOE_EP_COMM_SMS", None)
             else:
                 os.environ["MEGAMOE_EP_COMM_SMS"] = old
+    # several rounds launched (16 W at capacity 1024), their weight-gradient kernels inside the graph
+    _graph_fwd_bwd(rep, "_rounds", group, args, xs[rank], gos[rank], capacity=1024)
     torch.cuda.synchronize()
     ws0 = get_workspace(group, num_tokens=64, hidden=D, top_k=K, num_experts=E, dtype=torch.bfloat16, device=dev)
     ws0.check()
@@ -393,9 +432,20 @@ def test_shared_expert_runs_beside_the_exchange_as_asked(report):
 
 @pytest.mark.parametrize("case", ["rounds", "overlap_rounds"])
 def test_capacity_rounds(report, case):
+    """Capacity 128, every token on rank 0's experts: several used rounds. Output, dx and d topk_weights
+    bitwise; each local expert's dW13 and dW2 bitwise unless its rows span two rounds (then within one bf16
+    rounding step of the expert's largest entry: fp32 partial sums in round order)."""
+    n_split = 0
     for r, rep in enumerate(report):
         c = rep[case]
-        assert c["out_eq"] and c["dx_eq"] and c["dw_eq"] and c["d13_close"], f"rank {r}: {c}"
+        assert c["out_eq"] and c["dx_eq"] and c["dw_eq"], f"rank {r}: {c}"
+        for l, (split, (eq13, eq2, near13, near2)) in enumerate(zip(c["split"], c["w_exp"])):
+            if split:
+                assert near13 and near2, f"rank {r} expert {l} (split): {(eq13, eq2, near13, near2)}"
+            else:
+                assert eq13 and eq2, f"rank {r} expert {l} (in one round): weight gradients differ from EP=1"
+        n_split += sum(c["split"])
+    assert n_split > 0, "the rounds case must split an expert across rounds"
 
 
 @pytest.mark.parametrize("tag", ["", "_overlap"])
@@ -406,6 +456,13 @@ def test_sync_free_and_cuda_graph(report, tag):
         assert rep["graph_same" + tag] and rep["graph_moves" + tag], f"rank {r}: graph replay differs from eager"
         assert rep["graph_bwd_same" + tag] and rep["graph_bwd_moves" + tag], \
             f"rank {r}: forward + backward graph replay differs from eager"
+
+
+def test_cuda_graph_of_several_rounds(report):
+    """Forward + backward captured with capacity 1024 (16 W rounds launched; the rounds' weight-gradient and
+    finalize kernels are in the graph): every gradient equal to eager."""
+    for r, rep in enumerate(report):
+        assert rep["graph_bwd_same_rounds"] and rep["graph_bwd_moves_rounds"], f"rank {r}"
 
 
 def test_symmetric_pools_are_16_byte_aligned(report):

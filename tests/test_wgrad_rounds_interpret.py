@@ -5,7 +5,8 @@ wholly inside one round (round 0 or a later one, ending exactly on a boundary, o
 bitwise the one-round result; experts whose rows cross one or several round boundaries are within 2x
 PyTorch's own fp32 error; the split slots need no zero fill (NaN-poisoned); rows past a round's end are
 never read (NaN-poisoned); a round without rows, or a round-0 launch for a routing with no split expert,
-writes nothing; the number of slots is min(rounds - 1, L); bad arguments raise ValueError.
+writes nothing; the number of slots is min(rounds - 1, L); rows overflowing rounds * C write nothing past the
+slots; bad arguments raise ValueError.
 
 Legend: L local experts, C capacity rows per round, R rows in all rounds, M / N the gradient's sizes,
 S split slots.
@@ -107,6 +108,21 @@ else:
             assert torch.equal(out, sentinel) and bool((scratch == 5.0).all()), f"round {r} wrote"
         finalize_split(scratch, full, out, capacity_rows=C)
         assert torch.equal(out, sentinel), "finalize wrote without a split expert"
+
+    def test_overflowing_rows_write_nothing_past_the_slots():
+        """Rows past rounds * C (an overflow the schedule reports as an error) can make more split experts than
+        slots; the kernel skips those, so the memory after the S slots stays untouched."""
+        L, C, rounds = 3, 8, 2
+        full = torch.tensor([0, 6, 12, 18], dtype=torch.int32)  # 18 rows > rounds * C = 16: experts 1 and 2 split
+        S = split_slots(rounds, L)
+        big = torch.full((S + 1, M, N), 3.0)  # one guard slot past the scratch
+        out = torch.zeros(L, M, N)
+        for r in range(rounds):
+            P, Q = torch.randn(C, M), torch.randn(C, N)
+            roff = (full - r * C).clamp(0, C).to(torch.int32)
+            k_grouped_round(P, Q, roff, full, out, big[:S], round_idx=r, capacity_rows=C)
+        finalize_split(big[:S], full, out, capacity_rows=C)
+        assert bool((big[S] == 3.0).all()), "a split expert past the slots was written"
 
     def test_split_slots():
         assert split_slots(1, 16) == 0 and split_slots(4, 16) == 3 and split_slots(40, 16) == 16

@@ -46,7 +46,7 @@ def _k_grouped_round_kernel(
     # outputs: the weight gradient [L, M, N] and the fp32 split slots [S, M, N], last dimensions contiguous
     c_ptr, s_ptr,
     # shapes, round
-    M, N, L, C, round_idx,
+    M, N, L, C, round_idx, S,
     # strides, in elements
     stride_pr, stride_pm, stride_qr, stride_qn, stride_ce, stride_cm, stride_se, stride_sm,
     # variant
@@ -66,12 +66,14 @@ def _k_grouped_round_kernel(
     re_v = tl.load(roff_ptr + idx + 1, mask=valid, other=0)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_expert = tl.cdiv(M, BLOCK_M) * num_n_tiles
-    active = valid & (re_v > rs_v) & (split_v | (round_idx > 0))
+    si = split_v.to(tl.int32)
+    slot_v = tl.cumsum(si, axis=0) - si  # slot of each split expert
+    # more split experts than slots only when the rows overflow rounds * C, which the schedule reports as an
+    # error (status code); their tiles are skipped so that nothing is written past the S slots meanwhile
+    active = valid & (re_v > rs_v) & (split_v | (round_idx > 0)) & ~(split_v & (slot_v >= S))
     n_act = tl.where(active, tiles_per_expert, 0)
     cum = tl.cumsum(n_act, axis=0)  # inclusive: active tiles of experts <= e
     total = tl.sum(n_act, axis=0)
-    si = split_v.to(tl.int32)
-    slot_v = tl.cumsum(si, axis=0) - si  # slot of each split expert
     t = tl.program_id(0)
     while t < total:
         expert = tl.sum(tl.where(cum <= t, 1, 0), axis=0)  # the first expert whose tiles reach past t
@@ -116,14 +118,14 @@ def _k_grouped_round_kernel(
 
 @triton.jit
 def _split_finalize_kernel(s_ptr, full_off_ptr, c_ptr, MN, L, C, L_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (S, cdiv(M*N, BLOCK)): cast split slot j into the output of the j-th split expert (if any)."""
-    slot = tl.program_id(0)
+    """Grid (cdiv(M*N, BLOCK), S): cast split slot j into the output of the j-th split expert (if any)."""
+    slot = tl.program_id(1)
     idx, split = _split_of(full_off_ptr, L, C, L_PAD)
     si = split.to(tl.int32)
     nth = tl.cumsum(si, axis=0) - si  # slot of each split expert
     expert = tl.max(tl.where(split & (nth == slot), idx, -1), axis=0)
     if expert >= 0:
-        offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < MN
         v = tl.load(s_ptr + slot.to(tl.int64) * MN + offs, mask=m)
         tl.store(c_ptr + expert.to(tl.int64) * MN + offs, v.to(c_ptr.dtype.element_ty), mask=m)

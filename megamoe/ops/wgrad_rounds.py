@@ -65,7 +65,10 @@ def k_grouped_round(p: torch.Tensor, q: torch.Tensor, roff_L1: torch.Tensor, ful
         out: (L, M, N) contiguous: after round 0, the one-round GEMM of round 0's rows; experts wholly in
             round r >= 1 are stored here (bitwise the one-round result); other experts are not touched.
         scratch: (S, M, N) fp32 contiguous, S >= :func:`split_slots`: the split experts' partial sums
-            (written in an expert's first round, so it needs no zero fill).
+            (written in an expert's first round, so it needs no zero fill; at most L slots, as large as a
+            full fp32 gradient when the capacity is small enough to give that many rounds). If the rows
+            overflow ``rounds * C`` (the schedule reports that as an error) split experts past S slots are
+            skipped, so nothing is written outside ``scratch``.
         capacity_rows: C, the rows per round.
     Raises ValueError on shapes, dtypes or devices. Sync: none.
     """
@@ -90,7 +93,7 @@ def k_grouped_round(p: torch.Tensor, q: torch.Tensor, roff_L1: torch.Tensor, ful
     grid = (persistent_programs(p.device, _k_grouped_round_kernel, L * triton.cdiv(M, cfg.block_m)
                                 * triton.cdiv(N, cfg.block_n), per_sm=_PROGRAMS_PER_SM),)
     _k_grouped_round_kernel[grid](
-        p, q, roff_L1, full_off_L1, out, scratch, M, N, L, capacity_rows, round_idx,
+        p, q, roff_L1, full_off_L1, out, scratch, M, N, L, capacity_rows, round_idx, scratch.shape[0],
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scratch.stride(0), scratch.stride(1),
         FP32_DOT=interpret or dtype == torch.float32, INTERPRET=interpret,
@@ -113,5 +116,5 @@ def finalize_split(scratch: torch.Tensor, full_off_L1: torch.Tensor, out: torch.
     if S == 0 or out.numel() == 0:
         return
     block = _FIN_BLOCK_INTERPRET if is_interpreted(_split_finalize_kernel) else _FIN_BLOCK
-    _split_finalize_kernel[(S, triton.cdiv(M * N, block))](scratch, full_off_L1, out, M * N, L, capacity_rows,
+    _split_finalize_kernel[(triton.cdiv(M * N, block), S)](scratch, full_off_L1, out, M * N, L, capacity_rows,
                                                            L_PAD=pow2(L), BLOCK=block, num_warps=4)
