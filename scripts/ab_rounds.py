@@ -20,6 +20,7 @@ Needs a CUDA GPU; installs nothing. Writes OUT_DIR/ab_rounds.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -27,7 +28,9 @@ import sys
 
 import torch
 
+from megamoe.bench.problem import make_problem
 from megamoe.bench.providers_ep import close_one_rank_group, one_rank_group
+from megamoe.bench.routing_models import make_routing
 from megamoe.bench.timing import Timer
 from megamoe.config import get_preset
 
@@ -49,25 +52,17 @@ def main():
     for case in cases:
         name, T, E = case.split(":")
         T, E = int(T), int(E)
-        cfg = get_preset(name)
-        D, F, K, S = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, cfg.shared_intermediate_size
+        cfg = dataclasses.replace(get_preset(name), num_experts=E)
+        D, K = cfg.hidden_size, cfg.top_k
         reserve_workspace(group, rounds * T)
-        g = torch.Generator(device=dev).manual_seed(100)
-        x = torch.randn(T, D, generator=g, device=dev).bfloat16().requires_grad_()
-        ids = torch.rand(T, E, generator=g, device=dev).topk(K, dim=1).indices
-        w = torch.softmax(torch.randn(T, K, generator=g, device=dev), -1).requires_grad_()
-        w13 = (torch.randn(E, 2 * F, D, generator=g, device=dev) / D ** 0.5).bfloat16().requires_grad_()
-        w2 = (torch.randn(E, D, F, generator=g, device=dev) / F ** 0.5).bfloat16().requires_grad_()
-        s13 = (torch.randn(2 * S, D, generator=g, device=dev) / D ** 0.5).bfloat16().requires_grad_() if S else None
-        s2 = (torch.randn(D, S, generator=g, device=dev) / S ** 0.5).bfloat16().requires_grad_() if S else None
-        params = [p for p in (x, w, w13, w2, s13, s2) if p is not None]
-        dout = torch.randn(T, D, generator=g, device=dev).bfloat16()
+        prob = make_problem(name, cfg, T, make_routing("uniform", cfg, T, 1, seed=100), seed=100, device=dev)
+        params, dout = prob.grad_inputs(), prob.grad_out_TD
         # worst case in one round / every row in round 0 / the rows spread over ``rounds`` rounds (experts split)
         caps = {"1 round": rounds * T * K, f"{rounds} rounds": T * K,
                 "rows in all": (T * K // rounds + 127) // 128 * 128}
 
         def run(cap):
-            out = moe_experts_ep(x, ids, w, w13, w2, s13, s2, group=group, capacity_rows=cap)
+            out = moe_experts_ep(*prob.args(), group=group, capacity_rows=cap)
             return [out.detach()] + list(torch.autograd.grad(out, params, dout))
 
         base = [t.clone() for t in run(caps["1 round"])]
@@ -107,7 +102,7 @@ def main():
             print(f"{r['case']:24s} {k:11s} capacity {caps[k]:6d} ({r['rounds_launched']:2d} rounds launched)  "
                   f"fwd+bwd {ms:7.2f} ms  all bitwise {'==' if r['bitwise_equal_to_one_round'] else 'no'}; "
                   f"expert grads bitwise {n_eq}/{n_all}, max rel diff {rel:.1e}  (peak {peak:.1f} GiB)", flush=True)
-        del x, w, w13, w2, s13, s2, params
+        prob = params = dout = None  # free before the next case
         torch.cuda.empty_cache()
     json.dump(rows, open(f"{out_dir}/ab_rounds.json", "w"), indent=1)
     close_one_rank_group()

@@ -12,7 +12,8 @@ Legend: W ranks, T tokens of a rank, K top-k, D hidden, E global experts, L = E 
   a one-GPU machine (bits, rounds, flags, timeouts), not NVLink or speed.
 * :func:`payload_rows` makes token rows that encode (source rank, token) in columns 0 and 1, so a
   misrouted row names itself.
-* :func:`model_schedule` is the plain-Python statement of the receive order the kernels must produce.
+* :func:`model_schedule` is the plain-Python statement of the receive order the kernels must produce;
+  :func:`split_experts` says which local experts' rows span two receive rounds.
 """
 
 from __future__ import annotations
@@ -173,6 +174,17 @@ def model_schedule(ids_per_rank: list[torch.Tensor], rank: int, L: int) -> list[
                     rows.append((e % L, s, t, k))
     rows.sort()
     return rows
+
+
+def split_experts(ids_all: list[torch.Tensor], rank: int, L: int, C: int) -> list[bool]:
+    """Per local expert of ``rank``: do its received rows (receive order: expert-major over all ranks'
+    (token, slot) pairs) cross a multiple of the capacity C, i.e. span two receive rounds?"""
+    counts = [sum(int((ids == rank * L + l).sum()) for ids in ids_all) for l in range(L)]
+    out, lo = [], 0
+    for c in counts:
+        out.append(c > 0 and lo // C != (lo + c - 1) // C)
+        lo += c
+    return out
 
 
 def routing(kind: str, T: int, K: int, E: int, seed: int, rank: int = 0) -> torch.Tensor:

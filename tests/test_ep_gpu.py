@@ -42,7 +42,7 @@ import time
 import pytest
 import torch
 
-from ep_utils import rank_device, routing, shared_gpu, spawn_ranks
+from ep_utils import rank_device, routing, shared_gpu, spawn_ranks, split_experts
 
 pytestmark = [pytest.mark.gpu]
 
@@ -133,17 +133,6 @@ def _rounds_and_capacity(group, T, capacity, dev) -> tuple[int, int]:
     return max_rounds(ws.spec, C), C
 
 
-def _split_local_experts(ids_all, rank, L, C) -> list[bool]:
-    """Per local expert of ``rank``: do its received rows (receive order: expert-major over all ranks' slots)
-    cross a multiple of C, i.e. span two receive rounds?"""
-    counts = [sum(int((ids == rank * L + l).sum()) for ids in ids_all) for l in range(L)]
-    out, lo = [], 0
-    for c in counts:
-        out.append(c > 0 and lo // C != (lo + c - 1) // C)
-        lo += c
-    return out
-
-
 def _within(a, b) -> bool:
     return bool((a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max() + 1e-30)
 
@@ -179,7 +168,7 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
          "d13_close": torch.allclose(grads[2].float(), g1[2][el].float(), rtol=2e-2, atol=1e-3),
          # per local expert: split across receive rounds?, (dW13, dW2) bitwise?, within 2^-7 of the expert's
          # largest entry (one bf16 rounding step either way of an fp32 sum that differs by fp32 rounding)?
-         "split": _split_local_experts(ids, rank, L, _rounds_and_capacity(group, Ts[rank], capacity, dev)[1]),
+         "split": split_experts(ids, rank, L, _rounds_and_capacity(group, Ts[rank], capacity, dev)[1]),
          "w_exp": [(torch.equal(grads[2][l], g1[2][el][l]), torch.equal(grads[3][l], g1[3][el][l]),
                     _within(grads[2][l], g1[2][el][l]), _within(grads[3][l], g1[3][el][l])) for l in range(L)],
          "shared": [grads[4].float().cpu(), grads[5].float().cpu()],

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from ep_utils import model_schedule, payload_rows, routing, spawn_ranks
+from ep_utils import model_schedule, payload_rows, routing, spawn_ranks, split_experts
 
 ENV = {"TRITON_INTERPRET": "1"}
 D = 32
@@ -262,7 +262,7 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S,
     multi_round = max_rounds(spec, C) > 1
     shared_sum = None
     ids_all = [routing(kind, T, K, E, 0, s) for s, T in enumerate(Ts)]
-    splits = [_split_experts(ids_all, r, E // W, C) for r in range(W)]
+    splits = [split_experts(ids_all, r, E // W, C) for r in range(W)]
     # a split expert's rows in a later round sit at other tile positions than at EP=1: on the GPU the kernels
     # are batch invariant (tests/test_ep_gpu.py), the interpreter's numpy matmul is not (see above)
     split_any = any(any(sp) for sp in splits)
@@ -305,17 +305,6 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S,
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     if C == 4:
         assert sum(map(sum, splits)) > 0, "the capacity-4 case must split an expert across rounds"
-
-
-def _split_experts(ids_all, rank, L, C):
-    """Per local expert of ``rank``: do its received rows (all ranks' slots routed to it, in receive order)
-    cross a multiple of the capacity C?"""
-    counts = [sum(int((ids == rank * L + l).sum()) for ids in ids_all) for l in range(L)]
-    out, lo = [], 0
-    for c in counts:
-        out.append(c > 0 and lo // C != (lo + c - 1) // C)
-        lo += c
-    return out
 
 
 def _two_layer_worker(rank, W, buffers, spec_args, Ts, K, E, F):
