@@ -4,8 +4,9 @@ An exchange launches enough rounds for the worst routing (megamoe.distributed.ma
 4 at W = 8 with the default capacity), however the routing falls. This script builds that situation on one
 GPU: the workspace's token capacity is reserved at ROUNDS x T, and the layer runs with the receive capacity
 of the rows it has (T*K: every row in round 0, ROUNDS - 1 rounds unused), with a capacity for the worst
-case (one round), and with a quarter of the rows per round ("rows in all": ROUNDS rounds used, experts
-split across them, more rounds launched). Per case it prints the forward+backward medians
+case (one round), and with 1/ROUNDS of the rows per round ("rows in all": ROUNDS rounds used, experts
+split across them, more rounds launched). To compare two commits, run a ``git archive`` copy of the other
+one's ``megamoe`` package with ``PYTHONPATH`` pointing at it (benchmarks/results/2026-12-01-s13/README.md). Per case it prints the forward+backward medians
 (megamoe.bench.Timer, L2 flush, interleaved), whether a variant gives bitwise the one-round output and
 gradients, and how many experts' weight gradients are bitwise the one-round ones (the split ones agree to
 fp32 rounding).

@@ -11,7 +11,8 @@
 #   abgluon (the layer with the Gluon weight-gradient kernel off, MEGAMOE_GLUON=0, then on; $ABGLUON_CASES),
 #   eptests (only tests/test_ep_gpu.py, the EP GPU tests at the sizes MEGAMOE_TEST_EP_SIZES allows),
 #   epshared (tests/test_ep_gpu.py with the ranks sharing the visible GPUs, MEGAMOE_TEST_EP_SHARED_GPU=1, at
-#     the sizes $EPSHARED_SIZES, default 2,4: W > 1 on a one-GPU machine; the protocol and kernels, not NVLink),
+#     the sizes $EPSHARED_SIZES, default 2,4,8, ~140 s: W > 1 on a one-GPU machine; the protocol and kernels,
+#     not NVLink or speed),
 #   abtiles (layer A/B of tile replacements: the table, then each MEGAMOE_TILES value of the space-separated
 #     $ABTILES, interleaved, $ABTILES_REPS rounds, on $ABTILES_CASES; the benchmark checks each against the
 #     reference first; e.g. ABTILES="dgrad_swiglu:128,256,64,8,3,tma_b=1 dgrad_swiglu:128,128,64,8,4,tma_b=1";
@@ -42,7 +43,7 @@ EP="${EP:-2}"   # EP size of the bench2 stage; the tests stage takes MEGAMOE_TES
 #   BENCH2_CASES="deepseek-v3:4096 deepseek-v3:2048 kimi-k2:4096 kimi-k2:2048 mok-bench:4096 mok-bench:2048" \
 #   scripts/gpu_all.sh tests bench2
 summary="$OUT/summary.txt"
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git rev-parse --short HEAD 2>/dev/null;
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; echo "MEGAMOE_COMMIT=$MEGAMOE_COMMIT";
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } > "$summary" 2>&1
 
 stage() {  # stage NAME LIMIT CMD...
@@ -62,7 +63,7 @@ for s in "${STAGES[@]}"; do
               tests/test_ep_gpu.py ;;
     eptests) stage eptests "${LIMIT_EPTESTS:-240}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=5 \
               tests/test_ep_gpu.py ;;
-    epshared) MEGAMOE_TEST_EP_SHARED_GPU=1 MEGAMOE_TEST_EP_SIZES="${EPSHARED_SIZES:-2,4}" stage epshared \
+    epshared) MEGAMOE_TEST_EP_SHARED_GPU=1 MEGAMOE_TEST_EP_SIZES="${EPSHARED_SIZES:-2,4,8}" stage epshared \
               "${LIMIT_EPSHARED:-480}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=5 tests/test_ep_gpu.py ;;
     gluon) stage gluon "${LIMIT_GLUON:-200}" python3 -m pytest -q -ra -m gpu tests/test_m_grouped_gluon_gpu.py tests/test_wgrad_gluon_gpu.py \
               tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape ;;

@@ -1,7 +1,8 @@
 """Expert parallelism on W GPUs (one spawned process per GPU, NCCL + symmetric memory).
 
 The EP sizes come from the launch: ``MEGAMOE_TEST_EP_SIZES`` (comma-separated, default "1,2"; e.g. "1,2,4,8"
-on an 8-GPU machine); sizes larger than the visible GPU count are skipped. W = 1 (one process, a one-rank
+on an 8-GPU machine); sizes larger than the visible GPU count are skipped, unless the ranks share GPUs
+(``MEGAMOE_TEST_EP_SHARED_GPU=1``, below; set the sizes too, e.g. "2,4,8"). W = 1 (one process, a one-rank
 NCCL group, symmetric memory of one rank) runs the EP path's kernels on a one-GPU machine: the same code as
 W > 1, with the pool of the only rank as the "peer" memory. For each W one spawned group
 runs every case (process start and NCCL init cost more than the cases) and returns a report; the tests

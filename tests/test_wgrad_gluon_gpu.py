@@ -23,7 +23,7 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-needs_hopper = pytest.mark.skipif(not _hopper(), reason="the Gluon kernel targets sm_90 (Hopper)")
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (the Gluon kernel targets sm_90)")
 
 COUNTS = [0, 1, 63, 64, 65, 300, 0, 7, 128, 129]  # rows per expert: empty, partial and full chunks
 # (BLOCK_N, stages, resident chunks): P always streamed (0), or kept on chip for experts of up to 3-5 chunks
