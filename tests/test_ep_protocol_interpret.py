@@ -250,6 +250,7 @@ def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, pu
     (2, [4, 0], 2, 4, "hot", 8, 0, "kernel"),      # the same through the separate push kernel
     (2, [3, 6], 2, 4, "zipf", 64, 16, "epilogue"),  # shared expert
     (2, [6, 5], 2, 4, "uniform", 4, 0, "epilogue"),  # capacity 4: several used rounds, experts split across them
+    (4, [3, 5, 0, 4], 2, 8, "uniform", 4, 0, "epilogue"),  # the same at W = 4, a rank with no tokens
 ])
 def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S, push):
     from megamoe.distributed import EPWorkspace, WorkspaceSpec, max_rounds
