@@ -2,7 +2,7 @@
 
 Legend: W EP world size, T tokens of this rank, K top-k, D hidden, F expert FFN, G = 2F, L local
 experts, C receive capacity (rows per round), P routing-weight partial dots per row, S shared FFN,
-H = 2S.
+H = 2S, J fp32 slots of the experts split across rounds (ops/wgrad_rounds.py).
 
 Forward (every rank is both owner of its tokens and host of its L experts)::
 
@@ -207,10 +207,10 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     C = capacity_rows
     if not one_round:  # rounds launched for the worst case: later rounds touch only experts with rows there,
         # the few experts split across rounds sum fp32 partials in slots (ops/wgrad_rounds.py)
-        S = split_slots(rounds, L)
+        J = split_slots(rounds, L)
         full_off_L1 = X.expert_offsets(ws, bufs)
-        s13_SGD = torch.empty(S, G, D, dtype=torch.float32, device=dev) if need_w13 else None
-        s2_SDF = torch.empty(S, D, F, dtype=torch.float32, device=dev) if need_w2 else None
+        part13_JGD = torch.empty(J, G, D, dtype=torch.float32, device=dev) if need_w13 else None
+        part2_JDF = torch.empty(J, D, F, dtype=torch.float32, device=dev) if need_w2 else None
     h_CF = gu_CG = None  # recompute buffers, allocated only for a round without saved pre-activations
     # rows per local expert if every rank routes like this one (a host-side estimate for the kernel choice
     # of the weight gradients; it never changes bits)
@@ -236,12 +236,12 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
             if r == 0:
                 dw2 = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=w2_LDF.dtype, rows_per_group=rows_est)
             if not one_round:
-                k_grouped_round(bufs.gr_CD, hw_CF, roff, full_off_L1, dw2, s2_SDF, round_idx=r, capacity_rows=C)
+                k_grouped_round(bufs.gr_CD, hw_CF, roff, full_off_L1, dw2, part2_JDF, round_idx=r, capacity_rows=C)
         if need_w13:
             if r == 0:
                 dw13 = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=w13_LGD.dtype, rows_per_group=rows_est)
             if not one_round:
-                k_grouped_round(dgu_CG, bufs.xr_CD, roff, full_off_L1, dw13, s13_SGD, round_idx=r,
+                k_grouped_round(dgu_CG, bufs.xr_CD, roff, full_off_L1, dw13, part13_JGD, round_idx=r,
                                 capacity_rows=C)
         if fused:  # dx rows stored by the GEMM's epilogue into the owners' slots, then the dots
             dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff, push=X.push_target(ws, bufs), tile_cache=rt)
@@ -254,9 +254,9 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     X.wait_done(ws, timeout_s)
     if not one_round:
         if dw13 is not None:
-            finalize_split(s13_SGD, full_off_L1, dw13, capacity_rows=C)
+            finalize_split(part13_JGD, full_off_L1, dw13, capacity_rows=C)
         if dw2 is not None:
-            finalize_split(s2_SDF, full_off_L1, dw2, capacity_rows=C)
+            finalize_split(part2_JDF, full_off_L1, dw2, capacity_rows=C)
     rows, row_of_TK, dots = X.slot_views(ws, T, P)
     dx_TD, dw_TK = slot_sum_bwd(rows, row_of_TK, dxs_TD, dots if need_w else None, num_cols=D,
                                 dx_dtype=x_TD.dtype, dw_dtype=topk_weights_TK.dtype)
