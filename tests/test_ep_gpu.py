@@ -185,13 +185,29 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
     return r
 
 
+def _capture(fn, warmups: int):
+    """torch's capture recipe: ``warmups`` calls of ``fn`` on a side stream, a barrier (every rank's eager
+    exchanges done), then ``fn`` captured; returns (graph, what the captured call returned)."""
+    import torch.distributed as dist
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def _sync_and_graph(rep, tag, group, args, x0, go):
     """No host sync in forward + backward (after the workspace exists): ``rep["sync_free" + tag]``; CUDA-graph
     capture and replay of the forward equal to eager and following its input: ``graph_same`` / ``graph_moves``;
     the same for forward + backward captured in one graph (the input gradient): ``graph_bwd_same`` /
     ``graph_bwd_moves``."""
-    import torch.distributed as dist
-
     from megamoe.functional_ep import moe_experts_ep
 
     torch.cuda.synchronize()
@@ -207,15 +223,7 @@ def _sync_and_graph(rep, tag, group, args, x0, go):
         torch.cuda.set_sync_debug_mode("default")
     static_x = x0.clone()
     eager = moe_experts_ep(*args(static_x), group=group)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        moe_experts_ep(*args(static_x), group=group)
-    torch.cuda.current_stream().wait_stream(s)
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = moe_experts_ep(*args(static_x), group=group)
+    graph, static_out = _capture(lambda: moe_experts_ep(*args(static_x), group=group), warmups=1)
     outs = []
     for i in range(3):
         static_x.copy_(x0 * (i + 1))
@@ -232,8 +240,6 @@ def _graph_fwd_bwd(rep, tag, group, args, x0, go, capacity=None):
     """Forward + backward captured in one graph (the backward's exchange; with the overlap its side-stream
     block; with ``capacity`` several rounds and their weight-gradient kernels): every gradient (x, topk
     weights, the local experts' w13 and w2) equal to eager at two inputs: ``graph_bwd_same`` / ``graph_bwd_moves``."""
-    import torch.distributed as dist
-
     from megamoe.functional_ep import moe_experts_ep
 
     x_, ids_, w_, l13_, l2_, s13_, s2_ = args(x0)
@@ -245,16 +251,7 @@ def _graph_fwd_bwd(rep, tag, group, args, x0, go, capacity=None):
 
     eager = [step(_leaf(x0 * scale)) for scale in (1, 2)]
     static_xg = _leaf(x0)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step(static_xg)
-    torch.cuda.current_stream().wait_stream(s)
-    dist.barrier()
-    graph_fb = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph_fb):
-        static_grads = step(static_xg)
+    graph_fb, static_grads = _capture(lambda: step(static_xg), warmups=2)
     replayed = []
     for scale in (2, 1):
         with torch.no_grad():
