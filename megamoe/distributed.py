@@ -40,7 +40,6 @@ for the Triton interpreter tests).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +49,7 @@ from .validation import check_same_across_ranks
 
 __all__ = ["WorkspaceSpec", "EPWorkspace", "EPTimeoutError", "get_workspace", "reserve_workspace",
            "STAGE_NAMES", "P_MAX", "FLAG_READY", "FLAG_EPOCH", "FLAG_STATUS",
-           "default_capacity_rows", "max_rounds"]
+           "default_capacity_rows", "max_rounds", "max_received_rows"]
 
 FLAG_EPOCH, FLAG_STATUS, FLAG_READY = 0, 1, 16
 _ALIGN = 256
@@ -240,20 +239,35 @@ class EPWorkspace:
         self._pending.append((host, ev))
 
 
+def max_received_rows(spec: WorkspaceSpec) -> int:
+    """``R_bound = W*T_cap*min(K, L)``: the most rows one rank can receive in an exchange (every token of every
+    rank routed to its experts, each token's K ids distinct)."""
+    return spec.world * spec.max_tokens * min(spec.top_k, spec.num_experts // spec.world)
+
+
 def default_capacity_rows(spec: WorkspaceSpec) -> int:
-    """Receive-buffer rows per round: ``min(R_bound, max(2*T_cap*K, 1024))`` rounded up to 128, where
-    ``R_bound = W*T_cap*min(K, L)`` is the most rows one rank can receive. For W <= 2 this covers the worst
-    case in one round; for larger W, skewed routing takes more rounds."""
-    W, T, K = spec.world, spec.max_tokens, spec.top_k
-    r_bound = W * T * min(K, spec.num_experts // W)
-    cap = min(r_bound, max(2 * T * K, 1024))
+    """Receive-buffer rows per round: ``min(R_bound, max(2*T_cap*K, 1024))`` rounded up to 128
+    (:func:`max_received_rows`). For W <= 2 this covers the worst case in one round; for larger W, skewed
+    routing takes more rounds."""
+    T, K = spec.max_tokens, spec.top_k
+    cap = min(max_received_rows(spec), max(2 * T * K, 1024))
     return max(128, (cap + 127) // 128 * 128)
 
 
 def max_rounds(spec: WorkspaceSpec, capacity_rows: int) -> int:
-    """Rounds launched per exchange so that the worst case fits: ceil(W*T_cap*min(K, L) / capacity)."""
-    r_bound = spec.world * spec.max_tokens * min(spec.top_k, spec.num_experts // spec.world)
-    return max(1, math.ceil(r_bound / capacity_rows))
+    """Rounds launched per exchange so that the worst case (R_bound rows, :func:`max_received_rows`) fits in
+    rounds of at most C = ``capacity_rows`` rows: 1 if R_bound <= C, else
+    ``max(2*(R_bound // (C+1)), 2*((R_bound-1) // (C+1)) + 1)``.
+
+    Why: rounds are cut only at expert boundaries unless one expert alone has more than C rows
+    (kernels/ep_comm.py), so a round may hold fewer than C rows, but any round and the next together hold
+    more than C; n rounds therefore need at least floor(n/2)*(C+1) (+1 when n is odd) rows. At the default C
+    with K = 8 that is 3 rounds at W = 4 and 7 at W = 8 (at most 2 and 4 rows-wise); the rounds the routing
+    does not use exit at once."""
+    R, C = max_received_rows(spec), capacity_rows
+    if R <= C:
+        return 1
+    return max(2 * (R // (C + 1)), 2 * ((R - 1) // (C + 1)) + 1)
 
 
 # ------------------------------------------------------------------------------- process groups

@@ -1,15 +1,15 @@
 """Cost of the EP rounds that the routing did not need, on one GPU (a one-rank group, W = 1), bitwise-checked.
 
-An exchange launches enough rounds for the worst routing (megamoe.distributed.max_rounds: 2 at W = 4 and
-4 at W = 8 with the default capacity), however the routing falls. This script builds that situation on one
-GPU: the workspace's token capacity is reserved at ROUNDS x T, and the layer runs with the receive capacity
-of the rows it has (T*K: every row in round 0, ROUNDS - 1 rounds unused), with a capacity for the worst
-case (one round), and with 1/ROUNDS of the rows per round ("rows in all": ROUNDS rounds used, experts
-split across them, more rounds launched). To compare two commits, run a ``git archive`` copy of the other
+An exchange launches enough rounds for the worst routing (megamoe.distributed.max_rounds: 3 at W = 4 and
+7 at W = 8 with the default capacity and K = 8), however the routing falls. This script builds that
+situation on one GPU: the workspace's token capacity is reserved at ROUNDS x T, and the layer runs with the
+receive capacity of the rows it has (T*K: every row in round 0, the other launched rounds unused; 2*ROUNDS - 1
+launched), with a capacity for the worst case (one round), and with 1/ROUNDS of the rows per round ("rows in
+all": about ROUNDS rounds used, cut at expert boundaries, more rounds launched). To compare two commits, run a ``git archive`` copy of the other
 one's ``megamoe`` package with ``PYTHONPATH`` pointing at it (benchmarks/results/2026-12-01-s13/README.md). Per case it prints the forward+backward medians
 (megamoe.bench.Timer, L2 flush, interleaved), whether a variant gives bitwise the one-round output and
-gradients, and how many experts' weight gradients are bitwise the one-round ones (the split ones agree to
-fp32 rounding).
+gradients, and how many experts' weight gradients are bitwise the one-round ones (all of them unless an
+expert has more rows than the capacity; such split ones agree to fp32 rounding).
 
 Default case: deepseek-v3's D, F, K and shared expert with E = 32 experts, the local experts of one rank at
 EP = 8, and T = 4096 (1024 rows per expert, as each rank of EP = 8 with 4096 tokens per rank receives).
@@ -58,8 +58,8 @@ def main():
         reserve_workspace(group, rounds * T)
         prob = make_problem(name, cfg, T, make_routing("uniform", cfg, T, 1, seed=100), seed=100, device=dev)
         params, dout = prob.grad_inputs(), prob.grad_out_TD
-        # worst case in one round / every row in round 0 / the rows spread over ``rounds`` rounds (experts split)
-        caps = {"1 round": rounds * T * K, f"{rounds} rounds": T * K,
+        # worst case in one round / every row in round 0 / the rows spread over about ``rounds`` rounds
+        caps = {"1 round": rounds * T * K, "unused rounds": T * K,
                 "rows in all": (T * K // rounds + 127) // 128 * 128}
 
         def run(cap):
@@ -84,10 +84,10 @@ def main():
         peak = torch.cuda.max_memory_allocated(dev) / 2 ** 30
         if os.environ.get("PROFILE") == "1":  # kernels of one several-round step, largest first
             from torch.profiler import ProfilerActivity, profile
-            run(caps[f"{rounds} rounds"])
+            run(caps["unused rounds"])
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                run(caps[f"{rounds} rounds"])
+                run(caps["unused rounds"])
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
         from megamoe.distributed import WorkspaceSpec, max_rounds
@@ -100,7 +100,7 @@ def main():
                      bitwise_equal_to_one_round=same.get(k, True), expert_grads_bitwise=n_eq, expert_grads=n_all,
                      expert_grads_max_rel_diff=rel, commit=os.environ.get("MEGAMOE_COMMIT", ""))
             rows.append(r)
-            print(f"{r['case']:24s} {k:11s} capacity {caps[k]:6d} ({r['rounds_launched']:2d} rounds launched)  "
+            print(f"{r['case']:24s} {k:13s} capacity {caps[k]:6d} ({r['rounds_launched']:2d} rounds launched)  "
                   f"fwd+bwd {ms:7.2f} ms  all bitwise {'==' if r['bitwise_equal_to_one_round'] else 'no'}; "
                   f"expert grads bitwise {n_eq}/{n_all}, max rel diff {rel:.1e}  (peak {peak:.1f} GiB)", flush=True)
         prob = params = dout = None  # free before the next case

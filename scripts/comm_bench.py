@@ -62,7 +62,7 @@ def main() -> None:
         w = torch.rand(T, K, device=dev, generator=g)
         C = default_capacity_rows(ws.spec)
         rounds = max_rounds(ws.spec, C)
-        bufs = X.ExchangeBuffers(ws, C, backward=False)
+        bufs = X.ExchangeBuffers(ws, C, backward=False, rounds=rounds)
         marks = []
 
         def dispatch():
@@ -70,7 +70,7 @@ def main() -> None:
             s.record()
             X.publish(ws, ids, x)
             p.record()
-            X.build_schedule(ws, bufs, rounds, 10.0)
+            X.build_schedule(ws, bufs, 10.0)
             m.record()
             for r in range(rounds):
                 X.dispatch_round(ws, bufs, r, False)

@@ -176,15 +176,33 @@ def model_schedule(ids_per_rank: list[torch.Tensor], rank: int, L: int) -> list[
     return rows
 
 
-def split_experts(ids_all: list[torch.Tensor], rank: int, L: int, C: int) -> list[bool]:
-    """Per local expert of ``rank``: do its received rows (receive order: expert-major over all ranks'
-    (token, slot) pairs) cross a multiple of the capacity C, i.e. span two receive rounds?"""
-    counts = [sum(int((ids == rank * L + l).sum()) for ids in ids_all) for l in range(L)]
-    out, lo = [], 0
+def expert_counts(ids_all: list[torch.Tensor], rank: int, L: int) -> list[int]:
+    """Rows each local expert of ``rank`` receives from all ranks."""
+    return [sum(int((ids == rank * L + l).sum()) for ids in ids_all) for l in range(L)]
+
+
+def model_rounds(counts: list[int], C: int, rounds: int) -> list[int]:
+    """The round table of the protocol, modelled in plain Python: first receive row of each of the ``rounds``
+    rounds, then the end (R when everything fits). A round takes every remaining row if at most C remain,
+    else ends at the last expert start within C rows, else (one expert of more than C rows) after C rows."""
+    starts, off = [0], [0]
     for c in counts:
-        out.append(c > 0 and lo // C != (lo + c - 1) // C)
-        lo += c
-    return out
+        off.append(off[-1] + c)
+    R = off[-1]
+    for _ in range(rounds):
+        s = starts[-1]
+        if s + C >= R:
+            starts.append(R)
+            continue
+        inside = [o for o in off if s < o <= s + C]
+        starts.append(max(inside) if inside else s + C)
+    return starts
+
+
+def split_experts(ids_all: list[torch.Tensor], rank: int, L: int, C: int) -> list[bool]:
+    """Per local expert of ``rank``: is it split across receive rounds? Rounds are cut at expert boundaries,
+    so exactly the experts with more than C rows are."""
+    return [c > C for c in expert_counts(ids_all, rank, L)]
 
 
 def routing(kind: str, T: int, K: int, E: int, seed: int, rank: int = 0) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The EP pull and push kernels compiled for sm_90a on the CPU: with aligned pools (``EPWorkspace.aligned``) the
 row copies are 16-byte vector loads and stores; without the alignment promise the compiler reads rows from a
 peer two bytes at a time (an address loaded from the pointer table carries no alignment), which is what this
-guards against. Speed itself is measured on the GPU (docs/perf.md, twelfth session)."""
+guards against. Speed itself is measured on the GPU (docs/perf.md, twelfth session). Also: the schedule kernel,
+with its bounded waits and the round-table loop, builds for sm_90a."""
 
 import re
 from collections import Counter
@@ -30,7 +31,7 @@ def test_pull_rows_in_16_byte_vectors_when_aligned(bwd, aligned):
     from megamoe.kernels.ep_comm import ep_dispatch_kernel
 
     sig = {"ptrs_ptr": "*i64", "sched_ptr": "*i32", "rowtab_ptr": "*i32", "roff_ptr": "*i32", "xr_ptr": "*bf16",
-           "gr_ptr": "*bf16", "wr_ptr": "*fp32", "round_start": "i32", "C": "i32", "D": "i32", "K": "i32",
+           "gr_ptr": "*bf16", "wr_ptr": "*fp32", "round_idx": "i32", "C": "i32", "D": "i32", "K": "i32",
            "L": "i32", "SORTED_OFF": "i64", "WEIGHTS_OFF": "i64", "ROWS_OFF": "i64", "CH1_ELEMS": "i64"}
     const = dict(W=2, E=256, E_PAD=256, L_PAD=256, BM=32, BD=256, BWD=bwd, ALIGNED=aligned)
     ops = _ptx(ep_dispatch_kernel, sig, const, ("ptrs_ptr", "sched_ptr", "rowtab_ptr", "roff_ptr", "xr_ptr", "gr_ptr",
@@ -49,9 +50,9 @@ def test_push_rows_in_16_byte_vectors_when_aligned(aligned):
     from megamoe.kernels.ep_comm import ep_push_kernel
 
     sig = {"ptrs_ptr": "*i64", "sched_ptr": "*i32", "rowtab_ptr": "*i32", "y_ptr": "*bf16", "dot_ptr": "*fp32",
-           "round_start": "i32", "C": "i32", "D": "i32", "K": "i32", "P": "i32", "SLOTS_OFF": "i64",
+           "round_idx": "i32", "C": "i32", "D": "i32", "K": "i32", "L": "i32", "P": "i32", "SLOTS_OFF": "i64",
            "DOTS_OFF": "i64"}
-    const = dict(BM=32, BD=256, HAS_DOT=False, P_POW2=2, HAS_ROWS=True, ALIGNED=aligned)
+    const = dict(E=256, BM=32, BD=256, HAS_DOT=False, P_POW2=2, HAS_ROWS=True, ALIGNED=aligned)
     ops = _ptx(ep_push_kernel, sig, const, ("ptrs_ptr", "sched_ptr", "rowtab_ptr", "y_ptr", "dot_ptr", "C", "D",
                                             "SLOTS_OFF", "DOTS_OFF"))
     assert ops["ld.global.v4.b32"] == 8, ops
@@ -59,3 +60,25 @@ def test_push_rows_in_16_byte_vectors_when_aligned(aligned):
         assert ops["st.global.v4.b32"] == 8 and ops["st.global.b16"] == 0, ops
     else:
         assert ops["st.global.b16"] == 64, ops
+
+
+@pytest.mark.parametrize("use_timer", [False, True])
+def test_schedule_kernel_builds_for_sm90(use_timer):
+    """The schedule kernel's loops (bounded waits, the round table's cuts and fill) compile for Hopper: the
+    interpreter tests run the same code but not this compiler. Waits are acquire loads at system scope."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megamoe.kernels.ep_comm import ep_schedule_kernel
+
+    names = list(ep_schedule_kernel.arg_names)
+    sig = {"ptrs_ptr": "*i64", "flags_ptr": "*i32", "sched_ptr": "*i32", "rank": "i32", "L": "i32", "C": "i32",
+           "rounds": "i32", "max_iters": "i32", "timeout_ns": "i64", "PLAN_OFF": "i64"}
+    const = dict(READY=16, W=8, E=256, W_PAD=8, E_PAD=256, L_PAD=64, USE_TIMER=use_timer, FILL=64)
+    sig = {**sig, **{n: "constexpr" for n in const}}
+    assert set(sig) == set(names), set(names) ^ set(sig)
+    c = triton.compile(ASTSource(ep_schedule_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4))
+    ptx = c.asm["ptx"]
+    assert "ld.global.sys.acquire.b32" in ptx, "the flag waits must be acquire loads at system scope"
+    assert ("globaltimer" in ptx) == use_timer

@@ -12,7 +12,9 @@ below assert on it. Proves, for each W, bf16:
     the shared expert's per-rank gradients sum to the EP=1 gradient within fp32 rounding;
   * the output and gradients are within 2x (+tiny) of PyTorch's own bf16 error against fp64;
   * routings: uniform, Zipf, one hot expert, every token on rank 0's experts, a rank with 0 tokens,
-    ties; capacity forcing several rounds; 50 repeated runs bitwise equal; clean under
+    ties; capacity forcing several rounds (every expert of at most C rows bitwise, the rounds being cut at
+    expert boundaries; an expert of more than C rows split, to fp32 rounding); 50 repeated runs bitwise equal;
+    clean under
     ``torch.cuda.set_sync_debug_mode("error")``; CUDA-graph capture and replay (forward, and forward +
     backward in one graph); a peer that never calls gives EPTimeoutError naming rank and stage within a
     few seconds (W > 1);
@@ -43,7 +45,7 @@ import time
 import pytest
 import torch
 
-from ep_utils import rank_device, routing, shared_gpu, spawn_ranks, split_experts
+from ep_utils import expert_counts, model_rounds, rank_device, routing, shared_gpu, spawn_ranks, split_experts
 
 pytestmark = [pytest.mark.gpu]
 
@@ -125,8 +127,8 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
 
 
 def _rounds_and_capacity(group, T, capacity, dev) -> tuple[int, int]:
-    """(rounds each exchange of the case launched, capacity C): enough rounds for the worst routing at C (2 at
-    W = 4, 4 at W = 8 with the default C, whatever the routing used)."""
+    """(rounds each exchange of the case launched, capacity C): enough rounds for the worst routing at C (1 at
+    W <= 2 and more at W >= 4 with the default C, whatever the routing used)."""
     from megamoe.distributed import default_capacity_rows, get_workspace, max_rounds
     ws = get_workspace(group, num_tokens=T, hidden=D, top_k=K, num_experts=_num_experts(group.size()),
                        dtype=torch.bfloat16, device=dev)  # the case's own (cached) workspace: no collective
@@ -162,14 +164,19 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
     g1 = torch.autograd.grad(o1, (X, Wt, G13, G2, P13, P2), torch.cat(gos))
     lo = sum(Ts[:rank])
     sl, el = slice(lo, lo + Ts[rank]), slice(rank * L, (rank + 1) * L)
+    rc = _rounds_and_capacity(group, Ts[rank], capacity, dev)
+    st = model_rounds(expert_counts(ids, rank, L), rc[1], rc[0])
     r = {"repeat_same": same, "ep_torch_calls": ep_calls,
          "out_eq": torch.equal(out, o1[sl]), "dx_eq": torch.equal(grads[0], g1[0][sl]),
          "dw_eq": torch.equal(grads[1], g1[1][sl]), "d13_eq": torch.equal(grads[2], g1[2][el]),
          "d2_eq": torch.equal(grads[3], g1[3][el]),
          "d13_close": torch.allclose(grads[2].float(), g1[2][el].float(), rtol=2e-2, atol=1e-3),
-         # per local expert: split across receive rounds?, (dW13, dW2) bitwise?, within 2^-7 of the expert's
-         # largest entry (one bf16 rounding step either way of an fp32 sum that differs by fp32 rounding)?
-         "split": split_experts(ids, rank, L, _rounds_and_capacity(group, Ts[rank], capacity, dev)[1]),
+         # per local expert: split across receive rounds (more than C rows)?, (dW13, dW2) bitwise?, within 2^-7
+         # of the expert's largest entry (one bf16 rounding step either way of an fp32 sum that differs by fp32
+         # rounding)?
+         "split": split_experts(ids, rank, L, rc[1]),
+         # rounds the routing used on this rank (the protocol's round table, modelled in tests/ep_utils.py)
+         "rounds_used": sum(1 for a, b in zip(st, st[1:]) if b > a),
          "w_exp": [(torch.equal(grads[2][l], g1[2][el][l]), torch.equal(grads[3][l], g1[3][el][l]),
                     _within(grads[2][l], g1[2][el][l]), _within(grads[3][l], g1[3][el][l])) for l in range(L)],
          "shared": [grads[4].float().cpu(), grads[5].float().cpu()],
@@ -283,7 +290,7 @@ def _suite(rank, W):
              "push_kernel": (per_rank(80, 40), "zipf", None, 1), "overlap": (per_rank(80, 40), "zipf", None, 1),
              "comm_sms_64": (per_rank(80, 40), "zipf", None, 1),
              "overlap_repeat50": (per_rank(64, 48), "uniform", None, 50),
-             "overlap_rounds": (per_rank(64), "one_rank", 128, 1)}
+             "overlap_rounds": (per_rank(64), "one_rank", 128, 1), "rounds_split": (per_rank(128), "hot", 96, 1)}
     envs = {"torch_wgrad": {"MEGAMOE_TORCH_WGRAD": "1"},  # both sides (EP and EP=1 fused) through torch's kernel
             "push_kernel": {"MEGAMOE_EP_PUSH": "kernel"},  # result rows by the separate push kernel, not the epilogue
             "overlap": {"MEGAMOE_EP_COMM_SMS": "16"},  # the shared expert beside the exchange, 16 SMs left to it
@@ -307,7 +314,7 @@ def _suite(rank, W):
                 os.environ.pop("MEGAMOE_EP_COMM_SMS", None)
             else:
                 os.environ["MEGAMOE_EP_COMM_SMS"] = old
-    # several rounds launched (16 W at capacity 1024), their weight-gradient kernels inside the graph
+    # several rounds launched (32 W - 1 at capacity 1024), their weight-gradient kernels inside the graph
     _graph_fwd_bwd(rep, "_rounds", group, args, xs[rank], gos[rank], capacity=1024)
     torch.cuda.synchronize()
     ws0 = get_workspace(group, num_tokens=64, hidden=D, top_k=K, num_experts=E, dtype=torch.bfloat16, device=dev)
@@ -417,12 +424,15 @@ def test_shared_expert_runs_beside_the_exchange_as_asked(report):
         assert rep["comm_sms_64"]["shared_blocks"] == [(True, sms - 64, True)] * 2, (r, rep["comm_sms_64"])
 
 
-@pytest.mark.parametrize("case", ["rounds", "overlap_rounds"])
+@pytest.mark.parametrize("case", ["rounds", "overlap_rounds", "rounds_split"])
 def test_capacity_rounds(report, case):
-    """Capacity 128, every token on rank 0's experts: several used rounds. Output, dx and d topk_weights
-    bitwise; each local expert's dW13 and dW2 bitwise unless its rows span two rounds (then within one bf16
-    rounding step of the expert's largest entry: fp32 partial sums in round order)."""
+    """Capacity 128, every token on rank 0's experts (``rounds_split``: capacity 96, expert 0 in every token):
+    several used rounds. Output, dx and d topk_weights bitwise; each local expert's dW13 and dW2 bitwise unless
+    it has more than C rows, so that the rounds split it (then within one bf16 rounding step of the expert's
+    largest entry: fp32 partial sums in round order). At W <= 2 ``rounds`` splits nothing: every weight
+    gradient bitwise with several rounds used; ``rounds_split`` splits expert 0 at every W."""
     n_split = 0
+    assert max(rep[case]["rounds_used"] for rep in report) > 1, "the case must use several rounds"
     for r, rep in enumerate(report):
         c = rep[case]
         assert c["out_eq"] and c["dx_eq"] and c["dw_eq"], f"rank {r}: {c}"
@@ -432,7 +442,10 @@ def test_capacity_rounds(report, case):
             else:
                 assert eq13 and eq2, f"rank {r} expert {l} (in one round): weight gradients differ from EP=1"
         n_split += sum(c["split"])
-    assert n_split > 0, "the rounds case must split an expert across rounds"
+    if case == "rounds_split":
+        assert report[0][case]["split"][0], "expert 0 (in every token, more than C rows) must be split"
+    elif len(report) <= 2:
+        assert n_split == 0, "no expert has more than C rows here: nothing may be split"
 
 
 @pytest.mark.parametrize("tag", ["", "_overlap"])
@@ -446,7 +459,7 @@ def test_sync_free_and_cuda_graph(report, tag):
 
 
 def test_cuda_graph_of_several_rounds(report):
-    """Forward + backward captured with capacity 1024 (16 W rounds launched; the rounds' weight-gradient and
+    """Forward + backward captured with capacity 1024 (32 W - 1 rounds launched; the rounds' weight-gradient and
     finalize kernels are in the graph): every gradient equal to eager."""
     for r, rep in enumerate(report):
         assert rep["graph_bwd_same_rounds"] and rep["graph_bwd_moves_rounds"], f"rank {r}"

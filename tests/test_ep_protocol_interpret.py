@@ -5,7 +5,8 @@ Proves: the schedule (receive order (expert, global token, slot), segment counts
 offsets) equals a Python model exactly; every received row carries its (source rank, token) payload; each
 owner's (token, slot) slot gets the right expert's row, so the fixed-order combine equals a PyTorch
 computation bitwise; capacity rounds (including the worst case: every token to one rank's experts) and
-unused rounds; T = 0 ranks and unequal T; repeated exchanges (epochs grow, nothing reset); a peer that
+unused rounds, the round table equal to a Python model and cut only at expert boundaries unless one expert
+has more than C rows, no round above C rows, any two consecutive rounds above C; T = 0 ranks and unequal T; repeated exchanges (epochs grow, nothing reset); a peer that
 never signals gives an EPTimeoutError naming the rank and stage; an out-of-range expert id is reported by
 its owner.
 
@@ -17,7 +18,7 @@ import os
 import pytest
 import torch
 
-from ep_utils import model_schedule, payload_rows, routing, spawn_ranks, split_experts
+from ep_utils import expert_counts, model_rounds, model_schedule, payload_rows, routing, spawn_ranks, split_experts
 
 ENV = {"TRITON_INTERPRET": "1"}
 D = 32
@@ -54,8 +55,8 @@ def _protocol_worker(rank, W, buffers, spec_args, ids_all, w_all, C, rounds, rep
     outs = []
     for rep in range(repeats):
         ops.publish(ws, ids, x)
-        bufs = ops.ExchangeBuffers(ws, C, backward=False)
-        ops.build_schedule(ws, bufs, rounds, timeout)
+        bufs = ops.ExchangeBuffers(ws, C, backward=False, rounds=rounds)
+        ops.build_schedule(ws, bufs, timeout)
         recv = []
         for r in range(rounds):
             ops.dispatch_round(ws, bufs, r, False)
@@ -70,7 +71,8 @@ def _protocol_worker(rank, W, buffers, spec_args, ids_all, w_all, C, rounds, rep
         combine_fwd(rows, row_of, w, None, out=out)
         ws.check()
         outs.append(out)
-    return {"sched": bufs.sched.clone(), "recv": recv, "out": outs, "epoch": ws.epoch()}
+    return {"sched": bufs.sched.clone(), "rounds": ops.round_starts(ws, bufs).clone(), "recv": recv, "out": outs,
+            "epoch": ws.epoch()}
 
 
 def _run(W, Ts, K, E, kind, C, rounds=None, repeats=1, timeout=60.0, silent_rank=-1, seed=0, bad_id=None,
@@ -95,10 +97,34 @@ def _run(W, Ts, K, E, kind, C, rounds=None, repeats=1, timeout=60.0, silent_rank
     return res, ids_all, w_all, rounds
 
 
-def _check(res, ids_all, w_all, W, E):
+def _check_rounds(got, counts, C, rounds):
+    """The round table against the model, and the properties it must have whatever the model says."""
+    starts = got["rounds"].tolist()
+    assert starts == model_rounds(counts, C, rounds), (starts, counts, C)
+    off = [0]
+    for c in counts:
+        off.append(off[-1] + c)
+    R = off[-1]
+    assert starts[0] == 0 and starts[-1] == R, "every row in the launched rounds"
+    sizes = [b - a for a, b in zip(starts, starts[1:])]
+    assert all(0 <= n <= C for n in sizes), sizes
+    used = [n for n in sizes if n]
+    assert sizes[:len(used)] == used, "the used rounds come first"
+    assert all(a + b > C for a, b in zip(used, used[1:])), ("two consecutive rounds hold more than C", used)
+    for cut in starts[1:-1]:
+        if 0 < cut < R and cut not in off:  # inside an expert: only an expert of more than C rows is cut
+            e = max(i for i, o in enumerate(off) if o < cut)
+            assert counts[e] > C, (cut, counts, C)
+    for r, (tab, _, roff) in enumerate(got["recv"]):
+        assert tab.shape[1] == sizes[r], (r, tab.shape, sizes)
+        assert roff.tolist() == [min(max(o - starts[r], 0), sizes[r]) for o in off], (r, roff)
+
+
+def _check(res, ids_all, w_all, W, E, C, rounds):
     L = E // W
     for d in range(W):
         got = res[d]
+        _check_rounds(got, expert_counts(ids_all, d, L), C, rounds)
         model = model_schedule(ids_all, d, L)
         # schedule table
         sched = got["sched"]
@@ -131,10 +157,11 @@ def _check(res, ids_all, w_all, W, E):
     (2, [4, 6], 2, 8, "one_rank", 8),        # worst case, capacity 8 rows: several rounds, some unused
     (4, [3, 5, 0, 2], 2, 8, "uniform", 16),
     (8, [2, 0, 3, 1, 0, 4, 1, 2], 2, 16, "zipf", 8),  # the largest EP size in one NVLink domain; rounds
+    (2, [6, 5], 2, 4, "hot", 4),             # experts of more than C rows: rounds cut inside them
 ])
 def test_protocol(W, Ts, K, E, kind, C):
-    res, ids_all, w_all, _ = _run(W, Ts, K, E, kind, C)
-    _check(res, ids_all, w_all, W, E)
+    res, ids_all, w_all, rounds = _run(W, Ts, K, E, kind, C)
+    _check(res, ids_all, w_all, W, E, C, rounds)
 
 
 @pytest.mark.parametrize("W,Ts,K,E,kind,C", [
@@ -144,13 +171,13 @@ def test_protocol(W, Ts, K, E, kind, C):
 ])
 def test_protocol_with_sorted_plan(W, Ts, K, E, kind, C):
     """The owner's plan through the device sort (taken for large T*K*E) gives the same exchange."""
-    res, ids_all, w_all, _ = _run(W, Ts, K, E, kind, C, plan_by_sort=True)
-    _check(res, ids_all, w_all, W, E)
+    res, ids_all, w_all, rounds = _run(W, Ts, K, E, kind, C, plan_by_sort=True)
+    _check(res, ids_all, w_all, W, E, C, rounds)
 
 
 def test_repeated_exchanges_epochs_grow():
-    res, ids_all, w_all, _ = _run(2, [5, 3], 2, 4, "hot", 32, repeats=3)
-    _check(res, ids_all, w_all, 2, 4)
+    res, ids_all, w_all, rounds = _run(2, [5, 3], 2, 4, "hot", 32, repeats=3)
+    _check(res, ids_all, w_all, 2, 4, 32, rounds)
     assert [r["epoch"] for r in res] == [3, 3]
     assert all(torch.equal(r["out"][0], r["out"][i]) for r in res for i in range(3))
 
@@ -249,8 +276,9 @@ def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, pu
     (2, [4, 0], 2, 4, "hot", 8, 0, "epilogue"),    # rank with no tokens; capacity 8: several rounds
     (2, [4, 0], 2, 4, "hot", 8, 0, "kernel"),      # the same through the separate push kernel
     (2, [3, 6], 2, 4, "zipf", 64, 16, "epilogue"),  # shared expert
-    (2, [6, 5], 2, 4, "uniform", 4, 0, "epilogue"),  # capacity 4: several used rounds, experts split across them
-    (4, [3, 5, 0, 4], 2, 8, "uniform", 4, 0, "epilogue"),  # the same at W = 4, a rank with no tokens
+    (2, [6, 5], 2, 4, "uniform", 4, 0, "epilogue"),  # capacity 4: several used rounds, experts of > 4 rows split
+    (2, [6, 5], 2, 4, "uniform", 9, 0, "epilogue"),  # capacity 9: two used rounds, no expert above 9 rows
+    (4, [3, 5, 0, 4], 2, 8, "uniform", 9, 0, "epilogue"),  # the same at W = 4, a rank with no tokens
 ])
 def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S, push):
     from megamoe.distributed import EPWorkspace, WorkspaceSpec, max_rounds
@@ -265,7 +293,9 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S,
     ids_all = [routing(kind, T, K, E, 0, s) for s, T in enumerate(Ts)]
     splits = [split_experts(ids_all, r, E // W, C) for r in range(W)]
     # a split expert's rows in a later round sit at other tile positions than at EP=1: on the GPU the kernels
-    # are batch invariant (tests/test_ep_gpu.py), the interpreter's numpy matmul is not (see above)
+    # are batch invariant (tests/test_ep_gpu.py), the interpreter's numpy matmul is not (see above). Whole
+    # experts keep their tile positions in any round (rounds are cut at expert boundaries), so with no split
+    # expert every row is bitwise, however many rounds were used.
     split_any = any(any(sp) for sp in splits)
     rows_exact = not S and not split_any
     for r in range(W):
@@ -290,7 +320,7 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S,
             assert torch.equal(gw, rw), f"rank {r}: d(topk_weights) differs from EP=1 fused"
         else:
             torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
-        # several rounds: an expert whose rows cross a round boundary sums fp32 partials (equal up to fp32
+        # several rounds: an expert of more than C rows is split and sums fp32 partials (equal up to fp32
         # rounding); every other expert is bitwise the one-round result (megamoe.ops.wgrad_rounds)
         split = splits[r]
         for l in range(E // W):
@@ -306,6 +336,10 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S,
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     if C == 4:
         assert sum(map(sum, splits)) > 0, "the capacity-4 case must split an expert across rounds"
+    if C == 9:  # several used rounds somewhere, and nothing split: everything above was bitwise
+        used = [sum(1 for a, b in zip(st, st[1:]) if b > a) for st in
+                (model_rounds(expert_counts(ids_all, r, E // W), C, max_rounds(spec, C)) for r in range(W))]
+        assert max(used) > 1 and not split_any and rows_exact, (used, splits)
 
 
 def _two_layer_worker(rank, W, buffers, spec_args, Ts, K, E, F):

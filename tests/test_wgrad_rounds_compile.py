@@ -28,7 +28,8 @@ def test_round_kernel_compiles_with_wgmma():
     cfg = k_grouped_config(4096, 7168, torch.bfloat16, interpret=False, allow_gluon=False, allow_torch=False)
     ints = ("M", "N", "L", "C", "round_idx", "S", "stride_pr", "stride_pm", "stride_qr", "stride_qn", "stride_ce",
             "stride_cm", "stride_se", "stride_sm")
-    sig = {"p_ptr": "*bf16", "q_ptr": "*bf16", "roff_ptr": "*i32", "full_off_ptr": "*i32", "c_ptr": "*bf16",
+    sig = {"p_ptr": "*bf16", "q_ptr": "*bf16", "roff_ptr": "*i32", "full_off_ptr": "*i32", "rstart_ptr": "*i32",
+           "c_ptr": "*bf16",
            "s_ptr": "*fp32", **{n: "i32" for n in ints}}
     const = dict(FP32_DOT=False, INTERPRET=False, EVEN_M=True, EVEN_N=True, L_PAD=32, BLOCK_M=cfg.block_m,
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)

@@ -16,15 +16,22 @@ compare-and-swap) and later waits return at once, so a dead peer never hangs the
 Schedule table (int32, local), offsets in :data:`SCHED_*`: ``[0]`` R, ``[1]`` epoch, ``TOK + s`` global
 token offset of rank s (``TOK + W`` = global T), and per segment q: ``SEG_CNT`` rows, ``SEG_START``
 first receive row, ``SEG_SRC`` first index in the source's expert-sorted row list; ``EXP_OFF + l``
-(l = 0..L) the receive offsets of the local experts. Receive rows are ordered by (local expert, source
-rank, source token, slot) = (expert, global token, slot).
+(l = 0..L) the receive offsets of the local experts; ``RND + r`` (r = 0..rounds, ``RND = EXP_OFF + L + 1``)
+the first receive row of round r (the last entry is R when every row fits the launched rounds). Receive
+rows are ordered by (local expert, source rank, source token, slot) = (expert, global token, slot).
+
+Rounds are cut at expert boundaries (:func:`_round_end`): round r holds rows ``[RND + r, RND + r + 1)``, at
+most C, and only an expert with more than C rows is cut inside (into C-row pieces), so every other expert's
+rows sit in one round, in the same order as in one big round: its GEMMs and weight gradient are those of
+one round, bit for bit. Two consecutive rounds (the first not the last) together hold more than C rows, so
+``2 * ceil(R / C)`` rounds always suffice (``megamoe.distributed.max_rounds`` gives the exact bound).
 """
 
 import triton
 import triton.language as tl
 
 SCHED_TOK = 8
-SCHED_SEG = 80  # SEG_CNT = 80, SEG_START = 80 + E, SEG_SRC = 80 + 2E, EXP_OFF = 80 + 3E
+SCHED_SEG = 80  # SEG_CNT = 80, SEG_START = 80 + E, SEG_SRC = 80 + 2E, EXP_OFF = 80 + 3E, RND = 80 + 3E + L + 1
 
 STAGE_PLAN, STAGE_COMBINE, STAGE_BAD_ID, STAGE_OVERFLOW = 1, 2, 3, 4
 
@@ -143,12 +150,24 @@ def ep_signal_kernel(ptrs_ptr, flags_ptr, rank, WORD0: tl.constexpr, W: tl.const
 
 
 @triton.jit
-def ep_schedule_kernel(ptrs_ptr, flags_ptr, sched_ptr, rank, L, row_limit, max_iters, timeout_ns,
+def _round_end(cand, cand_ok, start, total, C):
+    """End row of the round that starts at row ``start``: R if the rest fits in C rows; else the last expert
+    start in (start, start + C] (``cand``: the experts' first rows, ``cand_ok`` masking the padding); else,
+    when one expert covers all of those rows (more than C of its own), ``start + C``."""
+    hi = start + C
+    best = tl.max(tl.where(cand_ok & (cand > start) & (cand <= hi), cand, -1), axis=0)
+    return tl.where(hi >= total, total, tl.where(best > start, best, hi))
+
+
+@triton.jit
+def ep_schedule_kernel(ptrs_ptr, flags_ptr, sched_ptr, rank, L, C, rounds, max_iters, timeout_ns,
                        PLAN_OFF, READY: tl.constexpr, W: tl.constexpr, E: tl.constexpr,
                        W_PAD: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr,
-                       USE_TIMER: tl.constexpr):
+                       USE_TIMER: tl.constexpr, FILL: tl.constexpr = 64):
     """One program on the destination: wait for every source's plan, read the sources' per-expert
-    counts from their memory and build the schedule table (module docstring)."""
+    counts from their memory and build the schedule table (module docstring), round table included: the
+    ``rounds`` rounds of at most C rows each cut by :func:`_round_end`; rows left over after them (only when
+    a rank passed more tokens than the workspace was sized for) set the overflow status (stage 4)."""
     epoch = tl.load(flags_ptr)
     status_ptr = flags_ptr + 1
     for s in tl.static_range(W):
@@ -185,16 +204,41 @@ def ep_schedule_kernel(ptrs_ptr, flags_ptr, sched_ptr, rank, L, row_limit, max_i
     tl.store(sched_ptr + 8 + W, tl.sum(tok, axis=0))
     tl.store(sched_ptr, total)
     tl.store(sched_ptr + 1, epoch)
-    if total > row_limit:
+    # round table: greedy cuts at expert starts (the candidates exp_off[0..L-1] and R at index L)
+    rnd_ptr = sched_ptr + 80 + 3 * E + L + 1
+    cand = tl.where(lw < L, exp_off, total)
+    tl.store(rnd_ptr, 0)
+    row = total * 0
+    r = 0
+    while (r < rounds) & (row < total):
+        row = _round_end(cand, lw <= L, row, total, C)
+        r += 1
+        tl.store(rnd_ptr + r, row)
+    fill = r + 1 + tl.arange(0, FILL)  # the unused rounds' entries: empty rounds at R
+    while tl.min(fill, axis=0) <= rounds:
+        tl.store(rnd_ptr + fill, total, mask=fill <= rounds)
+        fill += FILL
+    if row < total:
         tl.atomic_cas(status_ptr, 0, _status_code(4, rank, epoch), sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr, wr_ptr, round_start, C, D, K, L,
+def _round_rows(sched_ptr, round_idx, L, C, E: tl.constexpr):
+    """(first receive row, rows) of round ``round_idx`` from the schedule's round table (rows clamped to
+    [0, C], so that a corrupt table can never index past the round buffers)."""
+    rnd_ptr = sched_ptr + 80 + 3 * E + L + 1
+    start = tl.load(rnd_ptr + round_idx)
+    n = tl.minimum(tl.maximum(tl.load(rnd_ptr + round_idx + 1) - start, 0), C)
+    return start, n
+
+
+@triton.jit
+def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr, wr_ptr, round_idx, C, D, K, L,
                        SORTED_OFF, WEIGHTS_OFF, ROWS_OFF, CH1_ELEMS,
                        W: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr,
                        BM: tl.constexpr, BD: tl.constexpr, BWD: tl.constexpr, ALIGNED: tl.constexpr = False):
-    """Pull receive rows ``[round_start, round_start + C)`` of the schedule into the local round buffer.
+    """Pull round ``round_idx``'s receive rows (``[RND + r, RND + r + 1)`` of the schedule, at most C) into the
+    local round buffer.
 
     Row i: segment q (binary search by comparison), source s = q % W, flat source row read from the
     source's sorted list, token = row // K, slot = row % K. Writes the row table ``rowtab[0/1/2, i]`` =
@@ -206,16 +250,16 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr
     an address loaded from the pointer table, and without it reads each row two bytes at a time.
     """
     pid = tl.program_id(0)
-    total = tl.load(sched_ptr)
+    round_start, n = _round_rows(sched_ptr, round_idx, L, C, E)
     if pid == 0:
         lo = tl.arange(0, L_PAD)
         eo = tl.load(sched_ptr + 80 + 3 * E + lo, mask=lo <= L, other=0)
-        eo = tl.minimum(tl.maximum(eo - round_start, 0), C)
+        eo = tl.minimum(tl.maximum(eo - round_start, 0), n)
         tl.store(roff_ptr + lo, eo, mask=lo <= L)
     i = pid * BM + tl.arange(0, BM)
     g = round_start + i
-    valid = (i < C) & (g < total)
-    if round_start + pid * BM >= total:
+    valid = i < n
+    if pid * BM >= n:
         tl.store(rowtab_ptr + i, -1, mask=i < C)
         return
     qi = tl.arange(0, E_PAD)
@@ -255,19 +299,19 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr
 
 
 @triton.jit
-def ep_push_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, y_ptr, dot_ptr, round_start, C, D, K, P, SLOTS_OFF, DOTS_OFF,
-                   BM: tl.constexpr, BD: tl.constexpr, HAS_DOT: tl.constexpr,
+def ep_push_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, y_ptr, dot_ptr, round_idx, C, D, K, L, P, SLOTS_OFF, DOTS_OFF,
+                   E: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, HAS_DOT: tl.constexpr,
                    P_POW2: tl.constexpr, HAS_ROWS: tl.constexpr = True, ALIGNED: tl.constexpr = False):
     """Push round row i of ``y`` into slot (token, slot) of its owner's slot buffer (each slot once);
     ``HAS_DOT``: also the row's P fp32 partial dots into the owner's ``dots[(token*K + slot)*P ...]``.
     ``HAS_ROWS`` False: the dots only (the rows were stored by the GEMM's epilogue, ops.ep_comm.push_target).
     ``ALIGNED``: as in :func:`ep_dispatch_kernel` (16-byte row stores)."""
     pid = tl.program_id(0)
-    total = tl.load(sched_ptr)
-    if round_start + pid * BM >= total:
+    _, n = _round_rows(sched_ptr, round_idx, L, C, E)
+    if pid * BM >= n:
         return
     i = pid * BM + tl.arange(0, BM)
-    valid = (i < C) & (round_start + i < total)
+    valid = i < n
     s = tl.load(rowtab_ptr + i, mask=valid, other=0)
     valid = valid & (s >= 0)
     s = tl.maximum(s, 0)

@@ -4,9 +4,10 @@ megamoe.ops.wgrad_rounds).
 Legend: L local experts, C capacity rows per round, M / N the weight gradient's sizes, S split slots.
 
 Expert e's received rows are ``[off[e], off[e+1])`` of the whole receive order (all rounds, ``full_off``);
-round r holds rows ``[r*C, (r+1)*C)`` of it, with round-local offsets ``roff``. An expert is *split* when
-its rows cross a round boundary (``off[e] // C != (off[e+1] - 1) // C``): at most one expert per boundary,
-so at most ``min(rounds - 1, L)`` of them, and split expert number j (in expert order) owns fp32 slot j.
+round r holds rows ``[rs[r], rs[r+1])`` of it (at most C; the round table of kernels/ep_comm.py), with
+round-local offsets ``roff``. Rounds are cut at expert boundaries, so only an expert with more than C rows is
+*split* across rounds (``off[e+1] - off[e] > C``): at most ``R // (C + 1)`` and at most L of them, and split
+expert number j (in expert order) owns fp32 slot j.
 Round 0's weight gradient is the ordinary one-round GEMM (any kernel of the table) into the bf16 output;
 :func:`_k_grouped_round_kernel` then, in round 0, starts the split experts' fp32 partial sums, and in
 rounds r >= 1 stores the experts wholly in round r straight into the output (the rows from the expert's
@@ -24,13 +25,13 @@ from .grouped_gemm import _k_step
 
 @triton.jit
 def _split_of(full_off_ptr, L, C, L_PAD: tl.constexpr):
-    """(idx, split) over the L experts: whether expert idx's rows cross a round boundary (all >= 0)."""
+    """(idx, split, lo) over the L experts: whether expert idx has more rows than a round holds (then the round
+    table cuts it into pieces of C rows), and its first row in the whole receive order."""
     idx = tl.arange(0, L_PAD)
     valid = idx < L
     lo = tl.load(full_off_ptr + idx, mask=valid, other=0)
     hi = tl.load(full_off_ptr + idx + 1, mask=valid, other=0)
-    split = valid & (hi > lo) & ((lo // C) != ((tl.maximum(hi, 1) - 1) // C))
-    return idx, split
+    return idx, valid & (hi - lo > C), lo
 
 
 @triton.jit
@@ -41,8 +42,9 @@ def _pick(idx, vec, i):
 
 @triton.jit
 def _k_grouped_round_kernel(
-    # inputs: this round's rows, its local expert offsets [L + 1], the whole receive order's [L + 1]
-    p_ptr, q_ptr, roff_ptr, full_off_ptr,
+    # inputs: this round's rows, its local expert offsets [L + 1], the whole receive order's [L + 1], the
+    # round table [rounds + 1]
+    p_ptr, q_ptr, roff_ptr, full_off_ptr, rstart_ptr,
     # outputs: the weight gradient [L, M, N] and the fp32 split slots [S, M, N], last dimensions contiguous
     c_ptr, s_ptr,
     # shapes, round
@@ -57,19 +59,19 @@ def _k_grouped_round_kernel(
 ):
     """Persistent over this round's active tiles: the (expert, m-tile, n-tile) tiles of experts with rows in
     this round that are split (any round) or whole (rounds >= 1), experts slowest. Every program first derives
-    that tile list from the two offset tables (one vector load each), so in a round without such experts (an
-    unused round; round 0 without a split expert) every program exits after those loads."""
-    idx, split_v = _split_of(full_off_ptr, L, C, L_PAD)
+    that tile list from the two offset tables (vector loads), so in a round without such experts (an unused
+    round; round 0 without a split expert) every program exits after those loads."""
+    idx, split_v, lo_v = _split_of(full_off_ptr, L, C, L_PAD)
     valid = idx < L
-    lo_v = tl.load(full_off_ptr + idx, mask=valid, other=0)
+    round_start = tl.load(rstart_ptr + round_idx)
     rs_v = tl.load(roff_ptr + idx, mask=valid, other=0)
     re_v = tl.load(roff_ptr + idx + 1, mask=valid, other=0)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_expert = tl.cdiv(M, BLOCK_M) * num_n_tiles
     si = split_v.to(tl.int32)
     slot_v = tl.cumsum(si, axis=0) - si  # slot of each split expert
-    # more split experts than slots only when the rows overflow rounds * C, which the schedule reports as an
-    # error (status code); their tiles are skipped so that nothing is written past the S slots meanwhile
+    # more split experts than slots only when the rows overflow the launched rounds, which the schedule
+    # reports as an error (status code); their tiles are skipped so that nothing is written past the S slots
     active = valid & (re_v > rs_v) & (split_v | (round_idx > 0)) & ~(split_v & (slot_v >= S))
     n_act = tl.where(active, tiles_per_expert, 0)
     cum = tl.cumsum(n_act, axis=0)  # inclusive: active tiles of experts <= e
@@ -92,7 +94,7 @@ def _k_grouped_round_kernel(
                   + offs_m.to(tl.int64)[:, None] * stride_sm + offs_n[None, :])
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if split:
-            if round_idx > _pick(idx, lo_v, expert) // C:  # not the expert's first round: continue its sum
+            if round_start > _pick(idx, lo_v, expert):  # not the expert's first round: continue its sum
                 acc = tl.load(s_tile, mask=mask, other=0.0)
         num_iters = tl.cdiv(row_end - row_start, BLOCK_K)
         if INTERPRET:  # the interpreter cannot range() over a loaded bound
@@ -120,7 +122,7 @@ def _k_grouped_round_kernel(
 def _split_finalize_kernel(s_ptr, full_off_ptr, c_ptr, MN, L, C, L_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (cdiv(M*N, BLOCK), S): cast split slot j into the output of the j-th split expert (if any)."""
     slot = tl.program_id(1)
-    idx, split = _split_of(full_off_ptr, L, C, L_PAD)
+    idx, split, _ = _split_of(full_off_ptr, L, C, L_PAD)
     si = split.to(tl.int32)
     nth = tl.cumsum(si, axis=0) - si  # slot of each split expert
     expert = tl.max(tl.where(split & (nth == slot), idx, -1), axis=0)

@@ -1,17 +1,19 @@
 """Host launchers of the expert-parallel protocol: validate, allocate, pick grids, launch.
 
 Legend: W EP world size, E global experts, L = E / W local experts, T tokens of this rank, K top-k,
-D hidden, C receive capacity in rows per round, R rows received by this rank, N = T*K.
+D hidden, C receive capacity in rows per round, R rows received by this rank, N = T*K, n_r rows of round r.
 
 One *exchange* moves the rows of one MoE call to the experts' ranks and the results back:
 
 1. :func:`publish` (owner): stage token rows (and, backward, output-gradient rows and weights) in the
    pool, build the expert-sorted routing plan on the device, advance the epoch, signal "ready" to all.
-2. :func:`build_schedule` (destination): wait for every source's "ready", derive the receive schedule.
-3. per round r < ``rounds``: :func:`dispatch_round` pulls receive rows ``[r*C, (r+1)*C)`` from the
-   owners, the caller runs the expert GEMMs on them, and the results reach the owners' (token, slot)
-   slots either from the GEMM's epilogue (:func:`push_target`, the default) or by :func:`push_round`'s
-   copy; rounds past R exit at once (no host sync decides how many run).
+2. :func:`build_schedule` (destination): wait for every source's "ready", derive the receive schedule and
+   cut it into rounds of at most C rows at expert boundaries (an expert is cut only when it alone has more
+   than C rows; kernels/ep_comm.py).
+3. per round r < ``rounds``: :func:`dispatch_round` pulls the round's n_r receive rows from the owners, the
+   caller runs the expert GEMMs on them, and the results reach the owners' (token, slot) slots either from
+   the GEMM's epilogue (:func:`push_target`, the default) or by :func:`push_round`'s copy; rounds the
+   routing did not need exit at once (no host sync decides how many run).
 4. :func:`signal_done` (destination) then :func:`wait_done` (owner); the owner then reduces its slots
    with the single-GPU fixed-order kernels (``combine_fwd`` / ``slot_sum_bwd``) through
    :func:`slot_views`.
@@ -32,9 +34,9 @@ from ..kernels import ep_comm as K_
 from .grouped_gemm import RowPush
 from .routing import expert_sort
 
-__all__ = ["ExchangeBuffers", "expert_offsets", "publish", "routing_plan", "save_plan", "restore_plan", "build_schedule",
-           "dispatch_round", "push_round", "signal_done", "wait_done", "slot_views", "sched_size", "interpret_mode",
-           "push_target", "fused_push", "comm_sms", "shared_expert_stream"]
+__all__ = ["ExchangeBuffers", "expert_offsets", "round_starts", "publish", "routing_plan", "save_plan", "restore_plan",
+           "build_schedule", "dispatch_round", "push_round", "signal_done", "wait_done", "slot_views", "sched_size",
+           "interpret_mode", "push_target", "fused_push", "comm_sms", "shared_expert_stream"]
 
 # rows per program, columns per copy step, warps of the dispatch (pull) and push kernels; combine's rows per
 # program. Copies only: these never change bits. Copy shapes from 8 to 32 rows x 256 to 1024 columns, 4 or 8
@@ -68,23 +70,27 @@ def _wait_args(timeout_s: float, device: torch.device) -> tuple[int, int, bool]:
     return max_iters, int(timeout_s * 1e9), use_timer
 
 
-def sched_size(num_experts: int, local_experts: int) -> int:
-    return K_.SCHED_SEG + 3 * num_experts + local_experts + 1
+def sched_size(num_experts: int, local_experts: int, rounds: int) -> int:
+    """int32 entries of the schedule table (kernels/ep_comm.py): header, segments, expert offsets, rounds."""
+    return K_.SCHED_SEG + 3 * num_experts + local_experts + 1 + rounds + 1
 
 
 class ExchangeBuffers:
     """Local (non-symmetric) buffers of one exchange on the destination side, sized by capacity C.
 
-    sched: int32 schedule table; rowtab_3C: int32 [3, C] (source, token, slot) of the round's rows;
-    roff_L1: int32 [L + 1] round-local expert offsets; xr_CD: received x rows; backward only:
+    sched: int32 schedule table of ``rounds`` rounds; rowtab_3C: int32 [3, C] (source, token, slot) of the
+    round's rows; roff_L1: int32 [L + 1] round-local expert offsets; xr_CD: received x rows; backward only:
     gr_CD received output-gradient rows, wr_C fp32 routing weight of each row.
     """
 
-    def __init__(self, ws: EPWorkspace, capacity_rows: int, backward: bool):
+    def __init__(self, ws: EPWorkspace, capacity_rows: int, backward: bool, *, rounds: int):
         s = ws.spec
         L, dev = s.num_experts // s.world, ws.device
+        if not isinstance(rounds, int) or rounds < 1:
+            raise ValueError(f"megamoe EP: rounds must be an int >= 1, got {rounds!r}")
         self.C = capacity_rows
-        self.sched = torch.zeros(sched_size(s.num_experts, L), dtype=torch.int32, device=dev)
+        self.rounds = rounds
+        self.sched = torch.zeros(sched_size(s.num_experts, L, rounds), dtype=torch.int32, device=dev)
         self.rowtab_3C = torch.empty(3, capacity_rows, dtype=torch.int32, device=dev)
         self.roff_L1 = torch.zeros(L + 1, dtype=torch.int32, device=dev)
         self.xr_CD = torch.empty(capacity_rows, s.hidden, dtype=s.dtype, device=dev)
@@ -94,11 +100,20 @@ class ExchangeBuffers:
 
 def expert_offsets(ws: EPWorkspace, bufs: ExchangeBuffers) -> torch.Tensor:
     """int32 [L + 1] view of ``bufs.sched``: local expert l's rows are ``[off[l], off[l+1])`` of the whole receive
-    order (all rounds; round r holds rows ``[r*C, (r+1)*C)``). Valid after :func:`build_schedule`."""
+    order (all rounds). Valid after :func:`build_schedule`."""
     s = ws.spec
     L = s.num_experts // s.world
     start = K_.SCHED_SEG + 3 * s.num_experts
     return bufs.sched[start:start + L + 1]
+
+
+def round_starts(ws: EPWorkspace, bufs: ExchangeBuffers) -> torch.Tensor:
+    """int32 [rounds + 1] view of ``bufs.sched``: round r holds rows ``[rs[r], rs[r+1])`` of the whole receive
+    order (at most C; ``rs[rounds]`` = R unless the rows overflowed the launched rounds, an error the schedule
+    reports). Valid after :func:`build_schedule`."""
+    s = ws.spec
+    start = K_.SCHED_SEG + 3 * s.num_experts + s.num_experts // s.world + 1
+    return bufs.sched[start:start + bufs.rounds + 1]
 
 
 def publish(ws: EPWorkspace, topk_ids_TK: torch.Tensor, x_TD: torch.Tensor, dout_TD: torch.Tensor | None = None,
@@ -178,13 +193,14 @@ def restore_plan(ws: EPWorkspace, saved: tuple[torch.Tensor, torch.Tensor], T: i
     ws.sorted_N[:T * K].copy_(sorted_N)
 
 
-def build_schedule(ws: EPWorkspace, bufs: ExchangeBuffers, rounds: int, timeout_s: float) -> None:
-    """Destination: wait for all plans (bounded) and build ``bufs.sched`` (kernels/ep_comm.py)."""
+def build_schedule(ws: EPWorkspace, bufs: ExchangeBuffers, timeout_s: float) -> None:
+    """Destination: wait for all plans (bounded) and build ``bufs.sched`` with its ``bufs.rounds`` rounds
+    (kernels/ep_comm.py)."""
     s = ws.spec
     L = s.num_experts // s.world
     max_iters, timeout_ns, use_timer = _wait_args(timeout_s, ws.device)
-    K_.ep_schedule_kernel[(1,)](ws.ptrs_W, ws.flags, bufs.sched, ws.rank, L, rounds * bufs.C, max_iters, timeout_ns,
-                                ws.offsets["plan"], READY=FLAG_READY, W=s.world, E=s.num_experts,
+    K_.ep_schedule_kernel[(1,)](ws.ptrs_W, ws.flags, bufs.sched, ws.rank, L, bufs.C, bufs.rounds, max_iters,
+                                timeout_ns, ws.offsets["plan"], READY=FLAG_READY, W=s.world, E=s.num_experts,
                                 W_PAD=_pow2(s.world), E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1),
                                 USE_TIMER=use_timer, num_warps=4)
 
@@ -194,10 +210,11 @@ def dispatch_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: boo
     s = ws.spec
     L = s.num_experts // s.world
     C = bufs.C
+    _check_round(bufs, r)
     grid = (triton.cdiv(C, _BM),)
     K_.ep_dispatch_kernel[grid](ws.ptrs_W, bufs.sched, bufs.rowtab_3C, bufs.roff_L1, bufs.xr_CD, bufs.gr_CD,
                                 bufs.wr_C,
-                                r * C, C, s.hidden, s.top_k, L, ws.offsets["sorted"], ws.offsets["weights"],
+                                r, C, s.hidden, s.top_k, L, ws.offsets["sorted"], ws.offsets["weights"],
                                 ws.offsets["rows"], s.max_tokens * s.hidden, W=s.world, E=s.num_experts,
                                 E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM, BD=_BD, BWD=backward,
                                 ALIGNED=ws.aligned, num_warps=_NW)
@@ -210,6 +227,7 @@ def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tenso
     dots are pushed (nothing at all without them)."""
     s = ws.spec
     C = bufs.C
+    _check_round(bufs, r)
     if y_CD is None and dots_CP is None:
         return
     P = dots_CP.shape[1] if dots_CP is not None else 1
@@ -217,10 +235,16 @@ def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tenso
         raise ValueError(f"megamoe EP: {P} partial dots per row exceed the workspace's P_MAX={P_MAX}")
     y = y_CD if y_CD is not None else dots_CP
     K_.ep_push_kernel[(triton.cdiv(C, _BM),)](ws.ptrs_W, bufs.sched, bufs.rowtab_3C, y,
-                                              dots_CP if dots_CP is not None else y, r * C, C, s.hidden,
-                                              s.top_k, P, ws.offsets["slots"], ws.offsets["dots"], BM=_BM, BD=_BD,
+                                              dots_CP if dots_CP is not None else y, r, C, s.hidden,
+                                              s.top_k, s.num_experts // s.world, P, ws.offsets["slots"],
+                                              ws.offsets["dots"], E=s.num_experts, BM=_BM, BD=_BD,
                                               HAS_DOT=dots_CP is not None, P_POW2=_pow2(P),
                                               HAS_ROWS=y_CD is not None, ALIGNED=ws.aligned, num_warps=_NW)
+
+
+def _check_round(bufs: ExchangeBuffers, r: int) -> None:
+    if not isinstance(r, int) or not 0 <= r < bufs.rounds:
+        raise ValueError(f"megamoe EP: round {r!r} outside the exchange's {bufs.rounds} rounds")
 
 
 def push_target(ws: EPWorkspace, bufs: ExchangeBuffers) -> RowPush:

@@ -2,15 +2,17 @@
 
 Legend: W EP world size, T tokens of this rank, K top-k, D hidden, F expert FFN, G = 2F, L local
 experts, C receive capacity (rows per round), P routing-weight partial dots per row, S shared FFN,
-H = 2S, J fp32 slots of the experts split across rounds (ops/wgrad_rounds.py).
+H = 2S, J fp32 slots of the experts split across rounds (ops/wgrad_rounds.py), Q rounds launched, n_r
+rows of round r.
 
 Forward (every rank is both owner of its tokens and host of its L experts)::
 
     publish(x, ids)                       stage x, routing plan, epoch += 1, "ready" -> all
     shared = down(swiglu(x @ sw13))       with MEGAMOE_EP_COMM_SMS=n > 0: on a side stream, all SMs but n,
     build_schedule; pull round 0          beside these two (wait "ready" of all, receive order (expert,
-                                          global token, slot), rows [0, C) of the schedule); then join
-    for round r < rounds:                 rows [r*C, (r+1)*C); r > 0 pulls first; unused rounds exit at once
+                                          global token, slot), cut into rounds of n_r <= C rows at expert
+                                          boundaries; round 0's rows); then join
+    for round r < rounds:                 round r's rows; r > 0 pulls first; unused rounds exit at once
         h = gate_up_swiglu(xr);  down_proj(h) -> owner slot (t, k)   (epilogue stores)
     signal_done; wait_done                every owner waits for all pushes
     out = combine_fwd(slots, w, shared)   fp32, slot order, shared last, one cast
@@ -43,9 +45,12 @@ experts with many rows go to ``torch._grouped_mm`` where the table says so, with
 (always the case for W <= 2 at the default capacity) the output, the input gradient and the expert
 weight gradients are bitwise those of the single-GPU fused path on the global batch. Several rounds are
 launched when the worst routing needs them (W >= 4 at the default capacity), whether or not the routing
-does: round 0's weight gradients are the one-round GEMMs, later rounds store only the experts they hold
-(bitwise the same), and only an expert whose rows cross a round boundary (at most one per boundary) sums
-fp32 partials in round order (equal up to fp32 rounding; ops/wgrad_rounds.py).
+does. Rounds are cut at expert boundaries (kernels/ep_comm.py), so every expert's rows sit in one round, in
+the one-round order, unless the expert alone has more than C rows: round 0's weight gradients are the
+one-round GEMMs, later rounds store only the experts they hold (bitwise the same), and only an expert of
+more than C rows (never at the default C with distinct ids and W <= 2K) is cut into C-row pieces and sums
+fp32 partials in round order (equal up to fp32 rounding; ops/wgrad_rounds.py). So with several rounds too,
+output, input gradient and expert weight gradients are bitwise the single-GPU fused path's.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ import contextlib
 
 import torch
 
-from ..distributed import EPWorkspace
+from ..distributed import EPWorkspace, max_received_rows
 from . import ep_comm as X
 from ._common import reserve_sms
 from .combine import combine_fwd, slot_sum_bwd
@@ -106,7 +111,7 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     X.publish(ws, topk_ids_TK, x_TD)
     plan = X.save_plan(ws, T, topk_ids_TK.shape[1]) if save_plan else None
     shared_TD = None
-    bufs = X.ExchangeBuffers(ws, capacity_rows, backward=False)
+    bufs = X.ExchangeBuffers(ws, capacity_rows, backward=False, rounds=rounds)
     h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
     y_CD = None if fused else torch.empty(capacity_rows, D, dtype=x_TD.dtype, device=dev)
     gu_CG = torch.empty(capacity_rows, 2 * F, dtype=x_TD.dtype, device=dev) if save_preact else None
@@ -122,7 +127,7 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
                 hs_TS, _ = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=False, tile_cache=st)
                 down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, out=shared_TD, tile_cache=st)
                 del hs_TS
-        X.build_schedule(ws, bufs, rounds, timeout_s)
+        X.build_schedule(ws, bufs, timeout_s)
         X.dispatch_round(ws, bufs, 0, backward=False)
     finally:
         _join(side)
@@ -162,7 +167,7 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     X.publish(ws, topk_ids_TK, x_TD, dout_TD=dout_TD, topk_weights_TK=topk_weights_TK, saved_plan=saved_plan)
 
     ds13 = ds2 = dxs_TD = None
-    bufs = X.ExchangeBuffers(ws, capacity_rows, backward=True)
+    bufs = X.ExchangeBuffers(ws, capacity_rows, backward=True, rounds=rounds)
     has_shared = shared_w13_HD is not None and T > 0
     if not has_shared:
         side = None
@@ -193,7 +198,7 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
                         t.record_stream(cur)
             if side is None:  # inline: the weight gradients before the exchange, as without the switch before
                 ds13, ds2 = shared_wgrads()
-        X.build_schedule(ws, bufs, rounds, timeout_s)
+        X.build_schedule(ws, bufs, timeout_s)
         X.dispatch_round(ws, bufs, 0, backward=True)
     finally:
         _join(side)
@@ -206,9 +211,10 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     dw13 = dw2 = None
     C = capacity_rows
     if not one_round:  # rounds launched for the worst case: later rounds touch only experts with rows there,
-        # the few experts split across rounds sum fp32 partials in slots (ops/wgrad_rounds.py)
-        J = split_slots(rounds, L)
+        # experts of more than C rows (split across rounds) sum fp32 partials in slots (ops/wgrad_rounds.py)
+        J = split_slots(max_received_rows(ws.spec), C, L)
         full_off_L1 = X.expert_offsets(ws, bufs)
+        round_starts_Q1 = X.round_starts(ws, bufs)
         part13_JGD = torch.empty(J, G, D, dtype=torch.float32, device=dev) if need_w13 else None
         part2_JDF = torch.empty(J, D, F, dtype=torch.float32, device=dev) if need_w2 else None
     h_CF = gu_CG = None  # recompute buffers, allocated only for a round without saved pre-activations
@@ -236,12 +242,13 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
             if r == 0:
                 dw2 = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=w2_LDF.dtype, rows_per_group=rows_est)
             if not one_round:
-                k_grouped_round(bufs.gr_CD, hw_CF, roff, full_off_L1, dw2, part2_JDF, round_idx=r, capacity_rows=C)
+                k_grouped_round(bufs.gr_CD, hw_CF, roff, full_off_L1, round_starts_Q1, dw2, part2_JDF, round_idx=r,
+                                capacity_rows=C)
         if need_w13:
             if r == 0:
                 dw13 = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=w13_LGD.dtype, rows_per_group=rows_est)
             if not one_round:
-                k_grouped_round(dgu_CG, bufs.xr_CD, roff, full_off_L1, dw13, part13_JGD, round_idx=r,
+                k_grouped_round(dgu_CG, bufs.xr_CD, roff, full_off_L1, round_starts_Q1, dw13, part13_JGD, round_idx=r,
                                 capacity_rows=C)
         if fused:  # dx rows stored by the GEMM's epilogue into the owners' slots, then the dots
             dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff, push=X.push_target(ws, bufs), tile_cache=rt)

@@ -4,12 +4,14 @@ Legend: R rows of one round's buffer (C capacity rows), L local experts, M / N t
 sizes, S = :func:`split_slots` fp32 slots.
 
 Why: an EP exchange launches enough rounds for the worst routing (``megamoe.distributed.max_rounds``:
-2 at W = 4 and 4 at W = 8 with the default capacity), and the host cannot know how many the routing used.
+3 at W = 4 and 7 at W = 8 with the default capacity and K = 8), and the host cannot know how many the
+routing used.
 Accumulating every round's full [L, M, N] gradient in fp32 (zero fill, one full-size GEMM output and one
 add per round, one cast) moved ~100 GB per backward at deepseek-v3 shapes with W = 8 even when round 0
 held every row. Here round 0 is the ordinary one-round weight gradient into the bf16 output; later
-rounds touch only experts that have rows in them; only the few experts whose rows cross a round boundary
-(at most one per boundary) accumulate in fp32.
+rounds touch only experts that have rows in them. Rounds are cut at expert boundaries (kernels/ep_comm.py),
+so only an expert with more rows than a round holds (more than C: never at the default C when each token's
+ids are distinct and W <= 2K) is split across rounds and accumulates in fp32.
 
 Determinism: an expert wholly inside one round is reduced from its first row in BLOCK_K chunks, in row
 order, fp32, one cast: bitwise what one round (and the single-GPU fused path) gives. A split expert sums
@@ -33,9 +35,12 @@ _FIN_BLOCK = 4096
 _FIN_BLOCK_INTERPRET = 256
 
 
-def split_slots(rounds: int, num_local_experts: int) -> int:
-    """fp32 slots the split experts need: each of the ``rounds - 1`` boundaries splits at most one expert."""
-    return max(0, min(rounds - 1, num_local_experts))
+def split_slots(max_rows: int, capacity_rows: int, num_local_experts: int) -> int:
+    """fp32 slots the split experts need: only experts of more than C = ``capacity_rows`` rows are split, so at
+    most ``max_rows // (C + 1)`` of ``max_rows`` received rows (``megamoe.distributed.max_received_rows``)."""
+    if capacity_rows <= 0:
+        raise ValueError(f"split_slots: capacity_rows must be > 0, got {capacity_rows!r}")
+    return max(0, min(max_rows // (capacity_rows + 1), num_local_experts))
 
 
 def _check_offsets(name: str, t: torch.Tensor, L: int, where: str) -> None:
@@ -55,21 +60,24 @@ def _check_out(out: torch.Tensor, scratch: torch.Tensor, M: int, N: int, where: 
 
 
 def k_grouped_round(p: torch.Tensor, q: torch.Tensor, roff_L1: torch.Tensor, full_off_L1: torch.Tensor,
-                    out: torch.Tensor, scratch: torch.Tensor, *, round_idx: int, capacity_rows: int) -> None:
+                    round_starts: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, *, round_idx: int,
+                    capacity_rows: int) -> None:
     """Round ``round_idx``'s part of ``out[e] = cast(sum over e's rows of P^T Q)``, in place.
 
     Args:
         p: (R, M), q: (R, N): this round's rows (R >= the round's rows), 16-bit or fp32, rows contiguous.
         roff_L1: (L+1,) int32, the round-local expert offsets; full_off_L1: (L+1,) int32, the expert offsets
-            of the whole receive order (all rounds; round r holds its rows ``[r*C, (r+1)*C)``).
+            of the whole receive order (all rounds). round_starts: (rounds+1,) int32, round r holds rows
+            ``[round_starts[r], round_starts[r+1])`` of it (``megamoe.ops.ep_comm.round_starts``: cut at expert
+            boundaries, at most C rows).
         out: (L, M, N) contiguous: after round 0, the one-round GEMM of round 0's rows; experts wholly in
             round r >= 1 are stored here (bitwise the one-round result); other experts are not touched.
         scratch: (S, M, N) fp32 contiguous, S >= :func:`split_slots`: the split experts' partial sums
             (written in an expert's first round, so it needs no zero fill; at most L slots, as large as a
             full fp32 gradient when the capacity is small enough to give that many rounds). If the rows
-            overflow ``rounds * C`` (the schedule reports that as an error) split experts past S slots are
-            skipped, so nothing is written outside ``scratch``.
-        capacity_rows: C, the rows per round.
+            overflow the launched rounds (the schedule reports that as an error) split experts past S slots
+            are skipped, so nothing is written outside ``scratch``.
+        capacity_rows: C, the most rows of a round.
     Raises ValueError on shapes, dtypes or devices. Sync: none.
     """
     where = "k_grouped_round"
@@ -83,8 +91,11 @@ def k_grouped_round(p: torch.Tensor, q: torch.Tensor, roff_L1: torch.Tensor, ful
     _check_offsets("full_off_L1", full_off_L1, L, where)
     if not isinstance(capacity_rows, int) or capacity_rows <= 0 or not isinstance(round_idx, int) or round_idx < 0:
         raise ValueError(f"{where}: capacity_rows > 0 and round_idx >= 0 ints, got {capacity_rows!r}, {round_idx!r}")
-    check_device(_k_grouped_round_kernel, where, p=p, q=q, roff_L1=roff_L1, full_off_L1=full_off_L1, out=out,
-                 scratch=scratch)
+    if round_starts.dtype != torch.int32 or round_starts.dim() != 1 or round_starts.numel() < round_idx + 2:
+        raise ValueError(f"{where}: round_starts must be a 1-D int32 tensor of more than round_idx + 1 = "
+                         f"{round_idx + 1} entries, got {tuple(round_starts.shape)} {round_starts.dtype}")
+    check_device(_k_grouped_round_kernel, where, p=p, q=q, roff_L1=roff_L1, full_off_L1=full_off_L1,
+                 round_starts=round_starts, out=out, scratch=scratch)
     if out.numel() == 0:
         return
     interpret = is_interpreted(_k_grouped_round_kernel)
@@ -93,7 +104,7 @@ def k_grouped_round(p: torch.Tensor, q: torch.Tensor, roff_L1: torch.Tensor, ful
     grid = (persistent_programs(p.device, _k_grouped_round_kernel, L * triton.cdiv(M, cfg.block_m)
                                 * triton.cdiv(N, cfg.block_n), per_sm=_PROGRAMS_PER_SM),)
     _k_grouped_round_kernel[grid](
-        p, q, roff_L1, full_off_L1, out, scratch, M, N, L, capacity_rows, round_idx, scratch.shape[0],
+        p, q, roff_L1, full_off_L1, round_starts, out, scratch, M, N, L, capacity_rows, round_idx, scratch.shape[0],
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scratch.stride(0), scratch.stride(1),
         FP32_DOT=interpret or dtype == torch.float32, INTERPRET=interpret,
