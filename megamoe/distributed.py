@@ -59,7 +59,8 @@ P_MAX = 64  # routing-weight partial dots per row that the backward can carry
 STAGE_NAMES = {1: "dispatch: waiting for the peer's routing plan and token rows",
                2: "combine: waiting for the peer's pushed expert rows",
                3: "routing plan: expert id out of range",
-               4: "schedule: received rows exceed the launched rounds (token count above max_tokens?)"}
+               4: "schedule: received rows exceed the launched rounds (a peer's plan above this workspace's "
+                  "max_tokens: workspaces of different sizes across ranks?)"}
 
 
 class EPTimeoutError(RuntimeError):
@@ -240,9 +241,11 @@ class EPWorkspace:
 
 
 def max_received_rows(spec: WorkspaceSpec) -> int:
-    """``R_bound = W*T_cap*min(K, L)``: the most rows one rank can receive in an exchange (every token of every
-    rank routed to its experts, each token's K ids distinct)."""
-    return spec.world * spec.max_tokens * min(spec.top_k, spec.num_experts // spec.world)
+    """``R_bound = W*T_cap*K``: the most rows one rank can receive in an exchange (every slot of every token of
+    every rank routed to its experts). With distinct ids in a token a rank receives at most ``min(K, L)`` rows
+    per token, but ids may repeat (as on one GPU), so the bound does not assume it; it only matters when K > L,
+    where it launches more rounds (which exit at once when unused)."""
+    return spec.world * spec.max_tokens * spec.top_k
 
 
 def default_capacity_rows(spec: WorkspaceSpec) -> int:

@@ -5,8 +5,9 @@ An exchange launches enough rounds for the worst routing (megamoe.distributed.ma
 situation on one GPU: the workspace's token capacity is reserved at ROUNDS x T, and the layer runs with the
 receive capacity of the rows it has (T*K: every row in round 0, the other launched rounds unused; 2*ROUNDS - 1
 launched), with a capacity for the worst case (one round), and with 1/ROUNDS of the rows per round ("rows in
-all": about ROUNDS rounds used, cut at expert boundaries, more rounds launched). To compare two commits, run a ``git archive`` copy of the other
-one's ``megamoe`` package with ``PYTHONPATH`` pointing at it (benchmarks/results/2026-12-01-s13/README.md). Per case it prints the forward+backward medians
+all": about ROUNDS rounds used, cut at expert boundaries, more rounds launched). To compare two commits, run
+a ``git archive`` copy of the other one's ``megamoe`` package with ``PYTHONPATH`` pointing at it
+(benchmarks/results/2026-12-01-s13/README.md). Per case it prints the forward+backward medians
 (megamoe.bench.Timer, L2 flush, interleaved), whether a variant gives bitwise the one-round output and
 gradients, and how many experts' weight gradients are bitwise the one-round ones (all of them unless an
 expert has more rows than the capacity; such split ones agree to fp32 rounding).

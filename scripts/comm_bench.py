@@ -62,6 +62,10 @@ def main() -> None:
         w = torch.rand(T, K, device=dev, generator=g)
         C = default_capacity_rows(ws.spec)
         rounds = max_rounds(ws.spec, C)
+        # the timed dispatch pulls every round before the pushes, which reuse one round buffer and row table:
+        # right only for one round (W <= 2 at the default capacity)
+        if rounds != 1:
+            raise SystemExit(f"comm_bench: {rounds} rounds at W = {W}; it measures one-round exchanges (W <= 2)")
         bufs = X.ExchangeBuffers(ws, C, backward=False, rounds=rounds)
         marks = []
 

@@ -5,10 +5,11 @@ Proves: the schedule (receive order (expert, global token, slot), segment counts
 offsets) equals a Python model exactly; every received row carries its (source rank, token) payload; each
 owner's (token, slot) slot gets the right expert's row, so the fixed-order combine equals a PyTorch
 computation bitwise; capacity rounds (including the worst case: every token to one rank's experts) and
-unused rounds, the round table equal to a Python model and cut only at expert boundaries unless one expert
-has more than C rows, no round above C rows, any two consecutive rounds above C; T = 0 ranks and unequal T; repeated exchanges (epochs grow, nothing reset); a peer that
-never signals gives an EPTimeoutError naming the rank and stage; an out-of-range expert id is reported by
-its owner.
+unused rounds (more than one fill block of them), the round table equal to a Python model and cut only at
+expert boundaries unless one expert has more than C rows, no round above C rows, any two consecutive rounds
+above C; rows left over after the launched rounds reported as an error (stage 4); T = 0 ranks and unequal T;
+repeated exchanges (epochs grow, nothing reset); a peer that never signals gives an EPTimeoutError naming the
+rank and stage; an out-of-range expert id is reported by its owner.
 
 Legend: W ranks, T tokens of a rank, K top-k, D hidden, E global experts, L = E / W, C capacity rows.
 """
@@ -173,6 +174,68 @@ def test_protocol_with_sorted_plan(W, Ts, K, E, kind, C):
     """The owner's plan through the device sort (taken for large T*K*E) gives the same exchange."""
     res, ids_all, w_all, rounds = _run(W, Ts, K, E, kind, C, plan_by_sort=True)
     _check(res, ids_all, w_all, W, E, C, rounds)
+
+
+def _schedule_sweep_worker(rank, W, buffers, spec_args, cases):
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+    from megamoe.ops import ep_comm as ops
+
+    ws = EPWorkspace.from_shared_buffers(WorkspaceSpec(*spec_args), rank, buffers)
+    out = []
+    for ids, C, rounds in cases:
+        ops.publish(ws, ids, payload_rows(rank, ids.shape[0], spec_args[2]))
+        bufs = ops.ExchangeBuffers(ws, C, backward=False, rounds=rounds)
+        ops.build_schedule(ws, bufs, 60.0)
+        out.append(ops.round_starts(ws, bufs).tolist())
+        # finish the exchange so that the next one starts from a consistent epoch (no rows moved: no rounds)
+        ops.signal_done(ws)
+        ops.wait_done(ws, 60.0)
+        ws.check()
+    return out
+
+
+def test_round_table_sweep_against_the_model():
+    """The schedule kernel alone at W = 1 on 40 random skewed routings (some experts empty, some far above C,
+    C from 1 row up): its round table equals the model and has the model's properties."""
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec, max_rounds
+
+    K, E, T_max = 3, 12, 40
+    spec = WorkspaceSpec(1, T_max, D, K, E, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for i in range(40):
+        T = int(torch.randint(0, T_max + 1, (1,), generator=g))
+        weight = torch.rand(E, generator=g) ** 4 + 1e-3 * (torch.rand(E, generator=g) > 0.3)  # skewed, some ~0
+        ids = (torch.multinomial(weight.expand(T, E), K, replacement=False, generator=g) if T else
+               torch.zeros(0, K, dtype=torch.int64))
+        C = int(torch.randint(1, 2 * T * K // 3 + 2, (1,), generator=g))
+        cases.append((ids, C, max_rounds(spec, C)))
+    buffers = EPWorkspace.allocate_shared(spec)
+    got = spawn_ranks(_schedule_sweep_worker, 1, buffers, (1, T_max, D, K, E, torch.float32), cases, env=ENV)[0]
+    n_cut_inside = 0
+    for (ids, C, rounds), starts in zip(cases, got):
+        counts = expert_counts([ids], 0, E)
+        assert starts == model_rounds(counts, C, rounds), (starts, counts, C)
+        off = [sum(counts[:e]) for e in range(E + 1)]
+        assert starts[-1] == off[-1] and all(0 <= b - a <= C for a, b in zip(starts, starts[1:]))
+        n_cut_inside += sum(1 for c in starts if c not in off)
+    assert n_cut_inside > 0, "the sweep must cut inside an expert of more than C rows somewhere"
+
+
+def test_many_unused_rounds_fill_the_table():
+    """150 rounds launched, 4 used: the unused rounds' entries (more than one 64-entry fill block) are all R."""
+    res, ids_all, w_all, rounds = _run(1, [7], 2, 4, "uniform", 4, rounds=150)
+    _check(res, ids_all, w_all, 1, 4, 4, rounds)
+    assert rounds == 150 and res[0]["rounds"][-1] == 14 and len(res[0]["rounds"]) == 151
+
+
+def test_rows_beyond_the_launched_rounds_are_an_error():
+    """Fewer rounds launched than the rows need (the layer always launches ``max_rounds``, so only the ops layer
+    can ask for this): the schedule reports stage 4, the exchange still completes (no hang), ``check`` raises."""
+    with pytest.raises(AssertionError) as info:
+        _run(1, [7], 2, 4, "uniform", 4, rounds=1)
+    msg = str(info.value)
+    assert "EPTimeoutError" in msg and "rank 0 of 1" in msg and "exceed the launched rounds" in msg, msg[-800:]
 
 
 def test_repeated_exchanges_epochs_grow():

@@ -166,8 +166,9 @@ def ep_schedule_kernel(ptrs_ptr, flags_ptr, sched_ptr, rank, L, C, rounds, max_i
                        USE_TIMER: tl.constexpr, FILL: tl.constexpr = 64):
     """One program on the destination: wait for every source's plan, read the sources' per-expert
     counts from their memory and build the schedule table (module docstring), round table included: the
-    ``rounds`` rounds of at most C rows each cut by :func:`_round_end`; rows left over after them (only when
-    a rank passed more tokens than the workspace was sized for) set the overflow status (stage 4)."""
+    ``rounds`` rounds of at most C rows each cut by :func:`_round_end`; rows left over after them (impossible
+    while every plan is within the workspace's T_cap * K rows, megamoe.distributed.max_rounds) set the
+    overflow status (stage 4) instead of being dropped silently."""
     epoch = tl.load(flags_ptr)
     status_ptr = flags_ptr + 1
     for s in tl.static_range(W):
