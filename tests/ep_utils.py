@@ -207,7 +207,8 @@ def split_experts(ids_all: list[torch.Tensor], rank: int, L: int, C: int) -> lis
 
 def routing(kind: str, T: int, K: int, E: int, seed: int, rank: int = 0) -> torch.Tensor:
     """int64 [T, K] distinct expert ids per token: 'uniform', 'zipf' (exponent 1.2), 'hot' (expert 0 in
-    every token), 'ties' (all tokens pick experts 0..K-1). For "all tokens on rank 0's experts", call
+    every token), 'ties' (all tokens pick experts 0..K-1); or 'repeat': every slot of a token on one expert
+    drawn uniformly (repeated ids, which the layer allows). For "all tokens on rank 0's experts", call
     'uniform' with E = L (rank 0's range)."""
     g = torch.Generator().manual_seed(seed * 7919 + rank)
     if T == 0:
@@ -224,4 +225,6 @@ def routing(kind: str, T: int, K: int, E: int, seed: int, rank: int = 0) -> torc
         return hot if rest is None else torch.cat([hot, rest], 1)
     if kind == "ties":
         return torch.arange(K, dtype=torch.int64).repeat(T, 1)
+    if kind == "repeat":
+        return torch.randint(0, E, (T, 1), generator=g).repeat(1, K)
     raise ValueError(kind)

@@ -84,8 +84,8 @@ def _run(W, Ts, K, E, kind, C, rounds=None, repeats=1, timeout=60.0, silent_rank
     rounds = rounds or max_rounds(spec, C)
     ids_all = []
     for r, T in enumerate(Ts):
-        if kind == "one_rank":  # every token of every rank routed to rank 0's experts
-            ids_all.append(routing("uniform", T, K, E // W, seed, r))
+        if kind in ("one_rank", "one_rank_repeat"):  # every token of every rank routed to rank 0's experts
+            ids_all.append(routing("uniform" if kind == "one_rank" else "repeat", T, K, E // W, seed, r))
         else:
             ids_all.append(routing(kind, T, K, E, seed, r))
     if bad_id is not None:  # (rank, token, slot, id): plant an expert id outside [0, E)
@@ -159,6 +159,8 @@ def _check(res, ids_all, w_all, W, E, C, rounds):
     (4, [3, 5, 0, 2], 2, 8, "uniform", 16),
     (8, [2, 0, 3, 1, 0, 4, 1, 2], 2, 16, "zipf", 8),  # the largest EP size in one NVLink domain; rounds
     (2, [6, 5], 2, 4, "hot", 4),             # experts of more than C rows: rounds cut inside them
+    (2, [5, 4], 3, 4, "repeat", 8),          # repeated ids in a token, K > L: up to K rows per token and rank
+    (2, [5, 4], 3, 4, "one_rank_repeat", 20),  # ... all on rank 0: more rows than W * T_cap * L = 20
 ])
 def test_protocol(W, Ts, K, E, kind, C):
     res, ids_all, w_all, rounds = _run(W, Ts, K, E, kind, C)
