@@ -265,8 +265,8 @@ def max_rounds(spec: WorkspaceSpec, capacity_rows: int) -> int:
     Why: rounds are cut only at expert boundaries unless one expert alone has more than C rows
     (kernels/ep_comm.py), so a round may hold fewer than C rows, but any round and the next together hold
     more than C; n rounds therefore need at least floor(n/2)*(C+1) (+1 when n is odd) rows. At the default C
-    with K = 8 that is 3 rounds at W = 4 and 7 at W = 8 (at most 2 and 4 rows-wise); the rounds the routing
-    does not use exit at once."""
+    with K = 8 that is 3 rounds at W = 4 and 7 at W = 8 (cutting every C rows needed 2 and 4, but split experts
+    across rounds); the rounds the routing does not use exit at once."""
     R, C = max_received_rows(spec), capacity_rows
     if R <= C:
         return 1
