@@ -181,13 +181,19 @@ def expert_counts(ids_all: list[torch.Tensor], rank: int, L: int) -> list[int]:
     return [sum(int((ids == rank * L + l).sum()) for ids in ids_all) for l in range(L)]
 
 
+def offsets_of(counts: list[int]) -> list[int]:
+    """Exclusive prefix sum with the total appended: expert e's rows are [off[e], off[e+1])."""
+    off = [0]
+    for c in counts:
+        off.append(off[-1] + c)
+    return off
+
+
 def model_rounds(counts: list[int], C: int, rounds: int) -> list[int]:
     """The round table of the protocol, modelled in plain Python: first receive row of each of the ``rounds``
     rounds, then the end (R when everything fits). A round takes every remaining row if at most C remain,
     else ends at the last expert start within C rows, else (one expert of more than C rows) after C rows."""
-    starts, off = [0], [0]
-    for c in counts:
-        off.append(off[-1] + c)
+    starts, off = [0], offsets_of(counts)
     R = off[-1]
     for _ in range(rounds):
         s = starts[-1]
@@ -197,6 +203,25 @@ def model_rounds(counts: list[int], C: int, rounds: int) -> list[int]:
         inside = [o for o in off if s < o <= s + C]
         starts.append(max(inside) if inside else s + C)
     return starts
+
+
+def check_round_table(starts: list[int], counts: list[int], C: int) -> list[int]:
+    """Assert what any round table must be, whatever the model says: every row in the rounds, no round above C
+    rows, the used rounds first, two consecutive used rounds above C, a cut inside an expert only when that
+    expert has more than C rows. Returns the rounds' sizes."""
+    off = offsets_of(counts)
+    R = off[-1]
+    assert starts[0] == 0 and starts[-1] == R, ("every row in the launched rounds", starts, R)
+    sizes = [b - a for a, b in zip(starts, starts[1:])]
+    assert all(0 <= n <= C for n in sizes), (sizes, C)
+    used = [n for n in sizes if n]
+    assert sizes[:len(used)] == used, ("the used rounds come first", sizes)
+    assert all(a + b > C for a, b in zip(used, used[1:])), ("two consecutive rounds hold more than C", used, C)
+    for cut in starts[1:-1]:
+        if 0 < cut < R and cut not in off:
+            e = max(i for i, o in enumerate(off) if o < cut)
+            assert counts[e] > C, ("a cut inside an expert of at most C rows", cut, counts, C)
+    return sizes
 
 
 def split_experts(ids_all: list[torch.Tensor], rank: int, L: int, C: int) -> list[bool]:

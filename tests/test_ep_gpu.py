@@ -113,7 +113,6 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
         r["row_copies"] = sum(row_copies)
         r["shared_blocks"] = shared_blocks
         r["sms"] = _common._sm_count(rank_device(rank).index)
-        r["rounds"] = _rounds_and_capacity(group, Ts[rank], capacity, rank_device(rank))[0]
         return r
     finally:
         gg.torch_wgrad = real
@@ -164,8 +163,8 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
     g1 = torch.autograd.grad(o1, (X, Wt, G13, G2, P13, P2), torch.cat(gos))
     lo = sum(Ts[:rank])
     sl, el = slice(lo, lo + Ts[rank]), slice(rank * L, (rank + 1) * L)
-    rc = _rounds_and_capacity(group, Ts[rank], capacity, dev)
-    st = model_rounds(expert_counts(ids, rank, L), rc[1], rc[0])
+    rounds, C = _rounds_and_capacity(group, Ts[rank], capacity, dev)
+    st = model_rounds(expert_counts(ids, rank, L), C, rounds)
     r = {"repeat_same": same, "ep_torch_calls": ep_calls,
          "out_eq": torch.equal(out, o1[sl]), "dx_eq": torch.equal(grads[0], g1[0][sl]),
          "dw_eq": torch.equal(grads[1], g1[1][sl]), "d13_eq": torch.equal(grads[2], g1[2][el]),
@@ -174,7 +173,7 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
          # per local expert: split across receive rounds (more than C rows)?, (dW13, dW2) bitwise?, within 2^-7
          # of the expert's largest entry (one bf16 rounding step either way of an fp32 sum that differs by fp32
          # rounding)?
-         "split": split_experts(ids, rank, L, rc[1]),
+         "split": split_experts(ids, rank, L, C), "rounds": rounds,
          # rounds the routing used on this rank (the protocol's round table, modelled in tests/ep_utils.py)
          "rounds_used": sum(1 for a, b in zip(st, st[1:]) if b > a),
          "w_exp": [(torch.equal(grads[2][l], g1[2][el][l]), torch.equal(grads[3][l], g1[3][el][l]),

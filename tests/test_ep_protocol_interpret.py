@@ -19,7 +19,8 @@ import os
 import pytest
 import torch
 
-from ep_utils import expert_counts, model_rounds, model_schedule, payload_rows, routing, spawn_ranks, split_experts
+from ep_utils import (check_round_table, expert_counts, model_rounds, model_schedule, offsets_of, payload_rows, routing,
+                      spawn_ranks, split_experts)
 
 ENV = {"TRITON_INTERPRET": "1"}
 D = 32
@@ -99,23 +100,11 @@ def _run(W, Ts, K, E, kind, C, rounds=None, repeats=1, timeout=60.0, silent_rank
 
 
 def _check_rounds(got, counts, C, rounds):
-    """The round table against the model, and the properties it must have whatever the model says."""
+    """The round table against the model and its properties, and each round's row table and local offsets."""
     starts = got["rounds"].tolist()
     assert starts == model_rounds(counts, C, rounds), (starts, counts, C)
-    off = [0]
-    for c in counts:
-        off.append(off[-1] + c)
-    R = off[-1]
-    assert starts[0] == 0 and starts[-1] == R, "every row in the launched rounds"
-    sizes = [b - a for a, b in zip(starts, starts[1:])]
-    assert all(0 <= n <= C for n in sizes), sizes
-    used = [n for n in sizes if n]
-    assert sizes[:len(used)] == used, "the used rounds come first"
-    assert all(a + b > C for a, b in zip(used, used[1:])), ("two consecutive rounds hold more than C", used)
-    for cut in starts[1:-1]:
-        if 0 < cut < R and cut not in off:  # inside an expert: only an expert of more than C rows is cut
-            e = max(i for i, o in enumerate(off) if o < cut)
-            assert counts[e] > C, (cut, counts, C)
+    sizes = check_round_table(starts, counts, C)
+    off = offsets_of(counts)
     for r, (tab, _, roff) in enumerate(got["recv"]):
         assert tab.shape[1] == sizes[r], (r, tab.shape, sizes)
         assert roff.tolist() == [min(max(o - starts[r], 0), sizes[r]) for o in off], (r, roff)
@@ -218,9 +207,8 @@ def test_round_table_sweep_against_the_model():
     for (ids, C, rounds), starts in zip(cases, got):
         counts = expert_counts([ids], 0, E)
         assert starts == model_rounds(counts, C, rounds), (starts, counts, C)
-        off = [sum(counts[:e]) for e in range(E + 1)]
-        assert starts[-1] == off[-1] and all(0 <= b - a <= C for a, b in zip(starts, starts[1:]))
-        n_cut_inside += sum(1 for c in starts if c not in off)
+        check_round_table(starts, counts, C)
+        n_cut_inside += sum(1 for c in starts if c not in offsets_of(counts))
     assert n_cut_inside > 0, "the sweep must cut inside an expert of more than C rows somewhere"
 
 

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ep_utils import model_rounds
+from ep_utils import check_round_table, model_rounds
 from megamoe.distributed import WorkspaceSpec, default_capacity_rows, max_received_rows, max_rounds
 
 
@@ -40,26 +40,11 @@ def _receive(draw):
     return spec, C, counts
 
 
-def _cuts(counts, C, rounds):
-    starts = model_rounds(counts, C, rounds)
-    off = [0]
-    for c in counts:
-        off.append(off[-1] + c)
-    return starts, off
-
-
 @settings(max_examples=400, deadline=None)
 @given(_receive())
 def test_max_rounds_always_hold_every_row(case):
     spec, C, counts = case
-    rounds = max_rounds(spec, C)
-    starts, off = _cuts(counts, C, rounds)
-    assert starts[-1] == off[-1], (rounds, starts, counts, C)
-    assert all(0 <= b - a <= C for a, b in zip(starts, starts[1:]))
-    for cut in starts[1:-1]:
-        if 0 < cut < off[-1] and cut not in off:
-            e = max(i for i, o in enumerate(off) if o < cut)
-            assert counts[e] > C, (cut, counts, C)
+    check_round_table(model_rounds(counts, C, max_rounds(spec, C)), counts, C)
 
 
 def test_the_bound_is_reached():
@@ -72,7 +57,7 @@ def test_the_bound_is_reached():
         # a workspace whose worst case is exactly R rows: W = 1, T_cap = R, K = 1 (R_bound = R)
         spec = _spec(1, R, 1, n)
         assert max_received_rows(spec) == R
-        starts, _ = _cuts(counts, C, max_rounds(spec, C))
+        starts = model_rounds(counts, C, max_rounds(spec, C))
         used = sum(1 for a, b in zip(starts, starts[1:]) if b > a)
         assert used == max_rounds(spec, C) == n, (used, max_rounds(spec, C), counts)
 

@@ -37,21 +37,15 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 else:
     from megamoe.ops import k_grouped_mm
-    from ep_utils import model_rounds
+    from ep_utils import model_rounds, offsets_of
     from megamoe.ops.wgrad_rounds import finalize_split, k_grouped_round, split_slots
 
     M, N = 20, 36  # not multiples of the interpreter's 16 x 16 tiles
 
-    def _offsets(counts):
-        off = [0]
-        for c in counts:
-            off.append(off[-1] + c)
-        return off
-
     def _rounds_wgrad(P, Q, counts, C, rounds):
         """Production order: round 0's one-round GEMM, then k_grouped_round per round, then finalize."""
         L, R = len(counts), P.shape[0]
-        full = torch.tensor(_offsets(counts), dtype=torch.int32)
+        full = torch.tensor(offsets_of(counts), dtype=torch.int32)
         starts = model_rounds(counts, C, rounds)
         starts_t = torch.tensor(starts, dtype=torch.int32)
         scratch = torch.full((split_slots(R, C, L), M, N), float("nan"))  # no zero fill needed
@@ -77,7 +71,7 @@ else:
         ([7] * 9, 16, 0),                # many experts over several rounds, none split
     ])
     def test_rounds_match_one_round(counts, C, extra_rounds):
-        off = _offsets(counts)
+        off = offsets_of(counts)
         R = off[-1]
         table = model_rounds(counts, C, R + 1)
         rounds = max(1, sum(1 for a, b in zip(table, table[1:]) if b > a)) + extra_rounds
@@ -120,7 +114,7 @@ else:
         more split experts than slots; the kernel skips those, so the memory after the S slots stays untouched."""
         L, C, rounds = 3, 4, 3
         counts = [6, 6, 6]  # 18 rows, every expert above C; sized for 8 rows: one slot
-        full = torch.tensor(_offsets(counts), dtype=torch.int32)
+        full = torch.tensor(offsets_of(counts), dtype=torch.int32)
         starts = model_rounds(counts, C, rounds)
         S = split_slots(8, C, L)
         assert S == 1 and starts[-1] < 18
