@@ -150,6 +150,12 @@ def ep_signal_kernel(ptrs_ptr, flags_ptr, rank, WORD0: tl.constexpr, W: tl.const
 
 
 @triton.jit
+def _round_table(sched_ptr, L, E: tl.constexpr):
+    """Pointer to the schedule's round table, ``RND = EXP_OFF + L + 1`` (module docstring)."""
+    return sched_ptr + 80 + 3 * E + L + 1
+
+
+@triton.jit
 def _round_end(cand, cand_ok, start, total, C):
     """End row of the round that starts at row ``start``: R if the rest fits in C rows; else the last expert
     start in (start, start + C] (``cand``: the experts' first rows, ``cand_ok`` masking the padding); else,
@@ -206,7 +212,7 @@ def ep_schedule_kernel(ptrs_ptr, flags_ptr, sched_ptr, rank, L, C, rounds, max_i
     tl.store(sched_ptr, total)
     tl.store(sched_ptr + 1, epoch)
     # round table: greedy cuts at expert starts (the candidates exp_off[0..L-1] and R at index L)
-    rnd_ptr = sched_ptr + 80 + 3 * E + L + 1
+    rnd_ptr = _round_table(sched_ptr, L, E)
     cand = tl.where(lw < L, exp_off, total)
     tl.store(rnd_ptr, 0)
     row = total * 0
@@ -227,7 +233,7 @@ def ep_schedule_kernel(ptrs_ptr, flags_ptr, sched_ptr, rank, L, C, rounds, max_i
 def _round_rows(sched_ptr, round_idx, L, C, E: tl.constexpr):
     """(first receive row, rows) of round ``round_idx`` from the schedule's round table (rows clamped to
     [0, C], so that a corrupt table can never index past the round buffers)."""
-    rnd_ptr = sched_ptr + 80 + 3 * E + L + 1
+    rnd_ptr = _round_table(sched_ptr, L, E)
     start = tl.load(rnd_ptr + round_idx)
     n = tl.minimum(tl.maximum(tl.load(rnd_ptr + round_idx + 1) - start, 0), C)
     return start, n
