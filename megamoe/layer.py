@@ -48,6 +48,15 @@ class MoE(nn.Module):
             CUDA, no host sync, bitwise deterministic and batch-invariant).
         group: expert-parallel process group (None: all experts on this device). Rank r of the group
             owns global experts [r*L, (r+1)*L). Router, bias and shared expert are replicated.
+        dp_group: data-parallel process group of this layer's experts, or None: the ranks that hold the
+            same experts as this one (the same EP rank in the other replicas of the EP group; with no
+            EP group, every data-parallel rank). Only the aux-loss-free bias update uses it: routing counts
+            are summed over ``group`` and then ``dp_group``, i.e. over every rank that routes tokens
+            through the layer, so every replica applies the same update (Megatron-core's
+            ``finalize_model_grads._update_router_expert_bias`` all-reduces tokens per expert over its
+            TP x CP x DP ranks for the same reason). Without it, the replicas of a DP x EP job would
+            update their biases from their own tokens only and drift apart. Gradients are the caller's
+            to reduce (megamoe.train shows one way).
         device: where parameters are created. seed: parameter init seed (None: torch's global RNG).
         ep_save_preact: fused backend with a group only: keep the routed gate/up pre-activations of
             the received rows from forward to backward (C x 2F elements per call, e.g. 537 MB for
@@ -61,21 +70,26 @@ class MoE(nn.Module):
     ``config.dtype`` for the experts (router math is fp32). Sequences for the balance loss are the
     second-to-last dimension of ``x`` (all tokens form one sequence for 2-D input).
 
-    Raises ValueError for a bad backend, an E not divisible by the group size, or a wrong input shape
-    or device; TypeError for a non-floating input or a non-bool ep_save_preact; FloatingPointError for
+    Raises ValueError for a bad backend, an E not divisible by the group size, ``dp_group`` the same
+    group as ``group``, or a wrong input shape or device; TypeError for a group that is not a
+    ProcessGroup, a non-floating input or a non-bool ep_save_preact; FloatingPointError for
     non-finite router logits on CPU under ``nan_policy="raise"`` (on CUDA a device-side assert, no sync).
     """
 
-    def __init__(self, config: MoEConfig, *, backend: str = "reference", group=None, device=None,
-                 seed: int | None = None, ep_save_preact: bool = True):
+    def __init__(self, config: MoEConfig, *, backend: str = "reference", group=None, dp_group=None,
+                 device=None, seed: int | None = None, ep_save_preact: bool = True):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"megamoe.MoE: config must be a MoEConfig, got {type(config).__name__}")
         if backend not in BACKENDS:
             raise ValueError(f"megamoe.MoE: backend must be one of {BACKENDS}, got {backend!r}")
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"megamoe.MoE: group must be a torch.distributed.ProcessGroup or None, got "
-                            f"{type(group).__name__}")
+        for name, g in (("group", group), ("dp_group", dp_group)):
+            if g is not None and not isinstance(g, dist.ProcessGroup):
+                raise TypeError(f"megamoe.MoE: {name} must be a torch.distributed.ProcessGroup or None, got "
+                                f"{type(g).__name__}")
+        if group is not None and group is dp_group:
+            raise ValueError("megamoe.MoE: dp_group must be the ranks holding the same experts (one per EP "
+                             "group), not the EP group itself")
         if backend == "fused" and config.dtype not in FUSED_DTYPES:
             raise ValueError(f"megamoe.MoE: backend='fused' supports dtypes {FUSED_DTYPES}, config has {config.dtype}; "
                              "use backend='reference' for float64")
@@ -85,6 +99,7 @@ class MoE(nn.Module):
         self.backend = backend
         self.ep_save_preact = ep_save_preact
         self.group = group
+        self.dp_group = dp_group
         self.ep_size = dist.get_world_size(group) if group is not None else 1
         self.ep_rank = dist.get_rank(group) if group is not None else 0
         c = config
@@ -196,13 +211,16 @@ class MoE(nn.Module):
     def update_expert_bias(self) -> None:
         """Aux-loss-free bias update from the counts of training-mode forwards since the last call.
 
-        Counts are summed over ``group`` with an all-reduce (stream-ordered, no host sync), so every
-        rank applies the same update. No-op when the config has no expert bias.
+        Counts (int64) are summed over ``group`` and then ``dp_group`` with all-reduces (stream-ordered,
+        no host sync; integers, so exact in any order), so every rank of the job applies the same update.
+        Call on every rank of both groups. No-op when the config has no expert bias.
         """
         counts_E = self.counts_since_update_E
         if self.expert_bias_E is not None:
-            if self.group is not None:
+            groups = [g for g in (self.group, self.dp_group) if g is not None]
+            if groups:
                 counts_E = counts_E.clone()
-                dist.all_reduce(counts_E, group=self.group)
+            for g in groups:
+                dist.all_reduce(counts_E, group=g)
             ref.update_expert_bias_(self.expert_bias_E, counts_E, self.config.bias_update_rate)
         self.counts_since_update_E.zero_()

@@ -9,8 +9,9 @@
 #   sweep (scripts/gemm_sweep.py $SWEEP_ARGS: per-GEMM tile candidates, bitwise checked),
 #   comm (scripts/comm_bench.py $COMM_ARGS: dispatch / combine GB/s vs the peer-copy rate, 2 GPUs),
 #   abgluon (the layer with the Gluon weight-gradient kernel off, MEGAMOE_GLUON=0, then on; $ABGLUON_CASES),
-#   eptests (only tests/test_ep_gpu.py, the EP GPU tests at the sizes MEGAMOE_TEST_EP_SIZES allows),
-#   epshared (tests/test_ep_gpu.py with the ranks sharing the visible GPUs, MEGAMOE_TEST_EP_SHARED_GPU=1, at
+#   eptests (only tests/test_ep_gpu.py, the EP GPU tests at the sizes MEGAMOE_TEST_EP_SIZES allows, and
+#     tests/test_dp_ep_gpu.py, DP x EP in 4 ranks: skipped below 4 GPUs),
+#   epshared (tests/test_ep_gpu.py and test_dp_ep_gpu.py with the ranks sharing the visible GPUs, MEGAMOE_TEST_EP_SHARED_GPU=1, at
 #     the sizes $EPSHARED_SIZES, default 2,4,8, ~140 s: W > 1 on a one-GPU machine; the protocol and kernels,
 #     not NVLink or speed),
 #   abtiles (layer A/B of tile replacements: the table, then each MEGAMOE_TILES value of the space-separated
@@ -61,11 +62,12 @@ for s in "${STAGES[@]}"; do
   case $s in
     tests) stage tests "${LIMIT_TESTS:-480}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=10 \
               tests/test_fused_gpu.py tests/test_wgrad_gluon_gpu.py tests/test_m_grouped_gluon_gpu.py tests/test_torch_wgrad_gpu.py \
-              tests/test_ep_gpu.py ;;
+              tests/test_ep_gpu.py tests/test_dp_ep_gpu.py ;;
     eptests) stage eptests "${LIMIT_EPTESTS:-240}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=5 \
-              tests/test_ep_gpu.py ;;
+              tests/test_ep_gpu.py tests/test_dp_ep_gpu.py ;;
     epshared) MEGAMOE_TEST_EP_SHARED_GPU=1 MEGAMOE_TEST_EP_SIZES="${EPSHARED_SIZES:-2,4,8}" stage epshared \
-              "${LIMIT_EPSHARED:-480}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=5 tests/test_ep_gpu.py ;;
+              "${LIMIT_EPSHARED:-480}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=5 tests/test_ep_gpu.py \
+              tests/test_dp_ep_gpu.py ;;
     gluon) stage gluon "${LIMIT_GLUON:-200}" python3 -m pytest -q -ra -m gpu tests/test_m_grouped_gluon_gpu.py tests/test_wgrad_gluon_gpu.py \
               tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape ;;
     bench1) stage bench1 "${LIMIT_BENCH1:-200}" python3 -m megamoe.bench --quiet --iters "$ITERS" \

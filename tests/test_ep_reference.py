@@ -104,3 +104,83 @@ def _mismatch_worker(rank, world):
 
 def test_mismatched_configs_across_ranks_raise_clear_errors():
     spawn_ranks(_mismatch_worker, 2, backend="gloo", timeout=120)
+
+
+def _layout_groups(world: int, ep: int, ep_inner: bool):
+    """(EP groups, DP groups) as rank lists: EP groups of ``ep`` consecutive ranks (``ep_inner``, a node's GPUs)
+    or strided ones (rank r in EP group r % (world // ep)); each DP group holds one rank of every EP group."""
+    R = world // ep
+    if ep_inner:
+        eps = [list(range(i * ep, (i + 1) * ep)) for i in range(R)]
+    else:
+        eps = [list(range(i, world, R)) for i in range(R)]
+    dps = [[g[j] for g in eps] for j in range(ep)]
+    return eps, dps
+
+
+def _dp_ep_worker(rank, world, ep, tokens_per_rank):
+    for ep_inner in (True, False):  # consecutive, then strided EP groups (one spawn for both)
+        _dp_ep_case(rank, world, ep, ep_inner, tokens_per_rank)
+
+
+def _dp_ep_case(rank, world, ep, ep_inner, tokens_per_rank):
+    """DP x EP: the layer with ``group`` = this rank's EP group and ``dp_group`` = the ranks holding the same
+    experts. Each EP group computes its own tokens; after the data-parallel gradient sums (replicated
+    parameters over all ranks, experts over their replicas) every gradient equals the single-process
+    reference on the global batch, and every rank's expert bias update equals the single-process one."""
+    eps, dps = _layout_groups(world, ep, ep_inner)
+    groups = {tuple(g): dist.new_group(g) for g in eps + dps}  # every rank creates every group, same order
+    my_ep = next(g for g in eps if rank in g)
+    my_dp = next(g for g in dps if rank in g)
+    ep_rank = my_ep.index(rank)
+    cfg = _cfg()
+    L = cfg.num_experts // ep
+    T_all = sum(tokens_per_rank)
+    torch.manual_seed(0)
+    x = torch.randn(1, T_all, cfg.hidden_size, dtype=torch.float64)
+    dy = torch.randn(1, T_all, cfg.hidden_size, dtype=torch.float64)
+    layer = MoE(cfg, backend="reference", group=groups[tuple(my_ep)], dp_group=groups[tuple(my_dp)], seed=7)
+    layer_1 = MoE(cfg, backend="reference", seed=7)
+    lo = sum(tokens_per_rank[:rank])
+    mine = slice(lo, lo + tokens_per_rank[rank])
+    y = layer(x[:, mine])
+    y1 = layer_1(x)
+    tol = dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y, y1[:, mine], **tol)
+    (y * dy[:, mine]).sum().backward()
+    (y1 * dy).sum().backward()
+    experts = slice(ep_rank * L, (ep_rank + 1) * L)
+    for name, p in layer.named_parameters():
+        g = p.grad.clone()
+        # fp64 parameters to summation order (1e-12); the fp32 router's to torch's default fp32 tolerance
+        ptol = tol if p.dtype == torch.float64 else {}
+        if name in ("w13_LGD", "w2_LDF"):  # summed over the EP group's tokens; the replicas add the rest
+            dist.all_reduce(g, group=groups[tuple(my_dp)])
+            torch.testing.assert_close(g, getattr(layer_1, name).grad[experts], **ptol)
+        else:  # replicated: per-rank partials, summed over all ranks
+            dist.all_reduce(g)
+            torch.testing.assert_close(g, getattr(layer_1, name).grad, **ptol, msg=name)
+    layer.update_expert_bias()
+    layer_1.update_expert_bias()
+    assert torch.equal(layer.expert_bias_E, layer_1.expert_bias_E)
+    assert layer_1.expert_bias_E.abs().max() > 0  # the update did move the bias
+
+
+@pytest.mark.parametrize("world, ep, tokens", [
+    (4, 2, [5, 0, 9, 3]),   # 2 replicas of an EP=2 group, a rank with zero tokens
+    (4, 1, [4, 6, 0, 2]),   # pure data parallelism: every rank holds all experts
+])
+def test_dp_x_ep_matches_single_process(world, ep, tokens):
+    spawn_ranks(_dp_ep_worker, world, ep, tokens, backend="gloo", timeout=120)
+
+
+def _dp_group_worker(rank, world):
+    g = dist.group.WORLD
+    with pytest.raises(ValueError, match="dp_group must be the ranks holding the same experts"):
+        MoE(_cfg(), group=g, dp_group=g)
+    with pytest.raises(TypeError, match="dp_group must be a torch.distributed.ProcessGroup or None"):
+        MoE(_cfg(), group=g, dp_group=[0, 1])
+
+
+def test_dp_group_errors():
+    spawn_ranks(_dp_group_worker, 2, backend="gloo", timeout=120)

@@ -266,6 +266,47 @@ def test_ep2_check_on_cpu_gloo():
     assert _first_step_bitwise_equal(p.stdout), p.stdout
 
 
+def test_dp_x_ep_on_cpu_gloo_keeps_replicas_identical(tmp_path):
+    """4 ranks as 2 replicas of an EP=2 group (--ep-size 2, reference backend, gloo): after training, every
+    replicated parameter and the expert bias are bitwise equal on all 4 ranks and each EP rank's experts
+    bitwise equal on its 2 replicas (the bias counts summed over the EP group only would let the replicas'
+    biases drift apart); --check passes with the first step bitwise equal to EP=1 on the global batch; a
+    resume at another EP size is refused by name."""
+    out = tmp_path / "run"
+    p = _torchrun(4, "--preset", "tiny", "--steps", "6", "--ep-size", "2", "--out", str(out), "--no-progress",
+                  "--data", str(CORPUS), "--device", "cpu", timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "EP=2 x DP=2" in p.stdout
+    states = [torch.load(out / f"checkpoint_rank{r}.pt", map_location="cpu", weights_only=True)["model"]
+              for r in range(4)]
+    expert_keys = [k for k in states[0] if k.endswith((".w13_LGD", ".w2_LDF"))]
+    bias_keys = [k for k in states[0] if k.endswith(".expert_bias_E")]
+    assert expert_keys and bias_keys
+    assert any(states[0][k].abs().max() > 0 for k in bias_keys)  # the bias did move
+    for r in (1, 2, 3):
+        for k, v in states[0].items():
+            if k not in expert_keys:
+                assert torch.equal(v, states[r][k]), (r, k)
+    for k in expert_keys:
+        assert torch.equal(states[0][k], states[2][k]) and torch.equal(states[1][k], states[3][k]), k
+        assert not torch.equal(states[0][k], states[1][k]), k  # EP ranks hold different experts
+    again = _torchrun(4, "--out", str(out), "--resume", "--ep-size", "4", "--no-progress", "--data", str(CORPUS),
+                      "--device", "cpu", timeout=240)
+    assert again.returncode != 0 and "checkpoint was written at EP size 2, this job has 4" in again.stderr, \
+        again.stdout + again.stderr
+    c = _torchrun(4, "--preset", "tiny", "--check", "--steps", "3", "--ep-size", "2", "--data", str(CORPUS),
+                  "--device", "cpu", timeout=240)
+    assert c.returncode == 0 and "EP=2 x DP=2 vs EP=1" in c.stdout, c.stdout + c.stderr
+    assert _first_step_bitwise_equal(c.stdout), c.stdout
+
+
+def test_ep_size_must_divide_the_ranks():
+    p = _torchrun(2, "--preset", "tiny", "--steps", "1", "--ep-size", "3", "--out", "", "--device", "cpu",
+                  "--data", str(CORPUS), timeout=120)
+    assert p.returncode != 0 and "--ep-size must be a positive divisor of the 2 ranks, got 3" in p.stderr, \
+        p.stdout + p.stderr
+
+
 # ---------------------------------------------------------------- GPU (run by the GPU machine)
 
 def _run(*args: str, timeout: int) -> subprocess.CompletedProcess:

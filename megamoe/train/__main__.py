@@ -3,8 +3,9 @@
 With no arguments it picks the best it can run on:
   * CPU only            -> reference backend, preset "mini" (about 3 minutes on 2 cores);
   * one CUDA GPU        -> fused backend, preset "small", bf16 experts, bf16 autocast elsewhere;
-  * ``torchrun --nproc-per-node N`` -> expert parallelism over the N ranks (EP=N, data parallel for
-    everything else), NCCL on GPUs (gloo on CPU, reference backend).
+  * ``torchrun --nproc-per-node W`` -> expert parallelism over the W ranks (EP=W, data parallel for
+    everything else), NCCL on GPUs (gloo on CPU, reference backend); ``--ep-size N`` splits the W ranks
+    into W/N EP groups of N consecutive ranks, data parallel across the groups (DP x EP, as across nodes).
 
 Examples::
 
@@ -14,6 +15,7 @@ Examples::
     python -m megamoe.train --out runs/mini-ep1 --resume  # continue from the run's checkpoint
     python -m megamoe.train --check                       # fused vs reference (and EP=W vs EP=1)
     torchrun --nproc-per-node 2 -m megamoe.train --check
+    torchrun --nproc-per-node 4 -m megamoe.train --ep-size 2   # 2 replicas of an EP=2 group
 
 See docs/train.md for the run folder's contents.
 """
@@ -32,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .data import load_corpus
-from .loop import Dist, RunConfig, train
+from .loop import Dist, RunConfig, layout, train
 from .model import MODEL_PRESETS, get_model_preset
 
 
@@ -49,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("auto", "reference", "fused"), default="auto",
                    help="MoE backend; auto = fused on CUDA, reference on CPU")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--ep-size", type=int,
+                   help="under torchrun: ranks per EP group (a divisor of the world size; default: all ranks)")
     p.add_argument("--out", help="run folder (default runs/<preset>-ep<W>); '' writes nothing")
     p.add_argument("--data", help="text file or folder (default: this Python's standard library sources)")
     p.add_argument("--seq-aux-coef", type=float,
@@ -68,20 +72,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _setup_dist(device_arg: str | None) -> tuple[Dist, str]:
-    """Initialise torch.distributed under torchrun (WORLD_SIZE > 1); returns (Dist, device string)."""
+def _setup_dist(device_arg: str | None, ep_size: int | None = None) -> tuple[Dist, str]:
+    """Initialise torch.distributed under torchrun (WORLD_SIZE > 1) and split it into EP groups of
+    ``ep_size`` ranks (default: one group of all); returns (Dist, device string)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available() if device_arg is None else device_arg.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA GPU is available")
+    if ep_size is not None and (ep_size < 1 or world % ep_size):
+        raise SystemExit(f"error: --ep-size must be a positive divisor of the {world} ranks, got {ep_size}")
     if world == 1:
         return Dist(), (device_arg or ("cuda" if cuda else "cpu"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
-    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), group=dist.group.WORLD), \
-        (f"cuda:{local}" if cuda else "cpu")
+    return Dist.from_world(ep_size, "cuda" if cuda else "cpu"), (f"cuda:{local}" if cuda else "cpu")
 
 
 def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
@@ -106,10 +112,11 @@ def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
             raise SystemExit(f"error: --seq-aux-coef must be >= 0, got {args.seq_aux_coef}")
         moe_changes["seq_aux_loss_coef"] = args.seq_aux_coef
     cfg = cfg.replace(**changes, moe=cfg.moe.replace(**moe_changes))
-    if cfg.moe.num_experts % dctx.world:
+    if cfg.moe.num_experts % dctx.ep_size:
         raise SystemExit(f"error: preset {cfg.name!r} has {cfg.moe.num_experts} experts, not divisible by "
-                         f"the EP size {dctx.world}")
-    out = args.out if args.out is not None else f"runs/{cfg.name}-ep{dctx.world}"
+                         f"the EP size {dctx.ep_size}")
+    out = args.out if args.out is not None else (f"runs/{cfg.name}-ep{dctx.ep_size}"
+                                                      + (f"-dp{dctx.replicas}" if dctx.replicas > 1 else ""))
     return RunConfig(model=cfg, backend=backend, device=device, seed=args.seed, data=args.data,
                      out_dir=out or None, log_every=max(1, args.log_every), ckpt_every=args.ckpt_every,
                      stop_after=args.stop_after, progress=not args.no_progress and dctx.main,
@@ -136,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dctx, device = _setup_dist(args.device)
+    dctx, device = _setup_dist(args.device, args.ep_size)
     say = print if dctx.main else (lambda *a, **k: None)
     try:
         rc = resolve(args, dctx, device)
@@ -166,7 +173,7 @@ def _train_and_report(rc: RunConfig, dctx: Dist, corpus, *, resume: bool, say) -
     cfg = rc.model
     device_name = torch.cuda.get_device_name(rc.device) if rc.device.startswith("cuda") else "cpu"
     say(f"training preset {cfg.name!r} for {cfg.steps} steps on {device_name} x{dctx.world} "
-        f"(backend {rc.backend}, EP={dctx.world}) -> {rc.out_dir or '(no run folder)'}")
+        f"(backend {rc.backend}, {layout(dctx)}) -> {rc.out_dir or '(no run folder)'}")
     bar = ProgressBar(total=rc.stop_after and min(rc.stop_after, cfg.steps) or cfg.steps, initial=0,
                       enabled=rc.progress, say=None if rc.progress or not dctx.main else say)
     try:
@@ -175,11 +182,11 @@ def _train_and_report(rc: RunConfig, dctx: Dist, corpus, *, resume: bool, say) -
         bar.close()
     if dctx.main and rc.out_dir and rc.save_plot and (Path(rc.out_dir) / "metrics.jsonl").exists():
         try:
-            plot_run(Path(rc.out_dir), title=f"megamoe.train {cfg.name}: {rc.backend} backend, EP={dctx.world}, "
+            plot_run(Path(rc.out_dir), title=f"megamoe.train {cfg.name}: {rc.backend} backend, {layout(dctx)}, "
                                             f"{device_name}")
         except ValueError as e:  # e.g. a resumed run with nothing left to do
             say(f"(no plot: {e})")
-    say(summary(rc, res, world=dctx.world, device_name=device_name))
+    say(summary(rc, res, world=dctx.world, device_name=device_name, layout=layout(dctx)))
     return 0
 
 

@@ -1,17 +1,18 @@
 """``python -m megamoe.train --check``: the same training steps on several backends, compared.
 
-Legend: W EP size of the job (torchrun ranks), P compared steps.
+Legend: W ranks of the job (torchrun), N EP size (``--ep-size``, default W), R = W / N replicas, P compared
+steps. "EP=N" below reads "EP=N x DP=R" when R > 1.
 
 Runs (same seed, data and steps; nothing written to disk):
-  candidate  the fused backend (experts in bf16) at EP=W;  on a CPU-only machine the reference backend;
-  reference  the plain-PyTorch reference backend, same expert dtype, EP=W;
+  candidate  the fused backend (experts in bf16) at EP=N;  on a CPU-only machine the reference backend;
+  reference  the plain-PyTorch reference backend, same expert dtype, EP=N;
   exact      the reference backend with fp64 experts (fp32 on GPU, where fp64 GEMMs would crawl),
              initialised from the same values as the other two (cast up from their dtype).
 The candidate passes when its largest per-step loss difference to ``exact`` is at most twice the
 reference's own difference to ``exact`` plus ``atol`` (the project's tolerance rule: the kernel's
 error may be at most 2x PyTorch's own error at the same dtype, plus a small absolute slack).
 
-At EP=W > 1 one more run, on every rank: the candidate at EP=1 on the global batch (all W ranks'
+At W > 1 one more run, on every rank: the candidate at EP=1 on the global batch (all W ranks'
 data) with W virtual ranks (``GPT.forward(chunks=W)``: dense layers per rank slice, MoE layers on the
 whole batch), and the per-step loss trajectories are compared bit for bit. The first step's loss
 depends only on the forward pass and must be bitwise equal (megamoe's batch-invariance contract);
@@ -27,7 +28,7 @@ import dataclasses
 import torch
 
 from .data import Corpus
-from .loop import Dist, RunConfig, train
+from .loop import Dist, RunConfig, layout, train
 
 __all__ = ["run_check"]
 
@@ -63,14 +64,15 @@ def run_check(rc: RunConfig, dctx: Dist, corpus: Corpus, *, atol: float = 2e-2, 
     high = torch.float32 if on_gpu else torch.float64
     W = dctx.world
     P = rc.model.steps
-    say(f"--check: {P} steps of preset {rc.model.name!r}, seed {rc.seed}, EP={W}, device {rc.device}")
+    lay = layout(dctx)
+    say(f"--check: {P} steps of preset {rc.model.name!r}, seed {rc.seed}, {lay}, device {rc.device}")
     runs = {}
     plan = [("candidate", _variant(rc, backend=cand_backend, dtype=low, init_dtype=low)),
             ("reference", _variant(rc, backend="reference", dtype=low, init_dtype=low)),
             ("exact", _variant(rc, backend="reference", dtype=high, init_dtype=low))]
     for name, v in plan:
         say(f"  running {name:<10} backend={v.backend:<9} experts={str(v.model.moe.dtype).replace('torch.', '')}"
-            f" EP={W} ...")
+            f" {lay} ...")
         runs[name] = train(v, dctx, corpus=corpus).losses
     if W > 1:
         v = _variant(rc, backend=cand_backend, dtype=low, init_dtype=low, virtual_ranks=W)
@@ -93,9 +95,9 @@ def run_check(rc: RunConfig, dctx: Dist, corpus: Corpus, *, atol: float = 2e-2, 
     if W > 1:
         first = _first_difference(runs["candidate"], runs["ep1"])
         if first is None:
-            say(f"  EP={W} vs EP=1: loss trajectories bitwise equal over all {P} steps -> PASS")
+            say(f"  {lay} vs EP=1: loss trajectories bitwise equal over all {P} steps -> PASS")
         else:
-            say(f"  EP={W} vs EP=1: bitwise equal for the first {first} step(s), then differ "
+            say(f"  {lay} vs EP=1: bitwise equal for the first {first} step(s), then differ "
                 f"(largest difference {_max_diff(runs['candidate'], runs['ep1']):.3e})")
             forward_ok = first > 0
             ok = ok and forward_ok and not strict

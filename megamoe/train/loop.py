@@ -1,15 +1,17 @@
 """The training loop: model and optimizer setup, steps, evaluation, metrics, checkpoints, routing trace.
 
 Legend: B sequences per rank, S sequence length, V vocabulary, E experts, K top-k, L_ MoE layers
-(``n_layer``), W data-parallel ranks = EP size, C virtual ranks of an EP=1 run emulating EP=C.
+(``n_layer``), W ranks of the job (each with its own batch), N EP size (ranks in a row form an EP group),
+R = W / N replicas of the experts (data parallelism over the EP groups), C virtual ranks of an EP=1 run
+emulating EP=C.
 
 One optimizer step: batch(step, rank) -> forward (bf16 autocast on CUDA; MoE layers in their own dtype)
--> loss = cross-entropy + the MoE layers' sequence-wise balance losses -> backward -> under EP, the
-replicated (dense, router, shared-expert) gradients are averaged over ranks with ``all_reduce`` and the
-rank's own expert gradients divided by W (each already sums every rank's tokens) -> AdamW ->
-aux-loss-free expert-bias update of every MoE layer from the counts of this step (all-reduced over the
-EP group inside the layer). Nothing in a step reads a value back to the host; logging does, every
-``log_every`` steps, in one transfer.
+-> loss = cross-entropy + the MoE layers' sequence-wise balance losses -> backward -> with W > 1, the
+replicated (dense, router, shared-expert) gradients are summed over the W ranks with ``all_reduce``, the
+rank's own expert gradients (each already sums its EP group's tokens) over its R replicas, and both are
+divided by W -> AdamW -> aux-loss-free expert-bias update of every MoE layer from the counts of this step
+(all-reduced over the EP group and the replicas inside the layer, so over all W ranks). Nothing in a step
+reads a value back to the host; logging does, every ``log_every`` steps, in one transfer.
 
 Determinism: batches depend only on (seed, step, rank); parameter init only on the seed; nothing is
 timed or autotuned. A checkpoint holds model, optimizer, step and RNG states, so resuming gives the
@@ -36,20 +38,58 @@ from .data import Corpus, load_corpus, train_batch, val_batches
 from .model import GPT, ModelConfig
 from .timing import StepTimer
 
-__all__ = ["RunConfig", "RunResult", "Dist", "train", "build_model"]
+__all__ = ["RunConfig", "RunResult", "Dist", "layout", "train", "build_model"]
 
 
 @dataclass
 class Dist:
-    """This process's place in the job: rank / world size of the EP (= data-parallel) group."""
+    """This process's place in the job.
+
+    ``rank`` / ``world`` (W) and ``group``: the whole job (every rank has its own batch; the dense,
+    router and shared-expert parameters are replicated on all W). ``ep_size`` (N): ranks
+    [i*N, (i+1)*N) form EP group i (``ep_group``, the routed experts sharded over it; None when N = 1);
+    ``expert_dp_group``: the R = W / N ranks with this rank's EP rank, which hold the same experts
+    (None when R = 1). Built by :meth:`from_world`.
+    """
 
     rank: int = 0
     world: int = 1
-    group: object = None  # torch.distributed group when world > 1
+    group: object = None  # the whole job's process group when world > 1
+    ep_size: int = 1
+    ep_group: object = None
+    expert_dp_group: object = None
 
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def replicas(self) -> int:
+        """R = W / N: the data-parallel replicas of each expert."""
+        return self.world // self.ep_size
+
+    @classmethod
+    def from_world(cls, ep_size: int | None = None, device_type: str = "cpu") -> "Dist":
+        """The initialised default process group split into EP groups of ``ep_size`` consecutive ranks
+        (default: all of them) through a :class:`torch.distributed.device_mesh.DeviceMesh` of shape
+        (R, N), dims ("dp", "ep"). Collective: call on every rank. Raises ValueError if N does not divide W."""
+        W = dist.get_world_size()
+        N = W if ep_size is None else ep_size
+        if N < 1 or W % N:
+            raise ValueError(f"EP size {N} must be a positive divisor of the {W} ranks")
+        if N == W:  # no subgroups needed
+            return cls(rank=dist.get_rank(), world=W, group=dist.group.WORLD, ep_size=N,
+                       ep_group=dist.group.WORLD if N > 1 else None)
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device_type, (W // N, N), mesh_dim_names=("dp", "ep"))
+        return cls(rank=dist.get_rank(), world=W, group=dist.group.WORLD, ep_size=N,
+                   ep_group=mesh["ep"].get_group() if N > 1 else None,
+                   expert_dp_group=mesh["dp"].get_group())
+
+
+def layout(dctx: Dist) -> str:
+    """``"EP=N"``, or ``"EP=N x DP=R"`` with replicas (reports, run-folder names)."""
+    return f"EP={dctx.ep_size}" + (f" x DP={dctx.replicas}" if dctx.replicas > 1 else "")
 
 
 @dataclass
@@ -91,21 +131,23 @@ class RunResult:
 
 
 def build_model(rc: RunConfig, dctx: Dist, device: torch.device) -> GPT:
-    """The model with MoE layers on ``rc.backend``, EP over ``dctx.group``; same init bits on every rank."""
+    """The model with MoE layers on ``rc.backend``, EP over ``dctx.ep_group`` and the bias counts also
+    over ``dctx.expert_dp_group``; same init bits on every rank."""
     from .. import MoE  # the layer imports triton lazily for the fused backend only
 
     cfg = rc.model
-    group = dctx.group if dctx.world > 1 else None
+    group, dp_group = dctx.ep_group, dctx.expert_dp_group
 
     def moe_factory(i: int):
-        return MoE(cfg.moe, backend=rc.backend, group=group, device="cpu", seed=rc.seed * 1000 + i)
+        return MoE(cfg.moe, backend=rc.backend, group=group, dp_group=dp_group, device="cpu",
+                   seed=rc.seed * 1000 + i)
 
     model = GPT(cfg, moe_factory, seed=rc.seed)
     if rc.init_dtype is not None and rc.init_dtype != cfg.moe.dtype:
         # Same initial values as a run with init_dtype experts (random draws depend on the dtype).
         init_cfg = cfg.replace(moe=cfg.moe.replace(dtype=rc.init_dtype))
-        init = GPT(init_cfg, lambda i: MoE(init_cfg.moe, backend=rc.backend, group=group, device="cpu",
-                                           seed=rc.seed * 1000 + i), seed=rc.seed)
+        init = GPT(init_cfg, lambda i: MoE(init_cfg.moe, backend=rc.backend, group=group, dp_group=dp_group,
+                                           device="cpu", seed=rc.seed * 1000 + i), seed=rc.seed)
         model.load_state_dict(init.state_dict())  # copy_ casts to each parameter's own dtype
     return model.to(device)
 
@@ -199,7 +241,7 @@ def save_checkpoint(run_dir: Path, dctx: Dist, model: GPT, opt, step: int, devic
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
              "rng_cpu": torch.get_rng_state(),
              "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-             "world": dctx.world, "rank": dctx.rank}
+             "world": dctx.world, "rank": dctx.rank, "ep_size": dctx.ep_size}
     path = _ckpt_path(run_dir, dctx)
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -217,6 +259,10 @@ def load_checkpoint(run_dir: Path, dctx: Dist, model: GPT, opt, device: torch.de
     state = torch.load(path, map_location="cpu", weights_only=True)
     if state["world"] != dctx.world:
         raise ValueError(f"--resume: checkpoint was written by {state['world']} ranks, this job has {dctx.world}")
+    saved_ep = state.get("ep_size", state["world"])  # checkpoints before --ep-size: EP = all ranks
+    if saved_ep != dctx.ep_size:
+        raise ValueError(f"--resume: checkpoint was written at EP size {saved_ep}, this job has {dctx.ep_size} "
+                         "(each rank's file holds its own experts)")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng_cpu"])
@@ -226,7 +272,8 @@ def load_checkpoint(run_dir: Path, dctx: Dist, model: GPT, opt, device: torch.de
 
 
 def _allreduce_grads(model: GPT, dctx: Dist) -> None:
-    """Average replicated gradients over the ranks; scale the rank's own experts' gradients by 1/W."""
+    """Average gradients over the W ranks: replicated ones summed over all W, the rank's own experts' (each
+    already summing its EP group's tokens) over their R replicas, then both divided by W."""
     W = dctx.world
     expert = {id(p) for p in _expert_params(model)}
     for p in model.parameters():
@@ -234,6 +281,8 @@ def _allreduce_grads(model: GPT, dctx: Dist) -> None:
             continue
         if id(p) not in expert:
             dist.all_reduce(p.grad, group=dctx.group)
+        elif dctx.expert_dp_group is not None:
+            dist.all_reduce(p.grad, group=dctx.expert_dp_group)
         p.grad.div_(W)
 
 

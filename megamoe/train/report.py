@@ -73,13 +73,13 @@ def _balance(loads_LE: list[list[int]]) -> float:
     return sum(vals) / len(vals)
 
 
-def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str) -> str:
-    """The one-screen end-of-run report (plain text)."""
+def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str, layout: str | None = None) -> str:
+    """The one-screen end-of-run report (plain text); ``layout`` e.g. "EP=2 x DP=2" (default "EP=<world>")."""
     cfg, moe = rc.model, rc.model.moe
     total, active = param_counts(res.model)
     n = len(res.losses)
     lines = ["", "=" * 78,
-             f"megamoe.train  preset={cfg.name}  backend={rc.backend}  device={device_name}  EP={world}",
+             f"megamoe.train  preset={cfg.name}  backend={rc.backend}  device={device_name}  {layout or f'EP={world}'}",
              f"model: {cfg.n_layer} layers, D={cfg.d_model}, {cfg.n_head} heads; MoE E={moe.num_experts} "
              f"K={moe.top_k} F={moe.moe_intermediate_size} shared S={moe.shared_intermediate_size} "
              f"groups {moe.topk_group}/{moe.n_group}, experts in {str(moe.dtype).replace('torch.', '')}",
