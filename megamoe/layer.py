@@ -20,9 +20,93 @@ from . import reference as ref
 from .config import MoEConfig
 from .functional import FUSED_DTYPES
 
-__all__ = ["MoE", "RouterStats"]
+__all__ = ["MoE", "Router", "RoutedExperts", "SharedExpert", "RouterStats"]
 
 BACKENDS = ("reference", "fused")
+
+
+class Router(nn.Module):
+    """The router of :class:`MoE` (``moe.router``): weight ``w_ED`` (fp32 [E, D]).
+
+    forward(x_TD) -> fp32 logits [T, E]: megamoe's batch-invariant Triton GEMM on the fused backend
+    (:func:`megamoe.functional.router_logits`), ``reference.router_logits`` otherwise. A submodule of its
+    own because its weight is fp32 while the rest of the layer is in the config's dtype, and FSDP2 wants
+    one dtype per wrapped module (``fully_shard(moe.router, mesh=...)``; see :class:`MoE`).
+    """
+
+    def __init__(self, num_experts: int, hidden: int, *, device, backend: str):
+        super().__init__()
+        self.backend = backend
+        self.w_ED = nn.Parameter(torch.empty(num_experts, hidden, device=device, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.backend == "fused":
+            from .functional import router_logits
+            return router_logits(x_TD, self.w_ED)
+        return ref.router_logits(x_TD, self.w_ED)
+
+
+class SharedExpert(nn.Module):
+    """The shared expert's weights (``moe.shared_expert``): ``w13_HD`` [2S, D] (gate rows, then up rows) and
+    ``w2_DS`` [D, S], in the config's dtype. No forward of its own: the routed experts' call computes it in
+    the same kernel sequence (:class:`RoutedExperts`), inside :meth:`MoE.forward`, so a wrapper that
+    gathers parameters around a forward (FSDP2) manages it as part of the enclosing MoE module."""
+
+    def __init__(self, hidden: int, ffn: int, *, device, dtype: torch.dtype):
+        super().__init__()
+        self.w13_HD = nn.Parameter(torch.empty(2 * ffn, hidden, device=device, dtype=dtype))
+        self.w2_DS = nn.Parameter(torch.empty(hidden, ffn, device=device, dtype=dtype))
+
+
+class RoutedExperts(nn.Module):
+    """This EP rank's routed SwiGLU experts, the experts' part of :class:`MoE` (``moe.experts``).
+
+    Parameters: ``w13_LGD`` [L, 2F, D] (gate rows, then up rows) and ``w2_LDF`` [L, D, F], in the
+    config's dtype. A submodule of its own so that a data-parallel wrapper can treat the experts apart
+    from the replicated parameters: in a DP x EP job the experts are replicated over ``dp_group`` only,
+    the router and the shared expert over every rank. E.g. FSDP2 shards them over the replicas with
+    ``fully_shard(moe.experts, mesh=dp_mesh)`` (the split torchtitan makes for its ``GroupedExperts``
+    with its ``dp_mod_ep`` mesh) and gathers them around this module's forward, which
+    :meth:`MoE.forward` calls once per call.
+
+    forward(x_TD, topk_ids_TK, topk_weights_TK, shared_w13_HD, shared_w2_DS) -> out_TD [T, D] in x's
+    dtype: routed experts (over the EP group if any) + shared expert + the fp32 combine in slot order, on
+    the MoE's backend (see :class:`MoE`); inputs as :func:`megamoe.functional.moe_experts` takes them.
+    """
+
+    def __init__(self, num_local_experts: int, hidden: int, ffn: int, *, device, dtype: torch.dtype, backend: str,
+                 group, ep_save_preact: bool):
+        super().__init__()
+        L, D, F = num_local_experts, hidden, ffn
+        self.backend, self.group, self.ep_save_preact = backend, group, ep_save_preact
+        self.w13_LGD = nn.Parameter(torch.empty(L, 2 * F, D, device=device, dtype=dtype))
+        self.w2_LDF = nn.Parameter(torch.empty(L, D, F, device=device, dtype=dtype))
+
+    def forward(self, x_TD, topk_ids_TK, topk_weights_TK, shared_w13_HD=None, shared_w2_DS=None):
+        args = (x_TD, topk_ids_TK, topk_weights_TK, self.w13_LGD, self.w2_LDF, shared_w13_HD, shared_w2_DS)
+        if self.group is not None and self.backend == "reference":
+            from .reference_ep import moe_experts_ep
+            return moe_experts_ep(*args, group=self.group)
+        if self.group is not None:
+            from .functional_ep import moe_experts_ep
+            return moe_experts_ep(*args, group=self.group, save_preact=self.ep_save_preact)
+        if self.backend == "reference":
+            return ref.moe_experts(*args)
+        from .functional import moe_experts
+        return moe_experts(*args, backend="fused")
+
+
+_MOVED_KEYS = {"router_w_ED": "router.w_ED", "w13_LGD": "experts.w13_LGD", "w2_LDF": "experts.w2_LDF",
+               "shared_w13_HD": "shared_expert.w13_HD", "shared_w2_DS": "shared_expert.w2_DS"}
+
+
+def _old_keys_moved(module, state_dict, prefix, *args) -> None:
+    """load_state_dict pre-hook: state dicts written before the parameters moved into submodules (top-level
+    keys ``router_w_ED``, ``w13_LGD``, ... under ``prefix``) load into them. The parameter order is the
+    same as before, so optimizer state dicts keep matching too."""
+    for old, new in _MOVED_KEYS.items():
+        if prefix + old in state_dict and prefix + new not in state_dict:
+            state_dict[prefix + new] = state_dict.pop(prefix + old)
 
 
 @dataclass
@@ -57,14 +141,22 @@ class MoE(nn.Module):
             TP x CP x DP ranks for the same reason). Without it, the replicas of a DP x EP job would
             update their biases from their own tokens only and drift apart. Gradients are the caller's
             to reduce (megamoe.train shows one way).
-        device: where parameters are created. seed: parameter init seed (None: torch's global RNG).
+        device: where parameters are created. seed: parameter init seed; the same seed on every rank
+            gives the same global weights at every EP size (None: torch's global RNG, which differs
+            between processes unless each seeds it alike).
         ep_save_preact: fused backend with a group only: keep the routed gate/up pre-activations of
             the received rows from forward to backward (C x 2F elements per call, e.g. 537 MB for
             deepseek-v3 at the default capacity) instead of recomputing them in the backward; same bits
             either way (megamoe.functional_ep.moe_experts_ep, ``save_preact``).
 
-    Parameters (names carry shapes): ``router_w_ED`` fp32, ``w13_LGD`` / ``w2_LDF`` / ``shared_w13_HD``
-    / ``shared_w2_DS`` in ``config.dtype``; buffer ``expert_bias_E`` (fp32, selection only).
+    Parameters (names carry shapes), in three submodules: ``router.w_ED`` fp32 (:class:`Router`),
+    ``experts.w13_LGD`` / ``experts.w2_LDF`` (:class:`RoutedExperts`) and ``shared_expert.w13_HD`` /
+    ``shared_expert.w2_DS`` (:class:`SharedExpert`, None without a shared expert), in ``config.dtype``;
+    also readable as ``moe.router_w_ED``, ``moe.w13_LGD``, ``moe.w2_LDF``, ``moe.shared_w13_HD``,
+    ``moe.shared_w2_DS`` (state dicts with those earlier top-level keys still load); buffer
+    ``expert_bias_E`` (fp32, selection only). With FSDP2 in a DP x EP job: ``fully_shard(moe.router,
+    mesh=all_ranks)``, ``fully_shard(moe.experts, mesh=dp_mesh)``, then ``fully_shard(moe, mesh=all_ranks)``
+    (the shared expert), with gradient divide factors chosen by the caller (docs/ep.md).
 
     Forward: ``x [..., D]`` of any float dtype -> same shape and dtype. ``x`` is cast to
     ``config.dtype`` for the experts (router math is fp32). Sequences for the balance loss are the
@@ -107,21 +199,42 @@ class MoE(nn.Module):
         self.num_local_experts = L
         self.expert_offset = self.ep_rank * L
         D, F, S, E = c.hidden_size, c.moe_intermediate_size, c.shared_intermediate_size, c.num_experts
-        kw = dict(device=device, dtype=c.dtype)
-        self.router_w_ED = nn.Parameter(torch.empty(E, D, device=device, dtype=torch.float32))
-        self.w13_LGD = nn.Parameter(torch.empty(L, 2 * F, D, **kw))
-        self.w2_LDF = nn.Parameter(torch.empty(L, D, F, **kw))
-        if S:
-            self.shared_w13_HD = nn.Parameter(torch.empty(2 * S, D, **kw))
-            self.shared_w2_DS = nn.Parameter(torch.empty(D, S, **kw))
-        else:
-            self.register_parameter("shared_w13_HD", None)
-            self.register_parameter("shared_w2_DS", None)
+        # registered in this order, so parameters() keeps the order of the earlier flat layout
+        self.router = Router(E, D, device=device, backend=backend)
+        self.experts = RoutedExperts(L, D, F, device=device, dtype=c.dtype, backend=backend, group=group,
+                                     ep_save_preact=ep_save_preact)
+        self.shared_expert = SharedExpert(D, S, device=device, dtype=c.dtype) if S else None
         self.register_buffer("expert_bias_E", torch.zeros(E, device=device) if c.use_expert_bias else None)
         self.register_buffer("counts_since_update_E", torch.zeros(E, dtype=torch.int64, device=device),
                              persistent=False)
         self.last_stats: RouterStats | None = None
+        self.register_load_state_dict_pre_hook(_old_keys_moved)
         self.reset_parameters(seed)
+
+    @property
+    def router_w_ED(self) -> nn.Parameter:
+        """``router.w_ED``: the router weight [E, D], fp32."""
+        return self.router.w_ED
+
+    @property
+    def w13_LGD(self) -> nn.Parameter:
+        """``experts.w13_LGD``: this rank's routed gate/up weights [L, 2F, D]."""
+        return self.experts.w13_LGD
+
+    @property
+    def w2_LDF(self) -> nn.Parameter:
+        """``experts.w2_LDF``: this rank's routed down weights [L, D, F]."""
+        return self.experts.w2_LDF
+
+    @property
+    def shared_w13_HD(self) -> nn.Parameter | None:
+        """``shared_expert.w13_HD`` [2S, D], or None without a shared expert."""
+        return self.shared_expert.w13_HD if self.shared_expert is not None else None
+
+    @property
+    def shared_w2_DS(self) -> nn.Parameter | None:
+        """``shared_expert.w2_DS`` [D, S], or None without a shared expert."""
+        return self.shared_expert.w2_DS if self.shared_expert is not None else None
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
@@ -178,24 +291,9 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, c.hidden_size).to(c.dtype).contiguous()  # strided input: one copy, same math
         seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
 
-        if self.backend == "fused":
-            from .functional import router_logits
-            logits_TE = router_logits(x_TD, self.router_w_ED)
-        else:
-            logits_TE = None
+        logits_TE = self.router(x_TD)
         r = ref.route(x_TD, self.router_w_ED, self.expert_bias_E, c, logits_TE=logits_TE)
-        args = (x_TD, r.topk_ids_TK, r.topk_weights_TK, self.w13_LGD, self.w2_LDF, *self._shared())
-        if self.group is not None and self.backend == "reference":
-            from .reference_ep import moe_experts_ep
-            out_TD = moe_experts_ep(*args, group=self.group)
-        elif self.group is not None:
-            from .functional_ep import moe_experts_ep
-            out_TD = moe_experts_ep(*args, group=self.group, save_preact=self.ep_save_preact)
-        elif self.backend == "reference":
-            out_TD = ref.moe_experts(*args)
-        else:
-            from .functional import moe_experts
-            out_TD = moe_experts(*args, backend="fused")
+        out_TD = self.experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, *self._shared())
 
         counts_E = ref.tokens_per_expert(r.topk_ids_TK, c.num_experts)
         if self.training:  # eval forwards do not steer the aux-loss-free bias

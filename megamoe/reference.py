@@ -31,7 +31,7 @@ import torch.nn.functional as F_
 from .config import MoEConfig
 
 __all__ = [
-    "RouterOutput", "route", "swiglu", "expert_ffn", "routed_experts", "shared_expert", "combine",
+    "RouterOutput", "router_logits", "route", "swiglu", "expert_ffn", "routed_experts", "shared_expert", "combine",
     "moe_experts", "moe_layer", "tokens_per_expert", "seq_balance_loss", "load_balance_loss",
     "update_expert_bias_",
 ]
@@ -69,6 +69,12 @@ def _check_finite(logits_TE: torch.Tensor) -> None:
         raise FloatingPointError(msg)
 
 
+def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:
+    """Router logits ``x @ router_w.T`` in fp32 (fp64 for fp64 inputs): (T, D) x (E, D) -> (T, E)."""
+    acc = _acc_dtype(x_TD.dtype)
+    return x_TD.to(acc) @ router_w_ED.to(acc).t()
+
+
 def route(x_TD: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Tensor | None,
           cfg: MoEConfig, logits_TE: torch.Tensor | None = None) -> RouterOutput:
     """Top-k routing (DeepSeek-V3 / Qwen3 style). Differentiable w.r.t. x and router_w.
@@ -80,8 +86,7 @@ def route(x_TD: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Te
     """
     E, K = cfg.num_experts, cfg.top_k
     if logits_TE is None:
-        acc = _acc_dtype(x_TD.dtype)
-        logits_TE = x_TD.to(acc) @ router_w_ED.to(acc).t()
+        logits_TE = router_logits(x_TD, router_w_ED)
     if cfg.nan_policy == "raise":
         _check_finite(logits_TE)
     scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, dim=-1)

@@ -12,6 +12,11 @@ kernels, not NVLink), for EP groups of consecutive ranks ({0, 1}, {2, 3}: a node
     layer on the whole job's batch (batch invariance), and the aux-loss-free bias update bitwise equal on
     every rank to the single-GPU update from the whole batch's counts.
 
+And FSDP2 around the fused layer (one rank, NCCL: no real sharding on a one-GPU machine, but FSDP2's
+gathered parameters and its gradient reduction around megamoe's kernels): ``fully_shard`` of
+``moe.router``, ``moe.experts`` and the layer, with and without a (one-rank) EP group, gives the output,
+the input gradient and every parameter gradient bitwise equal to the unwrapped layer's.
+
 Legend: W ranks of the job, N EP size, T tokens of a rank, K top-k, D hidden, F FFN, E experts, L = E / N,
 S shared FFN.
 """
@@ -72,13 +77,18 @@ def _functional(rank, dev, my_ep, group):
             "dw2": torch.equal(grads[3], g1[3][el]), "rows": TOKENS[rank]}
 
 
+def _cfg():
+    from megamoe import MoEConfig
+    return MoEConfig(hidden_size=D, moe_intermediate_size=F, num_experts=E, top_k=K, score_func="sigmoid",
+                     n_group=4, topk_group=2, n_shared_experts=1, shared_intermediate_size=S,
+                     use_expert_bias=True, bias_update_rate=1e-3, dtype=torch.bfloat16)
+
+
 def _layer(rank, dev, group, dp_group):
     """The layer in a DP x EP job: output rows and the bias update against the single-GPU layer."""
-    from megamoe import MoE, MoEConfig
+    from megamoe import MoE
 
-    cfg = MoEConfig(hidden_size=D, moe_intermediate_size=F, num_experts=E, top_k=K, score_func="sigmoid",
-                    n_group=4, topk_group=2, n_shared_experts=1, shared_intermediate_size=S,
-                    use_expert_bias=True, bias_update_rate=1e-3, dtype=torch.bfloat16)
+    cfg = _cfg()
     layer = MoE(cfg, backend="fused", group=group, dp_group=dp_group, device=dev, seed=3)
     layer_1 = MoE(cfg, backend="fused", device=dev, seed=3)
     g = torch.Generator().manual_seed(12)
@@ -137,3 +147,52 @@ def test_layer_bias_update_is_the_same_on_every_replica(report, layout):
         assert got["layer_out"] and got["bias"] and got["bias_moved"], (r, {k: v for k, v in got.items()
                                                                              if k != "bias_E"})
         assert torch.equal(got["bias_E"], report[0][layout]["bias_E"]), r
+
+
+def _fsdp_job(rank, world):
+    """One rank: the fused layer wrapped by FSDP2 against the same layer unwrapped, bitwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from megamoe import MoE
+
+    dev = rank_device(rank)
+    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp", "ep"))
+    everyone = init_device_mesh("cuda", (1,), mesh_dim_names=("all",))
+    rep = {}
+    for tag, groups in (("single_gpu", {}), ("ep_group", {"group": mesh["ep"].get_group(),
+                                                          "dp_group": mesh["dp"].get_group()})):
+        plain = MoE(_cfg(), backend="fused", device=dev, seed=3, **groups)
+        wrapped = MoE(_cfg(), backend="fused", device=dev, seed=3, **groups)
+        fully_shard(wrapped.router, mesh=everyone)
+        fully_shard(wrapped.experts, mesh=mesh["dp"])
+        fully_shard(wrapped, mesh=everyone)
+        g = torch.Generator().manual_seed(13)
+        x = torch.randn(2, 72, D, generator=g).to(dev, torch.bfloat16)
+        dy = torch.randn(2, 72, D, generator=g).to(dev, torch.bfloat16)
+        res = []
+        for m in (plain, wrapped):
+            xl = x.clone().requires_grad_(True)
+            y = m(xl)
+            y.backward(dy)
+            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                     for n, p in m.named_parameters()}
+            res.append((y.detach(), xl.grad, grads))
+        (y0, dx0, g0), (y1, dx1, g1) = res
+        rep[tag] = {"out": torch.equal(y0, y1), "dx": torch.equal(dx0, dx1),
+                    "grads": {n: torch.equal(g0[n], g1[n]) for n in g0},
+                    "sharded": type(wrapped.experts.w13_LGD).__name__}
+    return rep
+
+
+@pytest.fixture(scope="module")
+def fsdp_report():
+    # NCCL on one GPU (FSDP2's reduce-scatter; gloo, which the shared mode uses, has no pre-scaled sum)
+    return spawn_ranks(_fsdp_job, 1, cuda=True, timeout=300, env={"MEGAMOE_TEST_EP_SHARED_GPU": "0"})[0]
+
+
+@pytest.mark.parametrize("tag", ["single_gpu", "ep_group"])
+def test_fsdp2_wrapped_layer_keeps_the_bits(fsdp_report, tag):
+    got = fsdp_report[tag]
+    assert got["sharded"] == "DTensor", got
+    assert got["out"] and got["dx"] and got["grads"] and all(got["grads"].values()), got

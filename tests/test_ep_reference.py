@@ -154,12 +154,13 @@ def _dp_ep_case(rank, world, ep, ep_inner, tokens_per_rank):
         g = p.grad.clone()
         # fp64 parameters to summation order (1e-12); the fp32 router's to torch's default fp32 tolerance
         ptol = tol if p.dtype == torch.float64 else {}
-        if name in ("w13_LGD", "w2_LDF"):  # summed over the EP group's tokens; the replicas add the rest
+        ref_grad = layer_1.get_parameter(name).grad
+        if name.startswith("experts."):  # summed over the EP group's tokens; the replicas add the rest
             dist.all_reduce(g, group=groups[tuple(my_dp)])
-            torch.testing.assert_close(g, getattr(layer_1, name).grad[experts], **ptol)
+            torch.testing.assert_close(g, ref_grad[experts], **ptol, msg=name)
         else:  # replicated: per-rank partials, summed over all ranks
             dist.all_reduce(g)
-            torch.testing.assert_close(g, getattr(layer_1, name).grad, **ptol, msg=name)
+            torch.testing.assert_close(g, ref_grad, **ptol, msg=name)
     layer.update_expert_bias()
     layer_1.update_expert_bias()
     assert torch.equal(layer.expert_bias_E, layer_1.expert_bias_E)
@@ -184,3 +185,51 @@ def _dp_group_worker(rank, world):
 
 def test_dp_group_errors():
     spawn_ranks(_dp_group_worker, 2, backend="gloo", timeout=120)
+
+
+def _fsdp_worker(rank, world):
+    """EP=2 x FSDP2: the experts sharded over their replicas (``fully_shard(moe.experts, mesh=dp)``), router and
+    shared expert over all 4 ranks; the sharded gradients, gathered and scaled back to sums, equal the
+    single-process ones as in ``_dp_ep_case``, and so do the output rows and the bias update."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    everyone = init_device_mesh("cpu", (world,), mesh_dim_names=("all",))
+    cfg = _cfg()
+    tokens = [5, 0, 9, 3]
+    layer = MoE(cfg, backend="reference", group=mesh["ep"].get_group(), dp_group=mesh["dp"].get_group(), seed=7)
+    layer_1 = MoE(cfg, backend="reference", seed=7)
+    ep_rank = mesh["ep"].get_local_rank()
+    fully_shard(layer.router, mesh=everyone)  # fp32: a module of its own (FSDP2 wants one dtype per module)
+    fully_shard(layer.experts, mesh=mesh["dp"])
+    fully_shard(layer, mesh=everyone)  # the shared expert
+    torch.manual_seed(0)
+    x = torch.randn(1, sum(tokens), cfg.hidden_size, dtype=torch.float64)
+    dy = torch.randn(1, sum(tokens), cfg.hidden_size, dtype=torch.float64)
+    lo = sum(tokens[:rank])
+    mine = slice(lo, lo + tokens[rank])
+    y = layer(x[:, mine])
+    y1 = layer_1(x)
+    tol = dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y, y1[:, mine], **tol)
+    (y * dy[:, mine]).sum().backward()
+    (y1 * dy).sum().backward()
+    L = cfg.num_experts // 2
+    for name, p in layer.named_parameters():
+        # FSDP2 averages over its mesh (the default: gloo has no pre-scaled sum for another divide factor), and
+        # the single-process loss sums every rank's part: x 2 (replicas) or x 4 (all), exact in fp64
+        g = p.grad.full_tensor()
+        ref_grad = layer_1.get_parameter(name).grad
+        if name.startswith("experts."):
+            ref_grad, g = ref_grad[ep_rank * L:(ep_rank + 1) * L], g * 2
+        else:
+            g = g * world
+        torch.testing.assert_close(g, ref_grad, **(tol if g.dtype == torch.float64 else {}), msg=name)
+    layer.update_expert_bias()
+    layer_1.update_expert_bias()
+    assert torch.equal(layer.expert_bias_E, layer_1.expert_bias_E)
+
+
+def test_ep_with_fsdp2_over_the_replicas():
+    spawn_ranks(_fsdp_worker, 4, backend="gloo", timeout=120)

@@ -70,7 +70,19 @@ def test_seeded_init_is_reproducible(cfg):
 def test_state_dict_and_repr(cfg):
     m = MoE(cfg, seed=0)
     keys = set(m.state_dict())
-    assert {"router_w_ED", "w13_LGD", "w2_LDF", "shared_w13_HD", "shared_w2_DS", "expert_bias_E"} == keys
+    assert {"router.w_ED", "experts.w13_LGD", "experts.w2_LDF", "shared_expert.w13_HD", "shared_expert.w2_DS",
+            "expert_bias_E"} == keys
+    assert [n for n, _ in m.named_parameters()] == ["router.w_ED", "experts.w13_LGD", "experts.w2_LDF",
+                                                   "shared_expert.w13_HD", "shared_expert.w2_DS"]  # earlier order
+    assert (m.router_w_ED, m.w13_LGD, m.w2_LDF, m.shared_w13_HD, m.shared_w2_DS) == tuple(m.parameters())
+    # a state dict from before the parameters moved into submodules (top-level keys) loads into them
+    old_names = {"router.w_ED": "router_w_ED", "experts.w13_LGD": "w13_LGD", "experts.w2_LDF": "w2_LDF",
+                 "shared_expert.w13_HD": "shared_w13_HD", "shared_expert.w2_DS": "shared_w2_DS"}
+    old = {old_names.get(k, k): v.clone() + 1 for k, v in m.state_dict().items()}
+    m2 = MoE(cfg, seed=1)
+    m2.load_state_dict(old)
+    for k, v in m2.state_dict().items():
+        assert torch.equal(v, old[old_names.get(k, k)]), k
     assert "E=8" in repr(m) and "backend=reference" in repr(m)
     no_shared = MoE(cfg.replace(n_shared_experts=0, shared_intermediate_size=0, use_expert_bias=False), seed=0)
     assert no_shared.shared_w13_HD is None and no_shared.expert_bias_E is None

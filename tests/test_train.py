@@ -270,13 +270,20 @@ def test_dp_x_ep_on_cpu_gloo_keeps_replicas_identical(tmp_path):
     """4 ranks as 2 replicas of an EP=2 group (--ep-size 2, reference backend, gloo): after training, every
     replicated parameter and the expert bias are bitwise equal on all 4 ranks and each EP rank's experts
     bitwise equal on its 2 replicas (the bias counts summed over the EP group only would let the replicas'
-    biases drift apart); --check passes with the first step bitwise equal to EP=1 on the global batch; a
-    resume at another EP size is refused by name."""
+    biases drift apart), also across a stop and a resume that takes the run's own EP size; --check passes with
+    the first step bitwise equal to EP=1 on the global batch; a resume at another EP size is refused in one
+    line."""
     out = tmp_path / "run"
-    p = _torchrun(4, "--preset", "tiny", "--steps", "6", "--ep-size", "2", "--out", str(out), "--no-progress",
-                  "--data", str(CORPUS), "--device", "cpu", timeout=240)
+    p = _torchrun(4, "--preset", "tiny", "--steps", "6", "--stop-after", "3", "--ep-size", "2", "--out", str(out),
+                  "--no-progress", "--data", str(CORPUS), "--device", "cpu", timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "EP=2 x DP=2" in p.stdout
+    hint = f"torchrun --nproc-per-node 4 -m megamoe.train --out {out} --resume --ep-size 2"
+    assert hint in p.stdout, p.stdout
+    # the resume takes the run's own EP size from its config.json (no --ep-size given)
+    p = _torchrun(4, "--out", str(out), "--resume", "--no-progress", "--data", str(CORPUS), "--device", "cpu",
+                  timeout=240)
+    assert p.returncode == 0 and "EP=2 x DP=2" in p.stdout and "resumed at step 3" in p.stdout, p.stdout + p.stderr
     states = [torch.load(out / f"checkpoint_rank{r}.pt", map_location="cpu", weights_only=True)["model"]
               for r in range(4)]
     expert_keys = [k for k in states[0] if k.endswith((".w13_LGD", ".w2_LDF"))]
@@ -292,8 +299,8 @@ def test_dp_x_ep_on_cpu_gloo_keeps_replicas_identical(tmp_path):
         assert not torch.equal(states[0][k], states[1][k]), k  # EP ranks hold different experts
     again = _torchrun(4, "--out", str(out), "--resume", "--ep-size", "4", "--no-progress", "--data", str(CORPUS),
                       "--device", "cpu", timeout=240)
-    assert again.returncode != 0 and "checkpoint was written at EP size 2, this job has 4" in again.stderr, \
-        again.stdout + again.stderr
+    assert again.returncode != 0 and "error: --resume: checkpoint was written at EP size 2, this job has 4" in \
+        again.stderr and "megamoe/train/loop.py" not in again.stderr, again.stdout + again.stderr  # no traceback
     c = _torchrun(4, "--preset", "tiny", "--check", "--steps", "3", "--ep-size", "2", "--data", str(CORPUS),
                   "--device", "cpu", timeout=240)
     assert c.returncode == 0 and "EP=2 x DP=2 vs EP=1" in c.stdout, c.stdout + c.stderr

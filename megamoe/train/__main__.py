@@ -9,7 +9,7 @@ With no arguments it picks the best it can run on:
 
 Examples::
 
-    python -m megamoe.train                               # default run, writes runs/<preset>-ep<W>/
+    python -m megamoe.train                               # default run, writes runs/<preset>-ep<N>[-dp<R>]/
     python -m megamoe.train --preset tiny --steps 50      # seconds
     python -m megamoe.train --data ~/books/ --out runs/books
     python -m megamoe.train --out runs/mini-ep1 --resume  # continue from the run's checkpoint
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .data import load_corpus
-from .loop import Dist, RunConfig, layout, train
+from .loop import Dist, ResumeError, RunConfig, layout, train
 from .model import MODEL_PRESETS, get_model_preset
 
 
@@ -52,8 +52,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="MoE backend; auto = fused on CUDA, reference on CPU")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--ep-size", type=int,
-                   help="under torchrun: ranks per EP group (a divisor of the world size; default: all ranks)")
-    p.add_argument("--out", help="run folder (default runs/<preset>-ep<W>); '' writes nothing")
+                   help="under torchrun: ranks per EP group (a divisor of the world size; default: all ranks, "
+                   "or on --resume the run's own)")
+    p.add_argument("--out", help="run folder (default runs/<preset>-ep<N>, or runs/<preset>-ep<N>-dp<R> with "
+                   "--ep-size N < R*N ranks); '' writes nothing")
     p.add_argument("--data", help="text file or folder (default: this Python's standard library sources)")
     p.add_argument("--seq-aux-coef", type=float,
                    help="sequence-wise balance loss coefficient alpha (0 disables; default: the preset's 1e-3)")
@@ -80,7 +82,8 @@ def _setup_dist(device_arg: str | None, ep_size: int | None = None) -> tuple[Dis
     if cuda and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA GPU is available")
     if ep_size is not None and (ep_size < 1 or world % ep_size):
-        raise SystemExit(f"error: --ep-size must be a positive divisor of the {world} ranks, got {ep_size}")
+        hint = " (more ranks need torchrun: torchrun --nproc-per-node W -m megamoe.train ...)" if world == 1 else ""
+        raise SystemExit(f"error: --ep-size must be a positive divisor of the {world} ranks, got {ep_size}{hint}")
     if world == 1:
         return Dist(), (device_arg or ("cuda" if cuda else "cpu"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -143,7 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dctx, device = _setup_dist(args.device, args.ep_size)
+    ep_size = args.ep_size
+    if args.resume and ep_size is None and args.out:  # the run's own EP size (config.json records it)
+        saved = Path(args.out) / "config.json"
+        if saved.is_file():
+            ep_size = json.loads(saved.read_text()).get("ep_size")
+            if ep_size is not None and int(os.environ.get("WORLD_SIZE", "1")) % ep_size:
+                ep_size = None  # another rank count: load_checkpoint names the mismatch
+    dctx, device = _setup_dist(args.device, ep_size)
     say = print if dctx.main else (lambda *a, **k: None)
     try:
         rc = resolve(args, dctx, device)
@@ -160,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             rc = dataclasses.replace(rc, model=rc.model.replace(steps=steps, eval_every=10**9, warmup=min(
                 rc.model.warmup, steps)))
             return 0 if run_check(rc, dctx, corpus, atol=args.check_atol, strict=args.check_strict, say=say) else 1
-        return _train_and_report(rc, dctx, corpus, resume=args.resume, say=say)
+        try:
+            return _train_and_report(rc, dctx, corpus, resume=args.resume, say=say)
+        except ResumeError as e:
+            raise SystemExit(f"error: {e}") from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -186,7 +199,7 @@ def _train_and_report(rc: RunConfig, dctx: Dist, corpus, *, resume: bool, say) -
                                             f"{device_name}")
         except ValueError as e:  # e.g. a resumed run with nothing left to do
             say(f"(no plot: {e})")
-    say(summary(rc, res, world=dctx.world, device_name=device_name, layout=layout(dctx)))
+    say(summary(rc, res, world=dctx.world, device_name=device_name, layout=layout(dctx), ep_size=dctx.ep_size))
     return 0
 
 

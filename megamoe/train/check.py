@@ -84,7 +84,7 @@ def run_check(rc: RunConfig, dctx: Dist, corpus: Corpus, *, atol: float = 2e-2, 
     bound = 2 * err_ref + atol
     ok = err_cand <= bound
     say("")
-    say(f"  {'step':>5} {cand_backend:>12} {'reference':>12} {'exact':>12}" + (f" {'EP=1':>12}" if W > 1 else ""))
+    say(f"  {'step':>5} {'candidate':>12} {'reference':>12} {'exact':>12}" + (f" {'EP=1':>12}" if W > 1 else ""))
     for i in sorted({0, 1, P // 2, P - 1} & set(range(P))):
         row = f"  {i:>5} {runs['candidate'][i]:>12.6f} {runs['reference'][i]:>12.6f} {runs['exact'][i]:>12.6f}"
         say(row + (f" {runs['ep1'][i]:>12.6f}" if W > 1 else ""))

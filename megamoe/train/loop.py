@@ -38,7 +38,7 @@ from .data import Corpus, load_corpus, train_batch, val_batches
 from .model import GPT, ModelConfig
 from .timing import StepTimer
 
-__all__ = ["RunConfig", "RunResult", "Dist", "layout", "train", "build_model"]
+__all__ = ["RunConfig", "RunResult", "Dist", "ResumeError", "layout", "train", "build_model"]
 
 
 @dataclass
@@ -85,6 +85,10 @@ class Dist:
         return cls(rank=dist.get_rank(), world=W, group=dist.group.WORLD, ep_size=N,
                    ep_group=mesh["ep"].get_group() if N > 1 else None,
                    expert_dp_group=mesh["dp"].get_group())
+
+
+class ResumeError(ValueError):
+    """A checkpoint that this job cannot resume (missing, or written by another rank count or EP size)."""
 
 
 def layout(dctx: Dist) -> str:
@@ -153,7 +157,7 @@ def build_model(rc: RunConfig, dctx: Dist, device: torch.device) -> GPT:
 
 
 def _expert_params(model: GPT) -> list[torch.nn.Parameter]:
-    return [m.w13_LGD for m in model.moe_layers()] + [m.w2_LDF for m in model.moe_layers()]
+    return [p for m in model.moe_layers() for p in m.experts.parameters()]
 
 
 def _make_optimizer(model: GPT, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -253,16 +257,20 @@ def load_checkpoint(run_dir: Path, dctx: Dist, model: GPT, opt, device: torch.de
     """Restore a checkpoint written by :func:`save_checkpoint`; returns the completed step count."""
     path = _ckpt_path(run_dir, dctx)
     if not path.is_file():
-        raise FileNotFoundError(f"--resume: no checkpoint {str(path)!r} (was the run started with this EP size?)")
+        found = sorted(q.name for q in run_dir.glob("checkpoint*.pt")) if run_dir.is_dir() else []
+        raise ResumeError(f"--resume: no checkpoint {str(path)!r} for rank {dctx.rank} of {dctx.world}; the run "
+                          f"folder has {', '.join(found) if found else 'no checkpoint'} (resume with the same "
+                          "number of ranks as the run: checkpoint.pt for one process, checkpoint_rank<r>.pt "
+                          "under torchrun)")
     # Load to CPU: load_state_dict moves tensors to each parameter's device, and the optimizer keeps its
     # step counters on the host as a fresh AdamW does (a CUDA step counter would force a sync per step).
     state = torch.load(path, map_location="cpu", weights_only=True)
     if state["world"] != dctx.world:
-        raise ValueError(f"--resume: checkpoint was written by {state['world']} ranks, this job has {dctx.world}")
+        raise ResumeError(f"--resume: checkpoint was written by {state['world']} ranks, this job has {dctx.world}")
     saved_ep = state.get("ep_size", state["world"])  # checkpoints before --ep-size: EP = all ranks
     if saved_ep != dctx.ep_size:
-        raise ValueError(f"--resume: checkpoint was written at EP size {saved_ep}, this job has {dctx.ep_size} "
-                         "(each rank's file holds its own experts)")
+        raise ResumeError(f"--resume: checkpoint was written at EP size {saved_ep}, this job has {dctx.ep_size} "
+                          "(each rank's file holds its own experts)")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng_cpu"])
@@ -338,7 +346,7 @@ def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corp
         start = load_checkpoint(run_dir, dctx, model, opt, device)
     if writes:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(run_dir / "config.json", run_config_dict(rc))
+        _write_json(run_dir / "config.json", {**run_config_dict(rc), "world": dctx.world, "ep_size": dctx.ep_size})
     metrics_path = run_dir / "metrics.jsonl" if writes else None
     if metrics_path is not None:
         kept = []

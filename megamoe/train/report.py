@@ -52,7 +52,7 @@ def param_counts(model) -> tuple[int, int]:
     """(total parameters of this rank's model as if EP=1, parameters active per token)."""
     total = active = 0
     for name, p in model.named_parameters():
-        if ".moe.w13_LGD" in name or ".moe.w2_LDF" in name:
+        if ".moe.experts." in name:
             continue
         total += p.numel()
         active += p.numel()
@@ -73,8 +73,10 @@ def _balance(loads_LE: list[list[int]]) -> float:
     return sum(vals) / len(vals)
 
 
-def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str, layout: str | None = None) -> str:
-    """The one-screen end-of-run report (plain text); ``layout`` e.g. "EP=2 x DP=2" (default "EP=<world>")."""
+def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str, layout: str | None = None,
+            ep_size: int | None = None) -> str:
+    """The one-screen end-of-run report (plain text); ``layout`` e.g. "EP=2 x DP=2" (default "EP=<world>");
+    ``ep_size`` (default ``world``) goes into the resume command of a stopped torchrun job."""
     cfg, moe = rc.model, rc.model.moe
     total, active = param_counts(res.model)
     n = len(res.losses)
@@ -86,6 +88,9 @@ def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str, layo
              f"params: {total / 1e6:.2f} M total, {active / 1e6:.2f} M active per token",
              f"data: {cfg.batch_size} x {cfg.seq_len} bytes per rank per step, "
              f"{cfg.batch_size * cfg.seq_len * world * rc.virtual_ranks:,} tokens per step"]
+    if n and res.first_step:
+        lines.append(f"resumed at step {res.first_step}: the numbers below cover steps {res.first_step + 1}-"
+                     f"{res.first_step + n} (earlier steps are in metrics.jsonl)")
     if n:
         k = max(1, min(10, n // 5))
         first = statistics.fmean(res.losses[:k])
@@ -112,7 +117,10 @@ def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str, layo
         lines.append(f"run folder: {res.run_dir}/  (metrics.jsonl, checkpoint*.pt, routing_trace.pt, "
                      "training.png, config.json)")
         if res.stopped_at < cfg.steps:
+            launch = "python -m megamoe.train" if world == 1 else \
+                f"torchrun --nproc-per-node {world} -m megamoe.train"  # (per node, on several nodes)
+            ep = "" if world == 1 or ep_size in (None, world) else f" --ep-size {ep_size}"
             lines.append(f"stopped after {res.stopped_at}/{cfg.steps} steps; continue with: "
-                         f"python -m megamoe.train --out {res.run_dir} --resume")
+                         f"{launch} --out {res.run_dir} --resume{ep}")
     lines.append("=" * 78)
     return "\n".join(lines)
