@@ -163,7 +163,7 @@ class MoE(nn.Module):
     second-to-last dimension of ``x`` (all tokens form one sequence for 2-D input).
 
     Raises ValueError for a bad backend, an E not divisible by the group size, ``dp_group`` the same
-    group as ``group``, or a wrong input shape or device; TypeError for a group that is not a
+    group of several ranks as ``group``, or a wrong input shape or device; TypeError for a group that is not a
     ProcessGroup, a non-floating input or a non-bool ep_save_preact; FloatingPointError for
     non-finite router logits on CPU under ``nan_policy="raise"`` (on CUDA a device-side assert, no sync).
     """
@@ -179,7 +179,7 @@ class MoE(nn.Module):
             if g is not None and not isinstance(g, dist.ProcessGroup):
                 raise TypeError(f"megamoe.MoE: {name} must be a torch.distributed.ProcessGroup or None, got "
                                 f"{type(g).__name__}")
-        if group is not None and group is dp_group:
+        if group is not None and group is dp_group and dist.get_world_size(group) > 1:  # (one rank: harmless)
             raise ValueError("megamoe.MoE: dp_group must be the ranks holding the same experts (one per EP "
                              "group), not the EP group itself")
         if backend == "fused" and config.dtype not in FUSED_DTYPES:
