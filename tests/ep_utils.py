@@ -152,6 +152,16 @@ def spawn_ranks(fn, world: int, *args, cuda: bool = False, backend: str | None =
     return [results[r] for r in range(world)]
 
 
+def layout_groups(world: int, ep: int, ep_inner: bool) -> tuple[list[list[int]], list[list[int]]]:
+    """(EP groups, DP groups) of a DP x EP job as rank lists: EP groups of ``ep`` consecutive ranks
+    (``ep_inner``: a node's GPUs under torchrun) or strided ones (rank r in EP group r % (world // ep)); each
+    DP group holds the ranks with the same EP rank (one per EP group)."""
+    R = world // ep
+    eps = [list(range(i * ep, (i + 1) * ep)) for i in range(R)] if ep_inner else \
+        [list(range(i, world, R)) for i in range(R)]
+    return eps, [[g[j] for g in eps] for j in range(ep)]
+
+
 def payload_rows(rank: int, T: int, D: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
     """[T, D] rows: column 0 = source rank, column 1 = token index, the rest N(0, 1) from (seed, rank)."""
     g = torch.Generator().manual_seed(seed * 1000 + rank)

@@ -24,22 +24,13 @@ S shared FFN.
 import pytest
 import torch
 
-from ep_utils import rank_device, routing, shared_gpu, spawn_ranks
+from ep_utils import layout_groups, rank_device, routing, shared_gpu, spawn_ranks
 
 pytestmark = [pytest.mark.gpu]
 
 W, N = 4, 2
 D, F, K, S, E = 256, 128, 4, 128, 16
 TOKENS = [64, 0, 48, 80]
-
-
-def layout_groups(world: int, ep: int, ep_inner: bool):
-    """(EP groups, DP groups) as rank lists: EP groups of ``ep`` consecutive ranks or strided ones; each DP
-    group holds the ranks with the same EP rank."""
-    R = world // ep
-    eps = [list(range(i * ep, (i + 1) * ep)) for i in range(R)] if ep_inner else \
-        [list(range(i, world, R)) for i in range(R)]
-    return eps, [[g[j] for g in eps] for j in range(ep)]
 
 
 def _leaf(t):

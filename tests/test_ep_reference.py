@@ -8,7 +8,7 @@ reference on the whole batch (float64, so only summation order can differ).
 import pytest
 import torch
 import torch.distributed as dist
-from ep_utils import spawn_ranks
+from ep_utils import layout_groups, spawn_ranks
 
 from megamoe import MoE, get_preset
 from megamoe import reference as ref
@@ -106,40 +106,16 @@ def test_mismatched_configs_across_ranks_raise_clear_errors():
     spawn_ranks(_mismatch_worker, 2, backend="gloo", timeout=120)
 
 
-def _layout_groups(world: int, ep: int, ep_inner: bool):
-    """(EP groups, DP groups) as rank lists: EP groups of ``ep`` consecutive ranks (``ep_inner``, a node's GPUs)
-    or strided ones (rank r in EP group r % (world // ep)); each DP group holds one rank of every EP group."""
-    R = world // ep
-    if ep_inner:
-        eps = [list(range(i * ep, (i + 1) * ep)) for i in range(R)]
-    else:
-        eps = [list(range(i, world, R)) for i in range(R)]
-    dps = [[g[j] for g in eps] for j in range(ep)]
-    return eps, dps
-
-
-def _dp_ep_worker(rank, world, ep, tokens_per_rank):
-    for ep_inner in (True, False):  # consecutive, then strided EP groups (one spawn for both)
-        _dp_ep_case(rank, world, ep, ep_inner, tokens_per_rank)
-
-
-def _dp_ep_case(rank, world, ep, ep_inner, tokens_per_rank):
-    """DP x EP: the layer with ``group`` = this rank's EP group and ``dp_group`` = the ranks holding the same
-    experts. Each EP group computes its own tokens; after the data-parallel gradient sums (replicated
-    parameters over all ranks, experts over their replicas) every gradient equals the single-process
-    reference on the global batch, and every rank's expert bias update equals the single-process one."""
-    eps, dps = _layout_groups(world, ep, ep_inner)
-    groups = {tuple(g): dist.new_group(g) for g in eps + dps}  # every rank creates every group, same order
-    my_ep = next(g for g in eps if rank in g)
-    my_dp = next(g for g in dps if rank in g)
-    ep_rank = my_ep.index(rank)
-    cfg = _cfg()
-    L = cfg.num_experts // ep
-    T_all = sum(tokens_per_rank)
+def _check_against_single_process(layer, rank, tokens_per_rank, ep_rank, ep, summed_grad):
+    """Forward + backward of ``layer`` on this rank's tokens and of the single-process layer (same seed) on
+    all of them: the output rows, every parameter's gradient summed over the ranks that share it
+    (``summed_grad(name, param)``, this rank's experts only) and the bias update must equal the single
+    process's (fp64 parameters to summation order, 1e-12; the fp32 router's to torch's default fp32
+    tolerance)."""
+    cfg = layer.config
     torch.manual_seed(0)
-    x = torch.randn(1, T_all, cfg.hidden_size, dtype=torch.float64)
-    dy = torch.randn(1, T_all, cfg.hidden_size, dtype=torch.float64)
-    layer = MoE(cfg, backend="reference", group=groups[tuple(my_ep)], dp_group=groups[tuple(my_dp)], seed=7)
+    x = torch.randn(1, sum(tokens_per_rank), cfg.hidden_size, dtype=torch.float64)
+    dy = torch.randn(1, sum(tokens_per_rank), cfg.hidden_size, dtype=torch.float64)
     layer_1 = MoE(cfg, backend="reference", seed=7)
     lo = sum(tokens_per_rank[:rank])
     mine = slice(lo, lo + tokens_per_rank[rank])
@@ -149,22 +125,39 @@ def _dp_ep_case(rank, world, ep, ep_inner, tokens_per_rank):
     torch.testing.assert_close(y, y1[:, mine], **tol)
     (y * dy[:, mine]).sum().backward()
     (y1 * dy).sum().backward()
-    experts = slice(ep_rank * L, (ep_rank + 1) * L)
+    L = cfg.num_experts // ep
     for name, p in layer.named_parameters():
-        g = p.grad.clone()
-        # fp64 parameters to summation order (1e-12); the fp32 router's to torch's default fp32 tolerance
-        ptol = tol if p.dtype == torch.float64 else {}
+        g = summed_grad(name, p)
         ref_grad = layer_1.get_parameter(name).grad
-        if name.startswith("experts."):  # summed over the EP group's tokens; the replicas add the rest
-            dist.all_reduce(g, group=groups[tuple(my_dp)])
-            torch.testing.assert_close(g, ref_grad[experts], **ptol, msg=name)
-        else:  # replicated: per-rank partials, summed over all ranks
-            dist.all_reduce(g)
-            torch.testing.assert_close(g, ref_grad, **ptol, msg=name)
+        if name.startswith("experts."):
+            ref_grad = ref_grad[ep_rank * L:(ep_rank + 1) * L]
+        torch.testing.assert_close(g, ref_grad, **(tol if g.dtype == torch.float64 else {}), msg=name)
     layer.update_expert_bias()
     layer_1.update_expert_bias()
     assert torch.equal(layer.expert_bias_E, layer_1.expert_bias_E)
     assert layer_1.expert_bias_E.abs().max() > 0  # the update did move the bias
+
+
+def _dp_ep_worker(rank, world, ep, tokens_per_rank):
+    """DP x EP: the layer with ``group`` = this rank's EP group and ``dp_group`` = the ranks holding the same
+    experts, EP groups of consecutive then of strided ranks (one spawn for both). Each EP group computes its
+    own tokens; after the data-parallel gradient sums (replicated parameters over all ranks, experts over
+    their replicas) every gradient, and the bias update, equal the single-process layer's."""
+    for ep_inner in (True, False):
+        eps, dps = layout_groups(world, ep, ep_inner)
+        groups = {tuple(g): dist.new_group(g) for g in eps + dps}  # every rank creates every group, same order
+        my_ep = next(g for g in eps if rank in g)
+        my_dp = groups[tuple(next(g for g in dps if rank in g))]
+
+        def summed_grad(name, p):
+            g = p.grad.clone()
+            # the experts' gradients sum their EP group's tokens, the replicas add the rest; the replicated
+            # parameters' are per-rank partials
+            dist.all_reduce(g, group=my_dp if name.startswith("experts.") else None)
+            return g
+
+        layer = MoE(_cfg(), backend="reference", group=groups[tuple(my_ep)], dp_group=my_dp, seed=7)
+        _check_against_single_process(layer, rank, tokens_per_rank, my_ep.index(rank), ep, summed_grad)
 
 
 @pytest.mark.parametrize("world, ep, tokens", [
@@ -189,46 +182,23 @@ def test_dp_group_errors():
 
 def _fsdp_worker(rank, world):
     """EP=2 x FSDP2: the experts sharded over their replicas (``fully_shard(moe.experts, mesh=dp)``), router and
-    shared expert over all 4 ranks; the sharded gradients, gathered and scaled back to sums, equal the
-    single-process ones as in ``_dp_ep_case``, and so do the output rows and the bias update."""
+    shared expert over all 4 ranks; the sharded gradients, gathered and scaled back to sums, the output rows
+    and the bias update equal the single-process layer's, as in ``_dp_ep_worker``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
     everyone = init_device_mesh("cpu", (world,), mesh_dim_names=("all",))
-    cfg = _cfg()
-    tokens = [5, 0, 9, 3]
-    layer = MoE(cfg, backend="reference", group=mesh["ep"].get_group(), dp_group=mesh["dp"].get_group(), seed=7)
-    layer_1 = MoE(cfg, backend="reference", seed=7)
-    ep_rank = mesh["ep"].get_local_rank()
+    layer = MoE(_cfg(), backend="reference", group=mesh["ep"].get_group(), dp_group=mesh["dp"].get_group(), seed=7)
     fully_shard(layer.router, mesh=everyone)  # fp32: a module of its own (FSDP2 wants one dtype per module)
     fully_shard(layer.experts, mesh=mesh["dp"])
     fully_shard(layer, mesh=everyone)  # the shared expert
-    torch.manual_seed(0)
-    x = torch.randn(1, sum(tokens), cfg.hidden_size, dtype=torch.float64)
-    dy = torch.randn(1, sum(tokens), cfg.hidden_size, dtype=torch.float64)
-    lo = sum(tokens[:rank])
-    mine = slice(lo, lo + tokens[rank])
-    y = layer(x[:, mine])
-    y1 = layer_1(x)
-    tol = dict(rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(y, y1[:, mine], **tol)
-    (y * dy[:, mine]).sum().backward()
-    (y1 * dy).sum().backward()
-    L = cfg.num_experts // 2
-    for name, p in layer.named_parameters():
-        # FSDP2 averages over its mesh (the default: gloo has no pre-scaled sum for another divide factor), and
-        # the single-process loss sums every rank's part: x 2 (replicas) or x 4 (all), exact in fp64
-        g = p.grad.full_tensor()
-        ref_grad = layer_1.get_parameter(name).grad
-        if name.startswith("experts."):
-            ref_grad, g = ref_grad[ep_rank * L:(ep_rank + 1) * L], g * 2
-        else:
-            g = g * world
-        torch.testing.assert_close(g, ref_grad, **(tol if g.dtype == torch.float64 else {}), msg=name)
-    layer.update_expert_bias()
-    layer_1.update_expert_bias()
-    assert torch.equal(layer.expert_bias_E, layer_1.expert_bias_E)
+
+    def summed_grad(name, p):  # FSDP2 averages over its mesh (the default: gloo has no pre-scaled sum for
+        # another divide factor): x 2 (replicas) or x 4 (all ranks) gives the sums back, exactly in fp64
+        return p.grad.full_tensor() * (2 if name.startswith("experts.") else world)
+
+    _check_against_single_process(layer, rank, [5, 0, 9, 3], mesh["ep"].get_local_rank(), 2, summed_grad)
 
 
 def test_ep_with_fsdp2_over_the_replicas():
