@@ -16,6 +16,7 @@ Examples::
     python -m megamoe.train --check                       # fused vs reference (and EP=W vs EP=1)
     torchrun --nproc-per-node 2 -m megamoe.train --check
     torchrun --nproc-per-node 4 -m megamoe.train --ep-size 2   # 2 replicas of an EP=2 group
+    torchrun --nproc-per-node 4 -m megamoe.train --ep-size 2 --fsdp   # ... with FSDP2 sharding the replicas
 
 See docs/train.md for the run folder's contents.
 """
@@ -51,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("auto", "reference", "fused"), default="auto",
                    help="MoE backend; auto = fused on CUDA, reference on CPU")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: FSDP2 shards the parameters (experts over their replicas, the rest over "
+                   "all ranks) instead of replicating them")
     p.add_argument("--ep-size", type=int,
                    help="under torchrun: ranks per EP group (a divisor of the world size; default: all ranks, "
                    "or on --resume the run's own)")
@@ -115,12 +119,15 @@ def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
             raise SystemExit(f"error: --seq-aux-coef must be >= 0, got {args.seq_aux_coef}")
         moe_changes["seq_aux_loss_coef"] = args.seq_aux_coef
     cfg = cfg.replace(**changes, moe=cfg.moe.replace(**moe_changes))
+    if args.fsdp and dctx.world == 1:
+        raise SystemExit("error: --fsdp shards over the ranks of a torchrun job: run it under torchrun "
+                         "--nproc-per-node W (W > 1)")
     if cfg.moe.num_experts % dctx.ep_size:
         raise SystemExit(f"error: preset {cfg.name!r} has {cfg.moe.num_experts} experts, not divisible by "
                          f"the EP size {dctx.ep_size}")
     out = args.out if args.out is not None else (f"runs/{cfg.name}-ep{dctx.ep_size}"
                                                       + (f"-dp{dctx.replicas}" if dctx.replicas > 1 else ""))
-    return RunConfig(model=cfg, backend=backend, device=device, seed=args.seed, data=args.data,
+    return RunConfig(model=cfg, backend=backend, device=device, seed=args.seed, data=args.data, fsdp=args.fsdp,
                      out_dir=out or None, log_every=max(1, args.log_every), ckpt_every=args.ckpt_every,
                      stop_after=args.stop_after, progress=not args.no_progress and dctx.main,
                      catch_interrupt=True)
@@ -136,6 +143,7 @@ def _resume_config(rc: RunConfig) -> RunConfig:
                                   for k, v in saved["model"].pop("moe").items()})
     model = get_model_preset(saved["model"]["name"]).replace(**saved["model"], moe=moe)
     keep = {k: saved[k] for k in ("backend", "seed", "data", "log_every", "ckpt_every")}
+    keep["fsdp"] = saved.get("fsdp", False)  # the run's own sharding (its checkpoints hold local shards)
     return dataclasses.replace(rc, model=model, **keep)
 
 
@@ -185,8 +193,9 @@ def _train_and_report(rc: RunConfig, dctx: Dist, corpus, *, resume: bool, say) -
 
     cfg = rc.model
     device_name = torch.cuda.get_device_name(rc.device) if rc.device.startswith("cuda") else "cpu"
+    lay = layout(dctx) + (", FSDP2" if rc.fsdp else "")
     say(f"training preset {cfg.name!r} for {cfg.steps} steps on {device_name} x{dctx.world} "
-        f"(backend {rc.backend}, {layout(dctx)}) -> {rc.out_dir or '(no run folder)'}")
+        f"(backend {rc.backend}, {lay}) -> {rc.out_dir or '(no run folder)'}")
     bar = ProgressBar(total=rc.stop_after and min(rc.stop_after, cfg.steps) or cfg.steps, initial=0,
                       enabled=rc.progress, say=None if rc.progress or not dctx.main else say)
     try:
@@ -195,11 +204,11 @@ def _train_and_report(rc: RunConfig, dctx: Dist, corpus, *, resume: bool, say) -
         bar.close()
     if dctx.main and rc.out_dir and rc.save_plot and (Path(rc.out_dir) / "metrics.jsonl").exists():
         try:
-            plot_run(Path(rc.out_dir), title=f"megamoe.train {cfg.name}: {rc.backend} backend, {layout(dctx)}, "
+            plot_run(Path(rc.out_dir), title=f"megamoe.train {cfg.name}: {rc.backend} backend, {lay}, "
                                             f"{device_name}")
         except ValueError as e:  # e.g. a resumed run with nothing left to do
             say(f"(no plot: {e})")
-    say(summary(rc, res, world=dctx.world, device_name=device_name, layout=layout(dctx), ep_size=dctx.ep_size))
+    say(summary(rc, res, world=dctx.world, device_name=device_name, layout=lay, ep_size=dctx.ep_size))
     return 0
 
 

@@ -58,6 +58,7 @@ class Dist:
     ep_size: int = 1
     ep_group: object = None
     expert_dp_group: object = None
+    mesh: object = None  # the (R, N) DeviceMesh, dims ("dp", "ep"), when 1 < N < W or N = 1 < W
 
     @property
     def main(self) -> bool:
@@ -84,7 +85,7 @@ class Dist:
         mesh = init_device_mesh(device_type, (W // N, N), mesh_dim_names=("dp", "ep"))
         return cls(rank=dist.get_rank(), world=W, group=dist.group.WORLD, ep_size=N,
                    ep_group=mesh["ep"].get_group() if N > 1 else None,
-                   expert_dp_group=mesh["dp"].get_group())
+                   expert_dp_group=mesh["dp"].get_group(), mesh=mesh)
 
 
 class ResumeError(ValueError):
@@ -110,6 +111,7 @@ class RunConfig:
     ckpt_every: int = 0          # 0: checkpoint only at the end
     stop_after: int | None = None  # stop (with a checkpoint) after this many steps, as if interrupted
     virtual_ranks: int = 1       # C > 1: an EP=1 run computing what an EP=C run computes (see GPT.forward)
+    fsdp: bool = False           # under torchrun: FSDP2 shards the parameters (megamoe/train/fsdp.py)
     init_dtype: torch.dtype | None = None  # init experts in this dtype, then cast (same start, other dtype)
     progress: bool = True
     catch_interrupt: bool = False  # Ctrl-C ends the step, checkpoints and stops also without a progress bar (CLI)
@@ -153,7 +155,11 @@ def build_model(rc: RunConfig, dctx: Dist, device: torch.device) -> GPT:
         init = GPT(init_cfg, lambda i: MoE(init_cfg.moe, backend=rc.backend, group=group, dp_group=dp_group,
                                            device="cpu", seed=rc.seed * 1000 + i), seed=rc.seed)
         model.load_state_dict(init.state_dict())  # copy_ casts to each parameter's own dtype
-    return model.to(device)
+    model = model.to(device)
+    if rc.fsdp and dctx.world > 1:
+        from .fsdp import shard_model
+        shard_model(model, dctx, device.type)
+    return model
 
 
 def _expert_params(model: GPT) -> list[torch.nn.Parameter]:
@@ -240,12 +246,19 @@ def _ckpt_path(run_dir: Path, dctx: Dist) -> Path:
     return run_dir / ("checkpoint.pt" if dctx.world == 1 else f"checkpoint_rank{dctx.rank}.pt")
 
 
-def save_checkpoint(run_dir: Path, dctx: Dist, model: GPT, opt, step: int, device: torch.device) -> Path:
-    """model + optimizer + completed steps + RNG states (data position = step), one file per rank."""
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+def save_checkpoint(run_dir: Path, dctx: Dist, model: GPT, opt, step: int, device: torch.device,
+                    fsdp: bool = False) -> Path:
+    """model + optimizer + completed steps + RNG states (data position = step), one file per rank; under
+    FSDP2 (``fsdp``) the rank's local shards (megamoe/train/fsdp.py)."""
+    if fsdp:
+        from .fsdp import local_state_dicts
+        model_sd, opt_sd = local_state_dicts(model, opt)
+    else:
+        model_sd, opt_sd = model.state_dict(), opt.state_dict()
+    state = {"model": model_sd, "optimizer": opt_sd, "step": step,
              "rng_cpu": torch.get_rng_state(),
              "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-             "world": dctx.world, "rank": dctx.rank, "ep_size": dctx.ep_size}
+             "world": dctx.world, "rank": dctx.rank, "ep_size": dctx.ep_size, "fsdp": fsdp}
     path = _ckpt_path(run_dir, dctx)
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -253,7 +266,7 @@ def save_checkpoint(run_dir: Path, dctx: Dist, model: GPT, opt, step: int, devic
     return path
 
 
-def load_checkpoint(run_dir: Path, dctx: Dist, model: GPT, opt, device: torch.device) -> int:
+def load_checkpoint(run_dir: Path, dctx: Dist, model: GPT, opt, device: torch.device, fsdp: bool = False) -> int:
     """Restore a checkpoint written by :func:`save_checkpoint`; returns the completed step count."""
     path = _ckpt_path(run_dir, dctx)
     if not path.is_file():
@@ -271,8 +284,15 @@ def load_checkpoint(run_dir: Path, dctx: Dist, model: GPT, opt, device: torch.de
     if saved_ep != dctx.ep_size:
         raise ResumeError(f"--resume: checkpoint was written at EP size {saved_ep}, this job has {dctx.ep_size} "
                           "(each rank's file holds its own experts)")
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
+    if state.get("fsdp", False) != fsdp:
+        raise ResumeError(f"--resume: checkpoint was written {'with' if state.get('fsdp') else 'without'} --fsdp, "
+                          f"this job runs {'with' if fsdp else 'without'} it")
+    if fsdp:
+        from .fsdp import load_local_state_dicts
+        load_local_state_dicts(model, opt, state["model"], state["optimizer"])
+    else:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng_cpu"])
     if state["rng_cuda"] is not None and device.type == "cuda":
         torch.cuda.set_rng_state(state["rng_cuda"], device)
@@ -337,13 +357,14 @@ def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corp
     writes = run_dir is not None and dctx.main
 
     torch.manual_seed(rc.seed)
+    fsdp = rc.fsdp and dctx.world > 1
     model = build_model(rc, dctx, device)
     opt = _make_optimizer(model, cfg.lr, cfg.weight_decay)
     start = 0
     if resume:
         if run_dir is None:
             raise ValueError("--resume needs the run folder (--out)")
-        start = load_checkpoint(run_dir, dctx, model, opt, device)
+        start = load_checkpoint(run_dir, dctx, model, opt, device, fsdp=fsdp)
     if writes:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_json(run_dir / "config.json", {**run_config_dict(rc), "world": dctx.world, "ep_size": dctx.ep_size})
@@ -432,7 +453,10 @@ def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corp
             aux = torch.stack(auxes).sum() if auxes else torch.zeros((), device=device)
             opt.zero_grad(set_to_none=True)
             (loss + aux).backward()
-            if dctx.world > 1:
+            if fsdp:  # FSDP2 reduced the gradients in the backward
+                from .fsdp import scale_expert_grads
+                scale_expert_grads(model, dctx)
+            elif dctx.world > 1:
                 _allreduce_grads(model, dctx)
             opt.step()
             counts_LE = torch.stack([m.last_stats.tokens_per_expert_E for m in model.moe_layers()])
@@ -448,7 +472,7 @@ def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corp
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 log_val(done)
             if rc.ckpt_every and done % rc.ckpt_every == 0 and run_dir is not None and done != stop:
-                save_checkpoint(run_dir, dctx, model, opt, done, device)
+                save_checkpoint(run_dir, dctx, model, opt, done, device, fsdp=fsdp)
             if interrupt.hit:
                 stop = done
                 break
@@ -467,7 +491,7 @@ def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corp
             run_dir.mkdir(parents=True, exist_ok=True)
         if dctx.world > 1:
             dist.barrier(group=dctx.group)
-        save_checkpoint(run_dir, dctx, model, opt, stop, device)
+        save_checkpoint(run_dir, dctx, model, opt, stop, device, fsdp=fsdp)
         if writes and rc.save_trace and last_ids_TK is not None:
             save_routing_trace(run_dir / "routing_trace.pt", last_ids_TK, cfg.moe, cfg.name)
     result.model = model  # for summaries (parameter counts, expert bias)
