@@ -158,6 +158,9 @@ def _dp_ep_worker(rank, world, ep, tokens_per_rank):
 
         layer = MoE(_cfg(), backend="reference", group=groups[tuple(my_ep)], dp_group=my_dp, seed=7)
         _check_against_single_process(layer, rank, tokens_per_rank, my_ep.index(rank), ep, summed_grad)
+        dist.barrier()
+        for g in groups.values():  # one layout's groups gone before the next (and before the teardown)
+            dist.destroy_process_group(g)
 
 
 @pytest.mark.parametrize("world, ep, tokens", [
