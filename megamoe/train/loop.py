@@ -58,7 +58,7 @@ class Dist:
     ep_size: int = 1
     ep_group: object = None
     expert_dp_group: object = None
-    mesh: object = None  # the (R, N) DeviceMesh, dims ("dp", "ep"), when 1 < N < W or N = 1 < W
+    mesh: object = None  # the (R, N) DeviceMesh, dims ("dp", "ep"), when N < W
 
     @property
     def main(self) -> bool:
