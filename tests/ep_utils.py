@@ -152,6 +152,31 @@ def spawn_ranks(fn, world: int, *args, cuda: bool = False, backend: str | None =
     return [results[r] for r in range(world)]
 
 
+def ep_inputs(Ts, kind: str, seed: int, dev, *, E: int, D: int, F: int, S: int, K: int, dtype=torch.bfloat16):
+    """One EP test case's global inputs, from one generator: (w13 [E, 2F, D], w2 [E, D, F], shared s13
+    [2S, D], s2 [D, S], then per rank: xs [T, D], ids [T, K] (``routing(kind)``; "one_rank": every id on rank
+    0's E / W experts), routing weights ws [T, K], output gradients gos [T, D])."""
+    W = len(Ts)
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * F, D, generator=g) * D ** -0.5).to(dev, dtype)
+    w2 = (torch.randn(E, D, F, generator=g) * F ** -0.5).to(dev, dtype)
+    s13 = (torch.randn(2 * S, D, generator=g) * D ** -0.5).to(dev, dtype)
+    s2 = (torch.randn(D, S, generator=g) * S ** -0.5).to(dev, dtype)
+    xs = [torch.randn(T, D, generator=g).to(dev, dtype) for T in Ts]
+    if kind == "one_rank":
+        ids = [routing("uniform", T, K, E // W, seed, r).to(dev) for r, T in enumerate(Ts)]
+    else:
+        ids = [routing(kind, T, K, E, seed, r).to(dev) for r, T in enumerate(Ts)]
+    ws = [(torch.rand(T, K, generator=g) + 0.1).to(dev) for T in Ts]
+    gos = [torch.randn(T, D, generator=g).to(dev, dtype) for T in Ts]
+    return w13, w2, s13, s2, xs, ids, ws, gos
+
+
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy that requires grad."""
+    return t.detach().clone().requires_grad_(True)
+
+
 def layout_groups(world: int, ep: int, ep_inner: bool) -> tuple[list[list[int]], list[list[int]]]:
     """(EP groups, DP groups) of a DP x EP job as rank lists: EP groups of ``ep`` consecutive ranks
     (``ep_inner``: a node's GPUs under torchrun) or strided ones (rank r in EP group r % (world // ep)); each

@@ -24,7 +24,8 @@ S shared FFN.
 import pytest
 import torch
 
-from ep_utils import layout_groups, rank_device, routing, shared_gpu, spawn_ranks
+from ep_utils import ep_inputs, layout_groups, rank_device, shared_gpu, spawn_ranks
+from ep_utils import leaf as _leaf
 
 pytestmark = [pytest.mark.gpu]
 
@@ -33,25 +34,12 @@ D, F, K, S, E = 256, 128, 4, 128, 16
 TOKENS = [64, 0, 48, 80]
 
 
-def _leaf(t):
-    return t.detach().clone().requires_grad_(True)
-
-
 def _functional(rank, dev, my_ep, group):
     """moe_experts_ep over the subgroup vs the single-GPU fused path on the EP group's batch."""
     from megamoe.functional import moe_experts
     from megamoe.functional_ep import moe_experts_ep
 
-    g = torch.Generator().manual_seed(11)
-    bf = torch.bfloat16
-    w13 = (torch.randn(E, 2 * F, D, generator=g) * D ** -0.5).to(dev, bf)
-    w2 = (torch.randn(E, D, F, generator=g) * F ** -0.5).to(dev, bf)
-    s13 = (torch.randn(2 * S, D, generator=g) * D ** -0.5).to(dev, bf)
-    s2 = (torch.randn(D, S, generator=g) * S ** -0.5).to(dev, bf)
-    xs = [torch.randn(T, D, generator=g).to(dev, bf) for T in TOKENS]
-    ids = [routing("zipf", T, K, E, 5, r).to(dev) for r, T in enumerate(TOKENS)]
-    ws = [(torch.rand(T, K, generator=g) + 0.1).to(dev) for T in TOKENS]
-    gos = [torch.randn(T, D, generator=g).to(dev, bf) for T in TOKENS]
+    w13, w2, s13, s2, xs, ids, ws, gos = ep_inputs(TOKENS, "zipf", 11, dev, E=E, D=D, F=F, S=S, K=K)
     L, e = E // N, my_ep.index(rank)
     el = slice(e * L, (e + 1) * L)
     params = (_leaf(xs[rank]), _leaf(ws[rank]), _leaf(w13[el]), _leaf(w2[el]), _leaf(s13), _leaf(s2))

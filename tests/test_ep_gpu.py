@@ -45,7 +45,9 @@ import time
 import pytest
 import torch
 
-from ep_utils import expert_counts, model_rounds, rank_device, routing, shared_gpu, spawn_ranks, split_experts
+from ep_utils import (ep_inputs, expert_counts, model_rounds, rank_device, shared_gpu, spawn_ranks,
+                      split_experts)
+from ep_utils import leaf as _leaf
 
 pytestmark = [pytest.mark.gpu]
 
@@ -59,25 +61,7 @@ def _num_experts(W: int) -> int:
 
 
 def _inputs(Ts, kind, seed, dev, dtype=torch.bfloat16):
-    W = len(Ts)
-    E = _num_experts(W)
-    g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(E, 2 * F, D, generator=g) * D ** -0.5).to(dev, dtype)
-    w2 = (torch.randn(E, D, F, generator=g) * F ** -0.5).to(dev, dtype)
-    s13 = (torch.randn(2 * S, D, generator=g) * D ** -0.5).to(dev, dtype)
-    s2 = (torch.randn(D, S, generator=g) * S ** -0.5).to(dev, dtype)
-    xs = [torch.randn(T, D, generator=g).to(dev, dtype) for T in Ts]
-    if kind == "one_rank":
-        ids = [routing("uniform", T, K, E // W, seed, r).to(dev) for r, T in enumerate(Ts)]
-    else:
-        ids = [routing(kind, T, K, E, seed, r).to(dev) for r, T in enumerate(Ts)]
-    ws = [(torch.rand(T, K, generator=g) + 0.1).to(dev) for T in Ts]
-    gos = [torch.randn(T, D, generator=g).to(dev, dtype) for T in Ts]
-    return w13, w2, s13, s2, xs, ids, ws, gos
-
-
-def _leaf(t):
-    return t.detach().clone().requires_grad_(True)
+    return ep_inputs(Ts, kind, seed, dev, E=_num_experts(len(Ts)), D=D, F=F, S=S, K=K, dtype=dtype)
 
 
 def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
