@@ -25,7 +25,8 @@
 #   ncu (scripts/ncu_layer.sh: Nsight Compute on the layer's grouped GEMMs, $NCU_CASE),
 #   l2 (scripts/l2_bandwidth.py: L2 -> SM read bandwidth next to the GEMMs' operand-tile traffic),
 #   vstorch (scripts/grouped_mm_vs_torch.py: the plain grouped GEMMs against torch._grouped_mm; $VSTORCH_CASES),
-#   rounds (scripts/ab_rounds.py: the EP rounds' cost on one GPU, unused and filled, bitwise checked; $ROUNDS_CASES)
+#   rounds (scripts/ab_rounds.py: the EP rounds' cost on one GPU, unused and filled, bitwise checked; $ROUNDS_CASES),
+#   abwgrad (scripts/ab_wgrad.py: the weight-gradient kernels on contiguous rows, bitwise checked; $ABWGRAD_ARGS)
 # Each stage has its own time limit (seconds, env LIMIT_<STAGE>); a stage that fails does not stop the rest.
 # Pass MEGAMOE_COMMIT=<local git rev-parse --short HEAD>: the device tool copies the working tree, and the
 # checkout's own HEAD there can be stale (seventh session: results labelled "a498e28-dirty").
@@ -114,6 +115,7 @@ for s in "${STAGES[@]}"; do
                ${PROFILE_CASES:-qwen3-30b-a3b:16384 deepseek-v3:4096} ;;
     l2) stage l2 "${LIMIT_L2:-90}" python3 scripts/l2_bandwidth.py "$OUT/logs" ;;
     vstorch) stage vstorch "${LIMIT_VSTORCH:-150}" python3 scripts/grouped_mm_vs_torch.py "$OUT/logs" ${VSTORCH_CASES:-} ;;
+    abwgrad) stage abwgrad "${LIMIT_ABWGRAD:-300}" python3 scripts/ab_wgrad.py "$OUT/logs" ${ABWGRAD_ARGS:-} ;;
     rounds) stage rounds "${LIMIT_ROUNDS:-300}" python3 scripts/ab_rounds.py "$OUT/logs" ${ROUNDS_CASES:-} ;;
     snippet) stage snippet "${LIMIT_SNIPPET:-90}" python3 -m pytest -q -ra -m gpu tests/test_readme.py ;;
     *) echo "unknown stage $s" | tee -a "$summary" ;;

@@ -89,3 +89,45 @@ def test_compiles_to_wgmma_cp_async_without_spills(tmp_path, tma_c, p_gather, q_
     report = _ptxas_report(ptx, tmp_path)
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
     assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
+
+
+def _compile_ws(stages, dt="bf16"):
+    import triton
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from megamoe.kernels.wgrad_ws_gluon import _k_grouped_wgrad_ws_kernel as kernel
+
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
+    layout = gl.NVMMASharedLayout.get_default_for([64, 128], gdt)
+    desc = f"tensordesc<{dt}[64, 128],{layout!r}>"
+    sig = dict(p_desc=desc, q_desc=desc, row_offsets_ptr="*i32", c_ptr=f"*{dt}", num_experts="i32", M="i32",
+               N="i32", stride_ce="i32", stride_cm="i32")
+    const = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=stages, num_warps=4)
+    sig.update({name: "constexpr" for name in const})
+    names = list(kernel.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]]
+             for n in ("row_offsets_ptr", "c_ptr", "M", "N", "stride_ce", "stride_cm")}
+    return triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4))
+
+
+@pytest.mark.parametrize("stages,dt", [(2, "bf16"), (5, "bf16"), (6, "bf16"), (5, "fp16")])
+def test_ws_kernel_compiles_to_tma_wgmma_and_named_barriers(tmp_path, stages, dt):
+    """The warp-specialized weight-gradient kernel: operands by TMA (two 64-column boxes per 128-column chunk:
+    a 128-byte swizzle holds 64 16-bit elements), m64n128k16 wgmma, mbarrier handshakes; the barrier before a
+    zeroed chunk's wgmma is a named barrier of the MMA warpgroup's 128 threads (a CTA-wide ``bar.sync 0``
+    without a count would wait for the load warp and hang); no spills; the ring within 227 KiB."""
+    k = _compile_ws(stages, dt)
+    ptx = k.asm["ptx"]
+    ptx_dt = {"bf16": "bf16", "fp16": "f16"}[dt]
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.{ptx_dt}\.{ptx_dt}", ptx)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx)) == 4
+    assert "cp.async.ca" not in ptx and "cp.async.cg" not in ptx
+    assert "mbarrier.try_wait.parity" in ptx and "fence.proxy.async" in ptx
+    partition_bars = re.findall(r"bar\.sync \t(\d+), (\d+);", ptx)
+    assert partition_bars and {n for _, n in partition_bars} == {"128"}, partition_bars
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    report = _ptxas_report(ptx, tmp_path)
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+    assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"

@@ -52,14 +52,15 @@ def _run(cfg, p, q, offsets, p_idx, q_idx, out_dtype=BF16, expect_gluon=None):
     saved = dict(tile_config._OVERRIDES)
     tile_config._OVERRIDES[("wgrad", M, N)] = cfg
     launches = []
-    real_launch = grouped_gemm.launch_gluon_wgrad
+    real_launch, real_ws = grouped_gemm.launch_gluon_wgrad, grouped_gemm.launch_gluon_wgrad_ws
     grouped_gemm.launch_gluon_wgrad = lambda *a, **k: (launches.append(a[0]), real_launch(*a, **k))
+    grouped_gemm.launch_gluon_wgrad_ws = lambda *a, **k: (launches.append(a[0]), real_ws(*a, **k))
     try:
         E = offsets.numel() - 1
         out = torch.full((E, M, N), float("nan"), device=DEV, dtype=out_dtype)
         got = k_grouped_mm(p, q, offsets, p_idx_R=p_idx, q_idx_R=q_idx, out_dtype=out_dtype, out=out)
     finally:
-        grouped_gemm.launch_gluon_wgrad = real_launch
+        grouped_gemm.launch_gluon_wgrad, grouped_gemm.launch_gluon_wgrad_ws = real_launch, real_ws
         tile_config._OVERRIDES.clear()
         tile_config._OVERRIDES.update(saved)
     expect_gluon = cfg.gluon if expect_gluon is None else expect_gluon
@@ -115,3 +116,74 @@ def test_many_tiles_per_program(out_dtype):
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert torch.equal(got, want), f"{cfg}: {int((got != want).sum())} elements differ"
+
+
+# --- the warp-specialized kernel (megamoe/kernels/wgrad_ws_gluon.py): contiguous rows, 128x128 tiles ---------
+WS_STAGES = [2, 3, 5, 6]
+
+
+def _ws(stages):
+    from megamoe.ops import GemmConfig
+
+    return GemmConfig(128, 128, 64, 8, stages, gluon=True, warp_specialized=True)
+
+
+@needs_hopper
+@pytest.mark.parametrize("M,N", [(256, 384), (192, 208), (128, 144)])
+def test_ws_bitwise_equal_to_triton_kernels(M, N):
+    """Every ring size gives the Triton per-tile kernel's bits on experts of 0-300 rows (partial chunks, the
+    next expert's rows zeroed, empty experts), M and N multiples of 128 or only of 16; gathered rows are
+    refused (Triton kernels, same bits)."""
+    from megamoe.ops import GemmConfig
+
+    p, q, off, _, _ = _problem(M, N, COUNTS, False, False, seed=M * N)
+    want = _run(GemmConfig(128, 128, 64, 8, 2), p, q, off, None, None)
+    for stages in WS_STAGES:
+        got = _run(_ws(stages), p, q, off, None, None)
+        assert not got.isnan().any(), "an output element was not written"
+        assert torch.equal(got, want), f"{stages} stages: {int((got != want).sum())} elements differ"
+    empty = [e for e, c in enumerate(COUNTS) if c == 0]
+    assert torch.equal(got[empty], torch.zeros_like(got[empty]))
+    pg, qg, offg, pi, qi = _problem(M, N, COUNTS, False, True, seed=M * N + 1)
+    assert torch.equal(_run(_ws(4), pg, qg, offg, pi, qi, expect_gluon=False),
+                       _run(GemmConfig(128, 128, 64, 8, 2), pg, qg, offg, pi, qi))
+
+
+@needs_hopper
+def test_ws_next_experts_rows_never_reach_the_sum():
+    """Rows of the next expert inside an expert's last chunk are zeroed in both operands: an expert of non-finite
+    rows (inf in P, NaN in Q) leaves its neighbours' gradients finite and equal to the Triton kernels'."""
+    from megamoe.ops import GemmConfig
+
+    counts = [65, 40, 7, 130, 0, 33]
+    p, q, off, _, _ = _problem(256, 256, counts, False, False, seed=5)
+    bad = [1, 3]
+    for e in bad:
+        a, b = off[e].item(), off[e + 1].item()
+        p[a:b, ::3] = float("inf")
+        q[a:b, 1::5] = float("nan")
+    want = _run(GemmConfig(128, 128, 64, 8, 2), p, q, off, None, None)
+    got = _run(_ws(4), p, q, off, None, None)
+    good = [e for e in range(len(counts)) if e not in bad]
+    assert torch.isfinite(got[good]).all(), "another expert's non-finite rows reached a gradient"
+    assert torch.equal(got[good], want[good])
+    assert got[bad].isnan().any()
+
+
+@needs_hopper
+def test_ws_many_tiles_per_program_without_sync():
+    """Far more tiles than SMs (each program's ring runs across many tiles, units and experts, both MMA
+    warpgroups take turns), no host sync while launching, the Triton kernels' bits."""
+    from megamoe.ops import GemmConfig
+
+    counts = [int(c) for c in torch.randint(0, 300, (96,), generator=torch.Generator().manual_seed(4))]
+    counts[0] = counts[40] = counts[95] = 0
+    p, q, off, _, _ = _problem(512, 640, counts, False, False, seed=12)
+    want = _run(GemmConfig(128, 128, 64, 8, 2), p, q, off, None, None)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = _run(_ws(5), p, q, off, None, None)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(got, want), f"{int((got != want).sum())} elements differ"

@@ -33,7 +33,8 @@ from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .m_grouped_gluon import gluon_m_grouped_eligible, launch_gluon_m_grouped
 from .torch_grouped_mm import (torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, torch_wgrad_mode,
                                wgrad_shape_fits)
-from .wgrad_gluon import gluon_wgrad_eligible, launch_gluon_wgrad
+from .wgrad_gluon import (GLUON_AVAILABLE, gluon_device_ok, gluon_wgrad_eligible, launch_gluon_wgrad,
+                          launch_gluon_wgrad_ws, ws_operands_fit)
 from .routing import tile_offsets_for
 from . import tile_config
 from .tile_config import k_grouped_config, m_grouped_config
@@ -445,9 +446,10 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     Determinism: each output element reduces its expert's rows from the expert's first row, in row order,
     in BLOCK_K chunks, fp32, one cast; no atomics, no split-K: bitwise reproducible, independent of the
     other groups and of the kernel variant (Triton per-tile, Triton resident, or on Hopper the persistent
-    Gluon kernel of :mod:`megamoe.ops.wgrad_gluon`, or ``torch._grouped_mm`` (:mod:`megamoe.ops.torch_grouped_mm`),
-    which the table picks for bf16 groups of more than ~154 rows when the rows are contiguous; the launcher
-    falls back to the Triton kernels wherever the Gluon or torch kernel cannot take the operands). An expert
+    Gluon kernel of :mod:`megamoe.ops.wgrad_gluon` or its warp-specialized form (contiguous rows only), or
+    ``torch._grouped_mm`` (:mod:`megamoe.ops.torch_grouped_mm`), which the table picks for bf16 groups of
+    more than ~154 rows when the rows are contiguous; the launcher falls back to the Triton kernels wherever
+    the Gluon or torch kernel cannot take the operands). An expert
     with no rows gets exact zeros. Sync: none. ``MEGAMOE_TORCH_WGRAD=1`` uses torch's kernel wherever the
     operands allow (but not over an explicit wgrad entry in code or ``MEGAMOE_TILES``), ``=0`` never.
     """
@@ -481,6 +483,13 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         return c
     if R == 0:
         return c.zero_()
+    if cfg.gluon and cfg.warp_specialized:  # the warp-specialized kernel, contiguous rows only
+        if (not interpret and GLUON_AVAILABLE and gluon_device_ok(p)
+                and ws_operands_fit(cfg, p, q, c, gathered=p_idx_R is not None or q_idx_R is not None)):
+            launch_gluon_wgrad_ws(cfg, p, q, offsets_E1, c)
+            return c
+        cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_gluon=False,
+                               allow_torch=False)
     if cfg.gluon:
         forced = tile_config.override_for("wgrad", M, N) is cfg  # asked for explicitly (tests, sweeps)
         if not interpret and gluon_wgrad_eligible(cfg, p, q, c, fill_sms=not forced):

@@ -24,12 +24,14 @@ try:  # Gluon is experimental: keep the library importable without it
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.wgrad_gluon import _k_grouped_wgrad_kernel
+    from ..kernels.wgrad_ws_gluon import _k_grouped_wgrad_ws_kernel
 except Exception:  # noqa: BLE001 - any import problem means: no Gluon path
-    _k_grouped_wgrad_kernel = None
+    _k_grouped_wgrad_kernel = _k_grouped_wgrad_ws_kernel = None
 
-__all__ = ["gluon_wgrad_eligible", "operands_fit", "launch_gluon_wgrad", "GLUON_AVAILABLE"]
+__all__ = ["gluon_wgrad_eligible", "operands_fit", "launch_gluon_wgrad", "ws_operands_fit", "launch_gluon_wgrad_ws",
+           "GLUON_AVAILABLE"]
 
-GLUON_AVAILABLE = _k_grouped_wgrad_kernel is not None
+GLUON_AVAILABLE = _k_grouped_wgrad_kernel is not None and _k_grouped_wgrad_ws_kernel is not None
 _HALF = (torch.bfloat16, torch.float16)
 _BLOCK_M = 128
 
@@ -74,6 +76,25 @@ def operands_fit(cfg, p: torch.Tensor, q: torch.Tensor, c: torch.Tensor, min_uni
     return _aligned_rows(p) and _aligned_rows(q) and E * triton.cdiv(M, _BLOCK_M) >= min_units
 
 
+def _tma_rows(t: torch.Tensor) -> bool:
+    # a TMA descriptor over (rows, cols): contiguous columns, 16-byte aligned base and row stride
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def ws_operands_fit(cfg, p: torch.Tensor, q: torch.Tensor, c: torch.Tensor, gathered: bool) -> bool:
+    """Host-side conditions of the warp-specialized kernel (a pure function; CPU-testable): a config with
+    ``gluon`` and ``warp_specialized`` and 128x128x64 tiles; P and Q rows not gathered (its TMA loads read
+    contiguous rows), of one 16-bit dtype, TMA-compatible (contiguous columns, 16-byte aligned base and row
+    stride); C 16-bit and contiguous (the epilogue casts to C's dtype: an fp32 tile's layout change would not
+    fit beside the ring)."""
+    if not (cfg.gluon and cfg.warp_specialized) or (cfg.block_m, cfg.block_n, cfg.block_k) != (128, 128, 64):
+        return False
+    if gathered or p.dtype not in _HALF or q.dtype != p.dtype or c.dtype not in _HALF or not c.is_contiguous():
+        return False
+    E, M, N = c.shape
+    return p.shape[1] == M and q.shape[1] == N and p.shape[0] == q.shape[0] and _tma_rows(p) and _tma_rows(q)
+
+
 def gluon_wgrad_eligible(cfg, p: torch.Tensor, q: torch.Tensor, c: torch.Tensor, *, fill_sms: bool = True) -> bool:
     """True when the Gluon kernel can compute ``c = P^T Q`` per group with config ``cfg``: Gluon importable
     and not disabled by ``MEGAMOE_GLUON=0``; a Hopper (sm_90) CUDA device; and :func:`operands_fit`, with at
@@ -112,4 +133,26 @@ def launch_gluon_wgrad(cfg, p: torch.Tensor, p_idx_R: torch.Tensor | None, q: to
         P_GATHER=p_idx_R is not None, Q_GATHER=q_idx_R is not None, TMA_C=tma_c,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, RES=cfg.resident_chunks,
         num_warps=cfg.num_warps,
+    )
+
+
+def launch_gluon_wgrad_ws(cfg, p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, c: torch.Tensor) -> None:
+    """Launch the warp-specialized kernel (megamoe/kernels/wgrad_ws_gluon.py) writing every element of ``c``
+    (E, M, N) (experts with no rows: zeros): one program per SM at most, each a TMA load warp and two MMA
+    warpgroups taking its 128x128 tiles in turn; ``cfg.num_stages`` ring slots.
+
+    Preconditions (checked by the caller): Gluon available on a Hopper device, :func:`ws_operands_fit`,
+    R > 0, c.numel() > 0. The sums and so the bits are the Triton kernels'.
+    """
+    E, M, N = c.shape
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    gdt = _gl_dtype(p.dtype)
+    p_desc = TensorDescriptor(p, list(p.shape), [p.stride(0), 1], [bk, bm],
+                              gl.NVMMASharedLayout.get_default_for([bk, bm], gdt))
+    q_desc = TensorDescriptor(q, list(q.shape), [q.stride(0), 1], [bk, bn],
+                              gl.NVMMASharedLayout.get_default_for([bk, bn], gdt))
+    num_units = E * triton.cdiv(M, bm)
+    _k_grouped_wgrad_ws_kernel[(min(_sm_count(c.device.index or 0), num_units),)](
+        p_desc, q_desc, offsets_E1, c, E, M, N, c.stride(0), c.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.num_stages, num_warps=4,
     )
