@@ -3,7 +3,8 @@
 The rows are contiguous, as in the EP receive buffers (and the rows the single-GPU path copies into expert
 order for torch's kernel), so every kernel can take them: the Triton per-tile kernel (the reference of the bit
 check), the table's default for the shape, ``torch._grouped_mm`` (CUTLASS), the persistent Gluon kernel with P
-on chip, and the warp-specialized Gluon kernel (megamoe/kernels/wgrad_ws_gluon.py) at several ring sizes.
+on chip, and the warp-specialized Gluon kernel (megamoe/kernels/wgrad_ws_gluon.py) at several ring sizes, P
+streamed or kept on chip.
 
 Cases (uniform random top-k routing; local experts L, ~rows per expert):
   ep2-deepseek   an EP = 2 rank of deepseek-v3 at 4096 tokens per rank: L = 128 of 256, ~256 rows
@@ -14,7 +15,8 @@ For each case and GEMM (dW13 = dGU^T X: (L, 2F, D); dW2 = dY^T H: (L, D, F)): ms
 events, interleaved rounds), TFLOP/s and % of the dense bf16 rate measured in the same run, the gradient bytes
 written per ms and % of the device copy rate; ``bitwise`` compares against the Triton per-tile kernel.
 
-Usage: python scripts/ab_wgrad.py OUT_DIR [case ...] [--rounds=N] [--stages=3,4,5,6]
+Usage: python scripts/ab_wgrad.py OUT_DIR [case ...] [--rounds=N] [--ws=STAGES:RES,...]
+(--ws: the warp-specialized kernel's ring slots and resident P chunks, default 4:0,5:0,4:5,5:5,6:5,6:6)
 (needs a Hopper GPU; installs nothing; writes OUT_DIR/ab_wgrad.json)
 """
 
@@ -58,8 +60,9 @@ def providers(stages):
     """label -> GemmConfig (forced through the table's override), None (the table's default) or "torch"."""
     out = {"triton per-tile": GemmConfig(128, 128, 64, 8, 2), "table": None, "torch._grouped_mm": "torch",
            "gluon persistent (P on chip)": GemmConfig(128, 128, 64, 8, 5, resident_chunks=5, gluon=True)}
-    for s in stages:
-        out[f"gluon ws {s} stages"] = GemmConfig(128, 128, 64, 8, s, gluon=True, warp_specialized=True)
+    for s, r in stages:
+        out[f"gluon ws {s} stages, {r} res"] = GemmConfig(128, 128, 64, 8, s, resident_chunks=r, gluon=True,
+                                                          warp_specialized=True)
     return out
 
 
@@ -86,7 +89,7 @@ def main() -> None:
         return
     opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--"))
     rounds = int(opts.get("rounds", 3))
-    stages = [int(s) for s in opts.get("stages", "3,4,5,6").split(",")]
+    stages = [tuple(int(v) for v in sr.split(":")) for sr in opts.get("ws", "4:0,5:0,4:5,5:5,6:5,6:6").split(",")]
     out_dir, cases = args[0], args[1:] or list(CASES)
     timer = Timer(dev, flush_mib=0)
     ceil = measure_ceilings(timer, torch.bfloat16)
@@ -121,7 +124,7 @@ def main() -> None:
                          tflops=tf, pct_dense=100 * tf / ceil["matmul_tflops"], grad_gbs=gbs,
                          pct_copy=100 * gbs / ceil["copy_gbs"], bitwise=same[label], L=L, R=R, M=M, N=N)
                 rows.append(r)
-                print(f"  {gemm:5s} {label:30s} {ms:7.3f} ms  {tf:5.0f} TFLOP/s ({r['pct_dense']:4.1f}% dense)  "
+                print(f"  {gemm:5s} {label:34s} {ms:7.3f} ms  {tf:5.0f} TFLOP/s ({r['pct_dense']:4.1f}% dense)  "
                       f"{gbs:5.0f} GB/s written ({r['pct_copy']:4.1f}% copy)  bitwise {'==' if same[label] else 'DIFFERENT'}",
                       flush=True)
             out = ref = None  # free the (L, M, N) buffers before the next GEMM

@@ -91,7 +91,7 @@ def test_compiles_to_wgmma_cp_async_without_spills(tmp_path, tma_c, p_gather, q_
     assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
 
 
-def _compile_ws(stages, dt="bf16"):
+def _compile_ws(stages, dt="bf16", res=0):
     import triton
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -103,7 +103,7 @@ def _compile_ws(stages, dt="bf16"):
     desc = f"tensordesc<{dt}[64, 128],{layout!r}>"
     sig = dict(p_desc=desc, q_desc=desc, row_offsets_ptr="*i32", c_ptr=f"*{dt}", num_experts="i32", M="i32",
                N="i32", stride_ce="i32", stride_cm="i32")
-    const = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=stages, num_warps=4)
+    const = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=stages, RES=res, num_warps=4)
     sig.update({name: "constexpr" for name in const})
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
@@ -112,17 +112,20 @@ def _compile_ws(stages, dt="bf16"):
                           options=dict(num_warps=4))
 
 
-@pytest.mark.parametrize("stages,dt", [(2, "bf16"), (5, "bf16"), (6, "bf16"), (5, "fp16")])
-def test_ws_kernel_compiles_to_tma_wgmma_and_named_barriers(tmp_path, stages, dt):
-    """The warp-specialized weight-gradient kernel: operands by TMA (two 64-column boxes per 128-column chunk:
+@pytest.mark.parametrize("stages,res,dt", [(2, 0, "bf16"), (5, 0, "bf16"), (6, 5, "bf16"), (5, 5, "bf16"),
+                                            (6, 6, "bf16"), (5, 5, "fp16")])
+def test_ws_kernel_compiles_to_tma_wgmma_and_named_barriers(tmp_path, stages, res, dt):
+    """The warp-specialized weight-gradient kernel, P streamed (res = 0) or kept on chip: operands by TMA (two
+    64-column boxes per 128-column chunk:
     a 128-byte swizzle holds 64 16-bit elements), m64n128k16 wgmma, mbarrier handshakes; the barrier before a
     zeroed chunk's wgmma is a named barrier of the MMA warpgroup's 128 threads (a CTA-wide ``bar.sync 0``
     without a count would wait for the load warp and hang); no spills; the ring within 227 KiB."""
-    k = _compile_ws(stages, dt)
+    k = _compile_ws(stages, dt, res)
     ptx = k.asm["ptx"]
     ptx_dt = {"bf16": "bf16", "fp16": "f16"}[dt]
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.{ptx_dt}\.{ptx_dt}", ptx)
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx)) == 4
+    # P and Q chunks of a ring step, plus (resident P) the unit's res P chunks
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx)) == 4 + 2 * res
     assert "cp.async.ca" not in ptx and "cp.async.cg" not in ptx
     assert "mbarrier.try_wait.parity" in ptx and "fence.proxy.async" in ptx
     partition_bars = re.findall(r"bar\.sync \t(\d+), (\d+);", ptx)

@@ -119,29 +119,32 @@ def test_many_tiles_per_program(out_dtype):
 
 
 # --- the warp-specialized kernel (megamoe/kernels/wgrad_ws_gluon.py): contiguous rows, 128x128 tiles ---------
-WS_STAGES = [2, 3, 5, 6]
+# (ring slots, resident chunks): P streamed (0), or on chip for experts of up to 3, 5, 6 chunks (COUNTS has
+# experts of 1, 2, 3 and 5 chunks, so res = 3 mixes resident and streamed units in one launch)
+WS_VARIANTS = [(2, 0), (3, 0), (5, 0), (5, 3), (4, 5), (6, 5), (6, 6)]
 
 
-def _ws(stages):
+def _ws(stages, res=0):
     from megamoe.ops import GemmConfig
 
-    return GemmConfig(128, 128, 64, 8, stages, gluon=True, warp_specialized=True)
+    return GemmConfig(128, 128, 64, 8, stages, resident_chunks=res, gluon=True, warp_specialized=True)
 
 
 @needs_hopper
-@pytest.mark.parametrize("M,N", [(256, 384), (192, 208), (128, 144)])
+@pytest.mark.parametrize("M,N", [(256, 384), (192, 208), (128, 144), (256, 128), (128, 64)])
 def test_ws_bitwise_equal_to_triton_kernels(M, N):
-    """Every ring size gives the Triton per-tile kernel's bits on experts of 0-300 rows (partial chunks, the
-    next expert's rows zeroed, empty experts), M and N multiples of 128 or only of 16; gathered rows are
-    refused (Triton kernels, same bits)."""
+    """Every ring size, P streamed or on chip, gives the Triton per-tile kernel's bits on experts of 0-300 rows
+    (partial chunks, the next expert's rows zeroed, empty experts), M and N multiples of 128 or only of 16,
+    units of one n-tile (N <= 128: the other MMA warpgroup has no tile in them); gathered rows are refused
+    (Triton kernels, same bits)."""
     from megamoe.ops import GemmConfig
 
     p, q, off, _, _ = _problem(M, N, COUNTS, False, False, seed=M * N)
     want = _run(GemmConfig(128, 128, 64, 8, 2), p, q, off, None, None)
-    for stages in WS_STAGES:
-        got = _run(_ws(stages), p, q, off, None, None)
+    for stages, res in WS_VARIANTS:
+        got = _run(_ws(stages, res), p, q, off, None, None)
         assert not got.isnan().any(), "an output element was not written"
-        assert torch.equal(got, want), f"{stages} stages: {int((got != want).sum())} elements differ"
+        assert torch.equal(got, want), f"{stages} stages, {res} resident: {int((got != want).sum())} elements differ"
     empty = [e for e, c in enumerate(COUNTS) if c == 0]
     assert torch.equal(got[empty], torch.zeros_like(got[empty]))
     pg, qg, offg, pi, qi = _problem(M, N, COUNTS, False, True, seed=M * N + 1)
@@ -163,11 +166,12 @@ def test_ws_next_experts_rows_never_reach_the_sum():
         p[a:b, ::3] = float("inf")
         q[a:b, 1::5] = float("nan")
     want = _run(GemmConfig(128, 128, 64, 8, 2), p, q, off, None, None)
-    got = _run(_ws(4), p, q, off, None, None)
     good = [e for e in range(len(counts)) if e not in bad]
-    assert torch.isfinite(got[good]).all(), "another expert's non-finite rows reached a gradient"
-    assert torch.equal(got[good], want[good])
-    assert got[bad].isnan().any()
+    for stages, res in ((4, 0), (5, 5), (5, 2)):  # streamed, resident, both
+        got = _run(_ws(stages, res), p, q, off, None, None)
+        assert torch.isfinite(got[good]).all(), f"({stages}, {res}): another expert's non-finite rows reached a gradient"
+        assert torch.equal(got[good], want[good])
+        assert got[bad].isnan().any()
 
 
 @needs_hopper
@@ -183,7 +187,8 @@ def test_ws_many_tiles_per_program_without_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = _run(_ws(5), p, q, off, None, None)
+        got = [_run(_ws(5), p, q, off, None, None), _run(_ws(6, 5), p, q, off, None, None)]
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert torch.equal(got, want), f"{int((got != want).sum())} elements differ"
+    for g in got:
+        assert torch.equal(g, want), f"{int((g != want).sum())} elements differ"

@@ -55,26 +55,40 @@ def _unit(unit, row_offsets_ptr, tiles_m, BLOCK_M: gl.constexpr, BLOCK_K: gl.con
 
 
 @gluon.jit
-def _ws_wgrad_load(p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, num_units, tiles_m, tiles_n,
-                   STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-    """One warp: the TMA copies of every step of the program, in order, each into a slot its consumer released."""
+def _ws_wgrad_load(p_desc, q_desc, p_buf, q_ring, ready, empty, p_ready, p_free, row_offsets_ptr, num_units, tiles_m,
+                   tiles_n, STAGES: gl.constexpr, RES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_K: gl.constexpr):
+    """One warp: per unit, the P chunks once (resident unit) and then every step's Q chunk, or P and Q chunk pairs
+    through the ring (streamed unit), in order, each into a slot its consumer released."""
     G = gl.num_programs(0)
-    s = 0
+    s = 0  # the program's step count
+    u = 0  # the program's unit count
     unit = gl.program_id(0)
     while unit < num_units:
         _, m0, row_start, _, nch = _unit(unit, row_offsets_ptr, tiles_m, BLOCK_M, BLOCK_K)
+        resident = nch <= RES
+        if RES > 0:  # p_buf is reused by this unit: both consumers are done with the last one's (fresh: passes)
+            mbarrier.wait(p_free, (u & 1) ^ 1)
+        if resident:  # all RES chunks (a constant byte count for the barrier; those past nch are never read)
+            mbarrier.expect(p_ready, RES * p_desc.block_type.nbytes)
+            for c in gl.static_range(RES):
+                tma.async_copy_global_to_shared(p_desc, [row_start + c * BLOCK_K, m0], p_ready, p_buf.index(c))
         for n in range(tiles_n):
             c = gl.to_tensor(0)
             while c < nch:  # a while loop: see megamoe.kernels.wgrad_gluon (Triton 3.6 and range() bounds)
                 slot = s % STAGES
                 mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1)  # a fresh slot passes at once
                 bar = ready.index(slot)
-                mbarrier.expect(bar, p_desc.block_type.nbytes + q_desc.block_type.nbytes)
                 row0 = row_start + c * BLOCK_K
-                tma.async_copy_global_to_shared(p_desc, [row0, m0], bar, p_ring.index(slot))
+                if resident:
+                    mbarrier.expect(bar, q_desc.block_type.nbytes)
+                else:
+                    mbarrier.expect(bar, p_desc.block_type.nbytes + q_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(p_desc, [row0, m0], bar, p_buf.index(slot))
                 tma.async_copy_global_to_shared(q_desc, [row0, n * BLOCK_N], bar, q_ring.index(slot))
                 s += 1
                 c += 1
+        u += 1
         unit += G
 
 
@@ -88,9 +102,9 @@ def _zero_rows(buf, valid, ROWS: gl.constexpr, COLS: gl.constexpr):
 
 
 @gluon.jit
-def _ws_wgrad_mma(p_ring, q_ring, ready, empty, turn, c_ptr, row_offsets_ptr, num_units, tiles_m, tiles_n, M, N,
-                  stride_ce, stride_cm, CONSUMER: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+def _ws_wgrad_mma(p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, c_ptr, row_offsets_ptr, num_units,
+                  tiles_m, tiles_n, M, N, stride_ce, stride_cm, CONSUMER: gl.constexpr, STAGES: gl.constexpr,
+                  RES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
     """One warpgroup: the wgmmas and the epilogue of the program's tiles CONSUMER, CONSUMER + 2, ..."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
@@ -100,9 +114,26 @@ def _ws_wgrad_mma(p_ring, q_ring, ready, empty, turn, c_ptr, row_offsets_ptr, nu
     s = 0  # the program's step count
     j = 0  # the program's tile count
     i = 0  # this consumer's tile count
+    ur = 0  # the program's resident-unit count (the phase of p_ready / p_zeroed)
     unit = gl.program_id(0)
     while unit < num_units:
         expert, m0, row_start, row_end, nch = _unit(unit, row_offsets_ptr, tiles_m, BLOCK_M, BLOCK_K)
+        resident = nch <= RES
+        owner = j % 2 == CONSUMER  # this consumer takes the unit's first tile
+        if resident:
+            if owner:  # zero the next expert's rows in the last resident chunk, once for both consumers
+                mbarrier.wait(p_ready, ur & 1)
+                last_valid = row_end - (row_start + (nch - 1) * BLOCK_K)
+                if last_valid < BLOCK_K:
+                    _zero_rows(p_buf.index(nch - 1), last_valid, BLOCK_K, BLOCK_M)
+                    fence_async_shared()
+                    gl.thread_barrier()  # the warpgroup's stores are visible to both warpgroups' wgmmas
+                mbarrier.arrive(p_zeroed)
+            elif tiles_n > 1:  # the other consumer has tiles in this unit
+                mbarrier.wait(p_zeroed, ur & 1)
+        if RES > 0:
+            if not owner and tiles_n == 1:  # no tile of this unit: its P is not ours to hold
+                mbarrier.arrive(p_free)
         for n in range(tiles_n):
             if j % 2 == CONSUMER:
                 mbarrier.wait(turn.index(CONSUMER), (i & 1) ^ (1 - CONSUMER))  # consumer 0's first tile passes
@@ -113,11 +144,13 @@ def _ws_wgrad_mma(p_ring, q_ring, ready, empty, turn, c_ptr, row_offsets_ptr, nu
                     mbarrier.wait(ready.index(slot), (s // STAGES) & 1)
                     valid = row_end - (row_start + c * BLOCK_K)
                     if valid < BLOCK_K:  # the expert's last chunk reaches into the next expert's rows
-                        _zero_rows(p_ring.index(slot), valid, BLOCK_K, BLOCK_M)
+                        if not resident:
+                            _zero_rows(p_buf.index(slot), valid, BLOCK_K, BLOCK_M)
                         _zero_rows(q_ring.index(slot), valid, BLOCK_K, BLOCK_N)
                         fence_async_shared()
                         gl.thread_barrier()  # the warpgroup's stores are visible to its wgmma
-                    acc = warpgroup_mma(p_ring.index(slot).permute((1, 0)), q_ring.index(slot), acc, is_async=True)
+                    p_op = p_buf.index(gl.where(resident, c, slot)).permute((1, 0))
+                    acc = warpgroup_mma(p_op, q_ring.index(slot), acc, is_async=True)
                     acc = warpgroup_mma_wait(1, deps=[acc])  # the step before is complete: release its slot
                     if c > 0:
                         mbarrier.arrive(empty.index((s - 1) % STAGES))
@@ -126,6 +159,9 @@ def _ws_wgrad_mma(p_ring, q_ring, ready, empty, turn, c_ptr, row_offsets_ptr, nu
                 mbarrier.arrive(turn.index(1 - CONSUMER))  # every ready-wait of this tile passed
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(empty.index((s - 1) % STAGES))
+                if RES > 0:
+                    if n + 2 >= tiles_n:  # this consumer's last tile of the unit: done with its P
+                        mbarrier.arrive(p_free)
                 out = gl.convert_layout(acc.to(out_ty), STORE)
                 offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, STORE))
                 offs_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, STORE))
@@ -136,6 +172,8 @@ def _ws_wgrad_mma(p_ring, q_ring, ready, empty, turn, c_ptr, row_offsets_ptr, nu
             else:
                 s += nch
             j += 1
+        if resident:
+            ur += 1
         unit += G
 
 
@@ -147,31 +185,39 @@ def _k_grouped_wgrad_ws_kernel(
     c_ptr,
     # shapes and output strides (elements)
     num_experts, M, N, stride_ce, stride_cm,
-    # tile config (num_warps = 4: the default partition is consumer 0)
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    # tile config (num_warps = 4: the default partition is consumer 0); RES: P chunks kept on chip (0: streamed)
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, RES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one MMA warpgroup")
     gl.static_assert(STAGES >= 2, "the ring needs STAGES >= 2")
     dtype: gl.constexpr = p_desc.dtype
-    p_ring = gl.allocate_shared_memory(dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
+    P_SLOTS: gl.constexpr = RES if RES > STAGES else STAGES
+    p_buf = gl.allocate_shared_memory(dtype, [P_SLOTS] + p_desc.block_type.shape, p_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # p_ready, p_zeroed, p_free
     for k in gl.static_range(STAGES):
         mbarrier.init(ready.index(k), count=1)
         mbarrier.init(empty.index(k), count=1)
     for k in gl.static_range(2):
         mbarrier.init(turn.index(k), count=1)
+    mbarrier.init(p_bars.index(0), count=1)
+    mbarrier.init(p_bars.index(1), count=1)
+    mbarrier.init(p_bars.index(2), count=2)
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     num_units = num_experts * tiles_m
+    p_ready, p_zeroed, p_free = p_bars.index(0), p_bars.index(1), p_bars.index(2)
     gl.warp_specialize([
-        (_ws_wgrad_mma, (p_ring, q_ring, ready, empty, turn, c_ptr, row_offsets_ptr, num_units, tiles_m, tiles_n,
-                         M, N, stride_ce, stride_cm, 0, STAGES, BLOCK_M, BLOCK_N, BLOCK_K)),
-        (_ws_wgrad_mma, (p_ring, q_ring, ready, empty, turn, c_ptr, row_offsets_ptr, num_units, tiles_m, tiles_n,
-                         M, N, stride_ce, stride_cm, 1, STAGES, BLOCK_M, BLOCK_N, BLOCK_K)),
-        (_ws_wgrad_load, (p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, num_units, tiles_m,
-                          tiles_n, STAGES, BLOCK_M, BLOCK_N, BLOCK_K)),
-    ], [4, 1], [232, 40])
+        (_ws_wgrad_mma, (p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, c_ptr, row_offsets_ptr,
+                         num_units, tiles_m, tiles_n, M, N, stride_ce, stride_cm, 0, STAGES, RES, BLOCK_M, BLOCK_N,
+                         BLOCK_K)),
+        (_ws_wgrad_mma, (p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, c_ptr, row_offsets_ptr,
+                         num_units, tiles_m, tiles_n, M, N, stride_ce, stride_cm, 1, STAGES, RES, BLOCK_M, BLOCK_N,
+                         BLOCK_K)),
+        (_ws_wgrad_load, (p_desc, q_desc, p_buf, q_ring, ready, empty, p_ready, p_free, row_offsets_ptr, num_units,
+                          tiles_m, tiles_n, STAGES, RES, BLOCK_M, BLOCK_N, BLOCK_K)),
+    ], [4, 1], [232, 56])

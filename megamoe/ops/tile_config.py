@@ -58,11 +58,13 @@ class GemmConfig:
     (megamoe/kernels/grouped_gemm_gluon.py: TMA loads of A and B in a ring that runs across tile boundaries)
     where the device and operands allow it (Hopper, 16-bit, A rows not gathered, TMA-compatible rows;
     ops.m_grouped_gluon.gluon_m_grouped_eligible), else the Triton kernel with this config. ``warp_specialized``
-    (with gluon, m-grouped plain only) runs its warp-specialized form instead: a TMA load warp and two MMA
+    (with gluon) runs its warp-specialized form instead: a TMA load warp and two MMA
     warpgroups that either take a program's 128x128 tiles in turn (ping-pong: one tile's epilogue overlaps the
     next tile's wgmmas) or, at 128x256, both take 64 rows of every tile (cooperative); num_warps 8 = the two
-    MMA warpgroups, the load warp comes on top. Neither Gluon kernel is in the table (measured not faster,
-    docs/perf.md sixth and seventh sessions).
+    MMA warpgroups, the load warp comes on top. Neither m-grouped Gluon kernel is in the table (measured not
+    faster, docs/perf.md sixth and seventh sessions). For the weight gradient (k-grouped, contiguous rows only,
+    128x128) ``warp_specialized`` runs megamoe/kernels/wgrad_ws_gluon.py, ping-pong, with the P chunks of an
+    expert of at most resident_chunks chunks kept on chip (ops.wgrad_gluon.ws_operands_fit).
 
     k-grouped only: ``torch_mm`` runs ``torch._grouped_mm`` (megamoe.ops.torch_grouped_mm; bitwise the Triton
     kernels' result) where the operands allow it (contiguous bf16 rows on Hopper), else the table's own entry
@@ -97,14 +99,18 @@ class GemmConfig:
         if self.resident_chunks not in range(0, 7 if self.gluon else 5):
             raise ValueError(f"GemmConfig: resident_chunks must be 0..4 (0..6 with gluon), got {self}")
         if self.warp_specialized:
-            # the ring plus one layout-change scratch per MMA warpgroup (64 x block_n bytes, compiler-placed)
-            smem = 2 * self.num_stages * self.block_k * (self.block_m + self.block_n) + 2 * 64 * self.block_n + 256
+            # the ring (P slots: max(resident chunks, stages) for the weight gradient) plus one layout-change
+            # scratch per MMA warpgroup (64 x block_n bytes, compiler-placed)
+            p_slots = max(self.resident_chunks, self.num_stages)
+            smem = (2 * self.block_k * (p_slots * self.block_m + self.num_stages * self.block_n)
+                    + 2 * 64 * self.block_n + 256)
             if (not self.gluon or (self.block_m, self.block_k, self.num_warps) != (128, 64, 8)
-                    or self.block_n not in (128, 256) or self.num_stages < 2 or self.resident_chunks
-                    or smem > 227 * 1024):
-                raise ValueError(f"GemmConfig: the warp-specialized Gluon kernel runs gluon=True, 128x128x64 "
-                                 f"(ping-pong) or 128x256x64 (cooperative) tiles, num_warps 8 (two MMA "
-                                 f"warpgroups), 2 or more stages within 227 KiB ({smem // 1024} KiB asked), got {self}")
+                    or self.block_n not in (128, 256) or self.num_stages < 2
+                    or (self.resident_chunks and self.block_n != 128) or smem > 227 * 1024):
+                raise ValueError(f"GemmConfig: the warp-specialized Gluon kernels run gluon=True, 128x128x64 "
+                                 f"(ping-pong; resident chunks 0..6 for the weight gradient) or 128x256x64 "
+                                 f"(cooperative, m-grouped) tiles, num_warps 8 (two MMA warpgroups), 2 or more "
+                                 f"stages within 227 KiB ({smem // 1024} KiB asked), got {self}")
         elif self.gluon:
             smem = 2 * self.block_k * (max(self.resident_chunks, self.num_stages) * self.block_m
                                        + self.num_stages * self.block_n) + 2 * self.block_m * self.block_n

@@ -154,5 +154,5 @@ def launch_gluon_wgrad_ws(cfg, p: torch.Tensor, q: torch.Tensor, offsets_E1: tor
     num_units = E * triton.cdiv(M, bm)
     _k_grouped_wgrad_ws_kernel[(min(_sm_count(c.device.index or 0), num_units),)](
         p_desc, q_desc, offsets_E1, c, E, M, N, c.stride(0), c.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.num_stages, num_warps=4,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.num_stages, RES=cfg.resident_chunks, num_warps=4,
     )
