@@ -19,10 +19,20 @@ from torch import nn
 from . import reference as ref
 from .config import MoEConfig
 from .functional import FUSED_DTYPES
+from .validation import check_same_across_ranks
 
 __all__ = ["MoE", "Router", "RoutedExperts", "SharedExpert", "RouterStats"]
 
 BACKENDS = ("reference", "fused")
+
+
+def _collective_device(group) -> torch.device:
+    """A device for a small collective over ``group``: the current CUDA device for an NCCL-only group, else
+    the CPU (gloo, or a group with both backends)."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class Router(nn.Module):
@@ -163,7 +173,9 @@ class MoE(nn.Module):
     second-to-last dimension of ``x`` (all tokens form one sequence for 2-D input).
 
     Raises ValueError for a bad backend, an E not divisible by the group size, ``dp_group`` the same
-    group of several ranks as ``group``, or a wrong input shape or device; TypeError for a group that is not a
+    group of several ranks as ``group`` or a ``dp_group`` whose ranks hold different experts (EP rank, EP
+    size) or disagree on the config (checked at construction with one all-gather over ``dp_group``, a
+    collective: every rank of it constructs the layer), or a wrong input shape or device; TypeError for a group that is not a
     ProcessGroup, a non-floating input or a non-bool ep_save_preact; FloatingPointError for
     non-finite router logits on CPU under ``nan_policy="raise"`` (on CUDA a device-side assert, no sync).
     """
@@ -199,6 +211,13 @@ class MoE(nn.Module):
         self.num_local_experts = L
         self.expert_offset = self.ep_rank * L
         D, F, S, E = c.hidden_size, c.moe_intermediate_size, c.shared_intermediate_size, c.num_experts
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            # the replicas must hold the same experts of the same layer, or their summed counts (and their
+            # biases) would mix different experts: one all-gather of a few ints, once, at construction
+            check_same_across_ranks(dp_group, "MoE dp_group", {
+                "EP rank (experts held)": self.ep_rank, "EP size": self.ep_size, "num_experts": E, "hidden": D,
+                "moe_intermediate_size": F, "top_k": c.top_k, "dtype": c.dtype}, _collective_device(dp_group),
+                group_name="dp_group (the ranks holding the same experts)")
         # registered in this order, so parameters() keeps the order of the earlier flat layout
         self.router = Router(E, D, device=device, backend=backend)
         self.experts = RoutedExperts(L, D, F, device=device, dtype=c.dtype, backend=backend, group=group,

@@ -177,6 +177,17 @@ def _dp_group_worker(rank, world):
         MoE(_cfg(), group=g, dp_group=g)
     with pytest.raises(TypeError, match="dp_group must be a torch.distributed.ProcessGroup or None"):
         MoE(_cfg(), group=g, dp_group=[0, 1])
+    # the EP group's ranks again, as another group object: its ranks hold different experts
+    same_ranks = dist.new_group([0, 1])
+    with pytest.raises(ValueError, match=r"dp_group \(the ranks holding the same experts\) disagree on EP rank "
+                                         r"\(experts held\): rank 0=0, rank 1=1"):
+        MoE(_cfg(), group=g, dp_group=same_ranks)
+    MoE(_cfg(), dp_group=same_ranks)  # no EP group: every data-parallel rank holds all experts
+    cfg = _cfg()
+    other = cfg.replace(top_k=cfg.top_k - 1 if rank else cfg.top_k)
+    with pytest.raises(ValueError, match=f"top_k: rank 0={cfg.top_k}, rank 1={cfg.top_k - 1}"):
+        MoE(other, dp_group=same_ranks)
+    dist.destroy_process_group(same_ranks)
 
 
 def test_dp_group_errors():
