@@ -91,7 +91,7 @@ def test_compiles_to_wgmma_cp_async_without_spills(tmp_path, tma_c, p_gather, q_
     assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
 
 
-def _compile_ws(stages, dt="bf16", res=0):
+def _compile_ws(stages, dt="bf16", res=0, tma_c=False):
     import triton
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -101,9 +101,13 @@ def _compile_ws(stages, dt="bf16", res=0):
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
     layout = gl.NVMMASharedLayout.get_default_for([64, 128], gdt)
     desc = f"tensordesc<{dt}[64, 128],{layout!r}>"
-    sig = dict(p_desc=desc, q_desc=desc, row_offsets_ptr="*i32", c_ptr=f"*{dt}", num_experts="i32", M="i32",
-               N="i32", stride_ce="i32", stride_cm="i32")
-    const = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=stages, RES=res, num_warps=4)
+    c_layout = gl.NVMMASharedLayout.get_default_for([128, 128], gdt)
+    sig = dict(p_desc=desc, q_desc=desc, row_offsets_ptr="*i32", c_ptr=f"*{dt}",
+               c_desc=f"tensordesc<{dt}[128, 128],{c_layout!r}>" if tma_c else "constexpr", num_experts="i32",
+               M="i32", N="i32", stride_ce="i32", stride_cm="i32")
+    const = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=stages, RES=res, TMA_C=tma_c, num_warps=4)
+    if not tma_c:
+        const["c_desc"] = None
     sig.update({name: "constexpr" for name in const})
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
@@ -112,16 +116,19 @@ def _compile_ws(stages, dt="bf16", res=0):
                           options=dict(num_warps=4))
 
 
-@pytest.mark.parametrize("stages,res,dt", [(2, 0, "bf16"), (5, 0, "bf16"), (6, 5, "bf16"), (5, 5, "bf16"),
-                                            (6, 6, "bf16"), (5, 5, "fp16")])
-def test_ws_kernel_compiles_to_tma_wgmma_and_named_barriers(tmp_path, stages, res, dt):
+@pytest.mark.parametrize("stages,res,dt,tma_c", [(2, 0, "bf16", False), (5, 0, "bf16", False), (6, 5, "bf16", False),
+                                                  (5, 5, "bf16", False), (6, 6, "bf16", False), (5, 5, "fp16", False),
+                                                  (4, 0, "bf16", True), (4, 5, "bf16", True), (5, 0, "fp16", True)])
+def test_ws_kernel_compiles_to_tma_wgmma_and_named_barriers(tmp_path, stages, res, dt, tma_c):
     """The warp-specialized weight-gradient kernel, P streamed (res = 0) or kept on chip: operands by TMA (two
     64-column boxes per 128-column chunk:
     a 128-byte swizzle holds 64 16-bit elements), m64n128k16 wgmma, mbarrier handshakes; the barrier before a
     zeroed chunk's wgmma is a named barrier of the MMA warpgroup's 128 threads (a CTA-wide ``bar.sync 0``
     without a count would wait for the load warp and hang); no spills; the ring within 227 KiB."""
-    k = _compile_ws(stages, dt, res)
+    k = _compile_ws(stages, dt, res, tma_c)
     ptx = k.asm["ptx"]
+    # TMA_C: the output tile leaves by a bulk tensor store (one in each MMA warpgroup's code), else by st.global
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", ptx)) == (2 if tma_c else 0)
     ptx_dt = {"bf16": "bf16", "fp16": "f16"}[dt]
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.{ptx_dt}\.{ptx_dt}", ptx)
     # P and Q chunks of a ring step, plus (resident P) the unit's res P chunks

@@ -102,10 +102,12 @@ def _zero_rows(buf, valid, ROWS: gl.constexpr, COLS: gl.constexpr):
 
 
 @gluon.jit
-def _ws_wgrad_mma(p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, c_ptr, row_offsets_ptr, num_units,
-                  tiles_m, tiles_n, M, N, stride_ce, stride_cm, CONSUMER: gl.constexpr, STAGES: gl.constexpr,
-                  RES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-    """One warpgroup: the wgmmas and the epilogue of the program's tiles CONSUMER, CONSUMER + 2, ..."""
+def _ws_wgrad_mma(p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, c_ptr, c_desc, c_smem, row_offsets_ptr,
+                  num_units, tiles_m, tiles_n, M, N, stride_ce, stride_cm, CONSUMER: gl.constexpr,
+                  STAGES: gl.constexpr, RES: gl.constexpr, TMA_C: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One warpgroup: the wgmmas and the epilogue of the program's tiles CONSUMER, CONSUMER + 2, ... (TMA_C: the
+    tile goes through this warpgroup's staging buffer and a TMA store, which overlaps its next tile)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [4, 1], [1, 0])
@@ -162,12 +164,21 @@ def _ws_wgrad_mma(p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, 
                 if RES > 0:
                     if n + 2 >= tiles_n:  # this consumer's last tile of the unit: done with its P
                         mbarrier.arrive(p_free)
-                out = gl.convert_layout(acc.to(out_ty), STORE)
-                offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, STORE))
-                offs_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, STORE))
-                ptrs = (c_ptr + expert.to(gl.int64) * stride_ce + offs_m.to(gl.int64)[:, None] * stride_cm
-                        + offs_n[None, :])
-                gl.store(ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+                if TMA_C:
+                    buf = c_smem.index(CONSUMER)
+                    tma.store_wait(0)  # this warpgroup's previous tile store has read the buffer
+                    gl.thread_barrier()
+                    buf.store(acc.to(out_ty))
+                    fence_async_shared()
+                    gl.thread_barrier()  # the whole tile is in shared memory before the store reads it
+                    tma.async_copy_shared_to_global(c_desc, [expert * M + m0, n * BLOCK_N], buf)
+                else:
+                    out = gl.convert_layout(acc.to(out_ty), STORE)
+                    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, STORE))
+                    offs_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, STORE))
+                    ptrs = (c_ptr + expert.to(gl.int64) * stride_ce + offs_m.to(gl.int64)[:, None] * stride_cm
+                            + offs_n[None, :])
+                    gl.store(ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
                 i += 1
             else:
                 s += nch
@@ -175,19 +186,22 @@ def _ws_wgrad_mma(p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, 
         if resident:
             ur += 1
         unit += G
+    if TMA_C:
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _k_grouped_wgrad_ws_kernel(
     # inputs: TMA descriptors of P (R, M) and Q (R, N), blocks (BLOCK_K, BLOCK_M) and (BLOCK_K, BLOCK_N)
     p_desc, q_desc, row_offsets_ptr,
-    # output [E, M, N], last dimension contiguous
-    c_ptr,
+    # output [E, M, N], last dimension contiguous; c_desc: TMA descriptor over its (E * M, N) view (TMA_C)
+    c_ptr, c_desc,
     # shapes and output strides (elements)
     num_experts, M, N, stride_ce, stride_cm,
-    # tile config (num_warps = 4: the default partition is consumer 0); RES: P chunks kept on chip (0: streamed)
+    # tile config (num_warps = 4: the default partition is consumer 0); RES: P chunks kept on chip (0: streamed);
+    # TMA_C: tiles stored by TMA from a staging buffer per MMA warpgroup (M % BLOCK_M == 0), else masked stores
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, RES: gl.constexpr,
-    num_warps: gl.constexpr,
+    TMA_C: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one MMA warpgroup")
     gl.static_assert(STAGES >= 2, "the ring needs STAGES >= 2")
@@ -199,6 +213,10 @@ def _k_grouped_wgrad_ws_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # p_ready, p_zeroed, p_free
+    if TMA_C:
+        c_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [2, BLOCK_M, BLOCK_N], c_desc.layout)
+    else:
+        c_smem = p_bars  # unused
     for k in gl.static_range(STAGES):
         mbarrier.init(ready.index(k), count=1)
         mbarrier.init(empty.index(k), count=1)
@@ -212,12 +230,12 @@ def _k_grouped_wgrad_ws_kernel(
     num_units = num_experts * tiles_m
     p_ready, p_zeroed, p_free = p_bars.index(0), p_bars.index(1), p_bars.index(2)
     gl.warp_specialize([
-        (_ws_wgrad_mma, (p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, c_ptr, row_offsets_ptr,
-                         num_units, tiles_m, tiles_n, M, N, stride_ce, stride_cm, 0, STAGES, RES, BLOCK_M, BLOCK_N,
-                         BLOCK_K)),
-        (_ws_wgrad_mma, (p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, c_ptr, row_offsets_ptr,
-                         num_units, tiles_m, tiles_n, M, N, stride_ce, stride_cm, 1, STAGES, RES, BLOCK_M, BLOCK_N,
-                         BLOCK_K)),
+        (_ws_wgrad_mma, (p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, c_ptr, c_desc, c_smem,
+                         row_offsets_ptr, num_units, tiles_m, tiles_n, M, N, stride_ce, stride_cm, 0, STAGES, RES,
+                         TMA_C, BLOCK_M, BLOCK_N, BLOCK_K)),
+        (_ws_wgrad_mma, (p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, c_ptr, c_desc, c_smem,
+                         row_offsets_ptr, num_units, tiles_m, tiles_n, M, N, stride_ce, stride_cm, 1, STAGES, RES,
+                         TMA_C, BLOCK_M, BLOCK_N, BLOCK_K)),
         (_ws_wgrad_load, (p_desc, q_desc, p_buf, q_ring, ready, empty, p_ready, p_free, row_offsets_ptr, num_units,
                           tiles_m, tiles_n, STAGES, RES, BLOCK_M, BLOCK_N, BLOCK_K)),
     ], [4, 1], [232, 56])

@@ -152,7 +152,14 @@ def launch_gluon_wgrad_ws(cfg, p: torch.Tensor, q: torch.Tensor, offsets_E1: tor
     q_desc = TensorDescriptor(q, list(q.shape), [q.stride(0), 1], [bk, bn],
                               gl.NVMMASharedLayout.get_default_for([bk, bn], gdt))
     num_units = E * triton.cdiv(M, bm)
+    # TMA stores from one staging buffer per MMA warpgroup where a 128-row tile never crosses an expert and
+    # the buffers fit beside the ring (else masked stores through a layout change)
+    ring = 2 * bk * (max(cfg.resident_chunks, cfg.num_stages) * bm + cfg.num_stages * bn)
+    tma_c = (M % bm == 0 and c.data_ptr() % 16 == 0 and (N * c.element_size()) % 16 == 0
+             and ring + 2 * bm * bn * c.element_size() + 1024 <= 227 * 1024)
+    c_desc = (TensorDescriptor(c.view(E * M, N), [E * M, N], [N, 1], [bm, bn],
+                               gl.NVMMASharedLayout.get_default_for([bm, bn], _gl_dtype(c.dtype))) if tma_c else None)
     _k_grouped_wgrad_ws_kernel[(min(_sm_count(c.device.index or 0), num_units),)](
-        p_desc, q_desc, offsets_E1, c, E, M, N, c.stride(0), c.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.num_stages, RES=cfg.resident_chunks, num_warps=4,
+        p_desc, q_desc, offsets_E1, c, c_desc, E, M, N, c.stride(0), c.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.num_stages, RES=cfg.resident_chunks, TMA_C=tma_c, num_warps=4,
     )
