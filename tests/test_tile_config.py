@@ -254,3 +254,16 @@ def test_reserve_sms_shrinks_persistent_grids_in_this_thread_only(monkeypatch):
     for bad in (-1, 1.5, True, "16"):
         with pytest.raises(ValueError, match="reserve_sms"), _common.reserve_sms(bad):
             pass
+
+
+def test_ws_wgrad_window():
+    """The warp-specialized weight gradient replaces torch's kernel only where it was measured level or faster
+    (contiguous rows, ~256 per expert; window up to 384), never at ~1024 rows (qwen3, where torch's dW2 was
+    faster) or without an estimate; it keeps block_k 64, the reduction order of every other wgrad kernel."""
+    from megamoe.ops import tile_config
+
+    cfg = tile_config.ws_wgrad_config(256)
+    assert cfg is not None and cfg.gluon and cfg.warp_specialized and cfg.block_k == 64
+    assert tile_config.ws_wgrad_config(384) is cfg
+    assert tile_config.ws_wgrad_config(1024) is None and tile_config.ws_wgrad_config(None) is None
+    assert tile_config.ws_wgrad_config(0) is None

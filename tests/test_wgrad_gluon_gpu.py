@@ -192,3 +192,39 @@ def test_ws_many_tiles_per_program_without_sync():
         torch.cuda.set_sync_debug_mode(0)
     for g in got:
         assert torch.equal(g, want), f"{int((g != want).sum())} elements differ"
+
+
+@needs_hopper
+def test_table_takes_ws_kernel_for_contiguous_rows_in_its_window():
+    """The table's choice (no override): contiguous rows at ~200 per expert (torch's window, at most 384) run
+    the warp-specialized kernel with the Triton kernels' bits; gathered rows, and too few (expert, m-tile)
+    units to fill the SMs, keep torch._grouped_mm; MEGAMOE_GLUON=0 turns the kernel off."""
+    import os
+
+    from megamoe.ops import GemmConfig, grouped_gemm, k_grouped_mm
+
+    def table_run(p, q, off, **kw):
+        ws = []
+        real = grouped_gemm.launch_gluon_wgrad_ws
+        grouped_gemm.launch_gluon_wgrad_ws = lambda *a, **k: (ws.append(a[0]), real(*a, **k))
+        try:
+            return k_grouped_mm(p, q, off, **kw), len(ws)
+        finally:
+            grouped_gemm.launch_gluon_wgrad_ws = real
+
+    counts = [int(c) for c in torch.randint(150, 250, (80,), generator=torch.Generator().manual_seed(6))]
+    p, q, off, _, _ = _problem(256, 384, counts, False, False, seed=21)
+    got, n_ws = table_run(p, q, off)
+    assert n_ws == 1
+    assert torch.equal(got, _run(GemmConfig(128, 128, 64, 8, 2), p, q, off, None, None))
+    pg, qg, offg, _, qi = _problem(256, 384, counts, False, True, seed=22)
+    assert table_run(pg, qg, offg, q_idx_R=qi)[1] == 0  # gathered rows: not this kernel (TMA reads rows in place)
+    few = counts[:8]
+    pf, qf, offf, _, _ = _problem(256, 384, few, False, False, seed=23)
+    assert table_run(pf, qf, offf)[1] == 0  # 16 units < SMs
+    os.environ["MEGAMOE_GLUON"] = "0"
+    try:
+        off_got, n_ws = table_run(p, q, off)
+    finally:
+        del os.environ["MEGAMOE_GLUON"]
+    assert n_ws == 0 and torch.equal(off_got, got)

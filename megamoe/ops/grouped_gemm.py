@@ -29,7 +29,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
-from ._common import check_device, is_interpreted, persistent_programs, pow2
+from ._common import _sm_count, check_device, is_interpreted, persistent_programs, pow2
 from .m_grouped_gluon import gluon_m_grouped_eligible, launch_gluon_m_grouped
 from .torch_grouped_mm import (torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, torch_wgrad_mode,
                                wgrad_shape_fits)
@@ -423,6 +423,17 @@ def k_grouped_wants_rows_in_order(m: int, n: int, dtype: torch.dtype, device: to
             or _torch_wgrad_forced(m, n))
 
 
+def _ws_takes(cfg, p, q, E, M, N, out_dtype, out, gathered) -> bool:
+    """The table's warp-specialized weight gradient can run here: Gluon on a Hopper device (and not
+    ``MEGAMOE_GLUON=0``), the operands of ``ws_operands_fit`` for the (E, M, N) output about to be allocated,
+    and at least one (expert, m-tile) unit per SM (a single large group, e.g. a shared expert's, keeps torch's
+    kernel, which spreads it over every SM)."""
+    if not (GLUON_AVAILABLE and gluon_device_ok(p)) or E * triton.cdiv(M, cfg.block_m) < _sm_count(p.device.index or 0):
+        return False
+    c_meta = out if out is not None else torch.empty((E, M, N), dtype=out_dtype, device="meta")
+    return ws_operands_fit(cfg, p, q, c_meta, gathered)
+
+
 def _torch_wgrad_forced(m: int, n: int) -> bool:
     """``MEGAMOE_TORCH_WGRAD=1`` and no explicit wgrad entry for (m, n) (an override in code or MEGAMOE_TILES
     wins over the switch, so tests and sweeps of megamoe's own kernels keep them)."""
@@ -472,9 +483,16 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     interpret = is_interpreted(kernel)
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
     cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group)
+    gathered = p_idx_R is not None or q_idx_R is not None
+    ws_cfg = tile_config.ws_wgrad_config(rows_per_group) if cfg.torch_mm and not _torch_wgrad_forced(M, N) else None
+    if (ws_cfg is not None and R > 0 and E * M * N > 0 and not interpret
+            and _ws_takes(ws_cfg, p, q, E, M, N, out_dtype or p.dtype, out, gathered)):
+        c = _alloc(out, (E, M, N), out_dtype or p.dtype, dev, "out", where)
+        launch_gluon_wgrad_ws(ws_cfg, p, q, offsets_E1, c)  # megamoe's own kernel there: the same bits
+        return c
     if ((cfg.torch_mm or _torch_wgrad_forced(M, N)) and R > 0 and E * M * N > 0
             and torch_wgrad_eligible(p, q, out_dtype or p.dtype, has_out=out is not None,
-                                     gathered=p_idx_R is not None or q_idx_R is not None)):
+                                     gathered=gathered)):
         return torch_wgrad(p, q, offsets_E1)  # torch._grouped_mm (megamoe.ops.torch_grouped_mm): the same bits
     if cfg.torch_mm:  # operands it cannot take: the table's own kernel for the shape (the same bits)
         cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_torch=False)
@@ -485,7 +503,7 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         return c.zero_()
     if cfg.gluon and cfg.warp_specialized:  # the warp-specialized kernel, contiguous rows only
         if (not interpret and GLUON_AVAILABLE and gluon_device_ok(p)
-                and ws_operands_fit(cfg, p, q, c, gathered=p_idx_R is not None or q_idx_R is not None)):
+                and ws_operands_fit(cfg, p, q, c, gathered=gathered)):
             launch_gluon_wgrad_ws(cfg, p, q, offsets_E1, c)
             return c
         cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_gluon=False,

@@ -33,7 +33,8 @@ import torch
 
 from .torch_grouped_mm import torch_wgrad_mode
 
-__all__ = ["GemmConfig", "m_grouped_config", "k_grouped_config", "combine_block", "override_for", "parse_tiles_env"]
+__all__ = ["GemmConfig", "m_grouped_config", "k_grouped_config", "ws_wgrad_config", "combine_block", "override_for",
+           "parse_tiles_env"]
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,25 @@ _GLUON_MAX_ROWS = 256
 # (session 10). k_grouped_config(..., allow_torch=False) gives the kernel that runs where torch's cannot;
 # MEGAMOE_TORCH_WGRAD=0 / 1 turns it off / on everywhere.
 _K_GROUPED_TORCH = GemmConfig(128, 128, 64, 8, 3, torch_mm=True)
+
+# Contiguous rows (the EP receive buffers, and W = 1's rows after the copies) inside torch's window but at most
+# ~384 per expert: megamoe's warp-specialized Gluon kernel (megamoe/kernels/wgrad_ws_gluon.py: ping-pong, P
+# streamed, 5 ring slots, TMA-stored tiles) instead of torch._grouped_mm, the same bits from megamoe's own
+# reduction order. scripts/ab_wgrad.py, H200 2026-12-02 (sixteenth session, call 6), an EP=2 rank of deepseek-v3 at
+# 4096 tokens (128 experts, ~256 rows): dW13 4.18 vs torch 4.35 ms, dW2 2.02 vs 2.29; at ~1024 rows (qwen3) level
+# (1.35 / 0.712 vs 1.33 / 0.706), so the window ends at 384 (only ~256 measured). Gathered rows, fp32 outputs and
+# fewer (expert, m-tile) units than SMs (a shared expert's single group) keep torch's kernel.
+_K_GROUPED_WS = GemmConfig(128, 128, 64, 8, 5, gluon=True, warp_specialized=True)
+_WS_MAX_ROWS = 384
+
+
+def ws_wgrad_config(rows_per_group: float | None) -> GemmConfig | None:
+    """The warp-specialized config that replaces a ``torch_mm`` choice of :func:`k_grouped_config` for
+    contiguous 16-bit rows at this rows-per-expert estimate, or None (a pure function; the launcher checks
+    the operands, the device and ``MEGAMOE_GLUON``)."""
+    if rows_per_group is not None and 0 < rows_per_group <= _WS_MAX_ROWS:
+        return _K_GROUPED_WS
+    return None
 
 
 def _is_half(dtype: torch.dtype) -> bool:
