@@ -412,7 +412,8 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
 
 def k_grouped_wants_rows_in_order(m: int, n: int, dtype: torch.dtype, device: torch.device,
                                   rows_per_group: float) -> bool:
-    """True when :func:`k_grouped_mm` would run ``torch._grouped_mm`` for an (E, m, n) weight gradient of
+    """True when :func:`k_grouped_mm` would run ``torch._grouped_mm`` (or, in its window, the warp-specialized
+    Gluon kernel, which also reads contiguous rows only) for an (E, m, n) weight gradient of
     ``dtype`` with ~rows_per_group rows per expert, had it contiguous rows (the table's ``torch_mm``, or
     ``MEGAMOE_TORCH_WGRAD=1``, on a Hopper GPU, bf16): a caller whose rows are gathered by token should then
     copy them into row order first (megamoe.autograd). A host-side function of shapes: no sync."""
