@@ -7,24 +7,15 @@ warm-up, CUDA events. Usage: python scripts/write_bandwidth.py [GiB] (default 4;
 
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
+from gemm_sweep import timeit  # scripts/ is on sys.path when this file is run as a script
 
 
-def rate(fn, nbytes: int, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return nbytes / (statistics.median(ts) * 1e-3) / 1e9
+def rate(fn, nbytes: int) -> float:
+    """GB/s of ``fn`` moving ``nbytes`` (median of 10 CUDA-event timings after 2 warm-ups)."""
+    return nbytes / (timeit(fn, iters=10, warm=2) * 1e-3) / 1e9
 
 
 def main() -> None:
