@@ -458,10 +458,11 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     Determinism: each output element reduces its expert's rows from the expert's first row, in row order,
     in BLOCK_K chunks, fp32, one cast; no atomics, no split-K: bitwise reproducible, independent of the
     other groups and of the kernel variant (Triton per-tile, Triton resident, or on Hopper the persistent
-    Gluon kernel of :mod:`megamoe.ops.wgrad_gluon` or its warp-specialized form (contiguous rows only), or
-    ``torch._grouped_mm`` (:mod:`megamoe.ops.torch_grouped_mm`), which the table picks for bf16 groups of
-    more than ~154 rows when the rows are contiguous; the launcher falls back to the Triton kernels wherever
-    the Gluon or torch kernel cannot take the operands). An expert
+    Gluon kernel of :mod:`megamoe.ops.wgrad_gluon` or its warp-specialized form, or ``torch._grouped_mm``
+    (:mod:`megamoe.ops.torch_grouped_mm`). For contiguous bf16 rows of more than ~154 per expert the table
+    picks the warp-specialized kernel up to ~384 rows (with one (expert, m-tile) unit per SM at least) and
+    torch's kernel above. The launcher falls back to the Triton kernels wherever the Gluon or torch kernel
+    cannot take the operands. An expert
     with no rows gets exact zeros. Sync: none. ``MEGAMOE_TORCH_WGRAD=1`` uses torch's kernel wherever the
     operands allow (but not over an explicit wgrad entry in code or ``MEGAMOE_TILES``), ``=0`` never.
     """

@@ -65,7 +65,8 @@ class GemmConfig:
     MMA warpgroups, the load warp comes on top. Neither m-grouped Gluon kernel is in the table (measured not
     faster, docs/perf.md sixth and seventh sessions). For the weight gradient (k-grouped, contiguous rows only,
     128x128) ``warp_specialized`` runs megamoe/kernels/wgrad_ws_gluon.py, ping-pong, with the P chunks of an
-    expert of at most resident_chunks chunks kept on chip (ops.wgrad_gluon.ws_operands_fit).
+    expert of at most resident_chunks chunks kept on chip (ops.wgrad_gluon.ws_operands_fit); the table takes
+    it (:func:`ws_wgrad_config`) in place of a ``torch_mm`` choice for contiguous rows of at most ~384 per expert.
 
     k-grouped only: ``torch_mm`` runs ``torch._grouped_mm`` (megamoe.ops.torch_grouped_mm; bitwise the Triton
     kernels' result) where the operands allow it (contiguous bf16 rows on Hopper), else the table's own entry
@@ -276,7 +277,8 @@ _WS_MAX_ROWS = 384
 def ws_wgrad_config(rows_per_group: float | None) -> GemmConfig | None:
     """The warp-specialized config that replaces a ``torch_mm`` choice of :func:`k_grouped_config` for
     contiguous 16-bit rows at this rows-per-expert estimate, or None (a pure function; the launcher checks
-    the operands, the device and ``MEGAMOE_GLUON``)."""
+    the operands, the device and ``MEGAMOE_GLUON``). It only replaces torch's kernel, so
+    ``MEGAMOE_TORCH_WGRAD=0`` (no ``torch_mm``) gives the table of before both, and ``=1`` torch's kernel."""
     if rows_per_group is not None and 0 < rows_per_group <= _WS_MAX_ROWS:
         return _K_GROUPED_WS
     return None
