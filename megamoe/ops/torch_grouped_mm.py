@@ -13,7 +13,10 @@ range) 30.74 vs 31.58. CUTLASS's kernel shares operand tiles across a cluster (T
 cannot express, and it reduces an expert's rows in the same order as megamoe's kernels (fp32 wgmma
 accumulation from the first row, one cast, no split-K): its results are **bitwise** the Triton kernels'
 (tests/test_torch_wgrad_gpu.py: experts of 0 to ~1100 rows, rows past the last expert, the layer's output and
-every gradient), so the choice never changes bits, at any EP size.
+every gradient), so the choice never changes bits, at any EP size. Since the sixteenth session the table
+gives contiguous rows of ~154-384 per expert to megamoe's warp-specialized Gluon kernel instead
+(``tile_config.ws_wgrad_config``, megamoe/kernels/wgrad_ws_gluon.py; the same bits, faster there); torch's
+kernel keeps larger experts and single large groups (a shared expert's).
 
 Switch ``MEGAMOE_TORCH_WGRAD``: unset (or empty) lets the table decide; ``0`` never uses torch's kernel; ``1``
 uses it wherever the operands allow, whatever the table says, except where a wgrad entry is set explicitly
