@@ -11,6 +11,8 @@ set_sync_debug_mode("error")).
 Run: python -m pytest tests/test_wgrad_gluon_gpu.py -q   (skipped without a Hopper GPU)
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -42,25 +44,37 @@ def _problem(M, N, counts, p_gather, q_gather, seed):
     return p, q, offsets, (idx if p_gather else None), (idx if q_gather else None)
 
 
+@contextlib.contextmanager
+def _launches(*names):
+    """Record the first argument (the config) of every call of the ``megamoe.ops.grouped_gemm`` launchers
+    ``names`` while the block runs."""
+    from megamoe.ops import grouped_gemm
+
+    calls, real = [], {n: getattr(grouped_gemm, n) for n in names}
+    for n, fn in real.items():
+        setattr(grouped_gemm, n, lambda *a, _fn=fn, **k: (calls.append(a[0]), _fn(*a, **k)))
+    try:
+        yield calls
+    finally:
+        for n, fn in real.items():
+            setattr(grouped_gemm, n, fn)
+
+
 def _run(cfg, p, q, offsets, p_idx, q_idx, out_dtype=BF16, expect_gluon=None):
     """k_grouped_mm with ``cfg`` forced; a Gluon config must really launch the Gluon kernel (no silent
     fallback to the Triton kernels, which would compare them with themselves), unless ``expect_gluon`` is
     False (a config the launcher is meant to refuse)."""
-    from megamoe.ops import grouped_gemm, k_grouped_mm, tile_config
+    from megamoe.ops import k_grouped_mm, tile_config
 
     M, N = p.shape[1], q.shape[1]
     saved = dict(tile_config._OVERRIDES)
     tile_config._OVERRIDES[("wgrad", M, N)] = cfg
-    launches = []
-    real_launch, real_ws = grouped_gemm.launch_gluon_wgrad, grouped_gemm.launch_gluon_wgrad_ws
-    grouped_gemm.launch_gluon_wgrad = lambda *a, **k: (launches.append(a[0]), real_launch(*a, **k))
-    grouped_gemm.launch_gluon_wgrad_ws = lambda *a, **k: (launches.append(a[0]), real_ws(*a, **k))
     try:
-        E = offsets.numel() - 1
-        out = torch.full((E, M, N), float("nan"), device=DEV, dtype=out_dtype)
-        got = k_grouped_mm(p, q, offsets, p_idx_R=p_idx, q_idx_R=q_idx, out_dtype=out_dtype, out=out)
+        with _launches("launch_gluon_wgrad", "launch_gluon_wgrad_ws") as launches:
+            E = offsets.numel() - 1
+            out = torch.full((E, M, N), float("nan"), device=DEV, dtype=out_dtype)
+            got = k_grouped_mm(p, q, offsets, p_idx_R=p_idx, q_idx_R=q_idx, out_dtype=out_dtype, out=out)
     finally:
-        grouped_gemm.launch_gluon_wgrad, grouped_gemm.launch_gluon_wgrad_ws = real_launch, real_ws
         tile_config._OVERRIDES.clear()
         tile_config._OVERRIDES.update(saved)
     expect_gluon = cfg.gluon if expect_gluon is None else expect_gluon
@@ -201,16 +215,11 @@ def test_table_takes_ws_kernel_for_contiguous_rows_in_its_window():
     units to fill the SMs, keep torch._grouped_mm; MEGAMOE_GLUON=0 turns the kernel off."""
     import os
 
-    from megamoe.ops import GemmConfig, grouped_gemm, k_grouped_mm
+    from megamoe.ops import GemmConfig, k_grouped_mm
 
     def table_run(p, q, off, **kw):
-        ws = []
-        real = grouped_gemm.launch_gluon_wgrad_ws
-        grouped_gemm.launch_gluon_wgrad_ws = lambda *a, **k: (ws.append(a[0]), real(*a, **k))
-        try:
+        with _launches("launch_gluon_wgrad_ws") as ws:
             return k_grouped_mm(p, q, off, **kw), len(ws)
-        finally:
-            grouped_gemm.launch_gluon_wgrad_ws = real
 
     counts = [int(c) for c in torch.randint(150, 250, (80,), generator=torch.Generator().manual_seed(6))]
     p, q, off, _, _ = _problem(256, 384, counts, False, False, seed=21)
@@ -238,7 +247,6 @@ def test_layer_with_ws_weight_gradients_keeps_the_bits():
     import os
 
     import megamoe
-    from megamoe.ops import grouped_gemm
 
     cfg = megamoe.get_preset("qwen3-30b-a3b")
     moe = megamoe.MoE(cfg, backend="fused", device=DEV, seed=3)
@@ -253,13 +261,8 @@ def test_layer_with_ws_weight_gradients_keeps_the_bits():
         y.backward(dy)
         return [y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for p in moe.parameters()]
 
-    ws = []
-    real = grouped_gemm.launch_gluon_wgrad_ws
-    grouped_gemm.launch_gluon_wgrad_ws = lambda *a, **k: (ws.append(a[0]), real(*a, **k))
-    try:
+    with _launches("launch_gluon_wgrad_ws") as ws:
         with_ws = step()
-    finally:
-        grouped_gemm.launch_gluon_wgrad_ws = real
     assert len(ws) >= 2, f"the warp-specialized kernel ran {len(ws)} times"
     os.environ["MEGAMOE_GLUON"] = "0"
     try:

@@ -424,12 +424,15 @@ def k_grouped_wants_rows_in_order(m: int, n: int, dtype: torch.dtype, device: to
             or _torch_wgrad_forced(m, n))
 
 
-def _ws_takes(cfg, p, q, E, M, N, out_dtype, out, gathered) -> bool:
-    """The table's warp-specialized weight gradient can run here: Gluon on a Hopper device (and not
-    ``MEGAMOE_GLUON=0``), the operands of ``ws_operands_fit`` for the (E, M, N) output about to be allocated,
-    and at least one (expert, m-tile) unit per SM (a single large group, e.g. a shared expert's, keeps torch's
-    kernel, which spreads it over every SM)."""
-    if not (GLUON_AVAILABLE and gluon_device_ok(p)) or E * triton.cdiv(M, cfg.block_m) < _sm_count(p.device.index or 0):
+def _ws_takes(cfg, p, q, E, M, N, out_dtype, out, gathered, *, fill_sms: bool = True) -> bool:
+    """The warp-specialized weight gradient with ``cfg`` can run here: Gluon on a Hopper device (and not
+    ``MEGAMOE_GLUON=0``), the operands of ``ws_operands_fit`` for the (E, M, N) output ``out`` (or the one
+    about to be allocated) and, with ``fill_sms`` (the table's choice; an explicit config runs on fewer), at
+    least one (expert, m-tile) unit per SM: a single large group, e.g. a shared expert's, keeps torch's kernel,
+    which spreads it over every SM."""
+    if not (GLUON_AVAILABLE and gluon_device_ok(p)):
+        return False
+    if fill_sms and E * triton.cdiv(M, cfg.block_m) < _sm_count(p.device.index or 0):
         return False
     c_meta = out if out is not None else torch.empty((E, M, N), dtype=out_dtype, device="meta")
     return ws_operands_fit(cfg, p, q, c_meta, gathered)
@@ -504,8 +507,7 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     if R == 0:
         return c.zero_()
     if cfg.gluon and cfg.warp_specialized:  # the warp-specialized kernel, contiguous rows only
-        if (not interpret and GLUON_AVAILABLE and gluon_device_ok(p)
-                and ws_operands_fit(cfg, p, q, c, gathered=gathered)):
+        if not interpret and _ws_takes(cfg, p, q, E, M, N, c.dtype, c, gathered, fill_sms=False):
             launch_gluon_wgrad_ws(cfg, p, q, offsets_E1, c)
             return c
         cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_gluon=False,
