@@ -217,3 +217,34 @@ def _fsdp_worker(rank, world):
 
 def test_ep_with_fsdp2_over_the_replicas():
     spawn_ranks(_fsdp_worker, 4, backend="gloo", timeout=120)
+
+
+def _fsdp_mp_worker(rank, world):
+    """FSDP2 with a bf16 MixedPrecisionPolicy around the layer: the router, on a policy of its own with an fp32
+    param_dtype, computes its logits from the fp32 weight (the rest runs in bf16); on the bf16 policy it would
+    get the bf16-rounded weight. Forward and backward run either way, the router's gradient reduces in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    cfg = get_preset("tiny").replace(hidden_size=64, moe_intermediate_size=32, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(2, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(rank))
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for router_policy, want in ((MixedPrecisionPolicy(param_dtype=torch.float32), torch.float32),
+                                (bf16, torch.bfloat16)):
+        layer = MoE(cfg, backend="reference", seed=7)
+        fully_shard(layer.router, mesh=mesh, mp_policy=router_policy)
+        fully_shard(layer.experts, mesh=mesh, mp_policy=bf16)
+        fully_shard(layer, mesh=mesh, mp_policy=bf16)
+        seen = []
+        hook = layer.router.register_forward_pre_hook(lambda m, args: seen.append(m.w_ED.dtype))
+        y = layer(x)
+        hook.remove()
+        assert seen == [want] and y.dtype == torch.bfloat16
+        y.float().square().mean().backward()
+        assert layer.router.w_ED.grad.dtype == torch.float32  # the sharded fp32 parameter's gradient
+        assert torch.isfinite(layer.router.w_ED.grad.full_tensor()).all()
+
+
+def test_fsdp2_mixed_precision_router_policy():
+    spawn_ranks(_fsdp_mp_worker, 2, backend="gloo", timeout=120)
