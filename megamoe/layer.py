@@ -217,7 +217,9 @@ class MoE(nn.Module):
             check_same_across_ranks(dp_group, "MoE dp_group", {
                 "EP rank (experts held)": self.ep_rank, "EP size": self.ep_size, "num_experts": E, "hidden": D,
                 "moe_intermediate_size": F, "top_k": c.top_k, "dtype": c.dtype}, _collective_device(dp_group),
-                group_name="dp_group (the ranks holding the same experts)")
+                group_name="dp_group (the ranks holding the same experts)",
+                hint=" (ranks numbered within dp_group). Pass one rank per EP group, each with this rank's EP "
+                     "rank, e.g. mesh['dp'].get_group() of a DeviceMesh with dims ('dp', 'ep'); docs/ep.md, DP x EP")
         # registered in this order, so parameters() keeps the order of the earlier flat layout
         self.router = Router(E, D, device=device, backend=backend)
         self.experts = RoutedExperts(L, D, F, device=device, dtype=c.dtype, backend=backend, group=group,

@@ -92,14 +92,16 @@ def check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, sha
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4}
 
 
-def check_same_across_ranks(group, what: str, values: dict, device=None, group_name: str = "the EP group") -> None:
+def check_same_across_ranks(group, what: str, values: dict, device=None, group_name: str = "the EP group",
+                            hint: str = "") -> None:
     """Raise ValueError on every rank when the ranks of ``group`` passed different ``values``.
 
     ``values`` maps names to ints or torch dtypes (e.g. hidden size, top-k, experts, dtype). One
     all-gather and one device-to-host copy: call it where a collective already happens (workspace
     creation, the host-synchronous reference), not in a hot path. The error names every disagreeing
     field with each rank's value (rank = rank within ``group``), so a mismatched config never turns into a
-    hang or corrupt memory. ``device`` must suit the group's backend (a CUDA device for NCCL).
+    hang or corrupt memory. ``device`` must suit the group's backend (a CUDA device for NCCL). ``hint`` is
+    appended to the message (what to pass instead).
     """
     import torch.distributed as dist
 
@@ -116,4 +118,4 @@ def check_same_across_ranks(group, what: str, values: dict, device=None, group_n
         for i in diff:
             show = (lambda v: decode.get(v, v)) if isinstance(values[names[i]], torch.dtype) else (lambda v: v)
             parts.append(f"{names[i]}: " + ", ".join(f"rank {r}={show(int(table[r, i]))}" for r in range(len(table))))
-        raise ValueError(f"megamoe ({what}): ranks of {group_name} disagree on " + "; ".join(parts))
+        raise ValueError(f"megamoe ({what}): ranks of {group_name} disagree on " + "; ".join(parts) + hint)

@@ -220,9 +220,10 @@ def test_ep_with_fsdp2_over_the_replicas():
 
 
 def _fsdp_mp_worker(rank, world):
-    """FSDP2 with a bf16 MixedPrecisionPolicy around the layer: the router, on a policy of its own with an fp32
-    param_dtype, computes its logits from the fp32 weight (the rest runs in bf16); on the bf16 policy it would
-    get the bf16-rounded weight. Forward and backward run either way, the router's gradient reduces in fp32."""
+    """FSDP2 with a bf16 MixedPrecisionPolicy on the experts and the layer: the router, wrapped on its own with no
+    policy or an fp32 one, computes its logits from the fp32 weight; with a bf16 policy of its own (one policy
+    passed to every fully_shard call) it gets the bf16-rounded weight. Forward and backward run in every case;
+    the router's (sharded fp32) gradient is fp32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -230,10 +231,10 @@ def _fsdp_mp_worker(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(2, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(rank))
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for router_policy, want in ((MixedPrecisionPolicy(param_dtype=torch.float32), torch.float32),
+    for router_policy, want in ((None, torch.float32), (MixedPrecisionPolicy(param_dtype=torch.float32), torch.float32),
                                 (bf16, torch.bfloat16)):
         layer = MoE(cfg, backend="reference", seed=7)
-        fully_shard(layer.router, mesh=mesh, mp_policy=router_policy)
+        fully_shard(layer.router, mesh=mesh, **({"mp_policy": router_policy} if router_policy else {}))
         fully_shard(layer.experts, mesh=mesh, mp_policy=bf16)
         fully_shard(layer, mesh=mesh, mp_policy=bf16)
         seen = []
@@ -242,7 +243,7 @@ def _fsdp_mp_worker(rank, world):
         hook.remove()
         assert seen == [want] and y.dtype == torch.bfloat16
         y.float().square().mean().backward()
-        assert layer.router.w_ED.grad.dtype == torch.float32  # the sharded fp32 parameter's gradient
+        assert layer.router.w_ED.grad.dtype == torch.float32
         assert torch.isfinite(layer.router.w_ED.grad.full_tensor()).all()
 
 
