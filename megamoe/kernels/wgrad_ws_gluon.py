@@ -28,6 +28,16 @@ Handshakes (mbarriers), as in megamoe.kernels.grouped_gemm_gluon's ping-pong ker
 Step s (a program's flat index) uses slot s % STAGES, phase (s // STAGES) & 1. A consumer walks every tile of
 the program and advances s by nch over the other consumer's tiles.
 
+P on chip (RES > 0; measured not faster, docs/perf.md sixteenth session, the table streams P): a unit whose
+expert has at most RES chunks gets its P chunks once into p_buf (p_ready, expect-tx of all RES chunks), the
+consumer of the unit's first tile zeroes the next expert's rows in the last one and arrives p_zeroed (the
+other consumer waits for it), and the load warp reuses p_buf for the next unit only after both consumers
+arrived p_free (after their last wgmma of the unit); larger experts stream P through the ring as above.
+
+Epilogue: with TMA_C (M % BLOCK_M == 0 and room beside the ring) each MMA warpgroup casts its tile into a
+staging buffer of its own and a TMA store writes it out, overlapping that warpgroup's next tile; otherwise a
+layout change through shared memory and masked stores.
+
 Bits: the sums of megamoe.kernels.grouped_gemm._k_grouped_gemm_kernel (each output tile reduces its expert's
 rows from the expert's first row in BLOCK_K chunks in row order, fp32 from zeros, one cast; zero rows past the
 expert), so the result equals the Triton kernels' bit for bit (tests/test_wgrad_gluon_gpu.py).
