@@ -175,8 +175,8 @@ class MoE(nn.Module):
     Raises ValueError for a bad backend, an E not divisible by the group size, ``dp_group`` the same
     group of several ranks as ``group`` or a ``dp_group`` whose ranks hold different experts (EP rank, EP
     size) or disagree on the config (checked at construction with one all-gather over ``dp_group``, a
-    collective: every rank of it constructs the layer), or a wrong input shape or device; TypeError for a group that is not a
-    ProcessGroup, a non-floating input or a non-bool ep_save_preact; FloatingPointError for
+    collective: every rank of it constructs the layer), or a wrong input shape or device; TypeError for a
+    group that is not a ProcessGroup, a non-floating input or a non-bool ep_save_preact; FloatingPointError for
     non-finite router logits on CPU under ``nan_policy="raise"`` (on CUDA a device-side assert, no sync).
     """
 

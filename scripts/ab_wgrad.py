@@ -125,7 +125,8 @@ def main() -> None:
                          pct_copy=100 * gbs / ceil["copy_gbs"], bitwise=same[label], L=L, R=R, M=M, N=N)
                 rows.append(r)
                 print(f"  {gemm:5s} {label:34s} {ms:7.3f} ms  {tf:5.0f} TFLOP/s ({r['pct_dense']:4.1f}% dense)  "
-                      f"{gbs:5.0f} GB/s written ({r['pct_copy']:4.1f}% copy)  bitwise {'==' if same[label] else 'DIFFERENT'}",
+                      f"{gbs:5.0f} GB/s written ({r['pct_copy']:4.1f}% copy)  "
+                      f"bitwise {'==' if same[label] else 'DIFFERENT'}",
                       flush=True)
             out = ref = None  # free the (L, M, N) buffers before the next GEMM
             torch.cuda.empty_cache()
