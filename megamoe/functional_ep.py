@@ -22,7 +22,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                    w13_LGD: torch.Tensor, w2_LDF: torch.Tensor, shared_w13_HD: torch.Tensor | None = None,
                    shared_w2_DS: torch.Tensor | None = None, *, group, capacity_rows: int | None = None,
-                   timeout_s: float = 10.0, save_preact: bool = True) -> torch.Tensor:
+                   timeout_s: float = 10.0, save_preact: bool = True, save_dispatched: bool = True) -> torch.Tensor:
     """Routed + shared SwiGLU experts and combine with the routed experts sharded over ``group``.
 
     Rank r of ``group`` owns global experts [r*L, (r+1)*L). Each rank passes its own tokens; the global
@@ -44,8 +44,13 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
         save_preact: keep the gate/up pre-activations of the received rows (round 0) from forward to
             backward, C x 2F elements of x's dtype per call (537 MB = 512 MiB for deepseek-v3 at the default
             C = 65536), so the backward does not recompute them; False recomputes them (the least memory).
-            Same bits either way. Nothing is kept when no backward can follow (grad mode off, or no
-            input requires grad).
+            Same bits either way.
+        save_dispatched: keep the x rows this rank received in the forward's dispatch (round 0) for the
+            backward, C x D elements of x's dtype per call (940 MB for deepseek-v3 at the default C), so
+            the backward pulls only the output-gradient rows (over NVLink at W > 1: half the backward's
+            dispatch traffic); False pulls x again. The backward's own receive buffers shrink by as much,
+            so its transient peak does not grow. Same bits either way. Neither is kept when no backward
+            can follow (grad mode off, or no input requires grad).
 
     Returns:
         out_TD: (T, D) in x's dtype, this rank's tokens. Differentiable w.r.t. x, topk_weights, the
@@ -77,12 +82,13 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
                        num_experts=W * w13_LGD.shape[0], dtype=x_TD.dtype, device=x_TD.device)
     return moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD,
                                     shared_w2_DS, workspace=ws, capacity_rows=capacity_rows, timeout_s=timeout_s,
-                                    save_preact=save_preact, validated=True)
+                                    save_preact=save_preact, save_dispatched=save_dispatched, validated=True)
 
 
 def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD=None,
                              shared_w2_DS=None, *, workspace, capacity_rows: int | None = None,
-                             timeout_s: float = 10.0, save_preact: bool = True, validated: bool = False) -> torch.Tensor:
+                             timeout_s: float = 10.0, save_preact: bool = True, save_dispatched: bool = True,
+                             validated: bool = False) -> torch.Tensor:
     """:func:`moe_experts_ep` on an explicit :class:`megamoe.distributed.EPWorkspace` (also a CPU
     workspace of shared-memory buffers under TRITON_INTERPRET=1, for tests). Same contract."""
     from .autograd_ep import MoEExpertsEPFunction
@@ -105,19 +111,21 @@ def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF
         raise ValueError(f"moe_experts_ep: capacity_rows must be a positive int, got {capacity_rows!r}")
     if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ValueError(f"moe_experts_ep: timeout_s must be > 0, got {timeout_s!r}")
-    if not isinstance(save_preact, bool):
-        raise TypeError(f"moe_experts_ep: save_preact must be a bool, got {save_preact!r}")
+    for name, flag in (("save_preact", save_preact), ("save_dispatched", save_dispatched)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"moe_experts_ep: {name} must be a bool, got {flag!r}")
     ws.timeout_s = float(timeout_s)
     ws.check_lazy()
     rounds = max_rounds(s, capacity_rows)
     c = torch.Tensor.contiguous
     shared = (None, None) if shared_w13_HD is None else (c(shared_w13_HD), c(shared_w2_DS))
-    # keeping pre-activations only pays when a backward will run
-    keep = save_preact and torch.is_grad_enabled() and any(
+    # keeping rows or pre-activations only pays when a backward will run
+    grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad
         for t in (x_TD, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS))
     out = MoEExpertsEPFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_LGD), c(w2_LDF), *shared,
-                                     ws, capacity_rows, rounds, float(timeout_s), keep)
+                                     ws, capacity_rows, rounds, float(timeout_s), save_preact and grad,
+                                     save_dispatched and grad)
     if not out.is_cuda:
         ws.check()  # CPU simulation: errors surface at once
     return out

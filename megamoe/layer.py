@@ -85,10 +85,11 @@ class RoutedExperts(nn.Module):
     """
 
     def __init__(self, num_local_experts: int, hidden: int, ffn: int, *, device, dtype: torch.dtype, backend: str,
-                 group, ep_save_preact: bool):
+                 group, ep_save_preact: bool, ep_save_dispatched: bool = True):
         super().__init__()
         L, D, F = num_local_experts, hidden, ffn
         self.backend, self.group, self.ep_save_preact = backend, group, ep_save_preact
+        self.ep_save_dispatched = ep_save_dispatched
         self.w13_LGD = nn.Parameter(torch.empty(L, 2 * F, D, device=device, dtype=dtype))
         self.w2_LDF = nn.Parameter(torch.empty(L, D, F, device=device, dtype=dtype))
 
@@ -99,7 +100,8 @@ class RoutedExperts(nn.Module):
             return moe_experts_ep(*args, group=self.group)
         if self.group is not None:
             from .functional_ep import moe_experts_ep
-            return moe_experts_ep(*args, group=self.group, save_preact=self.ep_save_preact)
+            return moe_experts_ep(*args, group=self.group, save_preact=self.ep_save_preact,
+                                  save_dispatched=self.ep_save_dispatched)
         if self.backend == "reference":
             return ref.moe_experts(*args)
         from .functional import moe_experts
@@ -158,6 +160,10 @@ class MoE(nn.Module):
             the received rows from forward to backward (C x 2F elements per call, e.g. 537 MB for
             deepseek-v3 at the default capacity) instead of recomputing them in the backward; same bits
             either way (megamoe.functional_ep.moe_experts_ep, ``save_preact``).
+        ep_save_dispatched: fused backend with a group only: keep the x rows the experts' rank received
+            in the forward's dispatch (C x D elements per call, e.g. 940 MB for deepseek-v3 at the
+            default capacity) so that the backward pulls only the output-gradient rows; same bits either
+            way (``save_dispatched``). False for the least memory held between the passes.
 
     Parameters (names carry shapes), in three submodules: ``router.w_ED`` fp32 (:class:`Router`),
     ``experts.w13_LGD`` / ``experts.w2_LDF`` (:class:`RoutedExperts`) and ``shared_expert.w13_HD`` /
@@ -176,12 +182,14 @@ class MoE(nn.Module):
     group of several ranks as ``group`` or a ``dp_group`` whose ranks hold different experts (EP rank, EP
     size) or disagree on the config (checked at construction with one all-gather over ``dp_group``, a
     collective: every rank of it constructs the layer), or a wrong input shape or device; TypeError for a
-    group that is not a ProcessGroup, a non-floating input or a non-bool ep_save_preact; FloatingPointError for
-    non-finite router logits on CPU under ``nan_policy="raise"`` (on CUDA a device-side assert, no sync).
+    group that is not a ProcessGroup, a non-floating input or a non-bool ep_save_preact / ep_save_dispatched;
+    FloatingPointError for non-finite router logits on CPU under ``nan_policy="raise"`` (on CUDA a device-side
+    assert, no sync).
     """
 
     def __init__(self, config: MoEConfig, *, backend: str = "reference", group=None, dp_group=None,
-                 device=None, seed: int | None = None, ep_save_preact: bool = True):
+                 device=None, seed: int | None = None, ep_save_preact: bool = True,
+                 ep_save_dispatched: bool = True):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"megamoe.MoE: config must be a MoEConfig, got {type(config).__name__}")
@@ -197,11 +205,13 @@ class MoE(nn.Module):
         if backend == "fused" and config.dtype not in FUSED_DTYPES:
             raise ValueError(f"megamoe.MoE: backend='fused' supports dtypes {FUSED_DTYPES}, config has {config.dtype}; "
                              "use backend='reference' for float64")
-        if not isinstance(ep_save_preact, bool):
-            raise TypeError(f"megamoe.MoE: ep_save_preact must be a bool, got {ep_save_preact!r}")
+        for name, flag in (("ep_save_preact", ep_save_preact), ("ep_save_dispatched", ep_save_dispatched)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"megamoe.MoE: {name} must be a bool, got {flag!r}")
         self.config = config
         self.backend = backend
         self.ep_save_preact = ep_save_preact
+        self.ep_save_dispatched = ep_save_dispatched
         self.group = group
         self.dp_group = dp_group
         self.ep_size = dist.get_world_size(group) if group is not None else 1
@@ -223,7 +233,7 @@ class MoE(nn.Module):
         # registered in this order, so parameters() keeps the order of the earlier flat layout
         self.router = Router(E, D, device=device, backend=backend)
         self.experts = RoutedExperts(L, D, F, device=device, dtype=c.dtype, backend=backend, group=group,
-                                     ep_save_preact=ep_save_preact)
+                                     ep_save_preact=ep_save_preact, ep_save_dispatched=ep_save_dispatched)
         self.shared_expert = SharedExpert(D, S, device=device, dtype=c.dtype) if S else None
         self.register_buffer("expert_bias_E", torch.zeros(E, device=device) if c.use_expert_bias else None)
         self.register_buffer("counts_since_update_E", torch.zeros(E, dtype=torch.int64, device=device),

@@ -1,13 +1,17 @@
-"""A/B of the EP backward's choice to keep or recompute the routed pre-activations, bitwise-checked.
+"""A/B of what the EP path keeps from forward to backward, bitwise-checked.
 
-Variants: ``save_preact`` True / False of megamoe.functional_ep.moe_experts_ep (keep round 0's gate/up
-pre-activations from forward to backward, or recompute them from the pulled x). Each variant's output and
+Variants: (``save_preact``, ``save_dispatched``) of megamoe.functional_ep.moe_experts_ep: keep round 0's
+gate/up pre-activations (or recompute them in the backward) and round 0's received x rows (or pull them
+again): (True, True) the default, (True, False), (False, False) keep nothing routed. Each variant's output and
 gradients must be bitwise those of the first; times are forward+backward medians of the slowest rank with
-megamoe.bench's Timer (L2 flush, barrier), interleaved over rounds. Under scripts/gpu_all.sh this is the
-``ab`` stage (log ``ab2.log``). With one GPU (W = 1) it times the fused
-single-GPU layer once (it always keeps its pre-activations), as a reference point.
+megamoe.bench's Timer (L2 flush, barrier), interleaved over rounds; per variant also the dispatch kernel's
+GPU time per step (torch.profiler, two steps) and the step's peak memory. Under scripts/gpu_all.sh this is
+the ``ab`` stage (log ``ab{W}.log``). With one GPU (W = 1) the EP path runs on a one-rank group (the
+benchmark's ``megamoe-ep``): its pulls are local copies there, so what a variant saves over NVLink at W > 1
+shows only as the dispatch kernel's share.
 
-Usage (EP = 2):  torchrun --nproc-per-node 2 scripts/ab_backward.py OUT_DIR deepseek-v3:4096 mok-bench:2048
+Usage:  torchrun --nproc-per-node 2 scripts/ab_backward.py OUT_DIR deepseek-v3:4096 mok-bench:2048
+        python scripts/ab_backward.py OUT_DIR deepseek-v3:8192          (W = 1)
 Needs CUDA GPUs; installs nothing. Writes OUT_DIR/ab_backward_w{W}.json.
 """
 
@@ -34,10 +38,12 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(dev)
-    group = None
     if W > 1:
         dist.init_process_group("nccl", device_id=dev)
         group = dist.group.WORLD
+    else:
+        from megamoe.bench.providers_ep import one_rank_group
+        group = one_rank_group(dev)
     timer = Timer(dev, group=group, world_size=W)
     rows = []
     for case in cases:
@@ -57,15 +63,14 @@ def main():
         s2 = (torch.randn(D, S, generator=gw, device=dev) / S ** 0.5).bfloat16().requires_grad_() if S else None
         params = [p for p in (x, w, w13, w2, s13, s2) if p is not None]
         dout = torch.randn(T, D, generator=g, device=dev).bfloat16()
-        variants = [True, False] if W > 1 else [None]
+        variants = [(True, True), (True, False), (False, False)]
 
-        def run(variant):
-            if W > 1:
-                from megamoe.functional_ep import moe_experts_ep
-                out = moe_experts_ep(x, ids, w, w13, w2, s13, s2, group=group, save_preact=variant)
-            else:
-                from megamoe.functional import moe_experts
-                out = moe_experts(x, ids, w, w13, w2, s13, s2, backend="fused")
+        def run(variant, held=None):
+            from megamoe.functional_ep import moe_experts_ep
+            out = moe_experts_ep(x, ids, w, w13, w2, s13, s2, group=group, save_preact=variant[0],
+                                 save_dispatched=variant[1])
+            if held is not None:  # bytes allocated between the passes (the output and what autograd keeps)
+                held.append(torch.cuda.memory_allocated(dev))
             return [out.detach()] + list(torch.autograd.grad(out, params, dout))
 
         base = [t.clone() for t in run(variants[0])]
@@ -79,10 +84,15 @@ def main():
                 samples[v] += timer.time(lambda _s, v=v: run(v), iters=3)
         for v in variants:
             ms = statistics.median(samples[v])
-            r = dict(case=f"{name} T={T} W={W}", save_preact=v, ms=ms, bitwise_equal_to_first=same.get(v, True))
+            dispatch_ms, peak_gib, held_gib = _dispatch_ms_and_memory(lambda held=None, v=v: run(v, held), dev)
+            r = dict(case=f"{name} T={T} W={W}", save_preact=v[0], save_dispatched=v[1], ms=ms,
+                     p20=_q(samples[v], 0.2), p80=_q(samples[v], 0.8), dispatch_ms_per_step=dispatch_ms,
+                     peak_gib=peak_gib, held_gib=held_gib, bitwise_equal_to_first=same.get(v, True))
             rows.append(r)
             if rank == 0:
-                print(f"{r['case']:28s} save_preact={v!s:5s} fwd+bwd {ms:7.2f} ms  "
+                print(f"{r['case']:28s} save_preact={v[0]!s:5s} save_dispatched={v[1]!s:5s} fwd+bwd {ms:7.2f} ms "
+                      f"(p20-p80 {r['p20']:.2f}-{r['p80']:.2f})  dispatch kernel {dispatch_ms:5.2f} ms/step  "
+                      f"peak {peak_gib:5.2f} GiB, held fwd->bwd {held_gib:5.2f} GiB  "
                       f"bitwise {'==' if r['bitwise_equal_to_first'] else 'DIFFERENT'}", flush=True)
         del x, w, w13, w2, s13, s2, params
         torch.cuda.empty_cache()
@@ -90,6 +100,35 @@ def main():
         json.dump(rows, open(f"{out_dir}/ab_backward_w{W}.json", "w"), indent=1)
     if W > 1:
         dist.destroy_process_group()
+    else:
+        from megamoe.bench.providers_ep import close_one_rank_group
+        close_one_rank_group()
+
+
+def _q(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _dispatch_ms_and_memory(step, dev, steps=2):
+    """GPU ms per step of the EP dispatch (pull) kernel over ``steps`` profiled steps; one step's peak memory
+    and the memory held from its forward to its backward, in GiB above what was allocated before the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    held = []
+    step(held)
+    torch.cuda.synchronize(dev)
+    peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**30
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize(dev)
+    us = sum(e.device_time_total for e in prof.key_averages() if "ep_dispatch" in e.key)
+    return us / 1e3 / steps, peak, (held[0] - base) / 2**30
 
 
 if __name__ == "__main__":

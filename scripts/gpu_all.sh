@@ -5,7 +5,8 @@
 #   stages: tests bench1 bench2 train trainck (the default set), and gluon (the Gluon kernels' GPU tests and the
 #   layer's bit-invariance test), trainref (reference-backend tokens/s),
 #   benchroute (zipf + the routing trace written by the train stage), snippet (README snippet verbatim),
-#   ab (scripts/ab_backward.py: EP=2 with the routed pre-activations kept vs recomputed),
+#   ab (scripts/ab_backward.py: the EP path keeping round 0's x rows and pre-activations vs pulling / recomputing
+#     them; EP=2 on 2 GPUs, else W = 1 on a one-rank group at the same rows per expert),
 #   sweep (scripts/gemm_sweep.py $SWEEP_ARGS: per-GEMM tile candidates, bitwise checked),
 #   comm (scripts/comm_bench.py $COMM_ARGS: dispatch / combine GB/s vs the peer-copy rate, 2 GPUs),
 #   abgluon (the layer with the Gluon weight-gradient kernel off, MEGAMOE_GLUON=0, then on; $ABGLUON_CASES),
@@ -88,8 +89,10 @@ for s in "${STAGES[@]}"; do
     benchroute) stage benchroute "${LIMIT_BENCHROUTE:-150}" python3 -m megamoe.bench --quiet --iters "$ITERS" \
                --cases qwen3-30b-a3b:16384 --routing zipf:1.2 "trace:$OUT/logs/train/routing_trace.pt" \
                --out "$OUT/logs/benchroute" ;;
-    ab) [[ $NGPU -ge 2 ]] && stage ab2 "${LIMIT_AB:-150}" python3 -m torch.distributed.run --standalone \
-              --nproc-per-node 2 scripts/ab_backward.py "$OUT/logs" ${AB_CASES:-deepseek-v3:4096 mok-bench:2048} ;;
+    ab) if [[ $NGPU -ge 2 ]]; then stage ab2 "${LIMIT_AB:-150}" python3 -m torch.distributed.run --standalone \
+              --nproc-per-node 2 scripts/ab_backward.py "$OUT/logs" ${AB_CASES:-deepseek-v3:4096 mok-bench:2048}
+        else stage ab1 "${LIMIT_AB:-150}" python3 scripts/ab_backward.py "$OUT/logs" \
+              ${AB_CASES:-deepseek-v3:8192 mok-bench:4096}; fi ;;
     sweep) stage sweep "${LIMIT_SWEEP:-240}" python3 scripts/gemm_sweep.py "$OUT/logs" ${SWEEP_ARGS:-deepseek-v3:4096 qwen3-30b-a3b:16384} ;;
     comm) [[ $NGPU -ge 2 ]] && stage comm "${LIMIT_COMM:-150}" python3 -m torch.distributed.run --standalone \
               --nproc-per-node 2 scripts/comm_bench.py ${COMM_ARGS:-} ;;

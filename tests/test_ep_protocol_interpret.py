@@ -257,6 +257,9 @@ def test_bad_expert_id_is_reported_by_its_owner(bad, by_sort):
 
 
 # ------------------------------------------------------------------ the whole EP layer on the protocol
+SAVE_VARIANTS = ((True, True), (False, False), (False, True))  # (save_preact, save_dispatched) of each call
+
+
 def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, push):
     import torch.nn.functional  # noqa: F401
 
@@ -300,9 +303,11 @@ def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, pu
     x, w, l13, l2 = leaf(xs[rank]), leaf(ws_[rank]), leaf(w13[rank * L:(rank + 1) * L]), leaf(w2[rank * L:(rank + 1) * L])
     s13, s2 = leaf(sw13), leaf(sw2)
     outs, grads = [], []
-    for i in range(2):  # twice, keeping then recomputing the pre-activations: bitwise the same, epochs advance
+    # three times: keeping x rows and pre-activations, neither (x pulled again, gu recomputed), only the x rows
+    # (gu recomputed from them); bitwise the same, epochs advance
+    for preact, dispatched in SAVE_VARIANTS:
         out = moe_experts_ep_workspace(x, ids[rank], w, l13, l2, s13, s2, workspace=ws, capacity_rows=C, timeout_s=60,
-                                       save_preact=i == 0)
+                                       save_preact=preact, save_dispatched=dispatched)
         params = [t for t in (x, w, l13, l2, s13, s2) if t is not None]
         gr = torch.autograd.grad(out, params, gos[rank])
         outs.append(out.detach())
@@ -358,9 +363,11 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S,
             assert got["pushes"]["epilogue"] > 0 and got["pushes"]["row_copies"] == 0, got["pushes"]
         else:
             assert got["pushes"]["epilogue"] == 0 and got["pushes"]["row_copies"] > 0, got["pushes"]
-        assert torch.equal(got["out"][0], got["out"][1]), "not repeatable"
-        for a, b in zip(got["grads"][0], got["grads"][1]):
-            assert torch.equal(a, b), "gradients differ between save_preact=True and False (or not repeatable)"
+        for v in range(1, len(SAVE_VARIANTS)):
+            assert torch.equal(got["out"][0], got["out"][v]), "not repeatable"
+            for a, b in zip(got["grads"][0], got["grads"][v]):
+                assert torch.equal(a, b), f"gradients differ between (save_preact, save_dispatched) = " \
+                    f"{SAVE_VARIANTS[0]} and {SAVE_VARIANTS[v]} (or not repeatable)"
         gx, gw, g13, g2 = got["grads"][0][:4]
         rx, rw, r13, r2 = got["ref_grads"]
         if not rows_exact:
@@ -466,6 +473,97 @@ def test_backward_restores_its_routing_plan_after_another_layers_exchange():
     for r, got in enumerate(res):
         assert got["A"] == [True] * 5 and got["B"] == [True] * 5, (r, got)
         assert got["counts"] == {"built": 2, "restored": 2}, (r, got["counts"])
+
+
+def _poisoned_pool_worker(rank, W, buffers, spec_args, Ts, K, E, F):
+    """Forward, then a backward whose publish stages NaN x rows in this rank's pool (the peers' and its own
+    pulls would read them); the shared expert reads x directly, so only pulled x rows can carry NaN into a
+    gradient. Per save_dispatched: whether every gradient is finite, and whether dW13 equals a clean run's."""
+    import megamoe.ops.ep_comm as ep_comm
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+    from megamoe.functional_ep import moe_experts_ep_workspace
+
+    real_publish = ep_comm.publish
+    spec = WorkspaceSpec(*spec_args)
+    ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)
+    L, Dm = E // W, spec.hidden
+    g = torch.Generator().manual_seed(3)
+    w13 = torch.randn(E, 2 * F, Dm, generator=g) * Dm ** -0.5
+    w2 = torch.randn(E, Dm, F, generator=g) * F ** -0.5
+    sw13, sw2 = torch.randn(2 * F, Dm, generator=g) * Dm ** -0.5, torch.randn(Dm, F, generator=g) * F ** -0.5
+    xs = [torch.randn(T, Dm, generator=g) for T in Ts]
+    ids = [routing("uniform", T, K, E, 3, r) for r, T in enumerate(Ts)]
+    ws_ = [torch.rand(T, K, generator=g) + 0.1 for T in Ts]
+    go = torch.randn(Ts[rank], Dm, generator=g)
+    res = {}
+    for dispatched in (True, False):
+        for poison in (False, True):
+            def publish(ws_arg, ids_arg, x_TD, dout_TD=None, **kw):
+                if poison and dout_TD is not None:  # the backward's staging only
+                    x_TD = torch.full_like(x_TD, float("nan"))
+                return real_publish(ws_arg, ids_arg, x_TD, dout_TD, **kw)
+            ep_comm.publish = publish
+            leaves = [t.clone().requires_grad_(True) for t in (xs[rank], ws_[rank], w13[rank * L:(rank + 1) * L],
+                                                               w2[rank * L:(rank + 1) * L], sw13, sw2)]
+            out = moe_experts_ep_workspace(leaves[0], ids[rank], *leaves[1:], workspace=ws, capacity_rows=64,
+                                           timeout_s=60, save_dispatched=dispatched)
+            res[(dispatched, poison)] = torch.autograd.grad(out, leaves, go)
+    ep_comm.publish = real_publish
+    return {d: (all(bool(t.isfinite().all()) for t in res[(d, True)]),
+                all(torch.equal(a, b) for a, b in zip(res[(d, True)], res[(d, False)]))) for d in (True, False)}
+
+
+def test_backward_uses_the_kept_x_rows_not_the_pool():
+    """With save_dispatched (the default) the backward's round 0 pulls no x rows: NaN x rows staged in every
+    pool for the backward leave every gradient bitwise a clean run's. Without it the backward pulls x again,
+    and the same poison reaches the gradients (so this test sees a pull that should not happen)."""
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+
+    W, Ts, K, E, Dm, F = 2, [5, 3], 2, 4, 32, 16
+    spec = WorkspaceSpec(W, max(Ts), Dm, K, E, torch.float32)
+    res = spawn_ranks(_poisoned_pool_worker, W, EPWorkspace.allocate_shared(spec), (W, spec.max_tokens, Dm, K, E,
+                      torch.float32), Ts, K, E, F, env=ENV)
+    for r, got in enumerate(res):
+        assert got[True] == (True, True), f"rank {r}: kept x rows, yet the pool's x reached a gradient"
+        assert got[False][0] is False, f"rank {r}: x pulled again, yet the poisoned pool left no trace"
+
+
+def _retain_graph_worker(rank, W, buffers, spec_args, Ts, K, E, F, C):
+    """One forward, two backwards of its graph (retain_graph): the kept rows and pre-activations of round 0
+    must come through the first backward unchanged, also when later rounds pull rows of their own."""
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+    from megamoe.functional_ep import moe_experts_ep_workspace
+
+    spec = WorkspaceSpec(*spec_args)
+    ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)
+    L, Dm = E // W, spec.hidden
+    g = torch.Generator().manual_seed(7)
+    w13 = torch.randn(E, 2 * F, Dm, generator=g) * Dm ** -0.5
+    w2 = torch.randn(E, Dm, F, generator=g) * F ** -0.5
+    xs = [torch.randn(T, Dm, generator=g) for T in Ts]
+    ids = [routing("uniform", T, K, E, 7, r) for r, T in enumerate(Ts)]
+    ws_ = [torch.rand(T, K, generator=g) + 0.1 for T in Ts]
+    go = torch.randn(Ts[rank], Dm, generator=g)
+    leaves = [t.clone().requires_grad_(True) for t in (xs[rank], ws_[rank], w13[rank * L:(rank + 1) * L],
+                                                       w2[rank * L:(rank + 1) * L])]
+    out = moe_experts_ep_workspace(leaves[0], ids[rank], *leaves[1:], None, None, workspace=ws, capacity_rows=C,
+                                   timeout_s=60)
+    first = torch.autograd.grad(out, leaves, go, retain_graph=True)
+    second = torch.autograd.grad(out, leaves, go)
+    return [torch.equal(a, b) for a, b in zip(first, second)]
+
+
+def test_second_backward_of_a_retained_graph_keeps_the_bits():
+    """Capacity 4: several used rounds. The backward gives rounds after the first their own x rows buffer, so
+    the rows kept from the forward are read, never overwritten: a second backward gives the same bits."""
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+
+    W, Ts, K, E, Dm, F = 2, [6, 5], 2, 4, 32, 16
+    spec = WorkspaceSpec(W, max(Ts), Dm, K, E, torch.float32)
+    res = spawn_ranks(_retain_graph_worker, W, EPWorkspace.allocate_shared(spec), (W, spec.max_tokens, Dm, K, E,
+                      torch.float32), Ts, K, E, F, 4, env=ENV)
+    for r, same in enumerate(res):
+        assert all(same), f"rank {r}: the second backward's gradients differ (x, w, w13, w2): {same}"
 
 
 def _bad_switch_worker(rank, W, buffers, spec_args, switch):

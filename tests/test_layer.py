@@ -125,6 +125,8 @@ def test_bad_setups_fail_early_and_clearly(cfg, monkeypatch):
         MoE(cfg, group=1)
     with pytest.raises(TypeError, match="ep_save_preact must be a bool"):
         MoE(cfg, backend="fused", ep_save_preact="yes")
+    with pytest.raises(TypeError, match="ep_save_dispatched must be a bool"):
+        MoE(cfg, backend="fused", ep_save_dispatched=1)
     with pytest.raises(ValueError, match="float64"):
         MoE(cfg.replace(dtype=torch.float64), backend="fused")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -243,18 +243,20 @@ def _round_rows(sched_ptr, round_idx, L, C, E: tl.constexpr):
 def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr, wr_ptr, round_idx, C, D, K, L,
                        SORTED_OFF, WEIGHTS_OFF, ROWS_OFF, CH1_ELEMS,
                        W: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr,
-                       BM: tl.constexpr, BD: tl.constexpr, BWD: tl.constexpr, ALIGNED: tl.constexpr = False):
+                       BM: tl.constexpr, BD: tl.constexpr, BWD: tl.constexpr, ALIGNED: tl.constexpr = False,
+                       PULL_X: tl.constexpr = True):
     """Pull round ``round_idx``'s receive rows (``[RND + r, RND + r + 1)`` of the schedule, at most C) into the
     local round buffer.
 
-    Row i: segment q (binary search by comparison), source s = q % W, flat source row read from the
-    source's sorted list, token = row // K, slot = row % K. Writes the row table ``rowtab[0/1/2, i]`` =
-    (source, token, slot) (-1 source for unused rows), the round's local expert offsets ``roff[0..L]``
-    (program 0), and copies x rows (``BWD``: also the owner's output-gradient rows into ``gr`` and the
-    row's routing weight into ``wr`` (fp32)). Programs of an unused round only mark their rows unused
-    and exit. ``ALIGNED``: every pool base is 16-byte aligned (``EPWorkspace.aligned``; the region offsets are
-    multiples of 256 and D of 16), which lets the row loads be 16-byte vectors: the compiler cannot know it of
-    an address loaded from the pointer table, and without it reads each row two bytes at a time.
+    Row i: segment q (binary search by comparison), source s = q % W, flat source row read from the source's
+    sorted list, token = row // K, slot = row % K. Writes the row table ``rowtab[0/1/2, i]`` = (source, token,
+    slot) (-1 source for unused rows), the round's local expert offsets ``roff[0..L]`` (program 0), and copies
+    x rows (``BWD``: also the owner's output-gradient rows into ``gr`` and the row's routing weight into
+    ``wr`` (fp32)). ``PULL_X`` False (backward only): no x rows, the destination already holds them (the
+    forward's, kept) or does not need them. Programs of an unused round only mark their rows unused and exit.
+    ``ALIGNED``: every pool base is 16-byte aligned (``EPWorkspace.aligned``; the region offsets are multiples
+    of 256 and D of 16), which lets the row loads be 16-byte vectors: the compiler cannot know it of an
+    address loaded from the pointer table, and without it reads each row two bytes at a time.
     """
     pid = tl.program_id(0)
     round_start, n = _round_rows(sched_ptr, round_idx, L, C, E)
@@ -297,8 +299,9 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr
     while d0 < D:
         dd = d0 + tl.arange(0, BD)
         m = valid[:, None] & (dd < D)[None, :]
-        x = tl.load(src_rows[:, None] + dd[None, :], mask=m, other=0.0)
-        tl.store(xr_ptr + i64[:, None] * D + dd[None, :], x, mask=m)
+        if PULL_X:
+            x = tl.load(src_rows[:, None] + dd[None, :], mask=m, other=0.0)
+            tl.store(xr_ptr + i64[:, None] * D + dd[None, :], x, mask=m)
         if BWD:
             go = tl.load(src_rows[:, None] + CH1_ELEMS + dd[None, :], mask=m, other=0.0)
             tl.store(gr_ptr + i64[:, None] * D + dd[None, :], go, mask=m)

@@ -79,11 +79,13 @@ class ExchangeBuffers:
     """Local (non-symmetric) buffers of one exchange on the destination side, sized by capacity C.
 
     sched: int32 schedule table of ``rounds`` rounds; rowtab_3C: int32 [3, C] (source, token, slot) of the
-    round's rows; roff_L1: int32 [L + 1] round-local expert offsets; xr_CD: received x rows; backward only:
-    gr_CD received output-gradient rows, wr_C fp32 routing weight of each row.
+    round's rows; roff_L1: int32 [L + 1] round-local expert offsets; xr_CD: received x rows (``xr_CD`` given:
+    that (C, D) tensor, e.g. the forward's round-0 rows kept for the backward, instead of a new one); backward
+    only: gr_CD received output-gradient rows, wr_C fp32 routing weight of each row.
     """
 
-    def __init__(self, ws: EPWorkspace, capacity_rows: int, backward: bool, *, rounds: int):
+    def __init__(self, ws: EPWorkspace, capacity_rows: int, backward: bool, *, rounds: int,
+                 xr_CD: torch.Tensor | None = None):
         s = ws.spec
         L, dev = s.num_experts // s.world, ws.device
         if not isinstance(rounds, int) or rounds < 1:
@@ -93,8 +95,12 @@ class ExchangeBuffers:
         self.sched = torch.zeros(sched_size(s.num_experts, L, rounds), dtype=torch.int32, device=dev)
         self.rowtab_3C = torch.empty(3, capacity_rows, dtype=torch.int32, device=dev)
         self.roff_L1 = torch.zeros(L + 1, dtype=torch.int32, device=dev)
-        self.xr_CD = torch.empty(capacity_rows, s.hidden, dtype=s.dtype, device=dev)
-        self.gr_CD = torch.empty_like(self.xr_CD) if backward else self.xr_CD
+        if xr_CD is not None and (xr_CD.shape != (capacity_rows, s.hidden) or xr_CD.dtype != s.dtype
+                                  or xr_CD.device != dev or not xr_CD.is_contiguous()):
+            raise ValueError(f"megamoe EP: kept x rows of shape {tuple(xr_CD.shape)}, {xr_CD.dtype} on {xr_CD.device} "
+                             f"do not fit C={capacity_rows} rows of D={s.hidden}, {s.dtype} on {dev}")
+        self.xr_CD = torch.empty(capacity_rows, s.hidden, dtype=s.dtype, device=dev) if xr_CD is None else xr_CD
+        self.gr_CD = torch.empty(capacity_rows, s.hidden, dtype=s.dtype, device=dev) if backward else self.xr_CD
         self.wr_C = torch.empty(capacity_rows if backward else 1, dtype=torch.float32, device=dev)
 
 
@@ -205,8 +211,11 @@ def build_schedule(ws: EPWorkspace, bufs: ExchangeBuffers, timeout_s: float) -> 
                                 USE_TIMER=use_timer, num_warps=4)
 
 
-def dispatch_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: bool) -> None:
-    """Pull round r's rows into ``bufs.xr_CD`` (backward: also output-gradient rows and weights)."""
+def dispatch_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: bool, pull_x: bool = True) -> None:
+    """Pull round r's rows into ``bufs.xr_CD`` (backward: also output-gradient rows and weights; ``pull_x``
+    False, backward only: not the x rows, which ``bufs.xr_CD`` already holds or the caller does not need)."""
+    if not (pull_x or backward):
+        raise ValueError("megamoe EP: the forward dispatch always pulls x rows")
     s = ws.spec
     L = s.num_experts // s.world
     C = bufs.C
@@ -217,7 +226,7 @@ def dispatch_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: boo
                                 r, C, s.hidden, s.top_k, L, ws.offsets["sorted"], ws.offsets["weights"],
                                 ws.offsets["rows"], s.max_tokens * s.hidden, W=s.world, E=s.num_experts,
                                 E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM, BD=_BD, BWD=backward,
-                                ALIGNED=ws.aligned, num_warps=_NW)
+                                ALIGNED=ws.aligned, PULL_X=pull_x, num_warps=_NW)
 
 
 def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tensor | None,

@@ -30,11 +30,11 @@ when an error is raised in between.
 
 Backward: the same exchange with x and the output gradient staged (the shared expert's gate/up recompute,
 SwiGLU backward and dx beside the schedule build and round 0's pull, its weight gradients after the join on
-the whole GPU); the destination uses the forward's
-gu of round 0 (kept when ``save_preact``: C x 2F elements between the passes) or recomputes it from the
-pulled x, runs ``swiglu_dgrad`` (row scale = w), the weight gradients over its rows and
-``dx_rows = dgu @ w13``, and pushes dx rows plus the P partial dots of each row; the owner reduces with
-``slot_sum_bwd``.
+the whole GPU); the destination uses the forward's x rows of round 0 (kept when ``save_dispatched``: C x D
+elements between the passes; round 0 then pulls only dout rows and weights) or pulls them again, the forward's
+gu of round 0 (kept when ``save_preact``: C x 2F elements) or recomputes it from the x rows, runs
+``swiglu_dgrad`` (row scale = w), the weight gradients over its rows and ``dx_rows = dgu @ w13``, and pushes
+dx rows plus the P partial dots of each row; the owner reduces with ``slot_sum_bwd``.
 
 The result rows (forward y, backward dx) are stored by the GEMM's epilogue straight into the owners' slots
 (``ops.grouped_gemm.RowPush``, local or across NVLink): no (C, D) round buffer and no copy pass, the same
@@ -92,16 +92,18 @@ def _join(side) -> None:
 
 def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS,
                    *, capacity_rows: int, rounds: int, timeout_s: float, save_preact: bool = False,
-                   save_plan: bool = False):
-    """Forward exchange; returns (out_TD in x's dtype, gu_CG or None, plan or None). Inputs contiguous and
-    validated.
+                   save_dispatched: bool = False, save_plan: bool = False):
+    """Forward exchange; returns (out_TD in x's dtype, gu_CG or None, xr_CD or None, plan or None). Inputs
+    contiguous and validated.
 
-    save_preact: also return the gate/up pre-activations gu_CG (C, 2F) of round 0's received rows (all
-    of them unless the routing overflowed the capacity), which :func:`ep_moe_backward` then uses instead
-    of recomputing them (C * 2F elements of x's dtype held from forward to backward, whatever W and
-    the number of rounds). save_plan: also return copies of this rank's routing plan
-    (``ep_comm.save_plan``: T*K*4 + (4 + E)*4 bytes), which the backward restores instead of rebuilding it.
-    No host sync."""
+    save_preact: also return the gate/up pre-activations gu_CG (C, 2F) of round 0's received rows (all of them
+    unless the routing overflowed the capacity), which :func:`ep_moe_backward` then uses instead of
+    recomputing them (C * 2F elements of x's dtype held from forward to backward, whatever W and the number of
+    rounds). save_dispatched: also return round 0's received x rows xr_CD (C, D), which the backward then uses
+    instead of pulling them again (C * D elements held; with several rounds the forward gives later rounds a
+    buffer of their own, C * D more while it runs). save_plan: also return copies of this rank's routing plan
+    (``ep_comm.save_plan``: T*K*4 + (4 + E)*4 bytes), which the backward restores instead of rebuilding it. No
+    host sync."""
     T, D = x_TD.shape
     F = w2_LDF.shape[2]
     dev = x_TD.device
@@ -112,6 +114,7 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     plan = X.save_plan(ws, T, topk_ids_TK.shape[1]) if save_plan else None
     shared_TD = None
     bufs = X.ExchangeBuffers(ws, capacity_rows, backward=False, rounds=rounds)
+    xr0_CD = bufs.xr_CD if save_dispatched else None
     h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
     y_CD = None if fused else torch.empty(capacity_rows, D, dtype=x_TD.dtype, device=dev)
     gu_CG = torch.empty(capacity_rows, 2 * F, dtype=x_TD.dtype, device=dev) if save_preact else None
@@ -133,6 +136,8 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
         _join(side)
     for r in range(rounds):
         if r:
+            if r == 1 and xr0_CD is not None:  # round 0's rows stay for the backward
+                bufs.xr_CD = torch.empty_like(xr0_CD)
             X.dispatch_round(ws, bufs, r, backward=False)
         keep = gu_CG is not None and r == 0
         rt = {}  # this round's m-tile offsets (roff_L1 is rewritten by every round's dispatch)
@@ -146,17 +151,20 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     X.signal_done(ws)
     X.wait_done(ws, timeout_s)
     rows, row_of_TK, _ = X.slot_views(ws, T)
-    return combine_fwd(rows, row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype), gu_CG, plan
+    return combine_fwd(rows, row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype), gu_CG, xr0_CD, plan
 
 
 def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD,
                     shared_w2_DS, *, capacity_rows: int, rounds: int, timeout_s: float, need_w: bool = True,
                     need_w13: bool = True, need_w2: bool = True, need_shared: bool = True, saved_gu_CG=None,
-                    saved_plan=None):
+                    saved_xr_CD=None, saved_plan=None):
     """Backward exchange: (dx_TD, dw_TK, dw13_LGD, dw2_LDF, dshared_w13_HD, dshared_w2_DS); None where
     not needed. dx is always computed (every rank must take part in the exchange). saved_gu_CG: the forward's
     pre-activations of round 0 (the schedule, hence the row order, is rebuilt identically from the
-    same ids); other rounds, or all without it, recompute them from the pulled x. saved_plan: the forward's
+    same ids); other rounds, or all without it, recompute them from the pulled x. saved_xr_CD: the forward's
+    x rows of round 0 (``save_dispatched``), read, never written: round 0 then pulls only the output
+    gradient rows and weights (so does a backward that needs neither dW13 nor a recompute of gu); later
+    rounds pull x into a buffer of their own. saved_plan: the forward's
     routing plan (``save_plan``), restored instead of rebuilt from the same ids. No host sync."""
     T, D = x_TD.shape
     L, G, _ = w13_LGD.shape
@@ -167,7 +175,9 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     X.publish(ws, topk_ids_TK, x_TD, dout_TD=dout_TD, topk_weights_TK=topk_weights_TK, saved_plan=saved_plan)
 
     ds13 = ds2 = dxs_TD = None
-    bufs = X.ExchangeBuffers(ws, capacity_rows, backward=True, rounds=rounds)
+    bufs = X.ExchangeBuffers(ws, capacity_rows, backward=True, rounds=rounds, xr_CD=saved_xr_CD)
+    # round 0 needs x rows for dW13 and for a gu recompute only; the kept ones are already here
+    pull_x0 = saved_xr_CD is None and (need_w13 or saved_gu_CG is None)
     has_shared = shared_w13_HD is not None and T > 0
     if not has_shared:
         side = None
@@ -199,7 +209,7 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
             if side is None:  # inline: the weight gradients before the exchange, as without the switch before
                 ds13, ds2 = shared_wgrads()
         X.build_schedule(ws, bufs, timeout_s)
-        X.dispatch_round(ws, bufs, 0, backward=True)
+        X.dispatch_round(ws, bufs, 0, backward=True, pull_x=pull_x0)
     finally:
         _join(side)
     if has_shared:
@@ -224,6 +234,8 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     P = 1
     for r in range(rounds):
         if r:
+            if r == 1 and saved_xr_CD is not None:  # the kept rows stay the forward's (a second backward
+                bufs.xr_CD = torch.empty_like(saved_xr_CD)  # with retain_graph reads them again)
             X.dispatch_round(ws, bufs, r, backward=True)
         roff = bufs.roff_L1
         rt = {}  # this round's m-tile offsets
