@@ -25,19 +25,19 @@ def _ptx(kernel, sig: dict, const: dict, divisible: tuple) -> Counter:
     return Counter(re.findall(r"(ld\.global[\.\w:]*|st\.global[\.\w:]*)", c.asm["ptx"]))
 
 
-@pytest.mark.parametrize("bwd", [False, True])
+@pytest.mark.parametrize("bwd,pull_x", [(False, True), (True, True), (True, False)])  # (True, False): x rows kept
 @pytest.mark.parametrize("aligned", [False, True])
-def test_pull_rows_in_16_byte_vectors_when_aligned(bwd, aligned):
+def test_pull_rows_in_16_byte_vectors_when_aligned(bwd, pull_x, aligned):
     from megamoe.kernels.ep_comm import ep_dispatch_kernel
 
     sig = {"ptrs_ptr": "*i64", "sched_ptr": "*i32", "rowtab_ptr": "*i32", "roff_ptr": "*i32", "xr_ptr": "*bf16",
            "gr_ptr": "*bf16", "wr_ptr": "*fp32", "round_idx": "i32", "C": "i32", "D": "i32", "K": "i32",
            "L": "i32", "SORTED_OFF": "i64", "WEIGHTS_OFF": "i64", "ROWS_OFF": "i64", "CH1_ELEMS": "i64"}
-    const = dict(W=2, E=256, E_PAD=256, L_PAD=256, BM=32, BD=256, BWD=bwd, ALIGNED=aligned)
+    const = dict(W=2, E=256, E_PAD=256, L_PAD=256, BM=32, BD=256, BWD=bwd, ALIGNED=aligned, PULL_X=pull_x)
     ops = _ptx(ep_dispatch_kernel, sig, const, ("ptrs_ptr", "sched_ptr", "rowtab_ptr", "roff_ptr", "xr_ptr", "gr_ptr",
                                                 "wr_ptr", "C", "D", "SORTED_OFF", "WEIGHTS_OFF", "ROWS_OFF",
                                                 "CH1_ELEMS"))
-    copies = 2 if bwd else 1  # x rows (and the output-gradient rows)
+    copies = int(pull_x) + int(bwd)  # x rows (unless kept) and the backward's output-gradient rows
     assert ops["st.global.v4.b32"] == 8 * copies, ops  # 32 x 256 bf16 per step over 128 threads
     if aligned:
         assert ops["ld.global.v4.b32"] == 8 * copies and ops["ld.global.b16"] == 0, ops
