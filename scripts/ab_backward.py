@@ -2,10 +2,11 @@
 
 Variants: (``save_preact``, ``save_dispatched``) of megamoe.functional_ep.moe_experts_ep: keep round 0's
 gate/up pre-activations (or recompute them in the backward) and round 0's received x rows (or pull them
-again): (True, True) the default, (True, False), (False, False) keep nothing routed. Each variant's output and
+again): (True, True) the default, (True, False), (False, False) keep nothing routed; with ``AB_TILES`` set,
+also the default under ``MEGAMOE_TILES=$AB_TILES`` (a tile A/B on the EP path). Each variant's output and
 gradients must be bitwise those of the first; times are forward+backward medians of the slowest rank with
-megamoe.bench's Timer (L2 flush, barrier), interleaved over rounds; per variant also the dispatch kernel's
-GPU time per step (torch.profiler, two steps) and the step's peak memory. Under scripts/gpu_all.sh this is
+megamoe.bench's Timer (L2 flush, barrier), interleaved over rounds; per variant also the GPU time per step of
+the dispatch kernel and of the m-grouped GEMMs (torch.profiler, two steps) and the step's peak memory. Under scripts/gpu_all.sh this is
 the ``ab`` stage (log ``ab{W}.log``). With one GPU (W = 1) the EP path runs on a one-rank group (the
 benchmark's ``megamoe-ep``): its pulls are local copies there, so what a variant saves over NVLink at W > 1
 shows only as the dispatch kernel's share.
@@ -64,15 +65,20 @@ def main():
         s2 = torch.randn(D, S, **bf).mul_(S ** -0.5).requires_grad_() if S else None
         params = [p for p in (x, w, w13, w2, s13, s2) if p is not None]
         dout = torch.randn(T, D, generator=g, device=dev).bfloat16()
-        variants = [(True, True), (True, False), (False, False)]
+        variants = [(True, True, ""), (True, False, ""), (False, False, "")]
+        if os.environ.get("AB_TILES"):
+            variants.append((True, True, os.environ["AB_TILES"]))
 
         def run(variant, held=None):
             from megamoe.functional_ep import moe_experts_ep
+            os.environ["MEGAMOE_TILES"] = variant[2]  # read at every launch (ops.tile_config.override_for)
             out = moe_experts_ep(x, ids, w, w13, w2, s13, s2, group=group, save_preact=variant[0],
                                  save_dispatched=variant[1])
             if held is not None:  # bytes allocated between the passes (the output and what autograd keeps)
                 held.append(torch.cuda.memory_allocated(dev))
-            return [out.detach()] + list(torch.autograd.grad(out, params, dout))
+            res = [out.detach()] + list(torch.autograd.grad(out, params, dout))
+            os.environ["MEGAMOE_TILES"] = ""
+            return res
 
         base = [t.cpu() for t in run(variants[0])]  # on the host: mok-bench's weight gradients are 50 GB
         same = {}
@@ -86,14 +92,18 @@ def main():
                 samples[v] += timer.time(lambda _s, v=v: run(v), iters=3)
         for v in variants:
             ms = statistics.median(samples[v])
-            dispatch_ms, peak_gib, held_gib = _dispatch_ms_and_memory(lambda held=None, v=v: run(v, held), dev)
-            r = dict(case=f"{name} T={T} W={W}", save_preact=v[0], save_dispatched=v[1], ms=ms,
+            kernel_ms, peak_gib, held_gib = _kernel_ms_and_memory(lambda held=None, v=v: run(v, held), dev)
+            dispatch_ms, gemm_ms = kernel_ms["ep_dispatch"], kernel_ms["_m_grouped_gemm"]
+            r = dict(case=f"{name} T={T} W={W}", save_preact=v[0], save_dispatched=v[1], tiles=v[2], ms=ms,
                      p20=_q(samples[v], 0.2), p80=_q(samples[v], 0.8), dispatch_ms_per_step=dispatch_ms,
+                     m_grouped_ms_per_step=gemm_ms,
                      peak_gib=peak_gib, held_gib=held_gib, bitwise_equal_to_first=same.get(v, True))
             rows.append(r)
             if rank == 0:
-                print(f"{r['case']:28s} save_preact={v[0]!s:5s} save_dispatched={v[1]!s:5s} fwd+bwd {ms:7.2f} ms "
+                print(f"{r['case']:28s} save_preact={v[0]!s:5s} save_dispatched={v[1]!s:5s}"
+                      f"{' tiles=' + v[2] if v[2] else ''} fwd+bwd {ms:7.2f} ms "
                       f"(p20-p80 {r['p20']:.2f}-{r['p80']:.2f})  dispatch kernel {dispatch_ms:5.2f} ms/step  "
+                      f"m-grouped GEMMs {gemm_ms:6.2f} ms/step  "
                       f"peak {peak_gib:5.2f} GiB, held fwd->bwd {held_gib:5.2f} GiB  "
                       f"bitwise {'==' if r['bitwise_equal_to_first'] else 'DIFFERENT'}", flush=True)
         del x, w, w13, w2, s13, s2, params, base, run
@@ -112,9 +122,10 @@ def _q(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _dispatch_ms_and_memory(step, dev, steps=2):
-    """GPU ms per step of the EP dispatch (pull) kernel over ``steps`` profiled steps; one step's peak memory
-    and the memory held from its forward to its backward, in GiB above what was allocated before the step."""
+def _kernel_ms_and_memory(step, dev, steps=2):
+    """GPU ms per step of the EP dispatch (pull) kernel and of the m-grouped GEMMs over ``steps`` profiled
+    steps; one step's peak memory and the memory held from its forward to its backward, in GiB above what
+    was allocated before the step."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -129,8 +140,9 @@ def _dispatch_ms_and_memory(step, dev, steps=2):
         for _ in range(steps):
             step()
         torch.cuda.synchronize(dev)
-    us = sum(e.device_time_total for e in prof.key_averages() if "ep_dispatch" in e.key)
-    return us / 1e3 / steps, peak, (held[0] - base) / 2**30
+    ms = {k: sum(e.device_time_total for e in prof.key_averages() if k in e.key) / 1e3 / steps
+          for k in ("ep_dispatch", "_m_grouped_gemm")}
+    return ms, peak, (held[0] - base) / 2**30
 
 
 if __name__ == "__main__":
