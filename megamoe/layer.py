@@ -85,7 +85,7 @@ class RoutedExperts(nn.Module):
     """
 
     def __init__(self, num_local_experts: int, hidden: int, ffn: int, *, device, dtype: torch.dtype, backend: str,
-                 group, ep_save_preact: bool, ep_save_dispatched: bool = True):
+                 group, ep_save_preact: bool, ep_save_dispatched: bool):
         super().__init__()
         L, D, F = num_local_experts, hidden, ffn
         self.backend, self.group, self.ep_save_preact = backend, group, ep_save_preact

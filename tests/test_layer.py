@@ -135,6 +135,27 @@ def test_bad_setups_fail_early_and_clearly(cfg, monkeypatch):
         m(torch.randn(4, cfg.hidden_size))
 
 
+@pytest.mark.parametrize("preact,dispatched", [(True, False), (False, True)])
+def test_ep_save_switches_reach_the_ep_path(cfg, monkeypatch, preact, dispatched):
+    """MoE(ep_save_preact=, ep_save_dispatched=) hands each switch to moe_experts_ep unchanged, with the EP group
+    (recorded through a stand-in: the fused EP path needs CUDA; its bits under each setting are tested in
+    tests/test_ep_layer_interpret.py)."""
+    import megamoe.functional_ep as fep
+
+    seen = {}
+
+    def stand_in(x_TD, *args, group, save_preact, save_dispatched):
+        seen.update(group=group, save_preact=save_preact, save_dispatched=save_dispatched)
+        return torch.zeros_like(x_TD)
+    monkeypatch.setattr(fep, "moe_experts_ep", stand_in)
+    experts = MoE(cfg, backend="fused", seed=0, ep_save_preact=preact, ep_save_dispatched=dispatched).experts
+    experts.group = group = object()  # any group object: the stand-in only records it
+    x = torch.randn(4, cfg.hidden_size)
+    ids = torch.zeros(4, cfg.top_k, dtype=torch.long) + torch.arange(cfg.top_k)
+    assert torch.equal(experts(x, ids, torch.full((4, cfg.top_k), 0.5)), torch.zeros_like(x))
+    assert seen == dict(group=group, save_preact=preact, save_dispatched=dispatched)
+
+
 def test_functional_fused_on_cpu_names_itself_and_the_way_out(cfg, monkeypatch):
     from megamoe.functional import moe_experts
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
