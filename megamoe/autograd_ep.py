@@ -6,7 +6,8 @@ H = 2S, W EP world size, C receive capacity rows.
 Saved for backward: the inputs (x, ids, weights and the parameters); when ``save_preact``, the gate/up
 pre-activations of round 0's received rows (all rows unless the routing overflowed the capacity),
 gu_CG: C x 2F elements of x's dtype, e.g. 537 MB (512 MiB) for deepseek-v3 with the default C = 65536
-rows; when ``save_dispatched``, round 0's received x rows, xr_CD: C x D elements (940 MB there); and this
+rows (W >= 2, 4096 tokens per rank); when ``save_dispatched``, round 0's received x rows, xr_CD: C x D
+elements (940 MB = 0.875 GiB there); and this
 rank's routing plan (T*K + 4 + E int32), which the backward restores into the pool instead of rebuilding it
 from the same ids. The backward runs a second exchange (megamoe.ops.ep_experts.ep_moe_backward) that pulls
 the output gradient rows, pulls x rows again where it kept none, and recomputes the pre-activations it does

@@ -43,14 +43,20 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
         timeout_s: bound of every cross-rank wait (> 0).
         save_preact: keep the gate/up pre-activations of the received rows (round 0) from forward to
             backward, C x 2F elements of x's dtype per call (537 MB = 512 MiB for deepseek-v3 at the default
-            C = 65536), so the backward does not recompute them; False recomputes them (the least memory).
-            Same bits either way.
-        save_dispatched: keep the x rows this rank received in the forward's dispatch (round 0) for the
-            backward, C x D elements of x's dtype per call (940 MB for deepseek-v3 at the default C), so
-            the backward pulls only the output-gradient rows (over NVLink at W > 1: half the backward's
-            dispatch traffic); False pulls x again. The backward's own receive buffers shrink by as much,
-            so its transient peak does not grow. Same bits either way. Neither is kept when no backward
-            can follow (grad mode off, or no input requires grad).
+            C = 65536 of W >= 2 and 4096 tokens), so the backward does not recompute them; False recomputes
+            them (the least memory). Same bits either way.
+        save_dispatched: keep the x rows this rank received in the forward's round-0 dispatch for the
+            backward, C x D elements of x's dtype per call (deepseek-v3 at the default C = 65536 of W >= 2
+            and 4096 tokens: 940 MB = 0.875 GiB), so the backward's round 0 pulls only the output-gradient
+            rows and weights; False pulls x again. Measured at W = 1: the pull kernel -0.45 ms per call
+            (deepseek-v3, 8192 tokens); over NVLink (W > 1) it should save about half the backward's round-0
+            dispatch traffic (not measured yet). With one launched round (W <= 2 at the default C) the
+            backward then allocates no x buffer of its own, so its transient peak does not grow; with
+            several launched rounds, each pass allocates a C x D x buffer for rounds after the first. Both
+            kept buffers are held per layer call until its backward, so they add up across a model's MoE
+            layers; when memory is short, turn this off first (it saves far less time than
+            ``save_preact``: +9 to +11 ms per call at W = 1 without the pre-activations). Same bits either
+            way. Neither is kept when no backward can follow (grad mode off, or no input requires grad).
 
     Returns:
         out_TD: (T, D) in x's dtype, this rank's tokens. Differentiable w.r.t. x, topk_weights, the

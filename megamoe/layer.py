@@ -158,12 +158,15 @@ class MoE(nn.Module):
             between processes unless each seeds it alike).
         ep_save_preact: fused backend with a group only: keep the routed gate/up pre-activations of
             the received rows from forward to backward (C x 2F elements per call, e.g. 537 MB for
-            deepseek-v3 at the default capacity) instead of recomputing them in the backward; same bits
-            either way (megamoe.functional_ep.moe_experts_ep, ``save_preact``).
-        ep_save_dispatched: fused backend with a group only: keep the x rows the experts' rank received
-            in the forward's dispatch (C x D elements per call, e.g. 940 MB for deepseek-v3 at the
-            default capacity) so that the backward pulls only the output-gradient rows; same bits either
-            way (``save_dispatched``). False for the least memory held between the passes.
+            deepseek-v3 at W >= 2 and the default C = 65536 for 4096 tokens per rank) instead of recomputing
+            them in the backward; same bits either way (megamoe.functional_ep.moe_experts_ep,
+            ``save_preact``).
+        ep_save_dispatched: fused backend with a group only: keep the x rows this rank's experts received
+            in the forward's round-0 dispatch (C x D elements per call, e.g. 940 MB = 0.875 GiB for
+            deepseek-v3 there) so that the backward's round 0 pulls only the output-gradient rows and
+            weights; same bits either way (``save_dispatched``). Both are held per layer call until its
+            backward, so they add up across a model's layers: when memory is short, turn this one off
+            first (it saves far less time than ep_save_preact).
 
     Parameters (names carry shapes), in three submodules: ``router.w_ED`` fp32 (:class:`Router`),
     ``experts.w13_LGD`` / ``experts.w2_LDF`` (:class:`RoutedExperts`) and ``shared_expert.w13_HD`` /

@@ -21,7 +21,7 @@ import torch
 from ep_utils import expert_counts, model_rounds, routing, spawn_ranks, split_experts
 
 ENV = {"TRITON_INTERPRET": "1"}
-SAVE_VARIANTS = ((True, True), (False, False), (False, True))  # (save_preact, save_dispatched) of each call
+SAVE_VARIANTS = ((True, True), (False, False), (False, True), (True, False))  # (save_preact, save_dispatched)
 
 
 def _draw(seed, Ts, K, E, F, Dm, kind="uniform", S=0):
@@ -80,8 +80,8 @@ def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, pu
     x, w, l13, l2 = p.local(rank, W)  # EP: this rank's tokens and experts
     s13, s2 = leaf(sw13), leaf(sw2)
     outs, grads = [], []
-    # three times: keeping x rows and pre-activations, neither (x pulled again, gu recomputed), only the x rows
-    # (gu recomputed from them); bitwise the same, epochs advance
+    # four times: keeping x rows and pre-activations, neither (x pulled again, gu recomputed), only the x rows
+    # (gu recomputed from them), only gu (x pulled again); bitwise the same, epochs advance
     for preact, dispatched in SAVE_VARIANTS:
         out = moe_experts_ep_workspace(x, ids[rank], w, l13, l2, s13, s2, workspace=ws, capacity_rows=C, timeout_s=60,
                                        save_preact=preact, save_dispatched=dispatched)
@@ -247,12 +247,14 @@ def test_backward_restores_its_routing_plan_after_another_layers_exchange():
 def _poisoned_pool_worker(rank, W, buffers, spec_args, Ts, K, E, F):
     """Forward, then a backward whose publish stages NaN x rows in this rank's pool (the peers' and its own
     pulls would read them); the shared expert reads x directly, so only pulled x rows can carry NaN into a
-    gradient. Per save_dispatched: whether every gradient is finite, and whether dW13 equals a clean run's."""
+    gradient. Per save_dispatched: whether every gradient is finite, whether every gradient equals a clean
+    run's, and the pull_x argument of each backward dispatch launch."""
     import megamoe.ops.ep_comm as ep_comm
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
     from megamoe.functional_ep import moe_experts_ep_workspace
 
-    real_publish = ep_comm.publish
+    real_publish, real_dispatch = ep_comm.publish, ep_comm.dispatch_round
+    pulls = {True: [], False: []}  # pull_x of every backward dispatch launch, per save_dispatched
     spec = WorkspaceSpec(*spec_args)
     ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)
     p = _draw(3, Ts, K, E, F, spec.hidden, S=F)
@@ -263,20 +265,26 @@ def _poisoned_pool_worker(rank, W, buffers, spec_args, Ts, K, E, F):
                 if poison and dout_TD is not None:  # the backward's staging only
                     x_TD = torch.full_like(x_TD, float("nan"))
                 return real_publish(ws_arg, ids_arg, x_TD, dout_TD, **kw)
-            ep_comm.publish = publish
+            def dispatch(ws_arg, bufs, r, backward, pull_x=True):
+                if backward:
+                    pulls[dispatched].append(pull_x)
+                return real_dispatch(ws_arg, bufs, r, backward, pull_x)
+            ep_comm.publish, ep_comm.dispatch_round = publish, dispatch
             leaves = p.local(rank, W) + [p.sw13.clone().requires_grad_(True), p.sw2.clone().requires_grad_(True)]
             out = moe_experts_ep_workspace(leaves[0], p.ids[rank], *leaves[1:], workspace=ws, capacity_rows=64,
                                            timeout_s=60, save_dispatched=dispatched)
             res[(dispatched, poison)] = torch.autograd.grad(out, leaves, p.gos[rank])
-    ep_comm.publish = real_publish
+    ep_comm.publish, ep_comm.dispatch_round = real_publish, real_dispatch
     return {d: (all(bool(t.isfinite().all()) for t in res[(d, True)]),
-                all(torch.equal(a, b) for a, b in zip(res[(d, True)], res[(d, False)]))) for d in (True, False)}
+                all(torch.equal(a, b) for a, b in zip(res[(d, True)], res[(d, False)])), pulls[d])
+            for d in (True, False)}
 
 
 def test_backward_uses_the_kept_x_rows_not_the_pool():
-    """With save_dispatched (the default) the backward's round 0 pulls no x rows: NaN x rows staged in every
-    pool for the backward leave every gradient bitwise a clean run's. Without it the backward pulls x again,
-    and the same poison reaches the gradients (so this test sees a pull that should not happen)."""
+    """With save_dispatched (the default) the backward's round 0 neither pulls x rows (the pull launches are
+    recorded) nor reads any: NaN x rows staged in every pool for the backward leave every gradient bitwise a
+    clean run's. Without it the backward pulls x again, and the same poison reaches the gradients (so this test
+    sees pulled rows that are used)."""
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
 
     W, Ts, K, E, Dm, F = 2, [5, 3], 2, 4, 32, 16
@@ -284,8 +292,10 @@ def test_backward_uses_the_kept_x_rows_not_the_pool():
     res = spawn_ranks(_poisoned_pool_worker, W, EPWorkspace.allocate_shared(spec), (W, spec.max_tokens, Dm, K, E,
                       torch.float32), Ts, K, E, F, env=ENV)
     for r, got in enumerate(res):
-        assert got[True] == (True, True), f"rank {r}: kept x rows, yet the pool's x reached a gradient"
+        assert got[True][:2] == (True, True), f"rank {r}: kept x rows, yet the pool's x reached a gradient"
+        assert got[True][2] == [False, False], f"rank {r}: kept x rows, yet the backward pulled x: {got[True][2]}"
         assert got[False][0] is False, f"rank {r}: x pulled again, yet the poisoned pool left no trace"
+        assert got[False][2] == [True, True], f"rank {r}: the backward without kept rows must pull x: {got[False][2]}"
 
 
 def _retain_graph_worker(rank, W, buffers, spec_args, Ts, K, E, F, C):
