@@ -6,7 +6,8 @@ Proves: output and gradients bitwise equal to the single-GPU fused path on the g
 several rounds, a rank with no tokens, the result rows from the GEMM epilogue or the push kernel), the same
 bits whatever the layer keeps from forward to backward (pre-activations, dispatched x rows); two layers'
 interleaved exchanges (the backward restores its routing plan); the kept x rows are what the backward reads
-(a poisoned pool); a second backward of a retained graph; the split experts' fp32 sums across rounds.
+(a poisoned pool); a second backward of a retained graph; nothing kept when no backward can follow; the split
+experts' fp32 sums across rounds.
 
 Legend: W ranks, T tokens of a rank, K top-k, D hidden (Dm in workers), E global experts, L = E / W, F expert
 FFN, S shared FFN, C capacity rows.
@@ -326,3 +327,44 @@ def test_second_backward_of_a_retained_graph_keeps_the_bits():
                       torch.float32), Ts, K, E, F, 4, env=ENV)
     for r, same in enumerate(res):
         assert all(same), f"rank {r}: the second backward's gradients differ (x, w, w13, w2): {same}"
+
+
+def _keep_flags_worker(rank, W, buffers, spec_args, Ts, K, E, F):
+    """What the forward is asked to keep, per call: (save_preact, save_dispatched) as ep_moe_forward receives
+    them, under no_grad, with grad mode on but nothing requiring grad, and with x requiring grad."""
+    import megamoe.autograd_ep as autograd_ep
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+    from megamoe.functional_ep import moe_experts_ep_workspace
+
+    real, seen = autograd_ep.ep_moe_forward, []
+
+    def recorded(*a, save_preact, save_dispatched, **kw):
+        seen.append((save_preact, save_dispatched))
+        return real(*a, save_preact=save_preact, save_dispatched=save_dispatched, **kw)
+    autograd_ep.ep_moe_forward = recorded
+    spec = WorkspaceSpec(*spec_args)
+    ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)
+    p = _draw(5, Ts, K, E, F, spec.hidden)
+    x, w, l13, l2 = (t.detach() for t in p.local(rank, W))
+
+    def call(x_TD):
+        return moe_experts_ep_workspace(x_TD, p.ids[rank], w, l13, l2, None, None, workspace=ws, capacity_rows=64,
+                                        timeout_s=60)
+    with torch.no_grad():
+        call(x.clone().requires_grad_(True))
+    call(x)
+    call(x.clone().requires_grad_(True))
+    return seen
+
+
+def test_nothing_is_kept_when_no_backward_can_follow():
+    """Rows and pre-activations are kept (both defaults on) only when a backward can follow: not under no_grad,
+    not when no input requires grad."""
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+
+    W, Ts, K, E, Dm, F = 2, [4, 3], 2, 4, 32, 16
+    spec = WorkspaceSpec(W, max(Ts), Dm, K, E, torch.float32)
+    res = spawn_ranks(_keep_flags_worker, W, EPWorkspace.allocate_shared(spec), (W, spec.max_tokens, Dm, K, E,
+                      torch.float32), Ts, K, E, F, env=ENV)
+    for r, seen in enumerate(res):
+        assert seen == [(False, False), (False, False), (True, True)], f"rank {r}: {seen}"
