@@ -4,16 +4,15 @@ Legend: T tokens of this rank, D hidden, F expert FFN, G = 2F, L local experts, 
 H = 2S, W EP world size, C receive capacity rows.
 
 Saved for backward: the inputs (x, ids, weights and the parameters); when ``save_preact``, the gate/up
-pre-activations of round 0's received rows (all rows unless the routing overflowed the capacity),
-gu_CG: C x 2F elements of x's dtype, e.g. 537 MB (512 MiB) for deepseek-v3 with the default C = 65536
-rows (W >= 2, 4096 tokens per rank); when ``save_dispatched``, round 0's received x rows, xr_CD: C x D
-elements (940 MB = 0.875 GiB there); and this
-rank's routing plan (T*K + 4 + E int32), which the backward restores into the pool instead of rebuilding it
-from the same ids. The backward runs a second exchange (megamoe.ops.ep_experts.ep_moe_backward) that pulls
-the output gradient rows, pulls x rows again where it kept none, and recomputes the pre-activations it does
-not have on the expert's rank. Either way memory per call is bounded by the capacity C, whatever the
-routing, and the results are bitwise the same (the kept rows are those the same schedule pulls again; gu is
-produced by the same kernel on the same rows in the same order).
+pre-activations of round 0's received rows (all rows unless the routing overflowed the capacity), gu_CG: C x
+2F elements of x's dtype, e.g. 537 MB (512 MiB) for deepseek-v3 with the default C = 65536 rows (W >= 2, 4096
+tokens per rank); when ``save_dispatched``, round 0's received x rows, xr_CD: C x D elements (940 MB = 0.875
+GiB there); and this rank's routing plan (T*K + 4 + E int32), which the backward restores into the pool
+instead of rebuilding it from the same ids. The backward runs a second exchange
+(megamoe.ops.ep_experts.ep_moe_backward) that pulls the output gradient rows, pulls x rows again where it kept
+none, and recomputes the pre-activations it does not have on the expert's rank. Either way memory per call is
+bounded by the capacity C, whatever the routing, and the results are bitwise the same (the kept rows are those
+the same schedule pulls again; gu is produced by the same kernel on the same rows in the same order).
 
 Gradients: x, topk_weights, the local experts (w13, w2: the full gradient of this rank's experts over
 the global batch) and the shared expert (a per-rank partial gradient; summing it over ranks is data
