@@ -64,8 +64,9 @@ def _inputs(Ts, kind, seed, dev, dtype=torch.bfloat16):
     return ep_inputs(Ts, kind, seed, dev, E=_num_experts(len(Ts)), D=D, F=F, S=S, K=K, dtype=dtype)
 
 
-def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
-    """One routing case; with ``env`` set for its duration. Counts the calls of torch's weight-gradient
+def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None, save=(True, True)):
+    """One routing case; with ``env`` set for its duration, and ``save`` = (save_preact, save_dispatched)
+    of the EP calls (the defaults: both kept). Counts the calls of torch's weight-gradient
     kernel (megamoe.ops.grouped_gemm.torch_wgrad) on the EP side ("ep_torch_calls": the repeated EP runs)
     and in the EP=1 fused run it is compared with ("fused_torch_calls"), so a case can check which
     kernel ran where."""
@@ -92,7 +93,7 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None):
             yield
     ee._beside = beside
     try:
-        r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls)
+        r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save)
         r["fused_torch_calls"] = len(calls) - r["ep_torch_calls"]
         r["row_copies"] = sum(row_copies)
         r["shared_blocks"] = shared_blocks
@@ -123,7 +124,7 @@ def _within(a, b) -> bool:
     return bool((a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max() + 1e-30)
 
 
-def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
+def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save):
     from megamoe import reference as ref
     from megamoe.functional import moe_experts
     from megamoe.functional_ep import moe_experts_ep
@@ -136,7 +137,8 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls):
     params = (x, w, l13, l2, p13, p2)
     runs = []
     for _ in range(repeats):
-        out = moe_experts_ep(x, ids[rank], w, l13, l2, p13, p2, group=group, capacity_rows=capacity)
+        out = moe_experts_ep(x, ids[rank], w, l13, l2, p13, p2, group=group, capacity_rows=capacity,
+                             save_preact=save[0], save_dispatched=save[1])
         runs.append((out.detach(), torch.autograd.grad(out, params, gos[rank])))
     ep_calls = len(calls)
     same = all(torch.equal(runs[0][0], o) and all(torch.equal(a, b) for a, b in zip(runs[0][1], g)) for o, g in runs)
@@ -276,14 +278,22 @@ def _suite(rank, W):
              "overlap_repeat50": (per_rank(64, 48), "uniform", None, 50),
              "overlap_rounds": (per_rank(64), "one_rank", 128 * W, 1),
              # capacity 64 W + 32 below the hot expert's 128 W rows: expert 0 split at each W
-             "rounds_split": (per_rank(128), "hot", 64 * W + 32, 1)}
+             "rounds_split": (per_rank(128), "hot", 64 * W + 32, 1),
+             # what the forward keeps for the backward: nothing, only gu, only the dispatched x rows (also with
+             # several used rounds, whose x rows go to a buffer of their own in both passes)
+             "keep_nothing": (per_rank(80, 40), "zipf", None, 1), "keep_gu_only": (per_rank(80, 40), "zipf", None, 1),
+             "keep_x_only": (per_rank(80, 40), "zipf", None, 1),
+             "rounds_keep_x_only": (per_rank(64), "one_rank", 128 * W, 1)}
+    saves = {"keep_nothing": (False, False), "keep_gu_only": (True, False), "keep_x_only": (False, True),
+             "rounds_keep_x_only": (False, True)}
     envs = {"torch_wgrad": {"MEGAMOE_TORCH_WGRAD": "1"},  # both sides (EP and EP=1 fused) through torch's kernel
             "push_kernel": {"MEGAMOE_EP_PUSH": "kernel"},  # result rows by the separate push kernel, not the epilogue
             "overlap": {"MEGAMOE_EP_COMM_SMS": "16"},  # the shared expert beside the exchange, 16 SMs left to it
             "comm_sms_64": {"MEGAMOE_EP_COMM_SMS": "64"},  # beside it, with 64 SMs left to the exchange
             "overlap_repeat50": {"MEGAMOE_EP_COMM_SMS": "16"}, "overlap_rounds": {"MEGAMOE_EP_COMM_SMS": "16"}}
     for name, (Ts, kind, cap, reps) in cases.items():
-        rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, env=envs.get(name))
+        rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, env=envs.get(name),
+                          save=saves.get(name, (True, True)))
     dev = rank_device(rank)
     w13, w2, s13, s2, xs, ids, ws, gos = _inputs([64] * W, "uniform", 7, dev)
     L = E // W
@@ -336,7 +346,7 @@ def report(request):
 
 
 CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50", "torch_wgrad", "torch_table",
-         "push_kernel", "overlap", "comm_sms_64", "overlap_repeat50"]
+         "push_kernel", "overlap", "comm_sms_64", "overlap_repeat50", "keep_nothing", "keep_gu_only", "keep_x_only"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -410,13 +420,15 @@ def test_shared_expert_runs_beside_the_exchange_as_asked(report):
         assert rep["comm_sms_64"]["shared_blocks"] == [(True, sms - 64, True)] * 2, (r, rep["comm_sms_64"])
 
 
-@pytest.mark.parametrize("case", ["rounds", "overlap_rounds", "rounds_split"])
+@pytest.mark.parametrize("case", ["rounds", "overlap_rounds", "rounds_split", "rounds_keep_x_only"])
 def test_capacity_rounds(report, case):
     """Capacity 128 W, every token on rank 0's experts (``rounds_split``: capacity 64 W + 32, expert 0 in every
     token): several used rounds. Output, dx and d topk_weights bitwise; each local expert's dW13 and dW2 bitwise
     unless it has more than C rows, so that the rounds split it (then within one bf16 rounding step of the
     expert's largest entry: fp32 partial sums in round order). ``rounds`` splits nothing: every weight gradient
-    bitwise with several rounds used; ``rounds_split`` splits expert 0 at every W."""
+    bitwise with several rounds used; ``rounds_split`` splits expert 0 at every W; ``rounds_keep_x_only`` is
+    ``rounds`` keeping only the dispatched x rows (gu recomputed from them in round 0, later rounds' rows in
+    buffers of their own)."""
     n_split = 0
     assert max(rep[case]["rounds_used"] for rep in report) > 1, "the case must use several rounds"
     for r, rep in enumerate(report):
