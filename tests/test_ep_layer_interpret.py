@@ -47,6 +47,16 @@ def _draw(seed, Ts, K, E, F, Dm, kind="uniform", S=0):
     return p
 
 
+def _spawn_small(worker, Ts, *args, W=2, K=2, E=4, Dm=32, F=16):
+    """``worker(rank, W, buffers, spec_args, Ts, K, E, F, *args)`` on W simulated ranks sharing one fp32
+    workspace of hidden size Dm for Ts tokens per rank; returns each rank's result."""
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+
+    spec = WorkspaceSpec(W, max(Ts), Dm, K, E, torch.float32)
+    return spawn_ranks(worker, W, EPWorkspace.allocate_shared(spec), (W, spec.max_tokens, Dm, K, E, torch.float32),
+                       Ts, K, E, F, *args, env=ENV)
+
+
 def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, push):
     import torch.nn.functional  # noqa: F401
 
@@ -234,12 +244,7 @@ def test_backward_restores_its_routing_plan_after_another_layers_exchange():
     than rebuilding it: with two layers' exchanges interleaved (forward A, forward B, backward B, backward A)
     every output and gradient is bitwise the single-GPU fused path's, the plan is built once per forward and
     restored once per backward on each rank."""
-    from megamoe.distributed import EPWorkspace, WorkspaceSpec
-
-    W, Ts, K, E, Dm, F = 2, [5, 3], 2, 4, 32, 16
-    spec = WorkspaceSpec(W, max(Ts), Dm, K, E, torch.float32)
-    res = spawn_ranks(_two_layer_worker, W, EPWorkspace.allocate_shared(spec), (W, spec.max_tokens, Dm, K, E,
-                      torch.float32), Ts, K, E, F, env=ENV)
+    res = _spawn_small(_two_layer_worker, [5, 3])
     for r, got in enumerate(res):
         assert got["A"] == [True] * 5 and got["B"] == [True] * 5, (r, got)
         assert got["counts"] == {"built": 2, "restored": 2}, (r, got["counts"])
@@ -286,12 +291,7 @@ def test_backward_uses_the_kept_x_rows_not_the_pool():
     recorded) nor reads any: NaN x rows staged in every pool for the backward leave every gradient bitwise a
     clean run's. Without it the backward pulls x again, and the same poison reaches the gradients (so this test
     sees pulled rows that are used)."""
-    from megamoe.distributed import EPWorkspace, WorkspaceSpec
-
-    W, Ts, K, E, Dm, F = 2, [5, 3], 2, 4, 32, 16
-    spec = WorkspaceSpec(W, max(Ts), Dm, K, E, torch.float32)
-    res = spawn_ranks(_poisoned_pool_worker, W, EPWorkspace.allocate_shared(spec), (W, spec.max_tokens, Dm, K, E,
-                      torch.float32), Ts, K, E, F, env=ENV)
+    res = _spawn_small(_poisoned_pool_worker, [5, 3])
     for r, got in enumerate(res):
         assert got[True][:2] == (True, True), f"rank {r}: kept x rows, yet the pool's x reached a gradient"
         assert got[True][2] == [False, False], f"rank {r}: kept x rows, yet the backward pulled x: {got[True][2]}"
@@ -319,12 +319,7 @@ def _retain_graph_worker(rank, W, buffers, spec_args, Ts, K, E, F, C):
 def test_second_backward_of_a_retained_graph_keeps_the_bits():
     """Capacity 4: several used rounds. The backward gives rounds after the first their own x rows buffer, so
     the rows kept from the forward are read, never overwritten: a second backward gives the same bits."""
-    from megamoe.distributed import EPWorkspace, WorkspaceSpec
-
-    W, Ts, K, E, Dm, F = 2, [6, 5], 2, 4, 32, 16
-    spec = WorkspaceSpec(W, max(Ts), Dm, K, E, torch.float32)
-    res = spawn_ranks(_retain_graph_worker, W, EPWorkspace.allocate_shared(spec), (W, spec.max_tokens, Dm, K, E,
-                      torch.float32), Ts, K, E, F, 4, env=ENV)
+    res = _spawn_small(_retain_graph_worker, [6, 5], 4)
     for r, same in enumerate(res):
         assert all(same), f"rank {r}: the second backward's gradients differ (x, w, w13, w2): {same}"
 
@@ -360,11 +355,6 @@ def _keep_flags_worker(rank, W, buffers, spec_args, Ts, K, E, F):
 def test_nothing_is_kept_when_no_backward_can_follow():
     """Rows and pre-activations are kept (both defaults on) only when a backward can follow: not under no_grad,
     not when no input requires grad."""
-    from megamoe.distributed import EPWorkspace, WorkspaceSpec
-
-    W, Ts, K, E, Dm, F = 2, [4, 3], 2, 4, 32, 16
-    spec = WorkspaceSpec(W, max(Ts), Dm, K, E, torch.float32)
-    res = spawn_ranks(_keep_flags_worker, W, EPWorkspace.allocate_shared(spec), (W, spec.max_tokens, Dm, K, E,
-                      torch.float32), Ts, K, E, F, env=ENV)
+    res = _spawn_small(_keep_flags_worker, [4, 3])
     for r, seen in enumerate(res):
         assert seen == [(False, False), (False, False), (True, True)], f"rank {r}: {seen}"
