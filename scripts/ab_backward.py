@@ -3,13 +3,14 @@
 Variants: (``save_preact``, ``save_dispatched``) of megamoe.functional_ep.moe_experts_ep: keep round 0's
 gate/up pre-activations (or recompute them in the backward) and round 0's received x rows (or pull them
 again): (True, True) the default, (True, False), (False, False) keep nothing routed; with ``AB_TILES`` set,
-also the default under ``MEGAMOE_TILES=$AB_TILES`` (a tile A/B on the EP path). Each variant's output and
-gradients must be bitwise those of the first; times are forward+backward medians of the slowest rank with
-megamoe.bench's Timer (L2 flush, barrier), interleaved over rounds; per variant also the GPU time per step of
-the dispatch kernel and of the m-grouped GEMMs (torch.profiler, two steps) and the step's peak memory. Under scripts/gpu_all.sh this is
-the ``ab`` stage (log ``ab{W}.log``). With one GPU (W = 1) the EP path runs on a one-rank group (the
-benchmark's ``megamoe-ep``): its pulls are local copies there, so what a variant saves over NVLink at W > 1
-shows only as the dispatch kernel's share.
+also the default under ``MEGAMOE_TILES=$AB_TILES`` (a tile A/B on the EP path; the other variants keep the
+caller's ``MEGAMOE_TILES``). Each variant's output and gradients must be bitwise those of the first; times are
+forward+backward medians of the slowest rank with megamoe.bench's Timer (L2 flush, barrier), interleaved over
+rounds; per variant also the GPU time per step of the dispatch kernel and of the m-grouped GEMMs
+(torch.profiler, two steps) and the step's peak memory. Under scripts/gpu_all.sh this is the ``ab`` stage (log
+``ab{W}.log``). With one GPU (W = 1) the EP path runs on a one-rank group (the benchmark's ``megamoe-ep``):
+its pulls are local copies there, so what a variant saves over NVLink at W > 1 shows only as the dispatch
+kernel's share.
 
 Usage:  torchrun --nproc-per-node 2 scripts/ab_backward.py OUT_DIR deepseek-v3:4096 mok-bench:2048
         python scripts/ab_backward.py OUT_DIR deepseek-v3:8192          (W = 1)
@@ -20,13 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
-from megamoe.bench.timing import Timer
+from megamoe.bench.timing import Timer, summarize
 from megamoe.config import get_preset
 
 
@@ -65,7 +65,8 @@ def main():
         s2 = torch.randn(D, S, **bf).mul_(S ** -0.5).requires_grad_() if S else None
         params = [p for p in (x, w, w13, w2, s13, s2) if p is not None]
         dout = torch.randn(T, D, generator=g, device=dev).bfloat16()
-        variants = [(True, True, ""), (True, False, ""), (False, False, "")]
+        tiles = os.environ.get("MEGAMOE_TILES", "")  # the caller's, for every variant but AB_TILES's
+        variants = [(True, True, tiles), (True, False, tiles), (False, False, tiles)]
         if os.environ.get("AB_TILES"):
             variants.append((True, True, os.environ["AB_TILES"]))
 
@@ -77,7 +78,7 @@ def main():
             if held is not None:  # bytes allocated between the passes (the output and what autograd keeps)
                 held.append(torch.cuda.memory_allocated(dev))
             res = [out.detach()] + list(torch.autograd.grad(out, params, dout))
-            os.environ["MEGAMOE_TILES"] = ""
+            os.environ["MEGAMOE_TILES"] = tiles
             return res
 
         base = [t.cpu() for t in run(variants[0])]  # on the host: mok-bench's weight gradients are 50 GB
@@ -91,17 +92,18 @@ def main():
             for v in variants:
                 samples[v] += timer.time(lambda _s, v=v: run(v), iters=3)
         for v in variants:
-            ms = statistics.median(samples[v])
+            st = summarize(samples[v])
+            ms = st.median
             kernel_ms, peak_gib, held_gib = _kernel_ms_and_memory(lambda held=None, v=v: run(v, held), dev)
             dispatch_ms, gemm_ms = kernel_ms["ep_dispatch"], kernel_ms["_m_grouped_gemm"]
             r = dict(case=f"{name} T={T} W={W}", save_preact=v[0], save_dispatched=v[1], tiles=v[2], ms=ms,
-                     p20=_q(samples[v], 0.2), p80=_q(samples[v], 0.8), dispatch_ms_per_step=dispatch_ms,
+                     p20=st.p20, p80=st.p80, dispatch_ms_per_step=dispatch_ms,
                      m_grouped_ms_per_step=gemm_ms,
                      peak_gib=peak_gib, held_gib=held_gib, bitwise_equal_to_first=same.get(v, True))
             rows.append(r)
             if rank == 0:
                 print(f"{r['case']:28s} save_preact={v[0]!s:5s} save_dispatched={v[1]!s:5s}"
-                      f"{' tiles=' + v[2] if v[2] else ''} fwd+bwd {ms:7.2f} ms "
+                      f"{' tiles=' + v[2] if v[2] != tiles else ''} fwd+bwd {ms:7.2f} ms "
                       f"(p20-p80 {r['p20']:.2f}-{r['p80']:.2f})  dispatch kernel {dispatch_ms:5.2f} ms/step  "
                       f"m-grouped GEMMs {gemm_ms:6.2f} ms/step  "
                       f"peak {peak_gib:5.2f} GiB, held fwd->bwd {held_gib:5.2f} GiB  "
@@ -115,11 +117,6 @@ def main():
     else:
         from megamoe.bench.providers_ep import close_one_rank_group
         close_one_rank_group()
-
-
-def _q(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def _kernel_ms_and_memory(step, dev, steps=2):
