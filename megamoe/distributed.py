@@ -60,7 +60,9 @@ STAGE_NAMES = {1: "dispatch: waiting for the peer's routing plan and token rows"
                2: "combine: waiting for the peer's pushed expert rows",
                3: "routing plan: expert id out of range",
                4: "schedule: received rows exceed the launched rounds (a peer's plan above this workspace's "
-                  "max_tokens: workspaces of different sizes across ranks?)"}
+                  "max_tokens: workspaces of different sizes across ranks?)",
+               5: "expert GEMM: waiting for this rank's own pull of the round's rows, running beside it "
+                  "(MEGAMOE_EP_PULL_OVERLAP)"}
 
 
 class EPTimeoutError(RuntimeError):
@@ -203,6 +205,10 @@ class EPWorkspace:
             return (f"megamoe EP rank {self.rank} of {self.world}: timed out after {self.timeout_s:g} s in stage "
                     f"'{what}' from rank {peer} (exchange epoch {epoch} mod 65536); is rank {peer} alive and "
                     f"calling the same MoE layers in the same order with T <= max_tokens={self.spec.max_tokens}?")
+        if stage == 5:
+            return (f"megamoe EP rank {self.rank} of {self.world}: timed out after {self.timeout_s:g} s in stage "
+                    f"'{what}' (exchange epoch {epoch} mod 65536); the pull kernel did not run beside the GEMM "
+                    "(another kernel holding the SMs?), set MEGAMOE_EP_PULL_OVERLAP=0 to run them one after the other")
         return f"megamoe EP rank {self.rank} of {self.world}: {what} (exchange epoch {epoch} mod 65536)"
 
     def check(self) -> None:

@@ -4,7 +4,10 @@ Variants: (``save_preact``, ``save_dispatched``) of megamoe.functional_ep.moe_ex
 gate/up pre-activations (or recompute them in the backward) and round 0's received x rows (or pull them
 again): (True, True) the default, (True, False), (False, False) keep nothing routed; with ``AB_TILES`` set,
 also the default under ``MEGAMOE_TILES=$AB_TILES`` (a tile A/B on the EP path; the other variants keep the
-caller's ``MEGAMOE_TILES``). Each variant's output and gradients must be bitwise those of the first; times are
+caller's ``MEGAMOE_TILES``); with ``AB_PULL`` set (space-separated integers), also the default under
+``MEGAMOE_EP_PULL_OVERLAP=n`` for each n (round 0's pull beside its first GEMM; the other variants keep the
+caller's value); ``AB_SAVES=0`` leaves out the two save variants; ``AB_ROUNDS`` interleaved rounds (default 4,
+3 timed steps each). Each variant's output and gradients must be bitwise those of the first; times are
 forward+backward medians of the slowest rank with megamoe.bench's Timer (L2 flush, barrier), interleaved over
 rounds; per variant also the GPU time per step of the dispatch kernel and of the m-grouped GEMMs
 (torch.profiler, two steps) and the step's peak memory. Under scripts/gpu_all.sh this is the ``ab`` stage (log
@@ -66,19 +69,25 @@ def main():
         params = [p for p in (x, w, w13, w2, s13, s2) if p is not None]
         dout = torch.randn(T, D, generator=g, device=dev).bfloat16()
         tiles = os.environ.get("MEGAMOE_TILES", "")  # the caller's, for every variant but AB_TILES's
-        variants = [(True, True, tiles), (True, False, tiles), (False, False, tiles)]
+        pull = os.environ.get("MEGAMOE_EP_PULL_OVERLAP", "")  # the caller's, for every variant but AB_PULL's
+        variants = [(True, True, tiles, pull)]
+        if os.environ.get("AB_SAVES", "1") != "0":
+            variants += [(True, False, tiles, pull), (False, False, tiles, pull)]
         if os.environ.get("AB_TILES"):
-            variants.append((True, True, os.environ["AB_TILES"]))
+            variants.append((True, True, os.environ["AB_TILES"], pull))
+        variants += [(True, True, tiles, n) for n in os.environ.get("AB_PULL", "").split()]
 
         def run(variant, held=None):
             from megamoe.functional_ep import moe_experts_ep
             os.environ["MEGAMOE_TILES"] = variant[2]  # read at every launch (ops.tile_config.override_for)
+            os.environ["MEGAMOE_EP_PULL_OVERLAP"] = variant[3]  # read at every call (ops.ep_comm)
             out = moe_experts_ep(x, ids, w, w13, w2, s13, s2, group=group, save_preact=variant[0],
                                  save_dispatched=variant[1])
             if held is not None:  # bytes allocated between the passes (the output and what autograd keeps)
                 held.append(torch.cuda.memory_allocated(dev))
             res = [out.detach()] + list(torch.autograd.grad(out, params, dout))
             os.environ["MEGAMOE_TILES"] = tiles
+            os.environ["MEGAMOE_EP_PULL_OVERLAP"] = pull
             return res
 
         base = [t.cpu() for t in run(variants[0])]  # on the host: mok-bench's weight gradients are 50 GB
@@ -88,7 +97,7 @@ def main():
             same[v] = all(torch.equal(a, b.cpu()) for a, b in zip(base, got))
             del got
         samples = {v: [] for v in variants}
-        for _ in range(4):  # interleaved rounds
+        for _ in range(int(os.environ.get("AB_ROUNDS", "4"))):  # interleaved rounds
             for v in variants:
                 samples[v] += timer.time(lambda _s, v=v: run(v), iters=3)
         for v in variants:
@@ -96,14 +105,16 @@ def main():
             ms = st.median
             kernel_ms, peak_gib, held_gib = _kernel_ms_and_memory(lambda held=None, v=v: run(v, held), dev)
             dispatch_ms, gemm_ms = kernel_ms["ep_dispatch"], kernel_ms["_m_grouped_gemm"]
-            r = dict(case=f"{name} T={T} W={W}", save_preact=v[0], save_dispatched=v[1], tiles=v[2], ms=ms,
+            r = dict(case=f"{name} T={T} W={W}", save_preact=v[0], save_dispatched=v[1], tiles=v[2], pull_overlap=v[3],
+                     ms=ms,
                      p20=st.p20, p80=st.p80, dispatch_ms_per_step=dispatch_ms,
                      m_grouped_ms_per_step=gemm_ms,
                      peak_gib=peak_gib, held_gib=held_gib, bitwise_equal_to_first=same.get(v, True))
             rows.append(r)
             if rank == 0:
                 print(f"{r['case']:28s} save_preact={v[0]!s:5s} save_dispatched={v[1]!s:5s}"
-                      f"{' tiles=' + v[2] if v[2] != tiles else ''} fwd+bwd {ms:7.2f} ms "
+                      f"{' tiles=' + v[2] if v[2] != tiles else ''}"
+                      f"{' pull_overlap=' + v[3] if v[3] != pull else ''} fwd+bwd {ms:7.2f} ms "
                       f"(p20-p80 {r['p20']:.2f}-{r['p80']:.2f})  dispatch kernel {dispatch_ms:5.2f} ms/step  "
                       f"m-grouped GEMMs {gemm_ms:6.2f} ms/step  "
                       f"peak {peak_gib:5.2f} GiB, held fwd->bwd {held_gib:5.2f} GiB  "

@@ -12,7 +12,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-def _ptx(kernel, sig: dict, const: dict, divisible: tuple) -> Counter:
+def _ptx(kernel, sig: dict, const: dict, divisible: tuple, text: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -22,7 +22,17 @@ def _ptx(kernel, sig: dict, const: dict, divisible: tuple) -> Counter:
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     c = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4))
+    if text:
+        return c.asm["ptx"]
     return Counter(re.findall(r"(ld\.global[\.\w:]*|st\.global[\.\w:]*)", c.asm["ptx"]))
+
+
+_DISPATCH_SIG = {"ptrs_ptr": "*i64", "sched_ptr": "*i32", "rowtab_ptr": "*i32", "roff_ptr": "*i32", "xr_ptr": "*bf16",
+                 "gr_ptr": "*bf16", "wr_ptr": "*fp32", "ready_ptr": "*i32", "round_idx": "i32", "C": "i32", "D": "i32",
+                 "K": "i32", "L": "i32", "SORTED_OFF": "i64", "WEIGHTS_OFF": "i64", "ROWS_OFF": "i64",
+                 "CH1_ELEMS": "i64"}
+_DISPATCH_DIV = ("ptrs_ptr", "sched_ptr", "rowtab_ptr", "roff_ptr", "xr_ptr", "gr_ptr", "wr_ptr", "ready_ptr", "C",
+                 "D", "SORTED_OFF", "WEIGHTS_OFF", "ROWS_OFF", "CH1_ELEMS")
 
 
 @pytest.mark.parametrize("bwd,pull_x", [(False, True), (True, True), (True, False)])  # (True, False): x rows kept
@@ -30,19 +40,33 @@ def _ptx(kernel, sig: dict, const: dict, divisible: tuple) -> Counter:
 def test_pull_rows_in_16_byte_vectors_when_aligned(bwd, pull_x, aligned):
     from megamoe.kernels.ep_comm import ep_dispatch_kernel
 
-    sig = {"ptrs_ptr": "*i64", "sched_ptr": "*i32", "rowtab_ptr": "*i32", "roff_ptr": "*i32", "xr_ptr": "*bf16",
-           "gr_ptr": "*bf16", "wr_ptr": "*fp32", "round_idx": "i32", "C": "i32", "D": "i32", "K": "i32",
-           "L": "i32", "SORTED_OFF": "i64", "WEIGHTS_OFF": "i64", "ROWS_OFF": "i64", "CH1_ELEMS": "i64"}
-    const = dict(W=2, E=256, E_PAD=256, L_PAD=256, BM=32, BD=256, BWD=bwd, ALIGNED=aligned, PULL_X=pull_x)
-    ops = _ptx(ep_dispatch_kernel, sig, const, ("ptrs_ptr", "sched_ptr", "rowtab_ptr", "roff_ptr", "xr_ptr", "gr_ptr",
-                                                "wr_ptr", "C", "D", "SORTED_OFF", "WEIGHTS_OFF", "ROWS_OFF",
-                                                "CH1_ELEMS"))
+    const = dict(W=2, E=256, E_PAD=256, L_PAD=256, BM=32, BD=256, BWD=bwd, ALIGNED=aligned, PULL_X=pull_x,
+                 READY=False, PDL=False)
+    ops = _ptx(ep_dispatch_kernel, _DISPATCH_SIG, const, _DISPATCH_DIV)
     copies = int(pull_x) + int(bwd)  # x rows (unless kept) and the backward's output-gradient rows
     assert ops["st.global.v4.b32"] == 8 * copies, ops  # 32 x 256 bf16 per step over 128 threads
     if aligned:
         assert ops["ld.global.v4.b32"] == 8 * copies and ops["ld.global.b16"] == 0, ops
     else:
         assert ops["ld.global.b16"] == 64 * copies, ops  # what the alignment promise removes
+
+
+@pytest.mark.parametrize("bwd", [False, True])
+def test_pull_beside_a_gemm_flags_its_blocks_and_lets_the_gemm_launch(bwd):
+    """READY + PDL (MEGAMOE_EP_PULL_OVERLAP): the same 16-byte row copies, one release store of a block's flag
+    at GPU scope after a CTA barrier, ``griddepcontrol.launch_dependents`` (the GEMM beside it may launch);
+    without them neither appears."""
+    from megamoe.kernels.ep_comm import ep_dispatch_kernel
+
+    const = dict(W=2, E=256, E_PAD=256, L_PAD=256, BM=32, BD=256, BWD=bwd, ALIGNED=True, PULL_X=True,
+                 READY=False, PDL=False)
+    ptx = _ptx(ep_dispatch_kernel, _DISPATCH_SIG, {**const, "READY": True, "PDL": True}, _DISPATCH_DIV, text=True)
+    plain = _ptx(ep_dispatch_kernel, _DISPATCH_SIG, const, _DISPATCH_DIV, text=True)
+    copies = 1 + int(bwd)
+    assert ptx.count("st.global.v4.b32") == 8 * copies and ptx.count("ld.global.v4.b32") == 8 * copies
+    assert len(re.findall(r"atom\.global\.(release\.gpu|gpu\.release)\.exch", ptx)) == 1, "one flag store per block"
+    assert "griddepcontrol.launch_dependents" in ptx
+    assert "griddepcontrol" not in plain and "exch" not in plain
 
 
 @pytest.mark.parametrize("aligned", [False, True])

@@ -92,16 +92,20 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None, sa
             shared_blocks.append((side is not None, _common.sm_budget(dev), torch.cuda.current_stream(dev) != outer))
             yield
     ee._beside = beside
+    real_pull, pulls = ec.pull_beside, []  # round 0's pulls beside a GEMM (MEGAMOE_EP_PULL_OVERLAP): programs
+    ec.pull_beside = lambda *a, **kw: pulls.append(kw["programs"]) or real_pull(*a, **kw)
     try:
         r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save)
         r["fused_torch_calls"] = len(calls) - r["ep_torch_calls"]
         r["row_copies"] = sum(row_copies)
+        r["pulls_beside"] = pulls
         r["shared_blocks"] = shared_blocks
         r["sms"] = _common._sm_count(rank_device(rank).index)
         return r
     finally:
         gg.torch_wgrad = real
         ec.push_round = real_push
+        ec.pull_beside = real_pull
         ee._beside = real_beside
         for k, v in old.items():
             if v is None:
@@ -283,14 +287,25 @@ def _suite(rank, W):
              # several used rounds, whose x rows go to a buffer of their own in both passes)
              "keep_nothing": (per_rank(80, 40), "zipf", None, 1), "keep_gu_only": (per_rank(80, 40), "zipf", None, 1),
              "keep_x_only": (per_rank(80, 40), "zipf", None, 1),
-             "rounds_keep_x_only": (per_rank(64), "one_rank", 128 * W, 1)}
+             "rounds_keep_x_only": (per_rank(64), "one_rank", 128 * W, 1),
+             # round 0's pull beside its first GEMM (8 programs; 1 program), 50 times, with several used
+             # rounds, and on 4096 rows per rank (128 blocks of 32 rows, the GEMM's tiles waiting on them)
+             "pull_beside": (per_rank(80, 40), "zipf", None, 1), "pull_beside_1": (per_rank(96, 0), "hot", None, 1),
+             "pull_beside_repeat50": (per_rank(64, 48), "uniform", None, 50),
+             "pull_beside_rounds": (per_rank(64), "one_rank", 128 * W, 1),
+             "pull_beside_big": (per_rank(1024), "uniform", None, 2)}
     saves = {"keep_nothing": (False, False), "keep_gu_only": (True, False), "keep_x_only": (False, True),
              "rounds_keep_x_only": (False, True)}
     envs = {"torch_wgrad": {"MEGAMOE_TORCH_WGRAD": "1"},  # both sides (EP and EP=1 fused) through torch's kernel
             "push_kernel": {"MEGAMOE_EP_PUSH": "kernel"},  # result rows by the separate push kernel, not the epilogue
             "overlap": {"MEGAMOE_EP_COMM_SMS": "16"},  # the shared expert beside the exchange, 16 SMs left to it
             "comm_sms_64": {"MEGAMOE_EP_COMM_SMS": "64"},  # beside it, with 64 SMs left to the exchange
-            "overlap_repeat50": {"MEGAMOE_EP_COMM_SMS": "16"}, "overlap_rounds": {"MEGAMOE_EP_COMM_SMS": "16"}}
+            "overlap_repeat50": {"MEGAMOE_EP_COMM_SMS": "16"}, "overlap_rounds": {"MEGAMOE_EP_COMM_SMS": "16"},
+            # beside the exchange and the GEMM at once
+            "pull_beside": {"MEGAMOE_EP_PULL_OVERLAP": "8", "MEGAMOE_EP_COMM_SMS": "16"},
+            "pull_beside_1": {"MEGAMOE_EP_PULL_OVERLAP": "1"},
+            "pull_beside_repeat50": {"MEGAMOE_EP_PULL_OVERLAP": "8"},
+            "pull_beside_rounds": {"MEGAMOE_EP_PULL_OVERLAP": "8"}, "pull_beside_big": {"MEGAMOE_EP_PULL_OVERLAP": "16"}}
     for name, (Ts, kind, cap, reps) in cases.items():
         rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, env=envs.get(name),
                           save=saves.get(name, (True, True)))
@@ -299,17 +314,18 @@ def _suite(rank, W):
     L = E // W
     l13, l2 = w13[rank * L:(rank + 1) * L].contiguous(), w2[rank * L:(rank + 1) * L].contiguous()
     args = lambda x: (x, ids[rank], ws[rank], l13, l2, s13, s2)  # noqa: E731
-    for tag, env in (("", None), ("_overlap", {"MEGAMOE_EP_COMM_SMS": "16"})):  # inline / beside the exchange
-        old = os.environ.get("MEGAMOE_EP_COMM_SMS")
-        if env:
-            os.environ.update(env)
+    # inline / the shared expert beside the exchange / round 0's pull beside its GEMM (programmatic launch)
+    for tag, env in (("", {}), ("_overlap", {"MEGAMOE_EP_COMM_SMS": "16"}), ("_pull", {"MEGAMOE_EP_PULL_OVERLAP": "8"})):
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             _sync_and_graph(rep, tag, group, args, xs[rank], gos[rank])
         finally:
-            if old is None:
-                os.environ.pop("MEGAMOE_EP_COMM_SMS", None)
-            else:
-                os.environ["MEGAMOE_EP_COMM_SMS"] = old
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     # several rounds launched (32 W - 1 at capacity 1024), their weight-gradient kernels inside the graph
     _graph_fwd_bwd(rep, "_rounds", group, args, xs[rank], gos[rank], capacity=1024)
     torch.cuda.synchronize()
@@ -346,7 +362,8 @@ def report(request):
 
 
 CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50", "torch_wgrad", "torch_table",
-         "push_kernel", "overlap", "comm_sms_64", "overlap_repeat50", "keep_nothing", "keep_gu_only", "keep_x_only"]
+         "push_kernel", "overlap", "comm_sms_64", "overlap_repeat50", "keep_nothing", "keep_gu_only", "keep_x_only",
+         "pull_beside", "pull_beside_1", "pull_beside_repeat50", "pull_beside_big"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -420,7 +437,8 @@ def test_shared_expert_runs_beside_the_exchange_as_asked(report):
         assert rep["comm_sms_64"]["shared_blocks"] == [(True, sms - 64, True)] * 2, (r, rep["comm_sms_64"])
 
 
-@pytest.mark.parametrize("case", ["rounds", "overlap_rounds", "rounds_split", "rounds_keep_x_only"])
+@pytest.mark.parametrize("case", ["rounds", "overlap_rounds", "rounds_split", "rounds_keep_x_only",
+                                  "pull_beside_rounds"])
 def test_capacity_rounds(report, case):
     """Capacity 128 W, every token on rank 0's experts (``rounds_split``: capacity 64 W + 32, expert 0 in every
     token): several used rounds. Output, dx and d topk_weights bitwise; each local expert's dW13 and dW2 bitwise
@@ -446,9 +464,11 @@ def test_capacity_rounds(report, case):
         assert n_split == 0, "no expert has more than C rows here: nothing may be split"
 
 
-@pytest.mark.parametrize("tag", ["", "_overlap"])
+@pytest.mark.parametrize("tag", ["", "_overlap", "_pull"])
 def test_sync_free_and_cuda_graph(report, tag):
-    """Inline (the default) and with the shared expert beside the exchange (MEGAMOE_EP_COMM_SMS=16)."""
+    """Inline (the default), with the shared expert beside the exchange (MEGAMOE_EP_COMM_SMS=16), and with
+    round 0's pull beside its first GEMM (MEGAMOE_EP_PULL_OVERLAP=8: a programmatic dependent launch, also
+    inside the captured graphs)."""
     for r, rep in enumerate(report):
         assert rep["sync_free" + tag] is True, rep["sync_free" + tag]
         assert rep["graph_same" + tag] and rep["graph_moves" + tag], f"rank {r}: graph replay differs from eager"
@@ -461,6 +481,18 @@ def test_cuda_graph_of_several_rounds(report):
     finalize kernels are in the graph): every gradient equal to eager."""
     for r, rep in enumerate(report):
         assert rep["graph_bwd_same_rounds"] and rep["graph_bwd_moves_rounds"], f"rank {r}"
+
+
+def test_pull_runs_beside_the_gemm_as_asked(report):
+    """With MEGAMOE_EP_PULL_OVERLAP=n, every forward and every backward (each keeps its pre-activations here)
+    runs round 0's pull beside its first GEMM with n programs; unset, none does."""
+    if os.environ.get("MEGAMOE_EP_PULL_OVERLAP", "0") not in ("", "0"):
+        pytest.skip("MEGAMOE_EP_PULL_OVERLAP is set for the whole run")
+    for r, rep in enumerate(report):
+        assert rep["uniform"]["pulls_beside"] == [], (r, rep["uniform"]["pulls_beside"])
+        for case, n, reps in (("pull_beside", 8, 1), ("pull_beside_1", 1, 1), ("pull_beside_repeat50", 8, 50),
+                              ("pull_beside_big", 16, 2)):
+            assert rep[case]["pulls_beside"] == [n] * (2 * reps), (r, case, rep[case]["pulls_beside"])
 
 
 def test_symmetric_pools_are_16_byte_aligned(report):

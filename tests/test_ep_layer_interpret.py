@@ -57,17 +57,24 @@ def _spawn_small(worker, Ts, *args, W=2, K=2, E=4, Dm=32, F=16):
                        Ts, K, E, F, *args, env=ENV)
 
 
-def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, push):
+def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, push, overlap=0):
     import torch.nn.functional  # noqa: F401
 
     os.environ["MEGAMOE_EP_PUSH"] = push  # result rows from the GEMM epilogue, or the separate push kernel
+    os.environ["MEGAMOE_EP_PULL_OVERLAP"] = str(overlap)  # round 0's pull beside its first GEMM, or before it
     from megamoe.ops import ep_comm
-    pushes = {"epilogue": 0, "row_copies": 0}  # which way the result rows went (counted, then asserted)
-    real_target, real_push = ep_comm.push_target, ep_comm.push_round
+    # which way the result rows went, and how often round 0's pull ran beside a GEMM (counted, then asserted)
+    pushes = {"epilogue": 0, "row_copies": 0, "pulls_beside": 0}
+    real_target, real_push, real_beside = ep_comm.push_target, ep_comm.push_round, ep_comm.pull_beside
 
     def counted_target(*a, **kw):
         pushes["epilogue"] += 1
         return real_target(*a, **kw)
+
+    def counted_beside(*a, **kw):
+        pushes["pulls_beside"] += 1
+        return real_beside(*a, **kw)
+    ep_comm.pull_beside = counted_beside
 
     def counted_push(ws, bufs, r, y_CD, dots_CP=None):
         pushes["row_copies"] += y_CD is not None
@@ -117,23 +124,28 @@ def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, pu
 # shared expert's rows sit at different tile positions for EP=1 (global batch) and EP=2 (local batch):
 # bitwise checks run without a shared expert; with one, outputs agree to fp32 rounding (on the GPU the
 # shared rows are bitwise too: tests/test_ep_gpu.py).
-@pytest.mark.parametrize("W,Ts,K,E,kind,C,S,push", [
-    (2, [5, 3], 2, 4, "uniform", 64, 0, "epilogue"),
-    (2, [4, 0], 2, 4, "hot", 8, 0, "epilogue"),    # rank with no tokens; capacity 8: several rounds
-    (2, [4, 0], 2, 4, "hot", 8, 0, "kernel"),      # the same through the separate push kernel
-    (2, [3, 6], 2, 4, "zipf", 64, 16, "epilogue"),  # shared expert
-    (2, [6, 5], 2, 4, "uniform", 4, 0, "epilogue"),  # capacity 4: several used rounds, experts of > 4 rows split
-    (2, [6, 5], 2, 4, "uniform", 9, 0, "epilogue"),  # capacity 9: two used rounds, no expert above 9 rows
-    (4, [3, 5, 0, 4], 2, 8, "uniform", 9, 0, "epilogue"),  # the same at W = 4, a rank with no tokens
+# overlap > 0: round 0's pull runs as that many programs beside its first GEMM (MEGAMOE_EP_PULL_OVERLAP); under
+# the interpreter the pull still finishes first, so these cases prove the flags, the tile counter and the
+# launch order give the same bits (tests/test_ep_gpu.py runs them side by side)
+@pytest.mark.parametrize("W,Ts,K,E,kind,C,S,push,overlap", [
+    (2, [5, 3], 2, 4, "uniform", 64, 0, "epilogue", 0),
+    (2, [4, 0], 2, 4, "hot", 8, 0, "epilogue", 0),    # rank with no tokens; capacity 8: several rounds
+    (2, [4, 0], 2, 4, "hot", 8, 0, "kernel", 0),      # the same through the separate push kernel
+    (2, [3, 6], 2, 4, "zipf", 64, 16, "epilogue", 0),  # shared expert
+    (2, [6, 5], 2, 4, "uniform", 4, 0, "epilogue", 0),  # capacity 4: several used rounds, experts of > 4 rows split
+    (2, [6, 5], 2, 4, "uniform", 9, 0, "epilogue", 0),  # capacity 9: two used rounds, no expert above 9 rows
+    (4, [3, 5, 0, 4], 2, 8, "uniform", 9, 0, "epilogue", 0),  # the same at W = 4, a rank with no tokens
+    (2, [41, 30], 2, 4, "uniform", 64, 0, "epilogue", 2),  # pull beside the GEMM: several 32-row blocks
+    (2, [4, 0], 2, 4, "hot", 8, 0, "kernel", 1),  # beside, one program; several rounds; a rank with no tokens
 ])
-def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S, push):
+def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S, push, overlap):
     from megamoe.distributed import EPWorkspace, WorkspaceSpec, max_rounds
 
     Dm, F = 32, 16
     spec = WorkspaceSpec(W, max(Ts), Dm, K, E, torch.float32)
     buffers = EPWorkspace.allocate_shared(spec)
     res = spawn_ranks(_layer_worker, W, buffers, (W, spec.max_tokens, Dm, K, E, torch.float32), Ts, K, E, F, S,
-                      kind, C, 0, push, env=ENV)
+                      kind, C, 0, push, overlap, env=ENV)
     multi_round = max_rounds(spec, C) > 1
     shared_sum = None
     ids_all = [routing(kind, T, K, E, 0, s) for s, T in enumerate(Ts)]
@@ -151,6 +163,9 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S,
             assert got["pushes"]["epilogue"] > 0 and got["pushes"]["row_copies"] == 0, got["pushes"]
         else:
             assert got["pushes"]["epilogue"] == 0 and got["pushes"]["row_copies"] > 0, got["pushes"]
+        # beside: every forward, and the backwards that kept the pre-activations (their first GEMM reads dout)
+        want = (len(SAVE_VARIANTS) + sum(p for p, _ in SAVE_VARIANTS)) if overlap else 0
+        assert got["pushes"]["pulls_beside"] == want, (got["pushes"], want)
         for v in range(1, len(SAVE_VARIANTS)):
             assert torch.equal(got["out"][0], got["out"][v]), "not repeatable"
             for a, b in zip(got["grads"][0], got["grads"][v]):

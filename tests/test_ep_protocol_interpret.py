@@ -37,7 +37,7 @@ def _expert_rows(xr_CD, roff_L1, rank, L):
 
 
 def _protocol_worker(rank, W, buffers, spec_args, ids_all, w_all, C, rounds, repeats, timeout, silent_rank,
-                     plan_by_sort):
+                     plan_by_sort, beside=0):
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
     from megamoe.ops import ep_comm as ops
     from megamoe.ops.combine import combine_fwd
@@ -59,9 +59,16 @@ def _protocol_worker(rank, W, buffers, spec_args, ids_all, w_all, C, rounds, rep
         ops.publish(ws, ids, x)
         bufs = ops.ExchangeBuffers(ws, C, backward=False, rounds=rounds)
         ops.build_schedule(ws, bufs, timeout)
-        recv = []
+        recv, ready = [], []
         for r in range(rounds):
-            ops.dispatch_round(ws, bufs, r, False)
+            if beside:  # the pull that runs beside a GEMM (ops.grouped_gemm.RowPull), launched alone here
+                bufs.roff_L1.fill_(-7)  # must come from the round-offsets kernel: the pull itself does not write it
+                pull = ops.pull_beside(ws, bufs, r, False, beside, timeout)
+                assert int(pull.ready_B1.abs().sum()) == 0, "ready flags set before the pull ran"
+                pull.launch()
+                ready.append(pull.ready_B1.clone())
+            else:
+                ops.dispatch_round(ws, bufs, r, False)
             y = _expert_rows(bufs.xr_CD, bufs.roff_L1, rank, L)
             ops.push_round(ws, bufs, r, y)
             valid = bufs.rowtab_3C[0] >= 0
@@ -74,11 +81,11 @@ def _protocol_worker(rank, W, buffers, spec_args, ids_all, w_all, C, rounds, rep
         ws.check()
         outs.append(out)
     return {"sched": bufs.sched.clone(), "rounds": ops.round_starts(ws, bufs).clone(), "recv": recv, "out": outs,
-            "epoch": ws.epoch()}
+            "epoch": ws.epoch(), "ready": ready}
 
 
 def _run(W, Ts, K, E, kind, C, rounds=None, repeats=1, timeout=60.0, silent_rank=-1, seed=0, bad_id=None,
-         plan_by_sort=False):
+         plan_by_sort=False, beside=0):
     from megamoe.distributed import EPWorkspace, WorkspaceSpec, max_rounds
 
     spec = WorkspaceSpec(W, max(max(Ts), 1), D, K, E, torch.float32)
@@ -95,7 +102,7 @@ def _run(W, Ts, K, E, kind, C, rounds=None, repeats=1, timeout=60.0, silent_rank
     w_all = [torch.rand(T, K, generator=torch.Generator().manual_seed(r)) + 0.5 for r, T in enumerate(Ts)]
     buffers = EPWorkspace.allocate_shared(spec)
     res = spawn_ranks(_protocol_worker, W, buffers, (W, spec.max_tokens, D, K, E, torch.float32), ids_all, w_all,
-                      C, rounds, repeats, timeout, silent_rank, plan_by_sort, env=ENV)
+                      C, rounds, repeats, timeout, silent_rank, plan_by_sort, beside, env=ENV)
     return res, ids_all, w_all, rounds
 
 
@@ -165,6 +172,29 @@ def test_protocol_with_sorted_plan(W, Ts, K, E, kind, C):
     """The owner's plan through the device sort (taken for large T*K*E) gives the same exchange."""
     res, ids_all, w_all, rounds = _run(W, Ts, K, E, kind, C, plan_by_sort=True)
     _check(res, ids_all, w_all, W, E, C, rounds)
+
+
+@pytest.mark.parametrize("W,Ts,K,E,kind,C,programs", [
+    (2, [40, 29], 2, 4, "hot", 80, 2),   # several 32-row blocks; one hot expert: rounds of different sizes
+    (2, [6, 0], 3, 8, "ties", 128, 1),   # one program for every block; a rank with no tokens
+    (2, [4, 6], 2, 8, "one_rank", 8, 5),  # more programs than blocks; several rounds, some unused
+])
+def test_pull_beside_a_gemm_moves_the_same_rows_and_flags_each_used_block(W, Ts, K, E, kind, C, programs):
+    """``ops.ep_comm.pull_beside`` (the pull a GEMM runs beside, MEGAMOE_EP_PULL_OVERLAP): the same exchange as
+    ``dispatch_round``, the round offsets written before the pull, and after it exactly the flags of the blocks
+    holding the round's rows set (the GEMM's wait must never need a flag that is not coming), the tile counter
+    untouched."""
+    from megamoe.ops.ep_comm import _BM
+
+    res, ids_all, w_all, rounds = _run(W, Ts, K, E, kind, C, beside=programs)
+    _check(res, ids_all, w_all, W, E, C, rounds)
+    for d in range(W):
+        starts = res[d]["rounds"].tolist()
+        for r, ready in enumerate(res[d]["ready"]):
+            n = starts[r + 1] - starts[r]
+            want = [0] + [1 if b * _BM < n else 0 for b in range(ready.shape[0] - 1)]
+            assert ready.tolist() == want, (d, r, n, ready.tolist())
+    assert any(len(res[d]["ready"]) > 1 for d in range(W)) or rounds == 1
 
 
 def _schedule_sweep_worker(rank, W, buffers, spec_args, cases):
@@ -284,9 +314,11 @@ def _bad_switch_worker(rank, W, buffers, spec_args, switch):
 
 @pytest.mark.parametrize("switch", [("MEGAMOE_EP_PUSH", "bogus", "epilogue"), ("MEGAMOE_EP_COMM_SMS", "many", "16"),
                                     ("MEGAMOE_EP_COMM_SMS", "-1", "0"), ("MEGAMOE_EP_COMM_SMS", "65", "64"),
-                                    ("MEGAMOE_EP_COMM_SMS", "\u0663", "16")])  # an Arabic-Indic digit: not ASCII
+                                    ("MEGAMOE_EP_COMM_SMS", "\u0663", "16"),  # an Arabic-Indic digit: not ASCII
+                                    ("MEGAMOE_EP_PULL_OVERLAP", "all", "4"), ("MEGAMOE_EP_PULL_OVERLAP", "129", "0")])
 def test_bad_ep_switch_is_a_clear_error_before_the_exchange(switch):
-    """MEGAMOE_EP_PUSH must be 'epilogue' or 'kernel', MEGAMOE_EP_COMM_SMS an integer in [0, 64]: anything else
+    """MEGAMOE_EP_PUSH must be 'epilogue' or 'kernel', MEGAMOE_EP_COMM_SMS an integer in [0, 64],
+    MEGAMOE_EP_PULL_OVERLAP one in [0, 128]: anything else
     raises ValueError naming the variable and the value before this rank publishes (its epoch does not move,
     so no peer waits on it), and the workspace works afterwards with a good value."""
     from megamoe.distributed import EPWorkspace, WorkspaceSpec

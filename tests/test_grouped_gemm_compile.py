@@ -14,10 +14,12 @@ timed. At qwen3 the weight gradients run in torch._grouped_mm; the kernels compi
 fallback (MEGAMOE_TORCH_WGRAD=0, gathered rows). Speed itself is measured on the GPU (docs/perf.md).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
-from megamoe.bench.kernel_inventory import HOPPER_SMEM, inventory_row, layer_gemms, layer_wgrads, wgrad_config
+from megamoe.bench.kernel_inventory import HOPPER_SMEM, compile_m_grouped, inventory_row, layer_gemms, layer_wgrads, wgrad_config
 from megamoe.ops import m_grouped_config
 
 # spill bytes per thread recorded with triton 3.6's ptxas at the table's configs (the upper end of both presets)
@@ -67,3 +69,26 @@ def test_weight_gradient_configs_compile_pipelined(preset, tokens, wgrad):
     assert r["cp_async_loads"] + r["tma_loads"] >= (1 if cfg.resident_chunks else 2), r
     assert r["shared_bytes"] <= HOPPER_SMEM and r["blocks_per_sm"] >= 1, r
     assert 0 <= r["spill_bytes"] <= SPILL_BUDGET[wgrad.kind], r
+
+
+# the EP path's first GEMMs of round 0 (rows contiguous in the receive buffer) at an EP = 2 rank's shapes
+PULL_CASES = [(p, t, dataclasses.replace(g, gathered=False, E=g.E // 2))
+              for p, t in (("qwen3-30b-a3b", 8192), ("deepseek-v3", 4096)) for g in layer_gemms(p, 2 * t)
+              if g.kind in ("gate_up", "dgrad_swiglu")]
+
+
+@pytest.mark.parametrize("preset, tokens, gemm", PULL_CASES, ids=[f"{p}-{g.kind}" for p, _, g in PULL_CASES])
+def test_pull_wait_compiles_like_the_plain_one(preset, tokens, gemm):
+    """Waiting on a RowPull (MEGAMOE_EP_PULL_OVERLAP: the tile counter, the bounded acquire spins on the blocks'
+    flags, the end-of-grid ``griddepcontrol.wait``) keeps the plain kernel's wgmma, operand paths (A through
+    pointer loads: the plain kernel compared without TMA for A) and shared memory; spills within the budget."""
+    cfg = m_grouped_config(gemm.kind, gemm.N, gemm.K, torch.bfloat16, interpret=False, gathered=False)
+    plain = inventory_row(gemm, dataclasses.replace(cfg, tma_a=False))
+    pull = inventory_row(gemm, cfg, pull=True)
+    for key in ("wgmma", "tma_loads", "cp_async_loads", "sync_tile_loads", "shared_bytes"):
+        assert pull[key] == plain[key], (key, plain, pull)
+    assert 0 <= pull["spill_bytes"] <= SPILL_BUDGET[gemm.kind], pull
+    ptx = compile_m_grouped(gemm, cfg, pull=True).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol" not in compile_m_grouped(gemm, cfg).asm["ptx"]
+    assert "ld.global.gpu.acquire" in ptx, "the flag waits must be acquire loads (GPU scope)"
+    assert "atom.global.gpu.relaxed.add" in ptx, "the tiles must come from the counter"

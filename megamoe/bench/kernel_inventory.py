@@ -105,9 +105,11 @@ def _int_arg(value: int):
     return "i32", None, value % 16 == 0
 
 
-def _launch_args(g: GemmShape, cfg: GemmConfig, push: bool = False) -> tuple[dict, dict, set]:
+def _launch_args(g: GemmShape, cfg: GemmConfig, push: bool = False, pull: bool = False) -> tuple[dict, dict, set]:
     """(signature, constants, names divisible by 16) of the launch ``_launch_m_grouped`` makes for ``g``
-    (``push``: with a RowPush, the EP path's down projection / dx GEMM storing into the owners' slots)."""
+    (``push``: with a RowPush, the EP path's down projection / dx GEMM storing into the owners' slots; ``pull``:
+    with a RowPull, the EP path's first GEMM of round 0 beside the pull, GPU timer waits and the end-of-grid
+    wait of a programmatic dependent launch)."""
     # B's strides (stride_e, stride_n, stride_k) and the weight's shape, as the ops.grouped_gemm launchers pass them
     if g.kind == "gate_up":         # w13 [E, 2F, D] read (N = F, K = D), nt
         stride_b, shape_b = (2 * g.N * g.K, g.K, 1), (g.E, 2 * g.N, g.K)
@@ -120,29 +122,37 @@ def _launch_args(g: GemmShape, cfg: GemmConfig, push: bool = False) -> tuple[dic
     # TMA_B and B_ROWS from the launcher's own choice, on a bf16 weight of that shape (meta: aligned, no memory)
     weight = torch.empty(shape_b, dtype=torch.bfloat16, device="meta")
     tma_b, _, b_rows = _weight_descriptor(cfg, weight, stride_b, g.K, False)
-    tma_a = cfg.tma_a and tma_b != 0 and not g.gathered
+    tma_a = cfg.tma_a and tma_b != 0 and not g.gathered and not pull
     c_cols = {"gate_up": g.N, "down": g.N, "dgrad_swiglu": 2 * g.N, "dgrad": g.N}[g.kind]
     ints = dict(num_rows=g.R, N=g.N, num_experts=g.E, stride_am=g.K, stride_ak=1, stride_be=stride_b[0],
                 stride_bn=stride_b[1], stride_bk=stride_b[2], stride_cm=c_cols,
                 stride_gm=2 * g.N if g.kind == "dgrad_swiglu" else 0,
                 stride_xm={"gate_up": 2 * g.N, "dgrad_swiglu": g.N}.get(g.kind, 0),
                 # ops.grouped_gemm passes 1s without push; with it the row-table width and top-k
-                push_c=g.R if push else 1, push_k=8 if push else 1)
+                push_c=g.R if push else 1, push_k=8 if push else 1,
+                # 1s without pull; with it a rank, a spin bound (the GPU's: 2**31 - 1) and a timeout in ns
+                pull_rank=3 if pull else 1, pull_max_iters=2**31 - 1 if pull else 1)
     bn, bk = cfg.block_n, cfg.block_k
     b_block = [bn, bk] if tma_b == 1 else [bk, bn]
     sig = dict(a_ptr="*bf16", a_desc=f"tensordesc<bf16[{cfg.block_m}, {bk}]>" if tma_a else "*bf16",
                a_idx_ptr="*i32", b_ptr="*bf16",
                b_desc=f"tensordesc<bf16[{b_block[0]}, {b_block[1]}]>" if tma_b else "*bf16",
                row_offsets_ptr="*i32", tile_offsets_ptr="*i32", scale_ptr="*fp32", gu_ptr="*bf16", c_ptr="*bf16",
-               aux_ptr="*bf16", dot_ptr="*fp32", push_deltas_ptr="*i64" if push else "*i32", push_tab_ptr="*i32")
+               aux_ptr="*bf16", dot_ptr="*fp32", push_deltas_ptr="*i64" if push else "*i32", push_tab_ptr="*i32",
+               pull_ptr="*i32", pull_flags_ptr="*i32")
     divisible = {n for n, t in sig.items() if t.startswith("*")}
     const: dict = {}
     _with_ints(sig, const, divisible, ints)
+    if pull:
+        sig["pull_timeout_ns"] = "i64"
+    else:
+        sig["pull_timeout_ns"], const["pull_timeout_ns"] = "constexpr", 1
     epilogue = {"gate_up": 1, "down": 0, "dgrad_swiglu": 2, "dgrad": 0}[g.kind]
     const.update(K=g.K, EPILOGUE=epilogue, HAS_GATHER=g.gathered, HAS_SCALE=g.kind == "dgrad_swiglu",
                  SAVE_AUX=epilogue != 0, HAS_DOT=g.kind == "dgrad_swiglu", PUSH=push, FP32_DOT=False,
                  EVEN_K=g.K % bk == 0, EVEN_N=g.N % bn == 0, E_POW2=1 << max(0, (g.E - 1).bit_length()),
-                 TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk,
+                 TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows, WAIT_PULL=pull, PULL_BM=32 if pull else 1,
+                 PULL_TIMER=pull, PULL_GDC=pull, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk,
                  DOT_N=_dot_cols(cfg) if epilogue == 2 else bn)
     for name in const:
         sig[name] = "constexpr"
@@ -173,12 +183,13 @@ def _with_ints(sig: dict, const: dict, divisible: set, ints: dict) -> None:
             divisible.add(name)
 
 
-def compile_m_grouped(g: GemmShape, cfg: GemmConfig, push: bool = False):
+def compile_m_grouped(g: GemmShape, cfg: GemmConfig, push: bool = False, pull: bool = False):
     """The sm_90a compilation of the m-grouped kernel for ``g`` with ``cfg`` (CPU only; no launch); ``push``:
-    the plain epilogue storing through a RowPush (the EP path's down projection and dx GEMM)."""
+    the plain epilogue storing through a RowPush (the EP path's down projection and dx GEMM); ``pull``: waiting
+    on a RowPull (the EP path's gate/up forward, dgrad + SwiGLU backward)."""
     from ..kernels.grouped_gemm import _m_grouped_gemm_kernel as kernel
 
-    return _compile(kernel, *_launch_args(g, cfg, push), cfg)
+    return _compile(kernel, *_launch_args(g, cfg, push, pull), cfg)
 
 
 def wgrad_config(g: WgradShape) -> GemmConfig:
@@ -245,11 +256,12 @@ def _report(k, cfg: GemmConfig) -> dict:
                 sync_tile_loads=len(re.findall(r"= tt\.load [^\n]*: tensor<\d+x\d+x", loop)))
 
 
-def inventory_row(g: GemmShape | WgradShape, cfg: GemmConfig, push: bool = False) -> dict:
+def inventory_row(g: GemmShape | WgradShape, cfg: GemmConfig, push: bool = False, pull: bool = False) -> dict:
     """Compile ``g`` with ``cfg``; registers, spill bytes, shared bytes, the thread blocks of this kernel that
     fit on one SM at once (registers and shared memory; the config's programs_per_sm only helps up to it), the
-    wgmma shape and the operand paths. ``push``: the m-grouped plain epilogue with a RowPush."""
-    k = compile_k_grouped(g, cfg) if isinstance(g, WgradShape) else compile_m_grouped(g, cfg, push)
+    wgmma shape and the operand paths. ``push``: the m-grouped plain epilogue with a RowPush; ``pull``: the
+    m-grouped kernel waiting on a RowPull."""
+    k = compile_k_grouped(g, cfg) if isinstance(g, WgradShape) else compile_m_grouped(g, cfg, push, pull)
     return dict(kind=g.kind, **_report(k, cfg))
 
 

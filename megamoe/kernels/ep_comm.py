@@ -33,7 +33,7 @@ import triton.language as tl
 SCHED_TOK = 8
 SCHED_SEG = 80  # SEG_CNT = 80, SEG_START = 80 + E, SEG_SRC = 80 + 2E, EXP_OFF = 80 + 3E, RND = 80 + 3E + L + 1
 
-STAGE_PLAN, STAGE_COMBINE, STAGE_BAD_ID, STAGE_OVERFLOW = 1, 2, 3, 4
+STAGE_PLAN, STAGE_COMBINE, STAGE_BAD_ID, STAGE_OVERFLOW, STAGE_PULL = 1, 2, 3, 4, 5
 
 
 @triton.jit
@@ -240,72 +240,129 @@ def _round_rows(sched_ptr, round_idx, L, C, E: tl.constexpr):
 
 
 @triton.jit
-def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr, wr_ptr, round_idx, C, D, K, L,
-                       SORTED_OFF, WEIGHTS_OFF, ROWS_OFF, CH1_ELEMS,
+def _write_round_offsets(sched_ptr, roff_ptr, round_start, n, L, E: tl.constexpr, L_PAD: tl.constexpr):
+    """``roff[0..L]``: the local experts' offsets clamped to the round's rows ``[round_start, round_start + n)``."""
+    lo = tl.arange(0, L_PAD)
+    eo = tl.load(sched_ptr + 80 + 3 * E + lo, mask=lo <= L, other=0)
+    eo = tl.minimum(tl.maximum(eo - round_start, 0), n)
+    tl.store(roff_ptr + lo, eo, mask=lo <= L)
+
+
+@triton.jit
+def ep_round_offsets_kernel(sched_ptr, roff_ptr, round_idx, C, L, E: tl.constexpr, L_PAD: tl.constexpr):
+    """One program: round ``round_idx``'s local expert offsets ``roff[0..L]`` (what :func:`ep_dispatch_kernel`'s
+    program 0 writes), for a GEMM whose m-tile table must exist before the pull runs beside it."""
+    round_start, n = _round_rows(sched_ptr, round_idx, L, C, E)
+    _write_round_offsets(sched_ptr, roff_ptr, round_start, n, L, E, L_PAD)
+
+
+@triton.jit
+def wait_flag_gpu(flag_ptr, target, flags_ptr, rank, stage, max_iters, timeout_ns, USE_TIMER: tl.constexpr):
+    """Bounded acquire spin (GPU scope: the writer runs on this GPU) until ``*flag_ptr >= target``. On expiry
+    the status word ``flags_ptr[1]`` gets ``stage`` with this rank and the current epoch ``flags_ptr[0]``
+    (first error wins); a status already set returns at once. The result of the caller's work is then
+    garbage, and ``EPWorkspace.check`` raises."""
+    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    if v < target:
+        st = tl.load(flags_ptr + 1, volatile=True)
+        it = 0
+        if USE_TIMER:
+            t0 = tl.extra.cuda.globaltimer()
+        go = st == 0
+        while go:
+            v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+            st = tl.load(flags_ptr + 1, volatile=True)
+            it += 1
+            if USE_TIMER:
+                late = (tl.extra.cuda.globaltimer() - t0) > timeout_ns
+            else:
+                late = it > max_iters
+            go = (v < target) & (st == 0) & (late == 0)
+        if (v < target) & (st == 0):
+            code = _status_code(stage, rank, tl.load(flags_ptr))
+            tl.atomic_cas(flags_ptr + 1, 0, code, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr, wr_ptr, ready_ptr, round_idx, C, D,
+                       K, L, SORTED_OFF, WEIGHTS_OFF, ROWS_OFF, CH1_ELEMS,
                        W: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr,
                        BM: tl.constexpr, BD: tl.constexpr, BWD: tl.constexpr, ALIGNED: tl.constexpr = False,
-                       PULL_X: tl.constexpr = True):
+                       PULL_X: tl.constexpr = True, READY: tl.constexpr = False, PDL: tl.constexpr = False):
     """Pull round ``round_idx``'s receive rows (``[RND + r, RND + r + 1)`` of the schedule, at most C) into the
-    local round buffer.
+    local round buffer, in blocks of BM rows: program p takes blocks p, p + programs, ... (one block each
+    with the usual grid of ceil(C / BM) programs).
 
     Row i: segment q (binary search by comparison), source s = q % W, flat source row read from the source's
     sorted list, token = row // K, slot = row % K. Writes the row table ``rowtab[0/1/2, i]`` = (source, token,
-    slot) (-1 source for unused rows), the round's local expert offsets ``roff[0..L]`` (program 0), and copies
-    x rows (``BWD``: also the owner's output-gradient rows into ``gr`` and the row's routing weight into
-    ``wr`` (fp32)). ``PULL_X`` False (backward only): no x rows, the destination already holds them (the
-    forward's, kept) or does not need them. Programs of an unused round only mark their rows unused and exit.
-    ``ALIGNED``: every pool base is 16-byte aligned (``EPWorkspace.aligned``; the region offsets are multiples
-    of 256 and D of 16), which lets the row loads be 16-byte vectors: the compiler cannot know it of an
-    address loaded from the pointer table, and without it reads each row two bytes at a time.
+    slot) (-1 source for unused rows), the round's local expert offsets ``roff[0..L]`` (program 0; not with
+    ``READY``, whose caller wrote them first, :func:`ep_round_offsets_kernel`), and copies x rows (``BWD``: also
+    the owner's output-gradient rows into ``gr`` and the row's routing weight into ``wr`` (fp32)). ``PULL_X``
+    False (backward only): no x rows, the destination already holds them (the forward's, kept) or does not
+    need them. Blocks of an unused round only mark their rows unused. ``READY``: after a used block's stores,
+    ``ready[1 + block] = 1`` (release, GPU scope), for an m-grouped GEMM running beside the pull
+    (megamoe.ops.grouped_gemm.RowPull; ``ready[0]`` is that GEMM's tile counter). ``PDL``: first let the next
+    kernel of the stream launch (programmatic dependent launch: it starts once every program of this grid is
+    resident, so its spins can never keep this pull from an SM). ``ALIGNED``: every pool base is 16-byte
+    aligned (``EPWorkspace.aligned``; the region offsets are multiples of 256 and D of 16), which lets the row
+    loads be 16-byte vectors: the compiler cannot know it of an address loaded from the pointer table, and
+    without it reads each row two bytes at a time.
     """
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     round_start, n = _round_rows(sched_ptr, round_idx, L, C, E)
-    if pid == 0:
-        lo = tl.arange(0, L_PAD)
-        eo = tl.load(sched_ptr + 80 + 3 * E + lo, mask=lo <= L, other=0)
-        eo = tl.minimum(tl.maximum(eo - round_start, 0), n)
-        tl.store(roff_ptr + lo, eo, mask=lo <= L)
-    i = pid * BM + tl.arange(0, BM)
-    g = round_start + i
-    valid = i < n
-    if pid * BM >= n:
-        tl.store(rowtab_ptr + i, -1, mask=i < C)
-        return
+    if not READY:
+        if pid == 0:
+            _write_round_offsets(sched_ptr, roff_ptr, round_start, n, L, E, L_PAD)
     qi = tl.arange(0, E_PAD)
-    starts = tl.load(sched_ptr + 80 + E + qi, mask=qi < E, other=2147483647)
-    cnts = tl.load(sched_ptr + 80 + qi, mask=qi < E, other=0)
-    hit = (starts[None, :] <= g[:, None]) & (cnts[None, :] > 0)
-    q = tl.max(tl.where(hit, qi[None, :], -1), axis=1)
-    q = tl.where(valid, q, 0)
-    j = g - tl.load(sched_ptr + 80 + E + q)
-    s = q % W
-    base = tl.load(ptrs_ptr + s)
-    srow = tl.load(_peer_i32(base, SORTED_OFF) + tl.load(sched_ptr + 80 + 2 * E + q) + j, mask=valid, other=0)
-    tok = srow // K
-    slot = srow % K
-    tl.store(rowtab_ptr + i, tl.where(valid, s, -1), mask=i < C)
-    tl.store(rowtab_ptr + C + i, tok, mask=i < C)
-    tl.store(rowtab_ptr + 2 * C + i, slot, mask=i < C)
-    DT = xr_ptr.dtype.element_ty
-    src_rows = (base + ROWS_OFF).to(tl.pointer_type(DT))
-    if ALIGNED:
-        src_rows = tl.multiple_of(src_rows, 16)
-    src_rows = src_rows + tok.to(tl.int64) * D
-    if BWD:
-        w = tl.load((base + WEIGHTS_OFF).to(tl.pointer_type(tl.float32)) + srow, mask=valid, other=0.0)
-        tl.store(wr_ptr + i, w, mask=i < C)
-    i64 = i.to(tl.int64)
-    d0 = 0
-    while d0 < D:
-        dd = d0 + tl.arange(0, BD)
-        m = valid[:, None] & (dd < D)[None, :]
-        if PULL_X:
-            x = tl.load(src_rows[:, None] + dd[None, :], mask=m, other=0.0)
-            tl.store(xr_ptr + i64[:, None] * D + dd[None, :], x, mask=m)
-        if BWD:
-            go = tl.load(src_rows[:, None] + CH1_ELEMS + dd[None, :], mask=m, other=0.0)
-            tl.store(gr_ptr + i64[:, None] * D + dd[None, :], go, mask=m)
-        d0 += BD
+    blk = pid
+    while blk * BM < C:
+        i = blk * BM + tl.arange(0, BM)
+        if blk * BM >= n:
+            tl.store(rowtab_ptr + i, -1, mask=i < C)
+        else:
+            g = round_start + i
+            valid = i < n
+            starts = tl.load(sched_ptr + 80 + E + qi, mask=qi < E, other=2147483647)
+            cnts = tl.load(sched_ptr + 80 + qi, mask=qi < E, other=0)
+            hit = (starts[None, :] <= g[:, None]) & (cnts[None, :] > 0)
+            q = tl.max(tl.where(hit, qi[None, :], -1), axis=1)
+            q = tl.where(valid, q, 0)
+            j = g - tl.load(sched_ptr + 80 + E + q)
+            s = q % W
+            base = tl.load(ptrs_ptr + s)
+            srow = tl.load(_peer_i32(base, SORTED_OFF) + tl.load(sched_ptr + 80 + 2 * E + q) + j, mask=valid,
+                           other=0)
+            tok = srow // K
+            slot = srow % K
+            tl.store(rowtab_ptr + i, tl.where(valid, s, -1), mask=i < C)
+            tl.store(rowtab_ptr + C + i, tok, mask=i < C)
+            tl.store(rowtab_ptr + 2 * C + i, slot, mask=i < C)
+            DT = xr_ptr.dtype.element_ty
+            src_rows = (base + ROWS_OFF).to(tl.pointer_type(DT))
+            if ALIGNED:
+                src_rows = tl.multiple_of(src_rows, 16)
+            src_rows = src_rows + tok.to(tl.int64) * D
+            if BWD:
+                w = tl.load((base + WEIGHTS_OFF).to(tl.pointer_type(tl.float32)) + srow, mask=valid, other=0.0)
+                tl.store(wr_ptr + i, w, mask=i < C)
+            i64 = i.to(tl.int64)
+            d0 = 0
+            while d0 < D:
+                dd = d0 + tl.arange(0, BD)
+                m = valid[:, None] & (dd < D)[None, :]
+                if PULL_X:
+                    x = tl.load(src_rows[:, None] + dd[None, :], mask=m, other=0.0)
+                    tl.store(xr_ptr + i64[:, None] * D + dd[None, :], x, mask=m)
+                if BWD:
+                    go = tl.load(src_rows[:, None] + CH1_ELEMS + dd[None, :], mask=m, other=0.0)
+                    tl.store(gr_ptr + i64[:, None] * D + dd[None, :], go, mask=m)
+                d0 += BD
+            if READY:  # every thread's stores of the block before the one release store
+                tl.debug_barrier()
+                tl.atomic_xchg(ready_ptr + 1 + blk, 1, sem="release", scope="gpu")
+        blk += tl.num_programs(0)
 
 
 @triton.jit

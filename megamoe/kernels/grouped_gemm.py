@@ -54,6 +54,8 @@ SiLU: silu(x) = x * s, silu'(x) = s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x)) (
 import triton
 import triton.language as tl
 
+from .ep_comm import wait_flag_gpu
+
 PLAIN: tl.constexpr = tl.constexpr(0)
 SWIGLU: tl.constexpr = tl.constexpr(1)
 SWIGLU_BWD: tl.constexpr = tl.constexpr(2)
@@ -144,6 +146,9 @@ def _m_grouped_gemm_kernel(
     # PUSH: per-row destinations (EP): element offsets [W] int64 of each rank's buffer from C's, row table
     # [3, push_c] int32
     push_deltas_ptr, push_tab_ptr, push_c, push_k,
+    # WAIT_PULL (expert parallelism, the pull beside this GEMM): int32 [1 + blocks] tile counter then one ready
+    # flag per PULL_BM rows of A; the EP workspace's flags (epoch, status) for a timeout; this rank; spin bounds
+    pull_ptr, pull_flags_ptr, pull_rank, pull_max_iters, pull_timeout_ns,
     # shapes (K is a compile-time constant: a weight dimension, D or F)
     num_rows, N, num_experts, K: tl.constexpr,
     # strides, in elements (the last dimension of C, AUX, GU is contiguous)
@@ -152,13 +157,18 @@ def _m_grouped_gemm_kernel(
     EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr,
     HAS_DOT: tl.constexpr, PUSH: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     E_POW2: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, B_ROWS: tl.constexpr,
+    WAIT_PULL: tl.constexpr, PULL_BM: tl.constexpr, PULL_TIMER: tl.constexpr, PULL_GDC: tl.constexpr,
     # tile config; DOT_N: columns per row-dot partial of SWIGLU_BWD (BLOCK_N or BLOCK_N / 2)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_N: tl.constexpr,
 ):
     out_ty = c_ptr.dtype.element_ty
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(tile_offsets_ptr + num_experts) * num_n_tiles
-    tile = tl.program_id(0)
+    if WAIT_PULL:  # tiles in increasing order from a counter: programs that start late (their SM was the
+        # pull's) take fewer tiles instead of holding up the end; which program computes a tile never changes it
+        tile = tl.atomic_add(pull_ptr, 1, sem="relaxed", scope="gpu")
+    else:
+        tile = tl.program_id(0)
     while tile < num_tiles:
         m_tile = tile // num_n_tiles
         n_tile = tile % num_n_tiles
@@ -166,6 +176,12 @@ def _m_grouped_gemm_kernel(
                                                      E_POW2, BLOCK_M)
         offs_m = row_start + tl.arange(0, BLOCK_M)
         mask_m = offs_m < row_end
+        if WAIT_PULL:  # the blocks of A rows this tile stores (and their row scales) have landed
+            blk = row_start // PULL_BM
+            while blk * PULL_BM < tl.minimum(row_end, row_start + BLOCK_M):
+                wait_flag_gpu(pull_ptr + 1 + blk, 1, pull_flags_ptr, pull_rank, 5, pull_max_iters,  # 5: STAGE_PULL
+                              pull_timeout_ns, PULL_TIMER)
+                blk += 1
         rows = tl.minimum(offs_m, num_rows - 1).to(tl.int64)  # clamped rows: computed, never stored
         if HAS_GATHER:
             a_rows = tl.load(a_idx_ptr + rows).to(tl.int64)
@@ -252,7 +268,13 @@ def _m_grouped_gemm_kernel(
                     p = 2 * n_tile
                     tl.store(dot_ptr + out_rows * num_p + p, part_a, mask=mask_m)
                     tl.store(dot_ptr + out_rows * num_p + p + 1, part_b, mask=mask_m & (p + 1 < num_p))
-        tile += tl.num_programs(0)
+        if WAIT_PULL:
+            tile = tl.atomic_add(pull_ptr, 1, sem="relaxed", scope="gpu")
+        else:
+            tile += tl.num_programs(0)
+    if PULL_GDC:  # this grid ends after the pull's (programmatic dependent launch): what the stream runs
+        # next sees every row the pull wrote, also those of blocks no tile waited for
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit

@@ -31,12 +31,13 @@ import triton
 
 from ..distributed import FLAG_READY, P_MAX, EPWorkspace
 from ..kernels import ep_comm as K_
-from .grouped_gemm import RowPush
+from .grouped_gemm import RowPull, RowPush
 from .routing import expert_sort
 
 __all__ = ["ExchangeBuffers", "expert_offsets", "round_starts", "publish", "routing_plan", "save_plan", "restore_plan",
            "build_schedule", "dispatch_round", "push_round", "signal_done", "wait_done", "slot_views", "sched_size",
-           "interpret_mode", "push_target", "fused_push", "comm_sms", "shared_expert_stream"]
+           "interpret_mode", "push_target", "fused_push", "comm_sms", "shared_expert_stream", "pull_overlap_programs",
+           "pull_beside"]
 
 # rows per program, columns per copy step, warps of the dispatch (pull) and push kernels; combine's rows per
 # program. Copies only: these never change bits. Copy shapes from 8 to 32 rows x 256 to 1024 columns, 4 or 8
@@ -214,19 +215,65 @@ def build_schedule(ws: EPWorkspace, bufs: ExchangeBuffers, timeout_s: float) -> 
 def dispatch_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: bool, pull_x: bool = True) -> None:
     """Pull round r's rows into ``bufs.xr_CD`` (backward: also output-gradient rows and weights; ``pull_x``
     False, backward only: not the x rows, which ``bufs.xr_CD`` already holds or the caller does not need)."""
+    _launch_dispatch(ws, bufs, r, backward, pull_x, None, triton.cdiv(bufs.C, _BM))
+
+
+def _launch_dispatch(ws, bufs, r, backward, pull_x, ready, programs) -> None:
     if not (pull_x or backward):
         raise ValueError("megamoe EP: the forward dispatch always pulls x rows")
     s = ws.spec
     L = s.num_experts // s.world
     C = bufs.C
     _check_round(bufs, r)
-    grid = (triton.cdiv(C, _BM),)
-    K_.ep_dispatch_kernel[grid](ws.ptrs_W, bufs.sched, bufs.rowtab_3C, bufs.roff_L1, bufs.xr_CD, bufs.gr_CD,
-                                bufs.wr_C,
-                                r, C, s.hidden, s.top_k, L, ws.offsets["sorted"], ws.offsets["weights"],
-                                ws.offsets["rows"], s.max_tokens * s.hidden, W=s.world, E=s.num_experts,
-                                E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM, BD=_BD, BWD=backward,
-                                ALIGNED=ws.aligned, PULL_X=pull_x, num_warps=_NW)
+    K_.ep_dispatch_kernel[(programs,)](ws.ptrs_W, bufs.sched, bufs.rowtab_3C, bufs.roff_L1, bufs.xr_CD, bufs.gr_CD,
+                                      bufs.wr_C, ready if ready is not None else bufs.roff_L1,
+                                      r, C, s.hidden, s.top_k, L, ws.offsets["sorted"], ws.offsets["weights"],
+                                      ws.offsets["rows"], s.max_tokens * s.hidden, W=s.world, E=s.num_experts,
+                                      E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM, BD=_BD, BWD=backward,
+                                      ALIGNED=ws.aligned, PULL_X=pull_x, READY=ready is not None,
+                                      PDL=ready is not None and not interpret_mode(), num_warps=_NW)
+
+
+# Programs of the pull beside the first GEMM of round 0 (MEGAMOE_EP_PULL_OVERLAP); 0 = off: the pull, then the GEMM.
+_PULL_OVERLAP_DEFAULT = 0
+
+
+def pull_overlap_programs() -> int:
+    """``MEGAMOE_EP_PULL_OVERLAP``: n > 0 runs round 0's pull as n persistent programs beside the first expert
+    GEMM that reads its rows (:func:`pull_beside`); 0 (the default, or unset) pulls first. ValueError for
+    anything but an integer in [0, 128]."""
+    text = os.environ.get("MEGAMOE_EP_PULL_OVERLAP", "").strip() or str(_PULL_OVERLAP_DEFAULT)
+    if not (text.isascii() and text.isdigit()) or int(text) > 128:
+        raise ValueError(f"MEGAMOE_EP_PULL_OVERLAP must be an integer in [0, 128], got {text!r}")
+    return int(text)
+
+
+def pull_beside(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: bool, programs: int, timeout_s: float,
+                pull_x: bool = True) -> RowPull:
+    """Round r's pull (what :func:`dispatch_round` does) as a :class:`~megamoe.ops.grouped_gemm.RowPull` for
+    the first GEMM over its rows (``gate_up_swiglu`` forward, ``swiglu_dgrad`` backward), which launches it and
+    runs beside it. Enqueues now: the round's expert offsets ``bufs.roff_L1`` (so the GEMM's m-tile table can
+    be built before the pull) and the zeroed ready flags; the pull itself, ``programs`` persistent programs
+    (at most one per block of rows), when the GEMM launcher calls ``launch``. Valid after
+    :func:`build_schedule`. No host sync; graph capturable."""
+    s = ws.spec
+    L = s.num_experts // s.world
+    C = bufs.C
+    _check_round(bufs, r)
+    if not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"megamoe EP: the pull beside the GEMM needs programs >= 1, got {programs!r}")
+    blocks = triton.cdiv(C, _BM)
+    ready = torch.zeros(1 + blocks, dtype=torch.int32, device=ws.device)
+    K_.ep_round_offsets_kernel[(1,)](bufs.sched, bufs.roff_L1, r, C, L, E=s.num_experts, L_PAD=_pow2(L + 1),
+                                     num_warps=1)
+    max_iters, timeout_ns, use_timer = _wait_args(timeout_s, ws.device)
+    n = min(programs, blocks)
+
+    def launch() -> None:
+        _launch_dispatch(ws, bufs, r, backward, pull_x, ready, n)
+
+    return RowPull(ready, _BM, ws.flags, ws.rank, max_iters, timeout_ns, use_timer,
+                   pdl=ws.device.type == "cuda" and not interpret_mode(), launch=launch)
 
 
 def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tensor | None,

@@ -110,6 +110,7 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     fused = X.fused_push(ws)  # result rows stored by down_proj's epilogue into the owners' slots (checked
     # before publish, like the side stream's switch: a bad value must not leave the peers waiting for this rank)
     side = X.shared_expert_stream(ws)
+    overlap = X.pull_overlap_programs()  # checked before publish too
     X.publish(ws, topk_ids_TK, x_TD)
     plan = X.save_plan(ws, T, topk_ids_TK.shape[1]) if save_plan else None
     shared_TD = None
@@ -131,18 +132,22 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
                 down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, out=shared_TD, tile_cache=st)
                 del hs_TS
         X.build_schedule(ws, bufs, timeout_s)
-        X.dispatch_round(ws, bufs, 0, backward=False)
+        if not overlap:
+            X.dispatch_round(ws, bufs, 0, backward=False)
     finally:
         _join(side)
     for r in range(rounds):
+        pull = None
         if r:
             if r == 1 and xr0_CD is not None:  # round 0's rows stay for the backward
                 bufs.xr_CD = torch.empty_like(xr0_CD)
             X.dispatch_round(ws, bufs, r, backward=False)
+        elif overlap:  # round 0's pull beside gate/up, which waits for each tile's rows
+            pull = X.pull_beside(ws, bufs, 0, backward=False, programs=overlap, timeout_s=timeout_s)
         keep = gu_CG is not None and r == 0
         rt = {}  # this round's m-tile offsets (roff_L1 is rewritten by every round's dispatch)
         gate_up_swiglu(bufs.xr_CD, w13_LGD, bufs.roff_L1, save_preact=keep, out=h_CF,
-                       preact_out=gu_CG if keep else None, tile_cache=rt)
+                       preact_out=gu_CG if keep else None, tile_cache=rt, pull=pull)
         if fused:
             down_proj(h_CF, w2_LDF, bufs.roff_L1, push=X.push_target(ws, bufs), tile_cache=rt)
         else:
@@ -172,6 +177,9 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     dev = x_TD.device
     fused = X.fused_push(ws)  # checked before publish, as in the forward
     side = X.shared_expert_stream(ws)
+    # round 0's pull beside dgrad + SwiGLU, its first GEMM, when the pre-activations are kept (else the first
+    # GEMM is the gate/up recompute, and the pull runs first)
+    overlap = X.pull_overlap_programs() if saved_gu_CG is not None else 0
     X.publish(ws, topk_ids_TK, x_TD, dout_TD=dout_TD, topk_weights_TK=topk_weights_TK, saved_plan=saved_plan)
 
     ds13 = ds2 = dxs_TD = None
@@ -209,7 +217,8 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
             if side is None:  # inline: the weight gradients before the exchange, as without the switch before
                 ds13, ds2 = shared_wgrads()
         X.build_schedule(ws, bufs, timeout_s)
-        X.dispatch_round(ws, bufs, 0, backward=True, pull_x=pull_x0)
+        if not overlap:
+            X.dispatch_round(ws, bufs, 0, backward=True, pull_x=pull_x0)
     finally:
         _join(side)
     if has_shared:
@@ -246,8 +255,10 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
                 h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
                 gu_CG = torch.empty(capacity_rows, G, dtype=x_TD.dtype, device=dev)
             gate_up_swiglu(bufs.xr_CD, w13_LGD, roff, save_preact=True, out=h_CF, preact_out=gu_CG, tile_cache=rt)
+        pull = (X.pull_beside(ws, bufs, 0, backward=True, programs=overlap, timeout_s=timeout_s, pull_x=pull_x0)
+                if r == 0 and overlap else None)
         dgu_CG, hw_CF, part_CP = swiglu_dgrad(bufs.gr_CD, w2_LDF, roff, gu_CG, row_scale_R=bufs.wr_C, row_dot=True,
-                                              tile_cache=rt)
+                                              tile_cache=rt, pull=pull)
         # the receive buffers' rows are contiguous, so the table's torch._grouped_mm (more than ~154 rows per
         # expert) needs no row copies here (docs/perf.md, tenth session); round 0 is the one-round GEMM
         if need_w2:

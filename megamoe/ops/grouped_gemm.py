@@ -22,6 +22,7 @@ result is independent of the other rows (batch invariance).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -40,7 +41,7 @@ from . import tile_config
 from .tile_config import k_grouped_config, m_grouped_config
 
 __all__ = ["gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm", "RowPush",
-           "row_push_deltas"]
+           "RowPull", "row_push_deltas"]
 
 _PLAIN, _SWIGLU, _SWIGLU_BWD = 0, 1, 2
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -83,6 +84,43 @@ class RowPush:
             raise ValueError(f"{where}: push needs top_k >= 1, got {self.top_k}")
         if any(x.device != dev for x in (d, self.deltas_W, t)):
             raise ValueError(f"{where}: push tensors must be on {dev}")
+
+
+@dataclass(frozen=True)
+class RowPull:
+    """The rows of A still arriving while an m-grouped GEMM runs (expert parallelism: the pull of a round's rows
+    beside the GEMM that consumes them, megamoe.ops.ep_comm.pull_beside).
+
+    ready_B1: int32 (1 + blocks,) device tensor, zero before ``launch`` runs: ``[0]`` the GEMM's tile counter,
+    ``[1 + b]`` set to 1 by the pull (release, GPU scope) once rows ``[b * block_rows, (b + 1) * block_rows)``
+    of A (and of the row scales) are written. launch: enqueues the pull kernel; the GEMM launcher calls it right
+    after its own small kernels (the m-tile table), so that the GEMM is the next kernel of the stream, launched
+    as its programmatic dependent (``pdl``) on the GPU: it starts once every program of the pull is resident,
+    takes tiles from the counter in increasing order and spins (bounded, ``max_iters`` / ``timeout_ns``,
+    ``use_timer``) on the flags covering a tile's rows before it loads them; a spin that expires writes stage 5
+    with ``rank`` into the EP workspace's status word ``flags`` (``EPWorkspace.check`` raises). At its end the
+    GEMM waits for the pull's grid (``griddepcontrol.wait``), so the stream's next kernel sees all its rows.
+    No bits change: the same tiles see the same rows.
+    """
+
+    ready_B1: torch.Tensor
+    block_rows: int
+    flags: torch.Tensor
+    rank: int
+    max_iters: int
+    timeout_ns: int
+    use_timer: bool
+    pdl: bool
+    launch: Callable[[], None]
+
+    def check(self, where: str, num_rows: int, dev) -> None:
+        r = self.ready_B1
+        need = 1 + triton.cdiv(num_rows, self.block_rows)
+        if r.dtype != torch.int32 or r.dim() != 1 or r.shape[0] < need or r.device != dev:
+            raise ValueError(f"{where}: pull.ready_B1 must be an int32 (>= {need},) tensor on {dev}, got {r.dtype} "
+                             f"{tuple(r.shape)} on {r.device}")
+        if self.flags.dtype != torch.int32 or self.flags.device != dev:
+            raise ValueError(f"{where}: pull.flags must be the EP workspace's int32 flags on {dev}")
 
 
 def _check_2d(name: str, t: torch.Tensor, where: str, cols: int | None = None) -> None:
@@ -130,15 +168,22 @@ def _alloc(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, n
 
 def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows, N, K, offsets_E1, c, aux=None,
                       dot=None, scale=None, gu=None, tile_offsets_E1=None, push: RowPush | None = None,
-                      tile_cache: dict | None = None):
+                      tile_cache: dict | None = None, pull: RowPull | None = None):
     """Launch the persistent m-grouped kernel. stride_b = (stride_e, stride_n, stride_k) of B, in elements.
     push (plain epilogue only): store rows through ``push`` (c is then its dest). tile_cache: see
-    :func:`gate_up_swiglu`."""
+    :func:`gate_up_swiglu`. pull: A's rows (and row scales) still arriving (:class:`RowPull`; rows not
+    gathered): its pull is launched here, then this GEMM beside it."""
     E = b.shape[0]
     kernel = _m_grouped_gemm_kernel
     interpret = is_interpreted(kernel)
     cfg = m_grouped_config(kind, N, K, b.dtype, interpret=interpret, gathered=a_idx is not None)
+    if pull is not None:
+        if a_idx is not None:
+            raise ValueError(f"{where}: pull needs rows that are not gathered")
+        pull.check(where, num_rows, c.device)
     if num_rows == 0 or N == 0:
+        if pull is not None:
+            pull.launch()
         return cfg
     if tile_offsets_E1 is None:
         key = (offsets_E1.data_ptr(), offsets_E1.shape[0], cfg.block_m)
@@ -147,7 +192,9 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
             tile_offsets_E1 = tile_offsets_for(offsets_E1, cfg.block_m)
             if tile_cache is not None:
                 tile_cache[key] = tile_offsets_E1
-    if (cfg.gluon and epilogue == _PLAIN and not interpret and push is None
+    if pull is not None:
+        pull.launch()  # the GEMM below must be the next kernel on the stream (programmatic dependent launch)
+    if (cfg.gluon and epilogue == _PLAIN and not interpret and push is None and pull is None
             and gluon_m_grouped_eligible(cfg, a, b, stride_b, K, c, gathered=a_idx is not None)):
         launch_gluon_m_grouped(cfg, a, b, stride_b, K, N, num_rows, offsets_E1, tile_offsets_E1, c, scale)
         return cfg
@@ -155,7 +202,8 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
     grid = (persistent_programs(c.device, kernel, bound, cfg.programs_per_sm),)
     fp32_dot = interpret or a.dtype == torch.float32 or b.dtype == torch.float32
     tma_b, b_desc, b_rows = _weight_descriptor(cfg, b, stride_b, K, fp32_dot)
-    tma_a = (cfg.tma_a and tma_b != 0 and a_idx is None and a.stride(1) == 1 and a.data_ptr() % 16 == 0
+    # with pull, A through pointer loads: a TMA read of rows another kernel just wrote would also need a proxy fence
+    tma_a = (cfg.tma_a and tma_b != 0 and a_idx is None and pull is None and a.stride(1) == 1 and a.data_ptr() % 16 == 0
              and (a.stride(0) * a.element_size()) % 16 == 0)
     a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [cfg.block_m, cfg.block_k]) if tma_a else a
     dummy = c
@@ -167,6 +215,9 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         # register allocation of dgrad + SwiGLU to 16 spilled bytes in the sm_90a compile test)
         push.deltas_W if push is not None else offsets_E1, push.rowtab_3C if push is not None else offsets_E1,
         push.rowtab_3C.shape[1] if push is not None else 1, push.top_k if push is not None else 1,
+        pull.ready_B1 if pull is not None else offsets_E1, pull.flags if pull is not None else offsets_E1,
+        pull.rank if pull is not None else 1, pull.max_iters if pull is not None else 1,
+        pull.timeout_ns if pull is not None else 1,
         num_rows, N, E, K,
         a.stride(0), a.stride(1), stride_b[0], stride_b[1], stride_b[2], c.stride(0),
         gu.stride(0) if gu is not None else 0, aux.stride(0) if aux is not None else 0,
@@ -174,9 +225,12 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         SAVE_AUX=aux is not None, HAS_DOT=dot is not None, PUSH=push is not None, FP32_DOT=fp32_dot,
         EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows,
+        WAIT_PULL=pull is not None, PULL_BM=pull.block_rows if pull is not None else 1,
+        PULL_TIMER=pull is not None and pull.use_timer, PULL_GDC=pull is not None and pull.pdl,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_N=_dot_cols(cfg) if epilogue == _SWIGLU_BWD else cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pull is not None and pull.pdl else {}),
     )
     return cfg
 
@@ -233,7 +287,8 @@ def _check_plain_operands(where: str, a, b_name: str, b, k_dim: int, offsets_E1,
 def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Tensor, *,
                    gather_idx_R: torch.Tensor | None = None, save_preact: bool = True,
                    out: torch.Tensor | None = None, preact_out: torch.Tensor | None = None,
-                   tile_offsets_E1: torch.Tensor | None = None, tile_cache: dict | None = None):
+                   tile_offsets_E1: torch.Tensor | None = None, tile_cache: dict | None = None,
+                   pull: RowPull | None = None):
     """Gate/up projection with SwiGLU fused into the epilogue (m-grouped "nt").
 
     ``gu[r] = A[row(r)] @ w13[e].T`` rounded to A's dtype, ``h[r] = cast(silu(gate) * up)`` in fp32.
@@ -250,6 +305,8 @@ def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Ten
             m-grouped launchers take it too): each m-tile offset table is computed once per (offsets tensor,
             BLOCK_M) and reused, one small kernel launch fewer per further GEMM. Valid only while the values of
             ``offsets_E1`` do not change (use a new dict after rewriting them).
+        pull: optional :class:`RowPull`: a's rows are still being written by the pull it launches; this GEMM
+            runs beside it, each tile waiting (bounded) for its rows. Rows not gathered. The same bits.
 
     Returns:
         h_RF: (R, F) in a's dtype.  gu_RG: (R, 2F) or None.
@@ -272,7 +329,7 @@ def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Ten
     gu = _alloc(preact_out, (R, G), a.dtype, dev, "preact_out", where) if save_preact else None
     _launch_m_grouped(where=where, kind="gate_up", epilogue=_SWIGLU, a=a, a_idx=gather_idx_R, b=w13_EGD,
                       stride_b=(G * D, D, 1), num_rows=R, N=F, K=D, offsets_E1=offsets_E1, c=h, aux=gu,
-                      tile_offsets_E1=tile_offsets_E1, tile_cache=tile_cache)
+                      tile_offsets_E1=tile_offsets_E1, tile_cache=tile_cache, pull=pull)
     return h, gu
 
 
@@ -364,7 +421,8 @@ def grouped_mm_nn(a: torch.Tensor, b_EKN: torch.Tensor, offsets_E1: torch.Tensor
 
 def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor, gu_RG: torch.Tensor, *,
                  gather_idx_R: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None,
-                 row_dot: bool = True, tile_offsets_E1: torch.Tensor | None = None, tile_cache: dict | None = None):
+                 row_dot: bool = True, tile_offsets_E1: torch.Tensor | None = None, tile_cache: dict | None = None,
+                 pull: RowPull | None = None):
     """Down-projection dgrad with the SwiGLU backward fused (m-grouped "nn").
 
     With ``acc = dY[row(r)] @ w2[e]`` (fp32) and h recomputed from the saved ``gu_RG`` exactly as
@@ -378,6 +436,8 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
     Args:
         dy: (R, D) rows, or (T, D) with gather_idx_R (R,) int32 (the unscaled output gradient per token).
         w2_EDF: (E, D, F). gu_RG: (R, 2F) saved pre-activations. row_scale_R: optional (R,) fp32.
+        pull: optional :class:`RowPull` (as in :func:`gate_up_swiglu`): dy's rows and row_scale_R are still
+            being written by its pull; dy is then read with pointer loads instead of TMA (the same bits).
     Returns:
         dgu_RG (R, 2F), hs_RF (R, F) in dy's dtype, row_dot_RP (R, P) fp32 or None.
     Sync: none. Determinism: bitwise; no atomics (row_dot partials are reduced later in fixed order).
@@ -406,7 +466,8 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
     part = torch.empty((R, num_p), dtype=torch.float32, device=dev) if row_dot else None
     _launch_m_grouped(where=where, kind="dgrad_swiglu", epilogue=_SWIGLU_BWD, a=dy, a_idx=gather_idx_R, b=w2_EDF,
                       stride_b=(D * F, 1, F), num_rows=R, N=F, K=D, offsets_E1=offsets_E1, c=dgu, aux=hs,
-                      dot=part, scale=row_scale_R, gu=gu_RG, tile_offsets_E1=tile_offsets_E1, tile_cache=tile_cache)
+                      dot=part, scale=row_scale_R, gu=gu_RG, tile_offsets_E1=tile_offsets_E1, tile_cache=tile_cache,
+                      pull=pull)
     return dgu, hs, part
 
 
