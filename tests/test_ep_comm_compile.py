@@ -12,7 +12,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-def _ptx(kernel, sig: dict, const: dict, divisible: tuple, text: bool = False):
+def _ptx(kernel, sig: dict, const: dict, divisible: tuple, text: bool = False, num_warps: int = 4):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -21,7 +21,7 @@ def _ptx(kernel, sig: dict, const: dict, divisible: tuple, text: bool = False):
     assert set(sig) == set(names), set(names) ^ set(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     c = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4))
+                       options=dict(num_warps=num_warps))
     if text:
         return c.asm["ptx"]
     return Counter(re.findall(r"(ld\.global[\.\w:]*|st\.global[\.\w:]*)", c.asm["ptx"]))
@@ -58,11 +58,14 @@ def test_pull_beside_a_gemm_flags_its_blocks_and_lets_the_gemm_launch(bwd):
     without them neither appears."""
     from megamoe.kernels.ep_comm import ep_dispatch_kernel
 
+    from megamoe.ops.ep_comm import _BD_BESIDE, _NW_BESIDE
+
     const = dict(W=2, E=256, E_PAD=256, L_PAD=256, BM=32, BD=256, BWD=bwd, ALIGNED=True, PULL_X=True,
                  READY=False, PDL=False)
-    ptx = _ptx(ep_dispatch_kernel, _DISPATCH_SIG, {**const, "READY": True, "PDL": True}, _DISPATCH_DIV, text=True)
+    beside = {**const, "READY": True, "PDL": True, "BD": _BD_BESIDE}  # its launch: 32 x 1024 with 16 warps
+    ptx = _ptx(ep_dispatch_kernel, _DISPATCH_SIG, beside, _DISPATCH_DIV, text=True, num_warps=_NW_BESIDE)
     plain = _ptx(ep_dispatch_kernel, _DISPATCH_SIG, const, _DISPATCH_DIV, text=True)
-    copies = 1 + int(bwd)
+    copies = 1 + int(bwd)  # 32 x 1024 bf16 per step over 512 threads: 8 vectors each, as the full grid's
     assert ptx.count("st.global.v4.b32") == 8 * copies and ptx.count("ld.global.v4.b32") == 8 * copies
     assert len(re.findall(r"atom\.global\.(release\.gpu|gpu\.release)\.exch", ptx)) == 1, "one flag store per block"
     assert "griddepcontrol.launch_dependents" in ptx

@@ -46,6 +46,10 @@ __all__ = ["ExchangeBuffers", "expert_offsets", "round_starts", "publish", "rout
 # benchmarks/results/2026-11-30-s4/comm_sweep_interleaved_1e77d22.log). A first, non-interleaved sweep had
 # shown 32 rows 13-22% faster than 16; that was the order of measurement, not the shape.
 _BM, _BD, _NW, _BT = 32, 256, 4, 16
+# columns per copy step and warps of the pull beside a GEMM (pull_beside): its few programs each need more bytes
+# in flight than the full grid's: 32 x 256 with 4 warps moved ~15 GB/s per program (H200, W = 1, deepseek-v3
+# M = 8192: 8 programs took ~8 ms per pass, eighteenth session), latency-bound
+_BD_BESIDE, _NW_BESIDE = 1024, 16
 # routing plans with N * E above this take the device sort (routing_plan); module-level so tests can force it.
 # Inside the exchange the sort path took 0.18 ms (mok-bench, N = 24576, E = 384, in
 # benchmarks/results/2026-11-30-s4/final_9b42ded/comm.log, where this bound was 8M) against 0.08 ms for the scan
@@ -219,6 +223,7 @@ def dispatch_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: boo
 
 
 def _launch_dispatch(ws, bufs, r, backward, pull_x, ready, programs) -> None:
+    beside = ready is not None
     if not (pull_x or backward):
         raise ValueError("megamoe EP: the forward dispatch always pulls x rows")
     s = ws.spec
@@ -229,9 +234,10 @@ def _launch_dispatch(ws, bufs, r, backward, pull_x, ready, programs) -> None:
                                       bufs.wr_C, ready if ready is not None else bufs.roff_L1,
                                       r, C, s.hidden, s.top_k, L, ws.offsets["sorted"], ws.offsets["weights"],
                                       ws.offsets["rows"], s.max_tokens * s.hidden, W=s.world, E=s.num_experts,
-                                      E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM, BD=_BD, BWD=backward,
-                                      ALIGNED=ws.aligned, PULL_X=pull_x, READY=ready is not None,
-                                      PDL=ready is not None and not interpret_mode(), num_warps=_NW)
+                                      E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM,
+                                      BD=_BD_BESIDE if beside else _BD, BWD=backward, ALIGNED=ws.aligned,
+                                      PULL_X=pull_x, READY=beside, PDL=beside and not interpret_mode(),
+                                      num_warps=_NW_BESIDE if beside else _NW)
 
 
 # Programs of the pull beside the first GEMM of round 0 (MEGAMOE_EP_PULL_OVERLAP); 0 = off: the pull, then the GEMM.
