@@ -80,10 +80,10 @@ PULL_CASES = [(p, t, dataclasses.replace(g, gathered=False, E=g.E // 2))
 @pytest.mark.parametrize("preset, tokens, gemm", PULL_CASES, ids=[f"{p}-{g.kind}" for p, _, g in PULL_CASES])
 def test_pull_wait_compiles_like_the_plain_one(preset, tokens, gemm):
     """Waiting on a RowPull (MEGAMOE_EP_PULL_OVERLAP: the tile counter, the bounded acquire spins on the blocks'
-    flags, the end-of-grid ``griddepcontrol.wait``) keeps the plain kernel's wgmma, operand paths (A through
-    pointer loads: the plain kernel compared without TMA for A) and shared memory; spills within the budget."""
+    flags, the end-of-grid ``griddepcontrol.wait``; with TMA for A a proxy fence after the waits) keeps the plain
+    kernel's wgmma, operand paths and shared memory; spills within the budget."""
     cfg = m_grouped_config(gemm.kind, gemm.N, gemm.K, torch.bfloat16, interpret=False, gathered=False)
-    plain = inventory_row(gemm, dataclasses.replace(cfg, tma_a=False))
+    plain = inventory_row(gemm, cfg)
     pull = inventory_row(gemm, cfg, pull=True)
     for key in ("wgmma", "tma_loads", "cp_async_loads", "sync_tile_loads", "shared_bytes"):
         assert pull[key] == plain[key], (key, plain, pull)
@@ -92,3 +92,6 @@ def test_pull_wait_compiles_like_the_plain_one(preset, tokens, gemm):
     assert "griddepcontrol.wait" in ptx and "griddepcontrol" not in compile_m_grouped(gemm, cfg).asm["ptx"]
     assert "ld.global.gpu.acquire" in ptx, "the flag waits must be acquire loads (GPU scope)"
     assert "atom.global.gpu.relaxed.add" in ptx, "the tiles must come from the counter"
+    assert ("fence.proxy.async.global" in ptx) == bool(cfg.tma_a), "TMA reads of pulled rows need the proxy fence"
+    assert any(cfg.tma_a for _, _, g in PULL_CASES
+               for cfg in [m_grouped_config(g.kind, g.N, g.K, torch.bfloat16, interpret=False, gathered=False)])

@@ -122,7 +122,7 @@ def _launch_args(g: GemmShape, cfg: GemmConfig, push: bool = False, pull: bool =
     # TMA_B and B_ROWS from the launcher's own choice, on a bf16 weight of that shape (meta: aligned, no memory)
     weight = torch.empty(shape_b, dtype=torch.bfloat16, device="meta")
     tma_b, _, b_rows = _weight_descriptor(cfg, weight, stride_b, g.K, False)
-    tma_a = cfg.tma_a and tma_b != 0 and not g.gathered and not pull
+    tma_a = cfg.tma_a and tma_b != 0 and not g.gathered
     c_cols = {"gate_up": g.N, "down": g.N, "dgrad_swiglu": 2 * g.N, "dgrad": g.N}[g.kind]
     ints = dict(num_rows=g.R, N=g.N, num_experts=g.E, stride_am=g.K, stride_ak=1, stride_be=stride_b[0],
                 stride_bn=stride_b[1], stride_bk=stride_b[2], stride_cm=c_cols,

@@ -75,6 +75,15 @@ def _expert_of_tile(tile_offsets_ptr, row_offsets_ptr, m_tile, num_experts,
 
 
 @triton.jit
+def _fence_proxy_async_global():
+    """``fence.proxy.async.global`` in every thread: global memory accesses of the generic proxy before it (the
+    acquire of a ready flag, ordered to this thread by the CTA barrier after it) are ordered before the async
+    proxy's (TMA loads) after it (PTX ISA, "Proxies" / membar)."""
+    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
 def _load_2d(ptrs, mask_r, mask_c, FULL_R: tl.constexpr, FULL_C: tl.constexpr):
     """Load a tile, masking (zero fill) only the dimensions that are not known to be full."""
     if FULL_R and FULL_C:
@@ -182,6 +191,8 @@ def _m_grouped_gemm_kernel(
                 wait_flag_gpu(pull_ptr + 1 + blk, 1, pull_flags_ptr, pull_rank, 5, pull_max_iters,  # 5: STAGE_PULL
                               pull_timeout_ns, PULL_TIMER)
                 blk += 1
+            if TMA_A:  # the rows were written through the generic proxy, TMA reads them through the async one
+                _fence_proxy_async_global()
         rows = tl.minimum(offs_m, num_rows - 1).to(tl.int64)  # clamped rows: computed, never stored
         if HAS_GATHER:
             a_rows = tl.load(a_idx_ptr + rows).to(tl.int64)

@@ -202,8 +202,8 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
     grid = (persistent_programs(c.device, kernel, bound, cfg.programs_per_sm),)
     fp32_dot = interpret or a.dtype == torch.float32 or b.dtype == torch.float32
     tma_b, b_desc, b_rows = _weight_descriptor(cfg, b, stride_b, K, fp32_dot)
-    # with pull, A through pointer loads: a TMA read of rows another kernel just wrote would also need a proxy fence
-    tma_a = (cfg.tma_a and tma_b != 0 and a_idx is None and pull is None and a.stride(1) == 1 and a.data_ptr() % 16 == 0
+    # with pull and TMA for A, the kernel adds a proxy fence after its waits (the pull writes through the generic proxy)
+    tma_a = (cfg.tma_a and tma_b != 0 and a_idx is None and a.stride(1) == 1 and a.data_ptr() % 16 == 0
              and (a.stride(0) * a.element_size()) % 16 == 0)
     a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [cfg.block_m, cfg.block_k]) if tma_a else a
     dummy = c
@@ -437,7 +437,7 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
         dy: (R, D) rows, or (T, D) with gather_idx_R (R,) int32 (the unscaled output gradient per token).
         w2_EDF: (E, D, F). gu_RG: (R, 2F) saved pre-activations. row_scale_R: optional (R,) fp32.
         pull: optional :class:`RowPull` (as in :func:`gate_up_swiglu`): dy's rows and row_scale_R are still
-            being written by its pull; dy is then read with pointer loads instead of TMA (the same bits).
+            being written by its pull (TMA reads of dy follow a proxy fence after the waits; the same bits).
     Returns:
         dgu_RG (R, 2F), hs_RF (R, F) in dy's dtype, row_dot_RP (R, P) fp32 or None.
     Sync: none. Determinism: bitwise; no atomics (row_dot partials are reduced later in fixed order).
