@@ -3,8 +3,8 @@
 Reads ``results.json`` in each DIR (or under it), as written by ``python -m megamoe.bench`` (for instance by
 ``scripts/gpu_all.sh abtiles``), groups the runs by the library switches recorded in their metadata
 (``meta.env``: ``MEGAMOE_TILES``, ``MEGAMOE_GLUON``, ``MEGAMOE_PERMUTED_DY``, ``MEGAMOE_TORCH_WGRAD``,
-``MEGAMOE_EP_PUSH`` (recorded since 2026-12-01, eleventh session), ``MEGAMOE_EP_COMM_SMS`` (twelfth session);
-runs without any are "table"),
+``MEGAMOE_EP_PUSH`` (recorded since 2026-12-01, eleventh session), ``MEGAMOE_EP_COMM_SMS`` (twelfth session),
+``MEGAMOE_EP_PULL_OVERLAP`` (eighteenth); runs without any are "table"),
 or by folder name with ``--by-folder`` (older runs that did not record their switches), and prints, per
 (preset, tokens, routing, provider) and group, the forward+backward medians of every repetition, their median,
 and the difference from the reference group (default "table", else the first group seen). Only rows whose

@@ -121,10 +121,11 @@ def run_metadata(device: torch.device, world_size: int, args: dict) -> dict:
         "python": platform.python_version(),
         "settings": args,
         # the library's environment switches: tile replacements, the Gluon kernels, the permuted-dY experiment,
-        # torch's weight gradients, the EP path's result-row push and its SMs left to the exchange
+        # torch's weight gradients, the EP path's result-row push, its SMs left to the exchange and its pull beside
+        # the first GEMM
         "env": {k: os.environ[k]
                 for k in ("MEGAMOE_TILES", "MEGAMOE_GLUON", "MEGAMOE_PERMUTED_DY", "MEGAMOE_TORCH_WGRAD",
-                          "MEGAMOE_EP_PUSH", "MEGAMOE_EP_COMM_SMS")
+                          "MEGAMOE_EP_PUSH", "MEGAMOE_EP_COMM_SMS", "MEGAMOE_EP_PULL_OVERLAP")
                 if k in os.environ},
     }
 
