@@ -17,6 +17,11 @@ Forward (every rank is both owner of its tokens and host of its L experts)::
     signal_done; wait_done                every owner waits for all pushes
     out = combine_fwd(slots, w, shared)   fp32, slot order, shared last, one cast
 
+With ``MEGAMOE_EP_PULL_OVERLAP=n`` (n > 0; off by default: slower at W = 1, docs/perf.md, eighteenth session)
+round 0's pull is not run before the loop but as n programs beside round 0's first GEMM (forward gate/up;
+backward dgrad + SwiGLU when gu is kept), which waits per 32-row block (``ep_comm.pull_beside``,
+``ops.grouped_gemm.RowPull``); the shared expert then runs beside the schedule build only.
+
 The shared expert needs only this rank's tokens, so it can run beside the exchange: with
 ``MEGAMOE_EP_COMM_SMS=n`` (n > 0) on a high-priority side stream (``ep_comm.shared_expert_stream``), its
 persistent grids sized for all SMs but n (``_common.reserve_sms``), while the current stream waits for the

@@ -14,7 +14,8 @@ stored [K, N].
 For the EP engineer: every launcher works on any expert-grouped buffer (for example rows received from
 peers) given device offsets; rows may be gathered from a token matrix through ``gather_idx_R``
 (int32, one token index per row) instead of being copied first. Nothing here reads device values on the
-host: no sync, CUDA-graph capturable. Determinism: no atomics; tile configs are a pure function of
+host: no sync, CUDA-graph capturable. Determinism: no float atomics (with a :class:`RowPull` an int32 tile counter
+decides which program computes a tile, never what it computes); tile configs are a pure function of
 (kind, N, K, dtype) (megamoe.ops.tile_config), so results are bitwise reproducible and each row's
 result is independent of the other rows (batch invariance).
 """
