@@ -42,17 +42,17 @@ def _status_code(stage, peer, epoch):
 
 
 @triton.jit
-def _wait_at_least(flag_ptr, target, status_ptr, code, max_iters, timeout_ns, USE_TIMER: tl.constexpr):
-    """Bounded acquire spin until ``*flag_ptr >= target``; on expiry record ``code`` in the status word.
-    Returns immediately when the status word is already set (an earlier wait failed)."""
-    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+def _spin(flag_ptr, target, status_ptr, max_iters, timeout_ns, USE_TIMER: tl.constexpr, SCOPE: tl.constexpr):
+    """Bounded acquire spin (at ``SCOPE``) until ``*flag_ptr >= target``; stops early when the status word is
+    set (an earlier wait failed). Returns True when it expired with the status word still clear."""
+    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
     st = tl.load(status_ptr, volatile=True)
     it = 0
     if USE_TIMER:
         t0 = tl.extra.cuda.globaltimer()
     go = (v < target) & (st == 0)
     while go:
-        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
         st = tl.load(status_ptr, volatile=True)
         it += 1
         if USE_TIMER:
@@ -60,7 +60,14 @@ def _wait_at_least(flag_ptr, target, status_ptr, code, max_iters, timeout_ns, US
         else:
             late = it > max_iters
         go = (v < target) & (st == 0) & (late == 0)
-    if (v < target) & (st == 0):
+    return (v < target) & (st == 0)
+
+
+@triton.jit
+def _wait_at_least(flag_ptr, target, status_ptr, code, max_iters, timeout_ns, USE_TIMER: tl.constexpr):
+    """Bounded acquire spin at system scope until ``*flag_ptr >= target``; on expiry record ``code`` in the
+    status word. Returns immediately when the status word is already set (an earlier wait failed)."""
+    if _spin(flag_ptr, target, status_ptr, max_iters, timeout_ns, USE_TIMER, "sys"):
         tl.atomic_cas(status_ptr, 0, code, sem="relaxed", scope="gpu")
 
 
@@ -262,25 +269,9 @@ def wait_flag_gpu(flag_ptr, target, flags_ptr, rank, stage, max_iters, timeout_n
     the status word ``flags_ptr[1]`` gets ``stage`` with this rank and the current epoch ``flags_ptr[0]``
     (first error wins); a status already set returns at once. The result of the caller's work is then
     garbage, and ``EPWorkspace.check`` raises."""
-    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-    if v < target:
-        st = tl.load(flags_ptr + 1, volatile=True)
-        it = 0
-        if USE_TIMER:
-            t0 = tl.extra.cuda.globaltimer()
-        go = st == 0
-        while go:
-            v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-            st = tl.load(flags_ptr + 1, volatile=True)
-            it += 1
-            if USE_TIMER:
-                late = (tl.extra.cuda.globaltimer() - t0) > timeout_ns
-            else:
-                late = it > max_iters
-            go = (v < target) & (st == 0) & (late == 0)
-        if (v < target) & (st == 0):
-            code = _status_code(stage, rank, tl.load(flags_ptr))
-            tl.atomic_cas(flags_ptr + 1, 0, code, sem="relaxed", scope="gpu")
+    if _spin(flag_ptr, target, flags_ptr + 1, max_iters, timeout_ns, USE_TIMER, "gpu"):
+        code = _status_code(stage, rank, tl.load(flags_ptr))
+        tl.atomic_cas(flags_ptr + 1, 0, code, sem="relaxed", scope="gpu")
 
 
 @triton.jit
