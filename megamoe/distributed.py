@@ -207,8 +207,9 @@ class EPWorkspace:
                     f"calling the same MoE layers in the same order with T <= max_tokens={self.spec.max_tokens}?")
         if stage == 5:
             return (f"megamoe EP rank {self.rank} of {self.world}: timed out after {self.timeout_s:g} s in stage "
-                    f"'{what}' (exchange epoch {epoch} mod 65536); the pull kernel did not run beside the GEMM "
-                    "(another kernel holding the SMs?), set MEGAMOE_EP_PULL_OVERLAP=0 to run them one after the other")
+                    f"'{what}' (exchange epoch {epoch} mod 65536): a block of rows the GEMM needs was not flagged in "
+                    "time (a pull slower than timeout_s, or a schedule / round-offset mismatch: a bug); "
+                    "MEGAMOE_EP_PULL_OVERLAP=0 runs the pull before the GEMM")
         return f"megamoe EP rank {self.rank} of {self.world}: {what} (exchange epoch {epoch} mod 65536)"
 
     def check(self) -> None:

@@ -40,7 +40,7 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
         capacity_rows: receive-buffer rows per round C (default: ``distributed.default_capacity_rows``,
             which covers the worst case in one round for W <= 2). More rows are processed in further
             rounds, launched ahead and exiting at once when unused.
-        timeout_s: bound of every cross-rank wait (> 0).
+        timeout_s: bound of every cross-rank wait, and of the GEMM's wait for the pull beside it (> 0).
         save_preact: keep the gate/up pre-activations of the received rows (round 0) from forward to
             backward, C x 2F elements of x's dtype per call (537 MB = 512 MiB for deepseek-v3 at the default
             C = 65536 of W >= 2 and 4096 tokens), so the backward does not recompute them; False recomputes

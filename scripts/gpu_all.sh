@@ -6,7 +6,8 @@
 #   layer's bit-invariance test), trainref (reference-backend tokens/s),
 #   benchroute (zipf + the routing trace written by the train stage), snippet (README snippet verbatim),
 #   ab (scripts/ab_backward.py: the EP path keeping round 0's x rows and pre-activations vs pulling / recomputing
-#     them; EP=2 on 2 GPUs, else W = 1 on a one-rank group at the same rows per expert),
+#     them; EP=2 on 2 GPUs, else W = 1 on a one-rank group at the same rows per expert; $AB_CASES, and the
+#     script's own AB_PULL / AB_SAVES / AB_ROUNDS / AB_TILES; several variants need LIMIT_AB above 150),
 #   sweep (scripts/gemm_sweep.py $SWEEP_ARGS: per-GEMM tile candidates, bitwise checked),
 #   comm (scripts/comm_bench.py $COMM_ARGS: dispatch / combine GB/s vs the peer-copy rate, 2 GPUs),
 #   abgluon (the layer with the Gluon weight-gradient kernel off, MEGAMOE_GLUON=0, then on; $ABGLUON_CASES),

@@ -293,7 +293,8 @@ def _suite(rank, W):
              "pull_beside": (per_rank(80, 40), "zipf", None, 1), "pull_beside_1": (per_rank(96, 0), "hot", None, 1),
              "pull_beside_repeat50": (per_rank(64, 48), "uniform", None, 50),
              "pull_beside_rounds": (per_rank(64), "one_rank", 128 * W, 1),
-             "pull_beside_big": (per_rank(1024), "uniform", None, 2)}
+             "pull_beside_big": (per_rank(1024), "uniform", None, 2),
+             "pull_beside_big_1": (per_rank(1024), "uniform", None, 2)}  # one program: the GEMM outruns it
     saves = {"keep_nothing": (False, False), "keep_gu_only": (True, False), "keep_x_only": (False, True),
              "rounds_keep_x_only": (False, True)}
     envs = {"torch_wgrad": {"MEGAMOE_TORCH_WGRAD": "1"},  # both sides (EP and EP=1 fused) through torch's kernel
@@ -305,7 +306,8 @@ def _suite(rank, W):
             "pull_beside": {"MEGAMOE_EP_PULL_OVERLAP": "8", "MEGAMOE_EP_COMM_SMS": "16"},
             "pull_beside_1": {"MEGAMOE_EP_PULL_OVERLAP": "1"},
             "pull_beside_repeat50": {"MEGAMOE_EP_PULL_OVERLAP": "8"},
-            "pull_beside_rounds": {"MEGAMOE_EP_PULL_OVERLAP": "8"}, "pull_beside_big": {"MEGAMOE_EP_PULL_OVERLAP": "16"}}
+            "pull_beside_rounds": {"MEGAMOE_EP_PULL_OVERLAP": "8"}, "pull_beside_big": {"MEGAMOE_EP_PULL_OVERLAP": "16"},
+            "pull_beside_big_1": {"MEGAMOE_EP_PULL_OVERLAP": "1"}}
     for name, (Ts, kind, cap, reps) in cases.items():
         rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, env=envs.get(name),
                           save=saves.get(name, (True, True)))
@@ -363,7 +365,7 @@ def report(request):
 
 CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50", "torch_wgrad", "torch_table",
          "push_kernel", "overlap", "comm_sms_64", "overlap_repeat50", "keep_nothing", "keep_gu_only", "keep_x_only",
-         "pull_beside", "pull_beside_1", "pull_beside_repeat50", "pull_beside_big"]
+         "pull_beside", "pull_beside_1", "pull_beside_repeat50", "pull_beside_big", "pull_beside_big_1"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -491,7 +493,7 @@ def test_pull_runs_beside_the_gemm_as_asked(report):
     for r, rep in enumerate(report):
         assert rep["uniform"]["pulls_beside"] == [], (r, rep["uniform"]["pulls_beside"])
         for case, n, reps in (("pull_beside", 8, 1), ("pull_beside_1", 1, 1), ("pull_beside_repeat50", 8, 50),
-                              ("pull_beside_big", 16, 2)):
+                              ("pull_beside_big", 16, 2), ("pull_beside_big_1", 1, 2)):
             assert rep[case]["pulls_beside"] == [n] * (2 * reps), (r, case, rep[case]["pulls_beside"])
 
 

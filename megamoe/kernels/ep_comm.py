@@ -33,7 +33,8 @@ import triton.language as tl
 SCHED_TOK = 8
 SCHED_SEG = 80  # SEG_CNT = 80, SEG_START = 80 + E, SEG_SRC = 80 + 2E, EXP_OFF = 80 + 3E, RND = 80 + 3E + L + 1
 
-STAGE_PLAN, STAGE_COMBINE, STAGE_BAD_ID, STAGE_OVERFLOW, STAGE_PULL = 1, 2, 3, 4, 5
+STAGE_PLAN, STAGE_COMBINE, STAGE_BAD_ID, STAGE_OVERFLOW = 1, 2, 3, 4
+STAGE_PULL: tl.constexpr = tl.constexpr(5)  # read inside kernels (megamoe.kernels.grouped_gemm)
 
 
 @triton.jit
@@ -269,9 +270,19 @@ def wait_flag_gpu(flag_ptr, target, flags_ptr, rank, stage, max_iters, timeout_n
     the status word ``flags_ptr[1]`` gets ``stage`` with this rank and the current epoch ``flags_ptr[0]``
     (first error wins); a status already set returns at once. The result of the caller's work is then
     garbage, and ``EPWorkspace.check`` raises."""
-    if _spin(flag_ptr, target, flags_ptr + 1, max_iters, timeout_ns, USE_TIMER, "gpu"):
-        code = _status_code(stage, rank, tl.load(flags_ptr))
-        tl.atomic_cas(flags_ptr + 1, 0, code, sem="relaxed", scope="gpu")
+    if tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu") < target:  # the flag mostly is already set
+        if _spin(flag_ptr, target, flags_ptr + 1, max_iters, timeout_ns, USE_TIMER, "gpu"):
+            code = _status_code(stage, rank, tl.load(flags_ptr))
+            tl.atomic_cas(flags_ptr + 1, 0, code, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def fence_proxy_async_global():
+    """``fence.proxy.async.global`` in every thread (GPU only: inline PTX): orders this thread's global memory
+    accesses through the generic proxy before it with the async proxy's (TMA) after it, and the other way
+    round (PTX ISA, memory consistency model, "proxies")."""
+    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
 
 
 @triton.jit
@@ -351,6 +362,8 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr
                     tl.store(gr_ptr + i64[:, None] * D + dd[None, :], go, mask=m)
                 d0 += BD
             if READY:  # every thread's stores of the block before the one release store
+                if PDL:  # on the GPU: the GEMM may read these rows through TMA (it fences on its side too)
+                    fence_proxy_async_global()
                 tl.debug_barrier()
                 tl.atomic_xchg(ready_ptr + 1 + blk, 1, sem="release", scope="gpu")
         blk += tl.num_programs(0)

@@ -10,7 +10,8 @@ Two kernel families (GEMM naming after DeepGEMM: which dimension is grouped):
   addressed through strides, so the same kernel runs the "nt" forward GEMMs (B[e] stored [N, K], the
   nn.Linear layout) and the "nn" dgrad GEMMs (B[e] stored [K, N]). ``row(r)`` is r, or
   ``a_idx[r]`` when HAS_GATHER (rows are gathered straight from the token matrix, no permuted copy).
-  Persistent grid: program p walks the tiles p, p + num_programs, ...; a tile is (m-tile, n-tile)
+  Persistent grid: program p walks the tiles p, p + num_programs, ... (WAIT_PULL: tiles from an int32
+  counter in increasing order, each tile first waiting for its rows' ready flags); a tile is (m-tile, n-tile)
   with the n-tile fastest. M-tiles never straddle two experts: expert e owns ``ceil(count_e / BLOCK_M)``
   m-tiles starting at ``tile_offsets[e]`` (exclusive prefix sum on the device), so the grid is sized
   from a static bound on rows and programs past the real work exit. Operand loads: pointer loads, or
@@ -54,7 +55,7 @@ SiLU: silu(x) = x * s, silu'(x) = s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x)) (
 import triton
 import triton.language as tl
 
-from .ep_comm import wait_flag_gpu
+from .ep_comm import STAGE_PULL, fence_proxy_async_global, wait_flag_gpu
 
 PLAIN: tl.constexpr = tl.constexpr(0)
 SWIGLU: tl.constexpr = tl.constexpr(1)
@@ -72,15 +73,6 @@ def _expert_of_tile(tile_offsets_ptr, row_offsets_ptr, m_tile, num_experts,
     row_start = tl.load(row_offsets_ptr + expert) + (m_tile - first_tile) * BLOCK_M
     row_end = tl.load(row_offsets_ptr + expert + 1)
     return expert, row_start, row_end
-
-
-@triton.jit
-def _fence_proxy_async_global():
-    """``fence.proxy.async.global`` in every thread: global memory accesses of the generic proxy before it (the
-    acquire of a ready flag, ordered to this thread by the CTA barrier after it) are ordered before the async
-    proxy's (TMA loads) after it (PTX ISA, "Proxies" / membar)."""
-    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
 
 
 @triton.jit
@@ -188,11 +180,11 @@ def _m_grouped_gemm_kernel(
         if WAIT_PULL:  # the blocks of A rows this tile stores (and their row scales) have landed
             blk = row_start // PULL_BM
             while blk * PULL_BM < tl.minimum(row_end, row_start + BLOCK_M):
-                wait_flag_gpu(pull_ptr + 1 + blk, 1, pull_flags_ptr, pull_rank, 5, pull_max_iters,  # 5: STAGE_PULL
+                wait_flag_gpu(pull_ptr + 1 + blk, 1, pull_flags_ptr, pull_rank, STAGE_PULL, pull_max_iters,
                               pull_timeout_ns, PULL_TIMER)
                 blk += 1
             if TMA_A:  # the rows were written through the generic proxy, TMA reads them through the async one
-                _fence_proxy_async_global()
+                fence_proxy_async_global()
         rows = tl.minimum(offs_m, num_rows - 1).to(tl.int64)  # clamped rows: computed, never stored
         if HAS_GATHER:
             a_rows = tl.load(a_idx_ptr + rows).to(tl.int64)

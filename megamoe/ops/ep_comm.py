@@ -236,7 +236,7 @@ def _launch_dispatch(ws, bufs, r, backward, pull_x, ready, programs) -> None:
                                       ws.offsets["rows"], s.max_tokens * s.hidden, W=s.world, E=s.num_experts,
                                       E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM,
                                       BD=_BD_BESIDE if beside else _BD, BWD=backward, ALIGNED=ws.aligned,
-                                      PULL_X=pull_x, READY=beside, PDL=beside and not interpret_mode(),
+                                      PULL_X=pull_x, READY=beside, PDL=beside and _pdl_device(ws.device),
                                       num_warps=_NW_BESIDE if beside else _NW)
 
 
@@ -278,8 +278,14 @@ def pull_beside(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: bool, 
     def launch() -> None:
         _launch_dispatch(ws, bufs, r, backward, pull_x, ready, n)
 
-    return RowPull(ready, _BM, ws.flags, ws.rank, max_iters, timeout_ns, use_timer,
-                   pdl=ws.device.type == "cuda" and not interpret_mode(), launch=launch)
+    return RowPull(ready, _BM, ws.flags, ws.rank, max_iters, timeout_ns, use_timer, pdl=_pdl_device(ws.device),
+                   launch=launch)
+
+
+def _pdl_device(dev: torch.device) -> bool:
+    """Programmatic dependent launch (``griddepcontrol``): compiled GPU kernels on sm_90 and later. Elsewhere
+    (the interpreter, an older GPU) the GEMM starts after the pull has finished: the same bits, no overlap."""
+    return dev.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(dev)[0] >= 9
 
 
 def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tensor | None,

@@ -92,7 +92,7 @@ class RowPull:
     """The rows of A still arriving while an m-grouped GEMM runs (expert parallelism: the pull of a round's rows
     beside the GEMM that consumes them, megamoe.ops.ep_comm.pull_beside).
 
-    ready_B1: int32 (1 + blocks,) device tensor, zero before ``launch`` runs: ``[0]`` the GEMM's tile counter,
+    ready_B1: int32 (1 + B,) device tensor (B blocks of ``block_rows`` rows), zero before ``launch`` runs: ``[0]`` the GEMM's tile counter,
     ``[1 + b]`` set to 1 by the pull (release, GPU scope) once rows ``[b * block_rows, (b + 1) * block_rows)``
     of A (and of the row scales) are written. launch: enqueues the pull kernel; the GEMM launcher calls it right
     after its own small kernels (the m-tile table), so that the GEMM is the next kernel of the stream, launched
@@ -441,7 +441,7 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
             being written by its pull (TMA reads of dy follow a proxy fence after the waits; the same bits).
     Returns:
         dgu_RG (R, 2F), hs_RF (R, F) in dy's dtype, row_dot_RP (R, P) fp32 or None.
-    Sync: none. Determinism: bitwise; no atomics (row_dot partials are reduced later in fixed order).
+    Sync: none. Determinism: bitwise; no float atomics (row_dot partials are reduced later in fixed order).
     """
     where = "swiglu_dgrad"
     _check_2d("dy", dy, where)
