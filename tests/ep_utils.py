@@ -18,6 +18,7 @@ Legend: W ranks, T tokens of a rank, K top-k, D hidden, E global experts, L = E 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
@@ -85,6 +86,21 @@ def _entry(fn, rank, world, args, q, port, backend):
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def temp_env(env: dict):
+    """The environment variables of ``env`` set for the block, each restored (or removed) after it."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def spawn_ranks(fn, world: int, *args, cuda: bool = False, backend: str | None = None, timeout: float = 300.0,
                 env: dict | None = None):
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; return [result of rank r].
@@ -102,18 +118,10 @@ def spawn_ranks(fn, world: int, *args, cuda: bool = False, backend: str | None =
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
+    with temp_env(env or {}):  # the children inherit it
         procs = [ctx.Process(target=_entry, args=(fn, r, world, args, q, port, backend)) for r in range(world)]
         for p in procs:
             p.start()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     results, errors, reported = {}, [], set()
     deadline = time.monotonic() + timeout
     try:

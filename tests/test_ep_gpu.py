@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from ep_utils import (ep_inputs, expert_counts, model_rounds, rank_device, shared_gpu, spawn_ranks,
-                      split_experts)
+                      split_experts, temp_env)
 from ep_utils import leaf as _leaf
 
 pytestmark = [pytest.mark.gpu]
@@ -74,8 +74,6 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None, sa
     import megamoe.ops.ep_experts as ee
     import megamoe.ops.grouped_gemm as gg
     from megamoe.ops import _common
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
     real, calls = gg.torch_wgrad, []
     gg.torch_wgrad = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     real_push, row_copies = ec.push_round, []  # pushes that copy result rows (not only the backward's dots)
@@ -95,7 +93,8 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None, sa
     real_pull, pulls = ec.pull_beside, []  # round 0's pulls beside a GEMM (MEGAMOE_EP_PULL_OVERLAP): programs
     ec.pull_beside = lambda *a, **kw: pulls.append(kw["programs"]) or real_pull(*a, **kw)
     try:
-        r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save)
+        with temp_env(env or {}):
+            r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save)
         r["fused_torch_calls"] = len(calls) - r["ep_torch_calls"]
         r["row_copies"] = sum(row_copies)
         r["pulls_beside"] = pulls
@@ -107,11 +106,6 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None, sa
         ec.push_round = real_push
         ec.pull_beside = real_pull
         ee._beside = real_beside
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _rounds_and_capacity(group, T, capacity, dev) -> tuple[int, int]:
@@ -306,8 +300,8 @@ def _suite(rank, W):
             "pull_beside": {"MEGAMOE_EP_PULL_OVERLAP": "8", "MEGAMOE_EP_COMM_SMS": "16"},
             "pull_beside_1": {"MEGAMOE_EP_PULL_OVERLAP": "1"},
             "pull_beside_repeat50": {"MEGAMOE_EP_PULL_OVERLAP": "8"},
-            "pull_beside_rounds": {"MEGAMOE_EP_PULL_OVERLAP": "8"}, "pull_beside_big": {"MEGAMOE_EP_PULL_OVERLAP": "16"},
-            "pull_beside_big_1": {"MEGAMOE_EP_PULL_OVERLAP": "1"}}
+            "pull_beside_rounds": {"MEGAMOE_EP_PULL_OVERLAP": "8"},
+            "pull_beside_big": {"MEGAMOE_EP_PULL_OVERLAP": "16"}, "pull_beside_big_1": {"MEGAMOE_EP_PULL_OVERLAP": "1"}}
     for name, (Ts, kind, cap, reps) in cases.items():
         rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, env=envs.get(name),
                           save=saves.get(name, (True, True)))
@@ -317,17 +311,10 @@ def _suite(rank, W):
     l13, l2 = w13[rank * L:(rank + 1) * L].contiguous(), w2[rank * L:(rank + 1) * L].contiguous()
     args = lambda x: (x, ids[rank], ws[rank], l13, l2, s13, s2)  # noqa: E731
     # inline / the shared expert beside the exchange / round 0's pull beside its GEMM (programmatic launch)
-    for tag, env in (("", {}), ("_overlap", {"MEGAMOE_EP_COMM_SMS": "16"}), ("_pull", {"MEGAMOE_EP_PULL_OVERLAP": "8"})):
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+    for tag, env in (("", {}), ("_overlap", {"MEGAMOE_EP_COMM_SMS": "16"}),
+                     ("_pull", {"MEGAMOE_EP_PULL_OVERLAP": "8"})):
+        with temp_env(env):
             _sync_and_graph(rep, tag, group, args, xs[rank], gos[rank])
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     # several rounds launched (32 W - 1 at capacity 1024), their weight-gradient kernels inside the graph
     _graph_fwd_bwd(rep, "_rounds", group, args, xs[rank], gos[rank], capacity=1024)
     torch.cuda.synchronize()

@@ -57,6 +57,17 @@ def _spawn_small(worker, Ts, *args, W=2, K=2, E=4, Dm=32, F=16):
                        Ts, K, E, F, *args, env=ENV)
 
 
+def _count_calls(module, name, counts, key):
+    """Replace ``module.name`` by a wrapper that adds 1 to ``counts[key]`` per call (workers only: each spawned
+    process patches its own import)."""
+    real = getattr(module, name)
+
+    def counted(*a, **kw):
+        counts[key] += 1
+        return real(*a, **kw)
+    setattr(module, name, counted)
+
+
 def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, push, overlap=0):
     import torch.nn.functional  # noqa: F401
 
@@ -65,22 +76,15 @@ def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, pu
     from megamoe.ops import ep_comm
     # which way the result rows went, and how often round 0's pull ran beside a GEMM (counted, then asserted)
     pushes = {"epilogue": 0, "row_copies": 0, "pulls_beside": 0}
-    real_target, real_push, real_beside = ep_comm.push_target, ep_comm.push_round, ep_comm.pull_beside
-
-    def counted_target(*a, **kw):
-        pushes["epilogue"] += 1
-        return real_target(*a, **kw)
-
-    def counted_beside(*a, **kw):
-        pushes["pulls_beside"] += 1
-        return real_beside(*a, **kw)
-    ep_comm.pull_beside = counted_beside
+    real_push = ep_comm.push_round
+    _count_calls(ep_comm, "push_target", pushes, "epilogue")
+    _count_calls(ep_comm, "pull_beside", pushes, "pulls_beside")
 
     def counted_push(ws, bufs, r, y_CD, dots_CP=None):
         pushes["row_copies"] += y_CD is not None
         return real_push(ws, bufs, r, y_CD, dots_CP)
 
-    ep_comm.push_target, ep_comm.push_round = counted_target, counted_push
+    ep_comm.push_round = counted_push
 
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
     from megamoe.functional import moe_experts
@@ -215,16 +219,8 @@ def _two_layer_worker(rank, W, buffers, spec_args, Ts, K, E, F):
     from megamoe.functional_ep import moe_experts_ep_workspace
 
     counts = {"built": 0, "restored": 0}
-    real_plan, real_restore = ep_comm.routing_plan, ep_comm.restore_plan
-
-    def built(*a, **kw):
-        counts["built"] += 1
-        return real_plan(*a, **kw)
-
-    def restored(*a, **kw):
-        counts["restored"] += 1
-        return real_restore(*a, **kw)
-    ep_comm.routing_plan, ep_comm.restore_plan = built, restored
+    _count_calls(ep_comm, "routing_plan", counts, "built")
+    _count_calls(ep_comm, "restore_plan", counts, "restored")
     spec = WorkspaceSpec(*spec_args)
     ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)
     L, Dm = E // W, spec.hidden

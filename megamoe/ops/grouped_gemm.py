@@ -92,9 +92,9 @@ class RowPull:
     """The rows of A still arriving while an m-grouped GEMM runs (expert parallelism: the pull of a round's rows
     beside the GEMM that consumes them, megamoe.ops.ep_comm.pull_beside).
 
-    ready_B1: int32 (1 + B,) device tensor (B blocks of ``block_rows`` rows), zero before ``launch`` runs: ``[0]`` the GEMM's tile counter,
-    ``[1 + b]`` set to 1 by the pull (release, GPU scope) once rows ``[b * block_rows, (b + 1) * block_rows)``
-    of A (and of the row scales) are written. launch: enqueues the pull kernel; the GEMM launcher calls it right
+    ready_B1: int32 (1 + B,) device tensor (B blocks of ``block_rows`` rows), zero before ``launch`` runs:
+    ``[0]`` the GEMM's tile counter, ``[1 + b]`` set to 1 by the pull (release, GPU scope) once rows
+    ``[b * block_rows, (b + 1) * block_rows)`` of A (and of the row scales) are written. launch: enqueues the pull kernel; the GEMM launcher calls it right
     after its own small kernels (the m-tile table), so that the GEMM is the next kernel of the stream, launched
     as its programmatic dependent (``pdl``) on the GPU: it starts once every program of the pull is resident,
     takes tiles from the counter in increasing order and spins (bounded, ``max_iters`` / ``timeout_ns``,
