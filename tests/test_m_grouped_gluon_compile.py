@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from megamoe.ops import GemmConfig  # noqa: E402
 from megamoe.ops.m_grouped_gluon import (WS_MAXNREG, _m_grouped_plain_kernel, _m_grouped_ws_kernel,  # noqa: E402
                                          m_grouped_operands_fit)
+from triton_versions import expected  # noqa: E402
 
 from test_wgrad_gluon_compile import HOPPER_SMEM, _ptxas_report  # noqa: E402
 
@@ -71,7 +72,7 @@ def test_compiles_to_wgmma_tma_without_spills(tmp_path, b_nk, block_n, stages, h
     ptx_dt = {"bf16": "bf16", "fp16": "f16"}[dt]
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.{ptx_dt}\.{ptx_dt}", ptx)
     assert "mma.sync" not in ptx
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx)) >= 2
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::(?:cluster|cta)\.global", ptx)) >= 2
     assert "mbarrier.try_wait" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
     report = _ptxas_report(ptx, tmp_path)
@@ -100,14 +101,14 @@ def test_warp_specialized_kernel_compiles(tmp_path, b_nk, block_n, stages, has_s
     assert "mma.sync" not in ptx
     regs = set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
     assert ("inc", "232") in regs and ("dec", "40") in regs, regs
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx)) >= 2
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::(?:cluster|cta)\.global", ptx)) >= 2
     assert "mbarrier.try_wait" in ptx and "mbarrier.arrive.shared::cta.b64" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
     report = _ptxas_report(ptx, tmp_path)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     # the row-scale epilogue (not used by the layer: its down projection is unscaled) spills a few words at
-    # 232 registers; the unscaled kernels must not spill at all
-    assert spill and int(spill.group(1)) <= (32 if has_scale else 0), report
+    # 232 registers (28 bytes with Triton 3.6, 36 with 3.7); the unscaled kernels must not spill at all
+    assert spill and int(spill.group(1)) <= (expected({(3, 7): 36, "default": 32}) if has_scale else 0), report
     assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
     estimate = 2 * stages * 64 * (128 + block_n) + 2 * 64 * block_n + 256  # GemmConfig's check
     assert k.metadata.shared <= estimate, (k.metadata.shared, estimate)

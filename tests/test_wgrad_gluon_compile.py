@@ -19,6 +19,7 @@ pytest.importorskip("triton.experimental.gluon")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from megamoe.ops.wgrad_gluon import GLUON_AVAILABLE  # noqa: E402
+from triton_versions import expected  # noqa: E402
 
 
 def test_gluon_path_imports():
@@ -124,7 +125,8 @@ def test_ws_kernel_compiles_to_tma_wgmma_and_named_barriers(tmp_path, stages, re
     64-column boxes per 128-column chunk:
     a 128-byte swizzle holds 64 16-bit elements), m64n128k16 wgmma, mbarrier handshakes; the barrier before a
     zeroed chunk's wgmma is a named barrier of the MMA warpgroup's 128 threads (a CTA-wide ``bar.sync 0``
-    without a count would wait for the load warp and hang); no spills; the ring within 227 KiB."""
+    without a count would wait for the load warp and hang); no spills (but for one release, below); the ring within
+    227 KiB."""
     k = _compile_ws(stages, dt, res, tma_c)
     ptx = k.asm["ptx"]
     # TMA_C: the output tile leaves by a bulk tensor store (one in each MMA warpgroup's code), else by st.global
@@ -132,12 +134,16 @@ def test_ws_kernel_compiles_to_tma_wgmma_and_named_barriers(tmp_path, stages, re
     ptx_dt = {"bf16": "bf16", "fp16": "f16"}[dt]
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.{ptx_dt}\.{ptx_dt}", ptx)
     # P and Q chunks of a ring step, plus (resident P) the unit's res P chunks
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx)) == 4 + 2 * res
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::(?:cluster|cta)\.global", ptx)) == 4 + 2 * res
     assert "cp.async.ca" not in ptx and "cp.async.cg" not in ptx
     assert "mbarrier.try_wait.parity" in ptx and "fence.proxy.async" in ptx
     partition_bars = re.findall(r"bar\.sync \t(\d+), (\d+);", ptx)
     assert partition_bars and {n for _, n in partition_bars} == {"128"}, partition_bars
     assert "ld.local" not in ptx and "st.local" not in ptx
     report = _ptxas_report(ptx, tmp_path)
-    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    # Triton 3.8's register allocation spills 24 bytes in the MMA warpgroups when P stays on chip (resident
+    # chunks) and the tile leaves by masked stores; no other supported release spills here
+    budget = expected({(3, 8): 24 if res and not tma_c else 0, "default": 0})
+    assert spill and int(spill.group(1)) <= budget, report
     assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"

@@ -31,6 +31,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from .gluon_compat import cta_barrier, tma_load
+
 
 @gluon.jit
 def _tile_coords(tile, tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles, E_POW2: gl.constexpr,
@@ -56,11 +58,11 @@ def _issue(a_desc, b_desc, a_ring, b_ring, bars, p, row_start, b_row, n0, k0, ST
     slot = p % STAGES
     bar = bars.index(slot)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(a_desc, [row_start, k0], bar, a_ring.index(slot))
+    tma_load(a_desc, [row_start, k0], bar, a_ring.index(slot))
     if B_NK:
-        tma.async_copy_global_to_shared(b_desc, [b_row + n0, k0], bar, b_ring.index(slot))
+        tma_load(b_desc, [b_row + n0, k0], bar, b_ring.index(slot))
     else:
-        tma.async_copy_global_to_shared(b_desc, [b_row + k0, n0], bar, b_ring.index(slot))
+        tma_load(b_desc, [b_row + k0, n0], bar, b_ring.index(slot))
 
 
 @gluon.jit
@@ -164,7 +166,7 @@ def _m_grouped_plain_kernel(
         mbarrier.wait(bars.index(slot), (s // STAGES) & 1)
         acc = warpgroup_mma(a_ring.index(slot), _b_operand(b_ring, slot, B_NK), acc, use_acc=c_k > 0, is_async=True)
         acc = warpgroup_mma_wait(1, deps=[acc])
-        gl.thread_barrier()  # both warpgroups are done with step s - 1's slot
+        cta_barrier()  # both warpgroups are done with step s - 1's slot
         p, p_k, p_tile, p_expert, p_row, p_n0 = _produce(
             a_desc, b_desc, a_ring, b_ring, bars, p, p_k, p_tile, p_expert, p_row, p_n0, total, G, B_ROWS,
             tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles, K_STEPS, STAGES, B_NK, E_POW2, BLOCK_M,

@@ -42,6 +42,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .gluon_compat import cp_async_load, cta_barrier, tma_store
+
 
 @gluon.jit
 def _chunk_src(idx_ptr, row0, row_end, valid, GATHER: gl.constexpr, BLOCK_K: gl.constexpr, LAYOUT: gl.constexpr):
@@ -60,7 +62,7 @@ def _copy_chunk(src_ptr, smem, src, mask_r, col0, ncols, stride_r, COLS: gl.cons
     """cp.async rows ``src`` x columns [col0, col0 + COLS) into smem (16-byte copies; zeros where masked)."""
     cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
     ptrs = src_ptr + src.to(gl.int64)[:, None] * stride_r + cols[None, :]
-    async_copy.async_copy_global_to_shared(smem, ptrs, mask=mask_r[:, None] & (cols < ncols)[None, :])
+    cp_async_load(smem, ptrs, mask=mask_r[:, None] & (cols < ncols)[None, :])
 
 
 @gluon.jit
@@ -163,7 +165,7 @@ def _k_grouped_wgrad_kernel(
             c = gl.to_tensor(0)
             while c < nch:
                 async_copy.wait_group(STAGES - 3)  # this thread's copies of step s have landed
-                gl.thread_barrier()  # everyone's have; every warpgroup is done with the slot of step s - 2
+                cta_barrier()  # everyone's have; every warpgroup is done with the slot of step s - 2
                 _issue_step(p_ptr, q_ptr, p_buf, q_ring, k, kn, m0, M, N, stride_pr, stride_qr, p_src, pmask,
                             q_src, qmask, resident, STAGES, BLOCK_M, BLOCK_N, LOAD_P, LOAD_Q)
                 p_slot = gl.where(resident, c, s % STAGES)
@@ -179,11 +181,11 @@ def _k_grouped_wgrad_kernel(
             n0 = n_tile * BLOCK_N
             if TMA_C:
                 tma.store_wait(0)  # the previous tile's store has read the staging buffer
-                gl.thread_barrier()
+                cta_barrier()
                 c_smem.store(acc.to(out_ty))
                 fence_async_shared()
-                gl.thread_barrier()
-                tma.async_copy_shared_to_global(c_desc, [expert * M + m0, n0], c_smem)
+                cta_barrier()
+                tma_store(c_desc, [expert * M + m0, n0], c_smem)
             else:
                 out = gl.convert_layout(acc.to(out_ty), LOAD_Q)
                 offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD_Q))
@@ -192,6 +194,6 @@ def _k_grouped_wgrad_kernel(
                         + offs_n[None, :])
                 gl.store(ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
         async_copy.wait_group(0)  # the unit's trailing (all-masked) steps: nothing in flight past a unit
-        gl.thread_barrier()
+        cta_barrier()
     if TMA_C:
         tma.store_wait(0)

@@ -51,6 +51,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .gluon_compat import cta_barrier, tma_load, tma_store
+
 
 @gluon.jit
 def _unit(unit, row_offsets_ptr, tiles_m, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
@@ -82,7 +84,7 @@ def _ws_wgrad_load(p_desc, q_desc, p_buf, q_ring, ready, empty, p_ready, p_free,
         if resident:  # all RES chunks (a constant byte count for the barrier; those past nch are never read)
             mbarrier.expect(p_ready, RES * p_desc.block_type.nbytes)
             for c in gl.static_range(RES):
-                tma.async_copy_global_to_shared(p_desc, [row_start + c * BLOCK_K, m0], p_ready, p_buf.index(c))
+                tma_load(p_desc, [row_start + c * BLOCK_K, m0], p_ready, p_buf.index(c))
         for n in range(tiles_n):
             c = gl.to_tensor(0)
             while c < nch:  # a while loop: see megamoe.kernels.wgrad_gluon (Triton 3.6 and range() bounds)
@@ -94,8 +96,8 @@ def _ws_wgrad_load(p_desc, q_desc, p_buf, q_ring, ready, empty, p_ready, p_free,
                     mbarrier.expect(bar, q_desc.block_type.nbytes)
                 else:
                     mbarrier.expect(bar, p_desc.block_type.nbytes + q_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(p_desc, [row0, m0], bar, p_buf.index(slot))
-                tma.async_copy_global_to_shared(q_desc, [row0, n * BLOCK_N], bar, q_ring.index(slot))
+                    tma_load(p_desc, [row0, m0], bar, p_buf.index(slot))
+                tma_load(q_desc, [row0, n * BLOCK_N], bar, q_ring.index(slot))
                 s += 1
                 c += 1
         u += 1
@@ -139,7 +141,7 @@ def _ws_wgrad_mma(p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, 
                 if last_valid < BLOCK_K:
                     _zero_rows(p_buf.index(nch - 1), last_valid, BLOCK_K, BLOCK_M)
                     fence_async_shared()
-                    gl.thread_barrier()  # the warpgroup's stores are visible to both warpgroups' wgmmas
+                    cta_barrier()  # the warpgroup's stores are visible to both warpgroups' wgmmas
                 mbarrier.arrive(p_zeroed)
             elif tiles_n > 1:  # the other consumer has tiles in this unit
                 mbarrier.wait(p_zeroed, ur & 1)
@@ -160,7 +162,7 @@ def _ws_wgrad_mma(p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, 
                             _zero_rows(p_buf.index(slot), valid, BLOCK_K, BLOCK_M)
                         _zero_rows(q_ring.index(slot), valid, BLOCK_K, BLOCK_N)
                         fence_async_shared()
-                        gl.thread_barrier()  # the warpgroup's stores are visible to its wgmma
+                        cta_barrier()  # the warpgroup's stores are visible to its wgmma
                     p_op = p_buf.index(gl.where(resident, c, slot)).permute((1, 0))
                     acc = warpgroup_mma(p_op, q_ring.index(slot), acc, is_async=True)
                     acc = warpgroup_mma_wait(1, deps=[acc])  # the step before is complete: release its slot
@@ -177,11 +179,11 @@ def _ws_wgrad_mma(p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, 
                 if TMA_C:
                     buf = c_smem.index(CONSUMER)
                     tma.store_wait(0)  # this warpgroup's previous tile store has read the buffer
-                    gl.thread_barrier()
+                    cta_barrier()
                     buf.store(acc.to(out_ty))
                     fence_async_shared()
-                    gl.thread_barrier()  # the whole tile is in shared memory before the store reads it
-                    tma.async_copy_shared_to_global(c_desc, [expert * M + m0, n * BLOCK_N], buf)
+                    cta_barrier()  # the whole tile is in shared memory before the store reads it
+                    tma_store(c_desc, [expert * M + m0, n * BLOCK_N], buf)
                 else:
                     out = gl.convert_layout(acc.to(out_ty), STORE)
                     offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, STORE))

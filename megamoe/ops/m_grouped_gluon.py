@@ -24,7 +24,11 @@ try:  # Gluon is experimental: keep the library importable without it
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from ..kernels.gluon_compat import MISSING as _GLUON_MISSING
     from ..kernels.grouped_gemm_gluon import _m_grouped_plain_kernel, _m_grouped_ws_kernel
+
+    if _GLUON_MISSING:  # this Triton lacks a builtin the kernels call: they would fail to compile at run time
+        _m_grouped_plain_kernel = _m_grouped_ws_kernel = None
 except Exception:  # noqa: BLE001 - any import problem means: no Gluon path
     _m_grouped_plain_kernel = _m_grouped_ws_kernel = None
 

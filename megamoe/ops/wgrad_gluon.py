@@ -4,9 +4,11 @@ Legend: R rows of an expert-grouped row buffer, E experts, C[e] = P[rows_e]^T @ 
 
 Used by ``ops.grouped_gemm.k_grouped_mm`` when the tile table asks for it (``GemmConfig.gluon``) and
 :func:`gluon_wgrad_eligible` holds; otherwise the Triton kernels run with the same tiles and chunk order.
-Gluon is Triton's experimental lower-level language: if it is missing or fails to import (another Triton
-version), or ``MEGAMOE_GLUON=0`` is set, every weight gradient takes the Triton kernels. Nothing here reads
-device values on the host (no sync, CUDA-graph capturable); the grid is sized from E, M and N alone.
+Gluon is Triton's experimental lower-level language, whose builtins are renamed between releases
+(megamoe.kernels.gluon_compat resolves them): if it is missing, fails to import or lacks a builtin the kernels
+call (another Triton version), or ``MEGAMOE_GLUON=0`` is set, every weight gradient takes the Triton kernels
+(the same bits). Nothing here reads device values on the host (no sync, CUDA-graph capturable); the grid is
+sized from E, M and N alone.
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ try:  # Gluon is experimental: keep the library importable without it
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from ..kernels.gluon_compat import MISSING as _GLUON_MISSING
     from ..kernels.wgrad_gluon import _k_grouped_wgrad_kernel
     from ..kernels.wgrad_ws_gluon import _k_grouped_wgrad_ws_kernel
+
+    if _GLUON_MISSING:  # this Triton lacks a builtin the kernels call: they would fail to compile at run time
+        _k_grouped_wgrad_kernel = _k_grouped_wgrad_ws_kernel = None
 except Exception:  # noqa: BLE001 - any import problem means: no Gluon path
     _k_grouped_wgrad_kernel = _k_grouped_wgrad_ws_kernel = None
 
