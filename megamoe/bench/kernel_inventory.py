@@ -170,7 +170,7 @@ def _compile(kernel, sig: dict, const: dict, divisible: set, cfg: GemmConfig):
                            f"{set(names) - set(sig)}, extra {set(sig) - set(names)}")
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     return triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True))
 
 
 def _with_ints(sig: dict, const: dict, divisible: set, ints: dict) -> None:

@@ -49,7 +49,7 @@ def combine_fwd(y_RD: torch.Tensor, row_of_TK: torch.Tensor, topk_weights_TK: to
     _combine_fwd_kernel[grid](
         y_RD, row_of_TK, w, shared_TD if shared_TD is not None else y_RD, out,
         T, D, y_RD.stride(0), shared_TD.stride(0) if shared_TD is not None else 0, out.stride(0),
-        K=K, HAS_SHARED=shared_TD is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=4,
+        K=K, HAS_SHARED=shared_TD is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=4, enable_fp_fusion=True,
     )
     return out
 
@@ -83,6 +83,6 @@ def slot_sum_bwd(dx_rows_RD: torch.Tensor | None, row_of_TK: torch.Tensor, dx_sh
         T, D, num_p, dx_rows_RD.stride(0) if has_dx else 0,
         dx_shared_TD.stride(0) if dx_shared_TD is not None else 0, dx.stride(0) if has_dx else 0,
         K=K, HAS_SHARED=dx_shared_TD is not None, HAS_DX=has_dx, HAS_DW=has_dw, P_POW2=pow2(num_p),
-        BLOCK_T=bt, BLOCK_D=bd, num_warps=4,
+        BLOCK_T=bt, BLOCK_D=bd, num_warps=4, enable_fp_fusion=True,
     )
     return dx, dw

@@ -144,7 +144,8 @@ def publish(ws: EPWorkspace, topk_ids_TK: torch.Tensor, x_TD: torch.Tensor, dout
         routing_plan(ws, topk_ids_TK)
     else:
         restore_plan(ws, saved_plan, T, K)
-    K_.ep_signal_kernel[(1,)](ws.ptrs_W, ws.flags, ws.rank, WORD0=FLAG_READY, W=s.world, BUMP=True, num_warps=1)
+    K_.ep_signal_kernel[(1,)](ws.ptrs_W, ws.flags, ws.rank, WORD0=FLAG_READY, W=s.world, BUMP=True, num_warps=1,
+                              enable_fp_fusion=True)
 
 
 def _check_tokens(ws: EPWorkspace, T: int) -> None:
@@ -176,13 +177,13 @@ def routing_plan(ws: EPWorkspace, topk_ids_TK: torch.Tensor) -> None:
     block = 1024 if not interpret_mode() else 64
     if N * s.num_experts <= _SCAN_MAX:
         K_.ep_plan_scan_kernel[(s.num_experts,)](ids_N, ws.plan, ws.sorted_N, ws.flags, N, T, s.num_experts,
-                                                 ws.rank, BLOCK=block)
+                                                 ws.rank, BLOCK=block, enable_fp_fusion=True)
         return
     offsets_E1, order_N = expert_sort(topk_ids_TK, s.num_experts)
     ws.sorted_N[:N].copy_(order_N)
     K_.ep_plan_kernel[(max(1, triton.cdiv(N, block)),)](ids_N, offsets_E1, ws.plan, ws.flags, N, T,
                                                          s.num_experts, ws.rank, BLOCK=block,
-                                                         E_PAD=_pow2(s.num_experts))
+                                                         E_PAD=_pow2(s.num_experts), enable_fp_fusion=True)
 
 
 def save_plan(ws: EPWorkspace, T: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +214,7 @@ def build_schedule(ws: EPWorkspace, bufs: ExchangeBuffers, timeout_s: float) -> 
     K_.ep_schedule_kernel[(1,)](ws.ptrs_W, ws.flags, bufs.sched, ws.rank, L, bufs.C, bufs.rounds, max_iters,
                                 timeout_ns, ws.offsets["plan"], READY=FLAG_READY, W=s.world, E=s.num_experts,
                                 W_PAD=_pow2(s.world), E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1),
-                                USE_TIMER=use_timer, num_warps=4)
+                                USE_TIMER=use_timer, num_warps=4, enable_fp_fusion=True)
 
 
 def dispatch_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: bool, pull_x: bool = True) -> None:
@@ -237,7 +238,7 @@ def _launch_dispatch(ws, bufs, r, backward, pull_x, ready, programs) -> None:
                                       E_PAD=_pow2(s.num_experts), L_PAD=_pow2(L + 1), BM=_BM,
                                       BD=_BD_BESIDE if beside else _BD, BWD=backward, ALIGNED=ws.aligned,
                                       PULL_X=pull_x, READY=beside, PDL=beside and _pdl_device(ws.device),
-                                      num_warps=_NW_BESIDE if beside else _NW)
+                                      num_warps=_NW_BESIDE if beside else _NW, enable_fp_fusion=True)
 
 
 # Programs of the pull beside the first GEMM of round 0 (MEGAMOE_EP_PULL_OVERLAP); 0 = off: the pull, then the GEMM.
@@ -271,7 +272,7 @@ def pull_beside(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: bool, 
     blocks = triton.cdiv(C, _BM)
     ready = torch.zeros(1 + blocks, dtype=torch.int32, device=ws.device)
     K_.ep_round_offsets_kernel[(1,)](bufs.sched, bufs.roff_L1, r, C, L, E=s.num_experts, L_PAD=_pow2(L + 1),
-                                     num_warps=1)
+                                     num_warps=1, enable_fp_fusion=True)
     max_iters, timeout_ns, use_timer = _wait_args(timeout_s, ws.device)
     n = min(programs, blocks)
 
@@ -307,7 +308,8 @@ def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tenso
                                               s.top_k, s.num_experts // s.world, P, ws.offsets["slots"],
                                               ws.offsets["dots"], E=s.num_experts, BM=_BM, BD=_BD,
                                               HAS_DOT=dots_CP is not None, P_POW2=_pow2(P),
-                                              HAS_ROWS=y_CD is not None, ALIGNED=ws.aligned, num_warps=_NW)
+                                              HAS_ROWS=y_CD is not None, ALIGNED=ws.aligned, num_warps=_NW,
+                                              enable_fp_fusion=True)
 
 
 def _check_round(bufs: ExchangeBuffers, r: int) -> None:
@@ -380,14 +382,14 @@ def shared_expert_stream(ws: EPWorkspace) -> tuple[torch.cuda.Stream, int] | Non
 def signal_done(ws: EPWorkspace) -> None:
     """Destination: tell every owner that all of this rank's pushes of the exchange are written."""
     K_.ep_signal_kernel[(1,)](ws.ptrs_W, ws.flags, ws.rank, WORD0=FLAG_READY + ws.world, W=ws.world, BUMP=False,
-                              num_warps=1)
+                              num_warps=1, enable_fp_fusion=True)
 
 
 def wait_done(ws: EPWorkspace, timeout_s: float) -> None:
     """Owner: bounded wait until every rank signalled "done" for the current epoch."""
     max_iters, timeout_ns, use_timer = _wait_args(timeout_s, ws.device)
     K_.ep_wait_done_kernel[(1,)](ws.flags, max_iters, timeout_ns, DONE=FLAG_READY + ws.world, W=ws.world,
-                                 USE_TIMER=use_timer, num_warps=1)
+                                 USE_TIMER=use_timer, num_warps=1, enable_fp_fusion=True)
 
 
 def slot_views(ws: EPWorkspace, T: int, P: int = 1):

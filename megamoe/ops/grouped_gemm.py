@@ -230,7 +230,7 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         PULL_TIMER=pull is not None and pull.use_timer, PULL_GDC=pull is not None and pull.pdl,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_N=_dot_cols(cfg) if epilogue == _SWIGLU_BWD else cfg.block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, enable_fp_fusion=True, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if pull is not None and pull.pdl else {}),
     )
     return cfg
@@ -596,6 +596,6 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         FP32_DOT=interpret or dtype == torch.float32, INTERPRET=interpret,
         EVEN_M=M % cfg.block_m == 0, EVEN_N=N % cfg.block_n == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        num_warps=cfg.num_warps, enable_fp_fusion=True, num_stages=cfg.num_stages, **extra,
     )
     return c

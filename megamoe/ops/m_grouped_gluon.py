@@ -95,11 +95,12 @@ def launch_gluon_m_grouped(cfg, a: torch.Tensor, b: torch.Tensor, stride_b, K: i
             num_rows, N, E, r, c.stride(0), K,
             B_NK=b_nk, HAS_SCALE=scale is not None, E_POW2=pow2(E), COOP=bn == 256,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.num_stages, num_warps=4, maxnreg=WS_MAXNREG,
+            enable_fp_fusion=True,
         )
         return
     _m_grouped_plain_kernel[grid](
         a_desc, b_desc, scale if scale is not None else c, offsets_E1, tile_offsets_E1, c,
         num_rows, N, E, r, c.stride(0), K,
         B_NK=b_nk, HAS_SCALE=scale is not None, E_POW2=pow2(E),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.num_stages, num_warps=cfg.num_warps, enable_fp_fusion=True,
     )

@@ -64,7 +64,8 @@ def tile_offsets_for(offsets_E1: torch.Tensor, block_m: int) -> torch.Tensor:
     if offsets_E1.dtype == torch.int32 and offsets_E1.is_contiguous() and (
             offsets_E1.is_cuda or is_interpreted(_tile_offsets_kernel)):
         tiles_E1 = torch.empty_like(offsets_E1)
-        _tile_offsets_kernel[(1,)](offsets_E1, tiles_E1, E, BLOCK_M=block_m, E_POW2=pow2(E), num_warps=4)
+        _tile_offsets_kernel[(1,)](offsets_E1, tiles_E1, E, BLOCK_M=block_m, E_POW2=pow2(E), num_warps=4,
+                                   enable_fp_fusion=True)
         return tiles_E1
     counts_E = offsets_E1[1:] - offsets_E1[:-1]
     tiles_E1 = torch.zeros_like(offsets_E1)

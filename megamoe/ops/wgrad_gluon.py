@@ -138,7 +138,7 @@ def launch_gluon_wgrad(cfg, p: torch.Tensor, p_idx_R: torch.Tensor | None, q: to
         offsets_E1, c, c_desc, E, M, N, p.stride(0), q.stride(0), c.stride(0), c.stride(1),
         P_GATHER=p_idx_R is not None, Q_GATHER=q_idx_R is not None, TMA_C=tma_c,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, RES=cfg.resident_chunks,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, enable_fp_fusion=True,
     )
 
 
@@ -168,4 +168,5 @@ def launch_gluon_wgrad_ws(cfg, p: torch.Tensor, q: torch.Tensor, offsets_E1: tor
     _k_grouped_wgrad_ws_kernel[(min(_sm_count(c.device.index or 0), num_units),)](
         p_desc, q_desc, offsets_E1, c, c_desc, E, M, N, c.stride(0), c.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.num_stages, RES=cfg.resident_chunks, TMA_C=tma_c, num_warps=4,
+        enable_fp_fusion=True,
     )

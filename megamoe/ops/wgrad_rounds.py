@@ -110,7 +110,7 @@ def k_grouped_round(p: torch.Tensor, q: torch.Tensor, roff_L1: torch.Tensor, ful
         FP32_DOT=interpret or dtype == torch.float32, INTERPRET=interpret,
         EVEN_M=M % cfg.block_m == 0, EVEN_N=N % cfg.block_n == 0, L_PAD=pow2(L),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, enable_fp_fusion=True, num_stages=cfg.num_stages,
     )
 
 
@@ -128,4 +128,5 @@ def finalize_split(scratch: torch.Tensor, full_off_L1: torch.Tensor, out: torch.
         return
     block = _FIN_BLOCK_INTERPRET if is_interpreted(_split_finalize_kernel) else _FIN_BLOCK
     _split_finalize_kernel[(triton.cdiv(M * N, block), S)](scratch, full_off_L1, out, M * N, L, capacity_rows,
-                                                           L_PAD=pow2(L), BLOCK=block, num_warps=4)
+                                                           L_PAD=pow2(L), BLOCK=block, num_warps=4,
+                                                           enable_fp_fusion=True)
