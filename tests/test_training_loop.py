@@ -11,7 +11,8 @@ training without it. Casting a model (``.to(dtype)``, ``.bfloat16()``, ``.half()
 keeps the router weight and the bias fp32 and the counters int64, so a 1e-3 bias update still moves a bias at
 0.75; a cast the backend cannot run is refused before anything changes.
 
-The same checkpointing comparison on the fused backend: ``test_checkpointing_fused_gpu`` (``gpu`` mark).
+The same checkpointing comparison on the fused backend: ``test_checkpointing_fused_gpu`` (``gpu`` mark; on CPU
+under TRITON_INTERPRET=1 it takes about a minute, too long for this file).
 """
 
 import copy
@@ -287,8 +288,11 @@ def test_top1_with_normalised_weights_warns_once_at_construction():
             MoE(ok, seed=0)
 
 
+GPU_CASES = [CASES[i] for i in (1, 2, 4, 7, 8)]  # block and selective with the aux loss, reentrant, both mixes
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("coef,modes", CASES, ids=[f"aux{c:g}-{'+'.join(m)}" for c, m in CASES])
+@pytest.mark.parametrize("coef,modes", GPU_CASES, ids=[f"aux{c:g}-{'+'.join(m)}" for c, m in GPU_CASES])
 def test_checkpointing_fused_gpu(coef, modes):
     """The checkpointing comparison on the fused backend (bf16, CUDA): bitwise equal to the plain steps."""
     cfg = get_preset("tiny", seq_aux_loss_coef=coef)
