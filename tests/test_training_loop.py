@@ -124,8 +124,12 @@ CASES = [  # (aux-loss coefficient, micro-batch modes); reentrant checkpointing 
 ]
 
 
-@pytest.mark.parametrize("one_backward", [False, True], ids=["backward-each", "one-backward"])
-@pytest.mark.parametrize("coef,modes", CASES, ids=[f"aux{c:g}-{'+'.join(m)}" for c, m in CASES])
+RUNS = [(c, m, False) for c, m in CASES] + [(c, m, True) for c, m in CASES[3:4] + CASES[6:]]  # one backward:
+# the recomputes run in reverse order, after every forward of the step
+
+
+@pytest.mark.parametrize("coef,modes,one_backward", RUNS,
+                         ids=[f"aux{c:g}-{'+'.join(m)}{'-one-backward' if o else ''}" for c, m, o in RUNS])
 def test_checkpointing_matches_plain_steps(coef, modes, one_backward):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # CPU BLAS may split work differently between calls when multi-threaded
