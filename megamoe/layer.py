@@ -10,6 +10,7 @@ The module only owns parameters and chooses a backend; the math lives in ``refer
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +22,34 @@ from .config import MoEConfig
 from .functional import FUSED_DTYPES
 from .validation import check_same_across_ranks
 
-__all__ = ["MoE", "Router", "RoutedExperts", "SharedExpert", "RouterStats"]
+__all__ = ["MoE", "RoutedExperts", "Router", "RouterStats", "SharedExpert"]
 
 BACKENDS = ("reference", "fused")
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread. An activation-checkpoint recompute
+    (``torch.utils.checkpoint``, reentrant or not, selective or not) runs the module's forward there, and so
+    does nothing else in a training step; FSDP2 tells its own recompute forwards apart the same way
+    (``torch.distributed.fsdp._fully_shard._fsdp_common.is_bw``). ``torch._C._current_graph_task_id`` is
+    private (present in every torch this package supports, tested in tests/test_training_loop.py); without it a
+    recompute cannot be told apart, which :meth:`MoE.forward` warns about once."""
+    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+    if graph_task_id is None:
+        warnings.warn("megamoe.MoE: this torch has no torch._C._current_graph_task_id, so an activation-checkpoint "
+                      "recompute cannot be told from a forward: under checkpointing the expert counts of "
+                      "update_expert_bias() count twice", RuntimeWarning, stacklevel=3)
+        return False
+    return graph_task_id() != -1
+
+
+def _keeping_dtype(fn):
+    """``fn`` (a ``Module._apply`` conversion) with every tensor's dtype kept: device and layout changes
+    apply, a dtype change is dropped (the tensor moves in its own dtype, from its original values)."""
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        out = fn(t)
+        return out if out.dtype == t.dtype else t.to(device=out.device)
+    return apply
 
 
 def _collective_device(group) -> torch.device:
@@ -48,6 +74,11 @@ class Router(nn.Module):
         super().__init__()
         self.backend = backend
         self.w_ED = nn.Parameter(torch.empty(num_experts, hidden, device=device, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # the weight (and its gradient) stays fp32 under module dtype casts (.to(dtype), .bfloat16(), .half(),
+        # .double(), a whole model's cast): routing is fp32 math; device moves apply as usual
+        return super()._apply(_keeping_dtype(fn), recurse)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.backend == "fused":
@@ -123,15 +154,17 @@ def _old_keys_moved(module, state_dict, prefix, *args) -> None:
 
 @dataclass
 class RouterStats:
-    """Statistics of the last forward.
+    """Statistics of the last forward (an activation-checkpoint recompute leaves them alone).
 
     tokens_per_expert_E: int64 [E] device tensor, (token, slot) pairs of this rank's tokens per global expert.
-    aux_loss: scalar sequence-wise balance loss (DeepSeek-V3 eq. 17-20), or None when its coefficient is 0.
+    aux_loss: scalar sequence-wise balance loss (DeepSeek-V3 eq. 17-20), with its gradient path to the router
+        weight and the input, ready for ``loss + moe.last_stats.aux_loss``. Always a tensor: a zero fp32 scalar
+        on the input's device (no gradient) when the coefficient is 0 or the forward had no tokens.
     topk_ids_TK: int64 [T, K] routing of the last forward (detached), e.g. to save a routing trace.
     """
 
     tokens_per_expert_E: torch.Tensor
-    aux_loss: torch.Tensor | None
+    aux_loss: torch.Tensor
     topk_ids_TK: torch.Tensor
 
 
@@ -179,12 +212,24 @@ class MoE(nn.Module):
 
     Forward: ``x [..., D]`` of any float dtype -> same shape and dtype. ``x`` is cast to
     ``config.dtype`` for the experts (router math is fp32). Sequences for the balance loss are the
-    second-to-last dimension of ``x`` (all tokens form one sequence for 2-D input).
+    second-to-last dimension of ``x`` (all tokens form one sequence for 2-D input). A training-mode forward
+    adds its routing counts to ``counts_since_update_E`` for :meth:`update_expert_bias` and sets
+    ``last_stats``; an activation-checkpoint recompute (a forward run inside the backward) does neither, so
+    checkpointed and plain forwards count alike (docs/design.md, "Training loop").
+
+    Dtype casts of the module or of a model holding it (``.to(dtype)``, ``.bfloat16()``, ``.half()``,
+    ``.float()``, ``.double()``): the experts and the shared expert follow the cast and ``config`` follows
+    them (``config.dtype``); ``router.w_ED`` and ``expert_bias_E`` stay fp32 and the counters int64 (device
+    moves apply to all). A cast the backend cannot run (float64 on the fused backend, a non-float dtype) raises
+    ValueError before anything changes.
 
     Raises ValueError for a bad backend, an E not divisible by the group size, ``dp_group`` the same
     group of several ranks as ``group`` or a ``dp_group`` whose ranks hold different experts (EP rank, EP
     size) or disagree on the config (checked at construction with one all-gather over ``dp_group``, a
-    collective: every rank of it constructs the layer), or a wrong input shape or device; TypeError for a
+    collective: every rank of it constructs the layer), or a wrong input shape or device; RuntimeError for a
+    training-mode forward with an aux loss (``seq_aux_loss_coef > 0``) under ``torch.no_grad()``, which
+    includes reentrant activation checkpointing's first forward: its aux loss could not train the router
+    (use ``use_reentrant=False``, or ``moe.eval()`` for forwards without gradients); TypeError for a
     group that is not a ProcessGroup, a non-floating input or a non-bool ep_save_preact / ep_save_dispatched;
     FloatingPointError for non-finite router logits on CPU under ``nan_policy="raise"`` (on CUDA a device-side
     assert, no sync).
@@ -211,6 +256,11 @@ class MoE(nn.Module):
         for name, flag in (("ep_save_preact", ep_save_preact), ("ep_save_dispatched", ep_save_dispatched)):
             if not isinstance(flag, bool):
                 raise TypeError(f"megamoe.MoE: {name} must be a bool, got {flag!r}")
+        if config.top_k == 1 and config.norm_topk_prob:
+            warnings.warn("megamoe.MoE: top_k=1 with norm_topk_prob=True makes every routing weight s/s = 1 "
+                          "(times routed_scaling_factor), so the router gets no gradient from the main loss, only "
+                          "from the balance loss if any; set norm_topk_prob=False to train it through the gate "
+                          "value (Switch Transformer style)", UserWarning, stacklevel=2)
         self.config = config
         self.backend = backend
         self.ep_save_preact = ep_save_preact
@@ -309,6 +359,44 @@ class MoE(nn.Module):
     def _shared(self):
         return self.shared_w13_HD, self.shared_w2_DS
 
+    def _config_after(self, fn) -> MoEConfig:
+        """The config once the conversion ``fn`` has reached the experts (config.dtype follows them), checked
+        before anything changes: ``fn`` applied to an empty tensor in the experts' dtype tells its dtype."""
+        c = self.config
+        to = fn(torch.empty(0, dtype=c.dtype, device=self.w13_LGD.device)).dtype
+        if to == c.dtype:
+            return c
+        if self.backend == "fused" and to not in FUSED_DTYPES:
+            raise ValueError(f"megamoe.MoE: cannot cast a backend='fused' layer to {to}: the fused backend supports "
+                             f"{FUSED_DTYPES} (backend='reference' runs float64)")
+        try:
+            return c.replace(dtype=to)
+        except ValueError as e:
+            raise ValueError(f"megamoe.MoE: cannot cast the layer to {to}: {e}") from None
+
+    def _apply(self, fn, recurse=True):
+        # Module dtype casts (.to(dtype), .half(), a whole model's .bfloat16(), ...) reach the experts and the
+        # shared expert, and config.dtype follows them; the router (Router._apply) and the fp32 bias / int64
+        # counters keep their dtypes (a bias near 0.75 in bf16 could not move by bias_update_rate = 1e-3).
+        config = self._config_after(fn) if recurse else self.config
+        if recurse:
+            for module in self.children():
+                module._apply(fn)
+        super()._apply(_keeping_dtype(fn), recurse=False)
+        self.config = config
+        return self
+
+    def _check_aux_loss_can_train(self, x: torch.Tensor) -> None:
+        if (self.config.seq_aux_loss_coef > 0 and x.numel() and not torch.is_grad_enabled()
+                and (self.router.w_ED.requires_grad or x.requires_grad)):
+            raise RuntimeError(
+                "megamoe.MoE: a training-mode forward with an aux loss (seq_aux_loss_coef="
+                f"{self.config.seq_aux_loss_coef}) ran without gradients (torch.no_grad(), or the first forward of "
+                "reentrant activation checkpointing), so last_stats.aux_loss would have no gradient path and the "
+                "balance loss would silently not train the router. Checkpoint with "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), call moe.eval() for forwards without "
+                "gradients, or set seq_aux_loss_coef=0")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -321,6 +409,12 @@ class MoE(nn.Module):
         if self.backend == "fused" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"megamoe.MoE: backend='fused' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), "
                              f"got an input on {x.device}; use backend='reference' on CPU")
+        # A forward inside the backward is an activation-checkpoint recompute: it computes what the original
+        # forward did (a non-reentrant checkpoint recomputes the aux loss's saved tensors too) but neither
+        # counts again nor replaces the original forward's statistics.
+        recompute = _in_backward()
+        if self.training and not recompute:
+            self._check_aux_loss_can_train(x)
         in_dtype = x.dtype
         x_TD = x.reshape(-1, c.hidden_size).to(c.dtype).contiguous()  # strided input: one copy, same math
         seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
@@ -329,14 +423,16 @@ class MoE(nn.Module):
         r = ref.route(x_TD, self.router_w_ED, self.expert_bias_E, c, logits_TE=logits_TE)
         out_TD = self.experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, *self._shared())
 
-        counts_E = ref.tokens_per_expert(r.topk_ids_TK, c.num_experts)
-        if self.training:  # eval forwards do not steer the aux-loss-free bias
-            with torch.no_grad():
-                self.counts_since_update_E += counts_E
-        aux = None
         if c.seq_aux_loss_coef > 0 and x_TD.shape[0] > 0:
             aux = ref.seq_balance_loss(r.scores_TE, r.topk_ids_TK, seq_len, c.top_k, c.seq_aux_loss_coef)
-        self.last_stats = RouterStats(counts_E, aux, r.topk_ids_TK.detach())
+        else:  # a tensor all the same, so that `loss + moe.last_stats.aux_loss` works as written
+            aux = torch.zeros((), dtype=torch.float32, device=x.device)
+        if not recompute:
+            counts_E = ref.tokens_per_expert(r.topk_ids_TK, c.num_experts)
+            if self.training:  # eval forwards do not steer the aux-loss-free bias
+                with torch.no_grad():
+                    self.counts_since_update_E += counts_E
+            self.last_stats = RouterStats(counts_E, aux, r.topk_ids_TK.detach())
         return out_TD.to(in_dtype).view(x.shape)
 
     @torch.no_grad()

@@ -22,6 +22,17 @@ def test_readme_snippet_on_cpu_reference_backend():
     assert ns["x"].grad is not None and ns["moe"].expert_bias_E.abs().sum() > 0
 
 
+def test_readme_snippet_without_aux_loss_on_cpu():
+    """With the balance loss off, ``loss + moe.last_stats.aux_loss`` still works as written (a zero tensor)."""
+    code = (_snippet().replace('"deepseek-v3", seq_aux_loss_coef=1e-4', '"small", seq_aux_loss_coef=0.0')
+            .replace('backend="fused"', 'backend="reference"').replace('device="cuda"', 'device="cpu"')
+            .replace("torch.randn(2, 2048,", "torch.randn(2, 16,"))
+    assert "seq_aux_loss_coef=0.0" in code and "randn(2, 16," in code
+    ns: dict = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    assert ns["moe"].last_stats.aux_loss.item() == 0.0 and ns["x"].grad is not None
+
+
 @pytest.mark.gpu
 def test_readme_snippet_verbatim_on_gpu():
     ns: dict = {}
