@@ -19,29 +19,37 @@ import functools
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-mt = pytest.importorskip("megamoe.integrations.transformers")
+transformers = pytest.importorskip("transformers", minversion="5.0")
 
-from megamoe import reference as ref  # noqa: E402
+import megamoe.integrations.transformers as mt  # after the skip: it needs transformers
+from megamoe import reference as ref
 
 BF16, F64 = torch.bfloat16, torch.float64
-_COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_COMMON = {"vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1,
+           "eos_token_id": 2}
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+# family: (config class, model class, tiny sizes). One MoE layer, after a dense layer where the family has one
+# (Mixtral: one layer): so the router sees the same bf16 input in every bf16 run, and a token whose top-k
+# scores tie within bf16 rounding (~1% of token-layers) is routed alike by eager and by megamoe's experts
+# implementation; behind a first MoE layer, its rounding differences could send such a token to another
+# expert in one run only, an O(1) difference no tolerance should absorb.
 FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                       norm_topk_prob=True, head_dim=16)),
+                  {"intermediate_size": 64, "moe_intermediate_size": 32, "num_experts": 8,
+                   "num_experts_per_tok": 2, "norm_topk_prob": True, "head_dim": 16, "mlp_only_layers": [0]}),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
-                    dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-                         n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1,
-                         first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-                         qk_nope_head_dim=8, v_head_dim=16, rope_parameters=_ROPE)),
+                    {"intermediate_size": 64, "moe_intermediate_size": 32, "n_routed_experts": 8,
+                     "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+                     "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 16,
+                     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "rope_parameters": _ROPE}),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
-                 dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-                      routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=0, head_dim=16)),
+                 {"intermediate_size": 64, "moe_intermediate_size": 32, "n_routed_experts": 8,
+                  "num_experts_per_tok": 2, "routed_scaling_factor": 2.5, "n_shared_experts": 1,
+                  "first_k_dense_replace": 1, "head_dim": 16}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16)),
+                {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16,
+                 "num_hidden_layers": 1}),
 }
 
 
@@ -93,7 +101,8 @@ def assert_within_torch_error(name, got, ours_pt, ref64):
     assert got.shape == ref64.shape and torch.isfinite(got).all(), name
     err, err_pt = (got - ref64).abs().max().item(), (ours_pt - ref64).abs().max().item()
     scale = ref64.abs().max().item()
-    assert err <= 2 * err_pt + 1e-3 * scale + 1e-6, f"{name}: err {err:.3g} vs eager bf16 {err_pt:.3g} (max {scale:.3g})"
+    assert err <= 2 * err_pt + 1e-3 * scale + 1e-6, \
+        f"{name}: err {err:.3g} vs eager bf16 {err_pt:.3g} (max {scale:.3g})"
     norm = ref64.norm().clamp_min(1e-30)
     rel, rel_pt = ((got - ref64).norm() / norm).item(), ((ours_pt - ref64).norm() / norm).item()
     assert rel <= 2 * rel_pt + 1e-4, f"{name}: rel rms {rel:.3g} vs eager bf16 {rel_pt:.3g}"
@@ -165,7 +174,7 @@ def test_experts_get_the_model_parameters_without_copies(monkeypatch):
     monkeypatch.setattr(mt, "moe_experts", spy)
     model(torch.randint(3, 96, (1, 6)))
     experts = [m for m in model.modules() if type(m).__name__ == "DeepseekV3Experts"]
-    assert len(seen) == len(experts) == 2
+    assert len(seen) == len(experts) == 1
     for (w13, w2, backend), e in zip(seen, experts):
         assert w13 is e.gate_up_proj and w2 is e.down_proj and backend == "reference"
 
@@ -175,7 +184,7 @@ def test_swap_keeps_state_dict_parameters_and_loads_checkpoints():
     before = model.state_dict()
     params = {n: p for n, p in model.named_parameters()}
     names = mt.swap_moe_blocks(model)
-    assert names == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert names == ["model.layers.1.mlp"]
     assert all(isinstance(model.get_submodule(n), mt.MegaMoEBlock) for n in names)
     after = model.state_dict()
     assert list(after) == list(before)
@@ -195,7 +204,7 @@ def test_swap_feeds_router_logits_and_aux_loss():
     ids = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(3))
     want = variant(model, torch.float32, "eager")(input_ids=ids, labels=ids)
     got = variant(model, torch.float32, "swap")(input_ids=ids, labels=ids)
-    assert len(got.router_logits) == len(want.router_logits) == 2
+    assert len(got.router_logits) == len(want.router_logits) == 1
     for a, b in zip(got.router_logits, want.router_logits):
         torch.testing.assert_close(a, b.float(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-5, atol=1e-7)
@@ -203,7 +212,7 @@ def test_swap_feeds_router_logits_and_aux_loss():
 
 def test_swap_stats_and_expert_bias_update():
     model = variant(build("deepseek_v3"), torch.float32, "swap")
-    block = model.model.layers[0].mlp
+    block = model.model.layers[1].mlp
     bias0 = block.gate.e_score_correction_bias.clone()
     ids = torch.randint(3, 96, (2, 8))
     model(ids)
@@ -256,7 +265,7 @@ def _gpu_model(family, *, all_experts=True):
     runs cannot choose different experts for a token whose top scores tie within bf16 rounding (~1% of
     token-layers at K < E), which would make the comparison with eager meaningless; the routing itself
     (K < E, groups, bias, scaling) is compared with eager on CPU above."""
-    kw = dict(hidden_size=256) if family == "deepseek_v3" else dict(hidden_size=256, head_dim=64)
+    kw = {"hidden_size": 256} if family == "deepseek_v3" else {"hidden_size": 256, "head_dim": 64}
     kw["intermediate_size" if family == "mixtral" else "moe_intermediate_size"] = 128
     if all_experts:
         kw["num_experts_per_tok"] = 8

@@ -48,8 +48,15 @@ except ImportError as exc:  # transformers missing, or older than the experts in
     raise ImportError("megamoe.integrations.transformers needs transformers >= 5 with its experts interface "
                       "(transformers.integrations.moe.ExpertsInterface): pip install 'megamoe[hf]'") from exc
 
-__all__ = ["EXPERTS_IMPLEMENTATION", "register", "experts_forward", "UnsupportedModelError", "MegaMoEBlock",
-           "swap_moe_blocks", "moe_config_of"]
+__all__ = [
+    "EXPERTS_IMPLEMENTATION",
+    "MegaMoEBlock",
+    "UnsupportedModelError",
+    "experts_forward",
+    "moe_config_of",
+    "register",
+    "swap_moe_blocks",
+]
 
 EXPERTS_IMPLEMENTATION = "megamoe"
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
