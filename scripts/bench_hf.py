@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 
 import torch
 import transformers
@@ -67,7 +66,7 @@ def time_interleaved(timer: Timer, works: dict, iters: dict, rounds: int) -> dic
 
 def build(cls, cfg, device, seed: int):
     """``cls(cfg)`` with bf16 parameters created on ``device`` (no fp32 copies of DeepSeek-V3's 22 GB of experts;
-    parameters transformers pins to fp32 stay fp32), weights of realistic scale: std (fan-in)^-1/2, a small
+    parameters transformers pins to fp32 stay fp32), matrices of realistic scale: std (fan-in)^-1/2, a small
     random correction bias."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(BF16)
@@ -79,7 +78,8 @@ def build(cls, cfg, device, seed: int):
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
-            p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+            if p.dim() >= 2:  # (norm weights keep their ones)
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
         for name, b in module.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 1e-2, generator=g)
@@ -251,7 +251,7 @@ def main() -> None:
     results["train_step_tokens_per_s"] = model_part(shapes["model_tokens"], shapes["model"], timer, device, iters, 2)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
