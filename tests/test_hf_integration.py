@@ -303,7 +303,7 @@ def test_gpu_bitwise_reproducible_and_generates(how):
 def test_gpu_backend_is_the_functional_call():
     """The experts implementation adds nothing to megamoe.functional.moe_experts: same bits."""
     from megamoe.functional import moe_experts
-    experts = variant(_gpu_model("qwen3_moe", all_experts=False), BF16, "megamoe").model.layers[0].mlp.experts
+    experts = variant(_gpu_model("qwen3_moe", all_experts=False), BF16, "megamoe").model.layers[1].mlp.experts
     g = torch.Generator(device="cuda").manual_seed(6)
     x = torch.randn(300, 256, device="cuda", generator=g).to(BF16)
     ids = torch.rand(300, 8, device="cuda", generator=g).topk(2, dim=1).indices
