@@ -71,6 +71,13 @@ def _backend_for(x: torch.Tensor) -> str:
     return "fused" if x.is_cuda and x.dtype in FUSED_DTYPES else "reference"
 
 
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread: the only place a training step runs a
+    block's forward again is an activation-checkpoint recompute (transformers' gradient checkpointing)."""
+    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)  # (private; in every supported torch)
+    return graph_task_id is not None and graph_task_id() != -1
+
+
 def _is_silu(act) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
 
@@ -293,11 +300,12 @@ class MegaMoEBlock(nn.Module):
         r = ref.route(x_TD, router_w_ED, bias_E, c, logits_TE=logits_TE)
         out_TD = moe_experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, w13_EGD, w2_EDF, *self._shared_weights(),
                              backend=backend)
-        counts_E = ref.tokens_per_expert(r.topk_ids_TK, c.num_experts)
-        if self.training:
-            with torch.no_grad():
-                self.counts_since_update_E += counts_E
-        self.last_stats = RouterStats(counts_E, None, r.topk_ids_TK.detach())
+        if not _in_backward():  # an activation-checkpoint recompute counts nothing twice
+            counts_E = ref.tokens_per_expert(r.topk_ids_TK, c.num_experts)
+            if self.training:
+                with torch.no_grad():
+                    self.counts_since_update_E += counts_E
+            self.last_stats = RouterStats(counts_E, None, r.topk_ids_TK.detach())
         self._call_gate_hooks(x_TD, (logits_TE, r.topk_weights_TK, r.topk_ids_TK))
         return out_TD.to(hidden_states.dtype).view(hidden_states.shape)
 
