@@ -107,15 +107,17 @@ def experts_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -
     works = {"eager": impl("eager"), "grouped_mm": impl("grouped_mm"), "megamoe": impl("megamoe"),
              "functional": functional}
     want = functional()
-    got = works["megamoe"]()
-    assert all(torch.equal(a, b) for a, b in zip((got[0], *got[1]), (want[0], *want[1]))), \
-        f"{label}: the megamoe experts implementation differs from megamoe.functional.moe_experts"
     errs = {}
-    for name in ("grouped_mm", "eager"):
+    for name in ("megamoe", "grouped_mm", "eager"):  # (one result at a time: DeepSeek-V3's gradients are 22 GB)
         res = works[name]()
-        errs[name] = max(rel_rms(a, b) for a, b in zip((res[0], *res[1]), (want[0], *want[1])))
-        assert errs[name] < 2e-2, f"{label}: {name} vs megamoe relative rms error {errs[name]:.3g}"
-    del want, got, res
+        if name == "megamoe":
+            assert all(torch.equal(a, b) for a, b in zip((res[0], *res[1]), (want[0], *want[1]))), \
+                f"{label}: the megamoe experts implementation differs from megamoe.functional.moe_experts"
+        else:
+            errs[name] = max(rel_rms(a, b) for a, b in zip((res[0], *res[1]), (want[0], *want[1])))
+            assert errs[name] < 2e-2, f"{label}: {name} vs megamoe relative rms error {errs[name]:.3g}"
+        del res
+    del want
     stats = time_interleaved(timer, works, iters, rounds)
     overhead = stats["megamoe"].median / stats["functional"].median - 1
     print(f"\n{label} experts, fwd+bwd, ms (median [p20, p80] of n)")

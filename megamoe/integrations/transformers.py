@@ -120,9 +120,9 @@ def _experts_problems(experts: nn.Module) -> list[str]:
     return why
 
 
-def _refuse(module: nn.Module, what: str, why: list[str]) -> None:
+def _refuse(name: str, what: str, why: list[str]) -> None:
     if why:
-        raise UnsupportedModelError(f"megamoe cannot run {type(module).__name__} as {what}: " + "; ".join(why))
+        raise UnsupportedModelError(f"megamoe cannot run {name} as {what}: " + "; ".join(why))
 
 
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -141,7 +141,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     parameters (no copies). Fused kernels for CUDA bf16 / fp16 / fp32, megamoe.reference otherwise.
     Raises UnsupportedModelError naming every reason for experts megamoe cannot run exactly.
     """
-    _refuse(self, "experts", _experts_problems(self))
+    _refuse(type(self).__name__, "experts", _experts_problems(self))
     w13_EGD, w2_EDF = self.gate_up_proj, self.down_proj
     x_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
     if x_TD.dtype != w13_EGD.dtype:
@@ -222,7 +222,7 @@ def moe_config_of(block: nn.Module, *, nan_policy: str = "propagate", bias_updat
     Read from the block's modules (router top-k, groups, normalisation, scaling, correction bias; expert
     and shared-expert widths; the experts' dtype). Raises UnsupportedModelError naming every reason otherwise.
     """
-    _refuse(block, "a megamoe.MoE block", _block_problems(block))
+    _refuse(type(block).__name__, "a megamoe block", _block_problems(block))
     gate, experts = block.gate, block.experts
     E, G, D = experts.gate_up_proj.shape
     shared = getattr(block, "shared_experts", None)
@@ -258,7 +258,13 @@ class MegaMoEBlock(nn.Module):
     and Mixtral's load-balancing loss) are called with ``(logits [T, E] fp32, weights [T, K], ids [T, K])``
     as if the router had run. ``last_stats`` (:class:`megamoe.layer.RouterStats`, ``aux_loss`` None) holds
     the last forward's expert counts and ids; :meth:`update_expert_bias` applies megamoe's aux-loss-free
-    update to ``e_score_correction_bias`` (transformers never changes it; nothing does unless called).
+    update to ``e_score_correction_bias`` (transformers never changes it; nothing does unless called). A
+    forward run again inside a backward (an activation-checkpoint recompute) leaves both alone.
+
+    Not a :class:`megamoe.MoE`: that module owns its parameters under its own names (an fp32 ``router.w_ED``,
+    one [gate; up] shared weight), which would change the model's parameters and checkpoint keys. This one
+    computes the same function (:func:`megamoe.reference.route`, :func:`megamoe.functional.moe_experts`) on
+    the model's tensors.
     """
 
     def __init__(self, block: nn.Module, *, backend: str = "auto", nan_policy: str = "propagate",
@@ -285,12 +291,12 @@ class MegaMoEBlock(nn.Module):
         shared = getattr(self, "shared_experts", None)
         if shared is None:
             return None, None
-        _refuse(self, "a megamoe.MoE block", _shared_problems(shared))
+        _refuse(self.block_class, "a megamoe block", _shared_problems(shared))
         return torch.cat([shared.gate_proj.weight, shared.up_proj.weight], 0), shared.down_proj.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         c = self.moe_config
-        _refuse(self, "a megamoe.MoE block", _experts_problems(self.experts))
+        _refuse(self.block_class, "a megamoe block", _experts_problems(self.experts))
         w13_EGD, w2_EDF = self.experts.gate_up_proj, self.experts.down_proj
         x_TD = hidden_states.reshape(-1, hidden_states.shape[-1]).to(w13_EGD.dtype)
         backend = _backend_for(x_TD) if self.backend == "auto" else self.backend
