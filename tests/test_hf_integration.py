@@ -244,6 +244,21 @@ def test_refuses_gpt_oss_naming_each_reason():
         mt.swap_moe_blocks(model)
 
 
+@pytest.mark.parametrize(("flag", "value", "reason"), [
+    ("has_gate", False, "not gated"), ("has_post_expert_norm", True, "norm after the down projection"),
+    ("_is_expert_parallel", True, "expert parallelism"), ("is_concatenated", False, "interleaved"),
+    ("gate_up_proj", "fp8", "quantized")])
+def test_refuses_each_experts_flag(flag, value, reason):
+    model = build("qwen3_moe")
+    model.set_experts_implementation("megamoe")
+    experts = model.model.layers[1].mlp.experts
+    if value == "fp8":
+        value = torch.nn.Parameter(experts.gate_up_proj.detach().to(torch.float8_e4m3fn), requires_grad=False)
+    setattr(experts, flag, value)
+    with pytest.raises(mt.UnsupportedModelError, match=reason):
+        model(torch.randint(3, 96, (1, 4)))
+
+
 def test_refuses_other_activation_jitter_and_adapted_shared_expert():
     model = build("qwen3_moe", hidden_act="gelu")
     model.set_experts_implementation("megamoe")
