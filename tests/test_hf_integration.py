@@ -8,9 +8,14 @@ eager run of the same model on the same inputs (the error of eager bf16 vs eager
 term), for Qwen3-MoE, DeepSeek-V3, GLM-4.5 (Glm4Moe) and Mixtral: on CPU through megamoe's reference
 path, on a GPU (tests marked gpu) through the fused kernels; eval / generate without gradients; the
 model's own parameter tensors reach megamoe (no copies); state_dict keys and tensors unchanged by the
-swap; router hooks (transformers' router_logits and load-balancing loss) still fed; the aux-loss-free
-bias update; families megamoe cannot run exactly (GPT-OSS, other activations, router jitter, adapters
-on the shared expert) refused with an error naming the reason.
+swap, and save_pretrained / from_pretrained round trips; router hooks (transformers' router_logits and
+load-balancing loss) still fed; the aux-loss-free bias update, counted once under gradient
+checkpointing; families and modules megamoe cannot run exactly (GPT-OSS, other activations, non-gated
+experts, post-expert norms, transformers' expert parallelism, quantized experts, router jitter, adapters
+on the shared expert) refused with an error naming the reason. GPU (fused kernels): bitwise
+reproducible steps, generation, and the experts implementation giving the functional call's bits.
+
+Run: python -m pytest -q tests/test_hf_integration.py   (skipped without transformers >= 5)
 """
 
 import copy
@@ -198,6 +203,22 @@ def test_swap_keeps_state_dict_parameters_and_loads_checkpoints():
     assert mt.swap_moe_blocks(model) == []  # already swapped: nothing to do
     with pytest.raises(mt.UnsupportedModelError, match="no MoE block"):
         mt.swap_moe_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_swap_save_pretrained_round_trip(family, tmp_path):
+    """save_pretrained from a swapped model, from_pretrained into a plain and into a swapped one (Mixtral's
+    checkpoints go through transformers' weight conversion)."""
+    model = build(family)
+    mt.swap_moe_blocks(model)
+    model.save_pretrained(tmp_path)
+    want = model.state_dict()
+    plain = type(model).from_pretrained(tmp_path)
+    swapped = type(model).from_pretrained(tmp_path)
+    mt.swap_moe_blocks(swapped)
+    for loaded in (plain, swapped):
+        got = loaded.state_dict()
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_swap_feeds_router_logits_and_aux_loss():
