@@ -80,9 +80,10 @@ def build(cls, cfg, device, seed: int):
         for p in module.parameters():
             if p.dim() >= 2:  # (norm weights keep their ones)
                 p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
-        for name, b in module.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 1e-2, generator=g)
+        for name, b in list(module.named_buffers()):
+            if name.endswith("e_score_correction_bias"):  # fp32, as transformers keeps it when loading
+                owner = module.get_submodule(name.rpartition(".")[0])
+                owner.e_score_correction_bias = torch.randn(b.shape, generator=g, device=b.device) * 1e-2
     return module
 
 
