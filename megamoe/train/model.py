@@ -44,7 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..config import MoEConfig, get_preset
 from .data import VOCAB_SIZE
 
-__all__ = ["ModelConfig", "MODEL_PRESETS", "get_model_preset", "GPT", "ATTENTION_MODES", "FlashDeterministic",
+__all__ = ["ATTENTION_MODES", "GPT", "MODEL_PRESETS", "FlashDeterministic", "ModelConfig", "get_model_preset",
            "strict_determinism"]
 
 ATTENTION_MODES = ("deterministic", "fast")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .loop import Dist, RunConfig, RunResult, train
 
-__all__ = ["fingerprint", "compare", "repeat_spawned"]
+__all__ = ["compare", "fingerprint", "repeat_spawned"]
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -88,7 +88,7 @@ def _rank_main(rank: int, world: int, port: int, rc: RunConfig, threads: int, ou
         finally:
             dist.destroy_process_group()
         out_q.put((rank, "ok", runs))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+    except BaseException as exc:  # reported to the parent, then re-raised
         out_q.put((rank, "err", f"{type(exc).__name__}: {exc}"))
         raise
 
