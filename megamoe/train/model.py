@@ -215,6 +215,9 @@ class Attention(nn.Module):
             return F_.scaled_dot_product_attention(q, k, v, is_causal=True)
         if _flash_fits(q, k, v):
             self.path = "flash, deterministic backward"
+            if not torch.is_grad_enabled():  # evaluation: the same flash forward, no graph to keep
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return F_.scaled_dot_product_attention(q, k, v, is_causal=True)
             return FlashDeterministic.apply(q, k, v)
         self.path = "math (deterministic)"
         with sdpa_kernel(SDPBackend.MATH):
