@@ -238,8 +238,74 @@ def test_ctrl_c_checkpoints_without_a_progress_bar(tmp_path):
 
 
 def test_check_on_cpu(capsys):
+    """--check passes: backends agree, and two runs from one seed are bitwise equal at EP=1 (in process) and at
+    EP=2 (two spawned gloo ranks)."""
     assert main(["--preset", "tiny", "--check", "--steps", "4", "--data", str(CORPUS), "--threads", "1"]) == 0
-    assert "--check PASSED" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--check PASSED" in out
+    for where in ("EP=1", "EP=2"):
+        assert f"reproducibility at {where}: two runs from seed 0 bitwise equal" in out, out
+
+
+def test_check_fails_when_a_run_does_not_repeat(monkeypatch, capsys):
+    """The reproducibility part of --check can fail: a learning rate that drifts from one run to the next (a
+    stand-in for a non-deterministic kernel) makes the second EP=1 run differ, and --check fails naming the
+    first differing step (step 0's loss comes before any update). The spawned EP=2 ranks would not see the
+    patch, so they are replaced by two equal runs here; compare() itself is what judges them too."""
+    from megamoe.train import check, loop
+    from megamoe.train.repro import compare
+
+    runs = {"n": 0}
+    real_lr_at = loop.lr_at
+
+    def drifting(step, cfg):
+        if step == 0:
+            runs["n"] += 1  # one more run started
+        return real_lr_at(step, cfg) * (1 + 1e-3 * runs["n"])
+
+    same = {"loss": [1.0], "aux_loss": [0.0], "val": [], "state": {"w": "00"}}
+    monkeypatch.setattr(loop, "lr_at", drifting)
+    monkeypatch.setattr(check, "repeat_spawned", lambda rc, world: [(same, same)] * world)
+    assert main(["--preset", "tiny", "--check", "--steps", "3", "--data", str(CORPUS), "--threads", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "reproducibility at EP=1: two runs from seed 0 differ (loss at step 1:" in out, out
+    assert "reproducibility at EP=2: two runs from seed 0 bitwise equal" in out and "--check FAILED" in out, out
+    other = dict(same, state={"w": "01"})
+    assert compare(same, other) == "final state: 1 of 1 tensors differ, first w"
+    assert compare(same, dict(same, val=[2.0])) == "val: 0 vs 1 values"
+
+
+def test_deterministic_attention_matches_sdpa_on_cpu():
+    """FlashDeterministic (the GPU's default attention) on CPU: output and input gradients bitwise SDPA's flash
+    kernel's, and the deterministic-algorithm flags as they were after its backward (also after an error)."""
+    from megamoe.train.model import FlashDeterministic, strict_determinism
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=g, requires_grad=True) for _ in range(3))
+    do = torch.randn(2, 3, 16, 8, generator=g)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref_g = torch.autograd.grad(ref, (q, k, v), do)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    out = FlashDeterministic.apply(q, k, v)
+    got_g = torch.autograd.grad(out, (q, k, v), do)
+    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(got_g, ref_g))
+    assert (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) \
+        == before
+    with pytest.raises(RuntimeError, match="boom"), strict_determinism():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        raise RuntimeError("boom")
+    assert torch.are_deterministic_algorithms_enabled() == before[0]
+
+
+def test_attention_mode_is_checked_and_reported(capsys):
+    from megamoe.train.model import GPT
+
+    with pytest.raises(ValueError, match="attention must be one of"):
+        GPT(get_model_preset("tiny"), lambda i: torch.nn.Identity(), attention="flash")
+    assert main(["--preset", "tiny", "--steps", "2", "--data", str(CORPUS), "--out", "", "--no-progress",
+                 "--threads", "1"]) == 0
+    assert "attention: SDPA (CPU, deterministic) (--attention deterministic" in capsys.readouterr().out
 
 
 def _torchrun(nproc: int, *args: str, timeout: int) -> subprocess.CompletedProcess:
@@ -365,9 +431,53 @@ def test_gpu_default_run_completes(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_check_ep1():
+    """--check on one GPU: fused vs reference, and two runs from one seed bitwise equal at EP=1 and at EP=2 (two
+    spawned ranks sharing the GPU), with the default deterministic attention (flash, deterministic backward)."""
     p = _run("--check", timeout=580)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "--check PASSED" in p.stdout
+    for where in ("EP=1", "EP=2"):
+        assert f"reproducibility at {where}: two runs from seed 0 bitwise equal" in p.stdout, p.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_flash_backward_repeats():
+    """FlashDeterministic on the GPU (bf16, the small preset's attention shape): forward bitwise SDPA's flash
+    forward; three backward passes bitwise equal to each other and close to the fp32 math backward; the
+    deterministic-algorithm flags as they were afterwards."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megamoe.train.model import FlashDeterministic
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(8, 8, 512, 64, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(8, 8, 512, 64, generator=g, device="cuda").to(torch.bfloat16)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    outs, grads = [], []
+    for _ in range(3):
+        out = FlashDeterministic.apply(q, k, v)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, (q, k, v), do))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        flash = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(outs[0], flash)
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
+    up = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*up, is_causal=True)
+    ref_g = torch.autograd.grad(ref, up, do.float())
+    for a, b in zip(grads[0], ref_g):
+        assert (a.float() - b).norm() / b.norm() < 2e-2
+    assert (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) \
+        == before
+
+
+@pytest.mark.gpu
+def test_gpu_summary_names_the_attention_path(tmp_path):
+    p = _run("--preset", "tiny", "--steps", "4", "--out", "", "--no-progress", timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "attention: flash, deterministic backward (--attention deterministic" in p.stdout, p.stdout
 
 
 @pytest.mark.multigpu

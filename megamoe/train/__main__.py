@@ -13,7 +13,8 @@ Examples::
     python -m megamoe.train --preset tiny --steps 50      # seconds
     python -m megamoe.train --data ~/books/ --out runs/books
     python -m megamoe.train --out runs/mini-ep1 --resume  # continue from the run's checkpoint
-    python -m megamoe.train --check                       # fused vs reference (and EP=W vs EP=1)
+    python -m megamoe.train --check                       # fused vs reference, and two runs bitwise equal
+    python -m megamoe.train --attention fast              # SDPA's own attention kernel: faster, not repeatable
     torchrun --nproc-per-node 2 -m megamoe.train --check
     torchrun --nproc-per-node 4 -m megamoe.train --ep-size 2   # 2 replicas of an EP=2 group
     torchrun --nproc-per-node 4 -m megamoe.train --ep-size 2 --fsdp   # ... with FSDP2 sharding the replicas
@@ -36,7 +37,7 @@ import torch.distributed as dist
 
 from .data import load_corpus
 from .loop import Dist, ResumeError, RunConfig, layout, train
-from .model import MODEL_PRESETS, get_model_preset
+from .model import ATTENTION_MODES, MODEL_PRESETS, get_model_preset
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,7 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar: one plain line per --log-every steps instead")
-    p.add_argument("--check", action="store_true", help="compare backends (and EP=W with EP=1) and exit")
+    p.add_argument("--attention", choices=ATTENTION_MODES, default="deterministic",
+                   help="attention kernel: deterministic (default; flash with a deterministic backward on CUDA, "
+                   "so runs repeat bit for bit) or fast (SDPA's own choice, non-deterministic backward)")
+    p.add_argument("--check", action="store_true",
+                   help="compare backends (and EP=W with EP=1), check that two runs from one seed are bitwise "
+                   "equal at EP=1 and EP=2, and exit")
     p.add_argument("--check-atol", type=float, default=2e-2, help="--check absolute slack on losses (nats)")
     p.add_argument("--check-strict", action="store_true",
                    help="--check also requires the whole EP=W and EP=1 loss trajectories to be bitwise equal")
@@ -130,7 +136,7 @@ def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
     return RunConfig(model=cfg, backend=backend, device=device, seed=args.seed, data=args.data, fsdp=args.fsdp,
                      out_dir=out or None, log_every=max(1, args.log_every), ckpt_every=args.ckpt_every,
                      stop_after=args.stop_after, progress=not args.no_progress and dctx.main,
-                     catch_interrupt=True)
+                     catch_interrupt=True, attention=args.attention)
 
 
 def _resume_config(rc: RunConfig) -> RunConfig:
@@ -143,6 +149,7 @@ def _resume_config(rc: RunConfig) -> RunConfig:
                                   for k, v in saved["model"].pop("moe").items()})
     model = get_model_preset(saved["model"]["name"]).replace(**saved["model"], moe=moe)
     keep = {k: saved[k] for k in ("backend", "seed", "data", "log_every", "ckpt_every")}
+    keep["attention"] = saved.get("attention", "deterministic")  # the run's own attention kernel
     keep["fsdp"] = saved.get("fsdp", False)  # the run's own sharding (its checkpoints hold local shards)
     return dataclasses.replace(rc, model=model, **keep)
 

@@ -19,6 +19,15 @@ depends only on the forward pass and must be bitwise equal (megamoe's batch-inva
 later steps are equal only if every gradient is, and the gradients of replicated parameters (router,
 shared expert, dense layers) are summed over ranks in a different order than one EP=1 GEMM sums them,
 so the report states the first step where the trajectories part; ``strict`` makes any difference fail.
+
+Reproducibility (megamoe/train/repro.py): the candidate is run twice from the same seed and every logged
+loss (train, balance, validation) and every final tensor of the model (parameters, expert bias,
+counters) must be bitwise equal, at EP=1 and at EP=2. In a single process the EP=1 pair is the candidate
+run and one more; the EP=2 pair runs in two spawned ranks (gloo on CPU; on one GPU both ranks share it,
+as the shared-GPU EP tests do; on two GPUs one each over NCCL). Under torchrun the pair runs at the job's
+own layout (EP=N, every rank compares its own tensors). Any difference fails the check. On the GPU this
+holds with the default deterministic attention (``--attention deterministic``); ``--attention fast``
+(SDPA's own kernel, a non-deterministic backward) is expected to fail it.
 """
 
 from __future__ import annotations
@@ -26,9 +35,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 from .data import Corpus
 from .loop import Dist, RunConfig, layout, train
+from .repro import compare, fingerprint, repeat_spawned
 
 __all__ = ["run_check"]
 
@@ -70,10 +81,14 @@ def run_check(rc: RunConfig, dctx: Dist, corpus: Corpus, *, atol: float = 2e-2, 
     plan = [("candidate", _variant(rc, backend=cand_backend, dtype=low, init_dtype=low)),
             ("reference", _variant(rc, backend="reference", dtype=low, init_dtype=low)),
             ("exact", _variant(rc, backend="reference", dtype=high, init_dtype=low))]
+    first_run = None
     for name, v in plan:
         say(f"  running {name:<10} backend={v.backend:<9} experts={str(v.model.moe.dtype).replace('torch.', '')}"
             f" {lay} ...")
-        runs[name] = train(v, dctx, corpus=corpus).losses
+        res = train(v, dctx, corpus=corpus)
+        runs[name] = res.losses
+        if name == "candidate":
+            first_run = fingerprint(res)
     if W > 1:
         v = _variant(rc, backend=cand_backend, dtype=low, init_dtype=low, virtual_ranks=W)
         say(f"  running {'EP=1':<10} backend={v.backend:<9} on the global batch ({W} virtual ranks), every rank ...")
@@ -103,5 +118,37 @@ def run_check(rc: RunConfig, dctx: Dist, corpus: Corpus, *, atol: float = 2e-2, 
             ok = ok and forward_ok and not strict
             say(f"  first-step loss (forward only) bitwise equal: {'yes -> PASS' if forward_ok else 'no -> FAIL'}"
                 + ("; --check-strict requires all steps -> FAIL" if strict else ""))
+    repro_ok = _check_repeatable(plan[0][1], dctx, corpus, first_run, say)
+    ok = ok and repro_ok
     say(f"--check {'PASSED' if ok else 'FAILED'}")
+    return ok
+
+
+def _check_repeatable(cand: RunConfig, dctx: Dist, corpus: Corpus, first_run: dict, say) -> bool:
+    """The candidate once more from the same seed, compared bit for bit with its first run (this layout),
+    and in a single process also two runs at EP=2 in spawned ranks (module docstring)."""
+    lay = layout(dctx)
+    say(f"  running candidate again (same seed) at {lay} ...")
+    again = fingerprint(train(cand, dctx, corpus=corpus))
+    results = [(lay, compare(first_run, again))]
+    if dctx.world > 1:  # every rank compared its own tensors: one verdict for all
+        bad = torch.tensor([results[0][1] is not None], dtype=torch.int64)
+        if cand.device.startswith("cuda"):
+            bad = bad.to(cand.device)
+        dist.all_reduce(bad, group=dctx.group)
+        if bad.item() and results[0][1] is None:
+            results = [(lay, "another rank's run differs")]
+    elif cand.model.moe.num_experts % 2 == 0:
+        say("  running candidate twice at EP=2 (two spawned ranks) ...")
+        pairs = repeat_spawned(cand, world=2)
+        diffs = [f"rank {r}: {d}" for r, (a, b) in enumerate(pairs) if (d := compare(a, b)) is not None]
+        results.append(("EP=2", "; ".join(diffs) or None))
+    ok = True
+    for where, diff in results:
+        if diff is None:
+            say(f"  reproducibility at {where}: two runs from seed {cand.seed} bitwise equal (every logged loss, "
+                f"every final parameter and buffer) -> PASS")
+        else:
+            ok = False
+            say(f"  reproducibility at {where}: two runs from seed {cand.seed} differ ({diff}) -> FAIL")
     return ok

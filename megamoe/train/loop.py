@@ -14,8 +14,11 @@ divided by W -> AdamW -> aux-loss-free expert-bias update of every MoE layer fro
 reads a value back to the host; logging does, every ``log_every`` steps, in one transfer.
 
 Determinism: batches depend only on (seed, step, rank); parameter init only on the seed; nothing is
-timed or autotuned. A checkpoint holds model, optimizer, step and RNG states, so resuming gives the
-same trajectory as an uninterrupted run (tested on CPU).
+timed or autotuned; on CUDA PyTorch's deterministic algorithms are on (``warn_only``) and the attention
+backward is deterministic too (``RunConfig.attention``, megamoe/train/model.py), so two runs from one seed
+give the same losses and parameters bit for bit (``--check`` runs each layout twice and compares). A
+checkpoint holds model, optimizer, step and RNG states, so resuming gives the same trajectory as an
+uninterrupted run (tested on CPU).
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ class RunConfig:
     virtual_ranks: int = 1       # C > 1: an EP=1 run computing what an EP=C run computes (see GPT.forward)
     fsdp: bool = False           # under torchrun: FSDP2 shards the parameters (megamoe/train/fsdp.py)
     init_dtype: torch.dtype | None = None  # init experts in this dtype, then cast (same start, other dtype)
+    attention: str = "deterministic"  # or "fast": SDPA's own choice, non-deterministic backward (model.py)
     progress: bool = True
     catch_interrupt: bool = False  # Ctrl-C ends the step, checkpoints and stops also without a progress bar (CLI)
     save_trace: bool = True
@@ -148,7 +152,7 @@ def build_model(rc: RunConfig, dctx: Dist, device: torch.device) -> GPT:
         return MoE(cfg.moe, backend=rc.backend, group=group, dp_group=dp_group, device="cpu",
                    seed=rc.seed * 1000 + i)
 
-    model = GPT(cfg, moe_factory, seed=rc.seed)
+    model = GPT(cfg, moe_factory, seed=rc.seed, attention=rc.attention)
     if rc.init_dtype is not None and rc.init_dtype != cfg.moe.dtype:
         # Same initial values as a run with init_dtype experts (random draws depend on the dtype).
         init_cfg = cfg.replace(moe=cfg.moe.replace(dtype=rc.init_dtype))

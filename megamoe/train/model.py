@@ -9,6 +9,21 @@ rotary position embedding (Su et al., arXiv 2104.09864, "rotate half" form); cau
 ``torch.nn.functional.scaled_dot_product_attention``. Every FFN is a DeepSeek-V3 MoE layer (router with
 group-limited sigmoid routing, aux-loss-free bias, shared expert; see ``megamoe.reference``).
 
+Attention and reproducibility (``GPT(attention=...)``, ``--attention``): PyTorch's fused attention kernels
+(cuDNN, flash, memory-efficient) use a non-deterministic backward unless deterministic algorithms are on
+*without* ``warn_only`` (torch 2.11 and 2.15, aten/src/ATen/native/transformers: with ``warn_only=True``
+each of the three only warns "... defaults to a non-deterministic algorithm"; in strict mode SDPA no
+longer selects cuDNN, flash runs its deterministic backward and memory-efficient attention one key
+split; the math backend is deterministic either way). Strict mode for the whole step is not an option:
+it also makes ops without a deterministic version raise (``nll_loss`` on CUDA among them). So:
+
+* ``"deterministic"`` (the default): on CUDA, flash attention whose backward alone runs in strict mode
+  (:class:`FlashDeterministic`); where flash cannot take the inputs, the math backend; on CPU, SDPA's own
+  choice (CPU kernels are deterministic). Two runs from one seed give the same bits.
+* ``"fast"``: SDPA's own choice (cuDNN on an H200 with torch 2.11), non-deterministic backward.
+
+``Attention.path`` names the path the last forward took (the run summary prints it).
+
 Precision: dense parameters are fp32 (bf16 autocast on GPU, set by the training loop); expert weights
 live in ``MoEConfig.dtype``. The MoE layer always runs with autocast disabled: it gets the fp32
 normalised activations, casts them to its own dtype itself and returns fp32, so its router math stays
@@ -18,16 +33,21 @@ fp32 and the reference and fused backends see identical inputs.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F_
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import MoEConfig, get_preset
 from .data import VOCAB_SIZE
 
-__all__ = ["ModelConfig", "MODEL_PRESETS", "get_model_preset", "GPT"]
+__all__ = ["ATTENTION_MODES", "GPT", "MODEL_PRESETS", "FlashDeterministic", "ModelConfig", "get_model_preset",
+           "strict_determinism"]
+
+ATTENTION_MODES = ("deterministic", "fast")
 
 
 @dataclass(frozen=True)
@@ -130,31 +150,94 @@ def _rotate(x_BnSH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) ->
     return (x_BnSH.float() * cos_SH + rot.float() * sin_SH).to(x_BnSH.dtype)
 
 
-class Attention(nn.Module):
-    """Causal multi-head self-attention with rotary positions, through SDPA."""
+@contextmanager
+def strict_determinism():
+    """``torch.use_deterministic_algorithms(True)`` without ``warn_only`` inside the block, restored after;
+    no NaN fill of new tensors (the flag would turn it on; the kernels below write all of their outputs)."""
+    import torch.utils.deterministic as det
+    old = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+           det.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True)
+    det.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old[0], warn_only=old[1])
+        det.fill_uninitialized_memory = old[2]
 
-    def __init__(self, cfg: ModelConfig):
+
+class FlashDeterministic(torch.autograd.Function):
+    """Causal attention through SDPA's flash backend whose backward runs in :func:`strict_determinism`
+    (PyTorch's flash backward then reduces dQ in a fixed order instead of with atomics); the forward is
+    SDPA's flash forward, unchanged. q, k, v: [B, nH, S, Hd]. The flag is process-wide while the backward
+    of this node runs (the caller's thread waits in ``backward()`` meanwhile)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        with torch.enable_grad():
+            leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                o = F_.scaled_dot_product_attention(*leaves, is_causal=True)
+        ctx.graph = (leaves, o)
+        return o.detach()
+
+    @staticmethod
+    def backward(ctx, do):
+        leaves, o = ctx.graph
+        del ctx.graph
+        with strict_determinism():
+            return torch.autograd.grad(o, leaves, do)
+
+
+def _flash_fits(q, k, v) -> bool:
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, False)
+    return torch.backends.cuda.can_use_flash_attention(params)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with rotary positions, through SDPA (``attention``: see the module
+    docstring; ``path`` names what the last forward ran)."""
+
+    def __init__(self, cfg: ModelConfig, attention: str = "deterministic"):
         super().__init__()
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
         D = cfg.d_model
         self.n_head = cfg.n_head
+        self.attention = attention
+        self.path = None
         self.qkv = nn.Linear(D, 3 * D, bias=False)
         self.proj = nn.Linear(D, D, bias=False)
+
+    def _attend(self, q, k, v):
+        if self.attention == "fast" or not q.is_cuda:
+            self.path = ("SDPA's choice, non-deterministic backward" if q.is_cuda else "SDPA (CPU, deterministic)")
+            return F_.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if _flash_fits(q, k, v):
+            self.path = "flash, deterministic backward"
+            if not torch.is_grad_enabled():  # evaluation: the same flash forward, no graph to keep
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return F_.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return FlashDeterministic.apply(q, k, v)
+        self.path = "math (deterministic)"
+        with sdpa_kernel(SDPBackend.MATH):
+            return F_.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def forward(self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
         q, k, v = self.qkv(x_BSD).view(B, S, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)
         q, k = _rotate(q, cos_SH[:S], sin_SH[:S]), _rotate(k, cos_SH[:S], sin_SH[:S])
-        o_BnSH = F_.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o_BnSH = self._attend(q, k, v)
         return self.proj(o_BnSH.transpose(1, 2).reshape(B, S, D))
 
 
 class Block(nn.Module):
     """Pre-norm block: x += attn(norm(x)); x += moe(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, moe: nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: nn.Module, attention: str = "deterministic"):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, attention)
         self.moe_norm = RMSNorm(cfg.d_model)
         self.moe = moe
 
@@ -175,6 +258,7 @@ class GPT(nn.Module):
         seed: init seed of the dense parameters (normal, std 0.02; output projections std
             0.02 / sqrt(2 n_layer) as in GPT-2), drawn from a CPU generator so every device and rank
             starts from the same bits.
+        attention: "deterministic" (default) or "fast" (see the module docstring).
 
     ``forward(idx_BS, chunks=1) -> logits_BSV`` (fp32 or the autocast dtype). With ``chunks = C > 1``
     every dense (non-MoE) computation runs separately on C equal slices of the batch while each MoE
@@ -182,12 +266,12 @@ class GPT(nn.Module):
     compute on their own slices (same GEMM shapes, hence the same bits), which ``--check`` relies on.
     """
 
-    def __init__(self, cfg: ModelConfig, moe_factory, *, seed: int = 0):
+    def __init__(self, cfg: ModelConfig, moe_factory, *, seed: int = 0, attention: str = "deterministic"):
         super().__init__()
         self.cfg = cfg
         D = cfg.d_model
         self.embed = nn.Embedding(cfg.vocab_size, D)
-        self.blocks = nn.ModuleList(Block(cfg, moe_factory(i)) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, moe_factory(i), attention) for i in range(cfg.n_layer))
         self.norm = RMSNorm(D)
         self.head = nn.Linear(D, cfg.vocab_size, bias=False)
         cos_SH, sin_SH = _rope_tables(cfg.seq_len, D // cfg.n_head, cfg.rope_base)
@@ -207,6 +291,10 @@ class GPT(nn.Module):
 
     def moe_layers(self) -> list[nn.Module]:
         return [b.moe for b in self.blocks]
+
+    def attention_path(self) -> str | None:
+        """What the attention of the last forward ran (``Attention.path``), None before any forward."""
+        return self.blocks[0].attn.path if len(self.blocks) else None
 
     def dense_named_parameters(self):
         """(name, parameter) of everything outside the MoE layers (replicated under EP)."""

@@ -106,6 +106,10 @@ def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str, layo
                  "the only log interval, start-up included: run more steps for a steady rate")
         lines.append(f"speed: {statistics.median(steady):,.0f} tokens/s ({basis}); MoE layers {100 * statistics.median(shares) if shares else float('nan'):.0f}% "
                      f"of step time; training loop {res.seconds:.1f} s (setup and data loading not included)")
+    path = res.model.attention_path() if res.model is not None else None
+    if path is not None:
+        lines.append(f"attention: {path} (--attention {rc.attention}"
+                     + ("; 'fast' drops the bitwise reproducibility for speed)" if rc.attention != "fast" else ")"))
     if res.loads:
         lines.append(f"expert balance (max/mean load, mean over layers): first step "
                      f"{_balance(res.loads[0]):.2f} -> last step {_balance(res.loads[-1]):.2f}")
