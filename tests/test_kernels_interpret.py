@@ -160,9 +160,9 @@ else:
     def test_permuted_dy_switch_gives_the_same_bits(monkeypatch):
         # MEGAMOE_PERMUTED_DY=1: dY copied to row order, then read without a gather; the same rows land in
         # the same tile positions, so every output and gradient must be bitwise the gathering default's
-        x, ids, w, w13, w2, s13, s2 = _make(45, 64, 32, 6, 3, 16, seed=12)
-        ids[:20, 0] = 2  # a hot expert with several m-tiles
-        dout = torch.randn(45, 64, generator=torch.Generator().manual_seed(3))
+        x, ids, w, w13, w2, s13, s2 = _make(24, 64, 32, 6, 3, 16, seed=12)
+        ids[:20, 0] = 2  # a hot expert with several (16-row) m-tiles
+        dout = torch.randn(24, 64, generator=torch.Generator().manual_seed(3))
         monkeypatch.delenv("MEGAMOE_PERMUTED_DY", raising=False)
         a = _run(moe_experts, x, ids, w, w13, w2, s13, s2, dout)
         monkeypatch.setenv("MEGAMOE_PERMUTED_DY", "1")
@@ -176,8 +176,8 @@ else:
         # forward + backward with a shared expert computes them twice (the routed offsets, the shared expert's
         # one group) instead of once per GEMM (8), with the same bits
         import megamoe.ops.grouped_gemm as gg
-        x, ids, w, w13, w2, s13, s2 = _make(45, 64, 32, 6, 3, 16, seed=13)
-        dout = torch.randn(45, 64, generator=torch.Generator().manual_seed(4))
+        x, ids, w, w13, w2, s13, s2 = _make(24, 64, 32, 6, 3, 16, seed=13)
+        dout = torch.randn(24, 64, generator=torch.Generator().manual_seed(4))
         real_offsets, real_launch, calls = gg.tile_offsets_for, gg._launch_m_grouped, []
         monkeypatch.setattr(gg, "tile_offsets_for", lambda *a, **kw: calls.append(1) or real_offsets(*a, **kw))
         a = _run(moe_experts, x, ids, w, w13, w2, s13, s2, dout)

@@ -332,6 +332,7 @@ def test_ep2_check_on_cpu_gloo():
     assert _first_step_bitwise_equal(p.stdout), p.stdout
 
 
+@pytest.mark.slow  # several 4-rank torchrun jobs: minutes on 2 CPU cores
 def test_dp_x_ep_on_cpu_gloo_keeps_replicas_identical(tmp_path):
     """4 ranks as 2 replicas of an EP=2 group (--ep-size 2, reference backend, gloo): after training, every
     replicated parameter and the expert bias are bitwise equal on all 4 ranks and each EP rank's experts
@@ -377,6 +378,7 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(ln)["loss"] for ln in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in ln]
 
 
+@pytest.mark.slow  # several 4-rank torchrun jobs: minutes on 2 CPU cores
 def test_fsdp2_under_dp_x_ep_on_cpu_gloo(tmp_path):
     """--fsdp (EP=2 x DP=2, 4 gloo ranks): FSDP2 shards the experts over their replicas and the rest over all
     ranks. Its losses equal the replicated run's bit for bit: gloo's reduce-scatter sums like its all-reduce
