@@ -270,7 +270,7 @@ def _m_grouped_gemm_kernel(
                 if HAS_DOT:
                     p = 2 * n_tile
                     tl.store(dot_ptr + out_rows * num_p + p, part_a, mask=mask_m)
-                    tl.store(dot_ptr + out_rows * num_p + p + 1, part_b, mask=mask_m & (p + 1 < num_p))
+                    tl.store(dot_ptr + out_rows * num_p + p + 1, part_b, mask=mask_m & (out_rows * 0 + p + 1 < num_p))
         if WAIT_PULL:
             tile = tl.atomic_add(pull_ptr, 1, sem="relaxed", scope="gpu")
         else:
