@@ -38,7 +38,7 @@ import torch.nn.functional as F_
 
 from ..config import MoEConfig
 from .data import Corpus, load_corpus, train_batch, val_batches
-from .model import GPT, ModelConfig
+from .model import GPT, ModelConfig, strict_determinism
 from .timing import StepTimer
 
 __all__ = ["RunConfig", "RunResult", "Dist", "ResumeError", "layout", "train", "build_model"]
@@ -207,16 +207,8 @@ def deterministic_algorithms(device: torch.device):
     if device.type != "cuda":
         yield
         return
-    import torch.utils.deterministic as det
-    old = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-           det.fill_uninitialized_memory)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    det.fill_uninitialized_memory = False
-    try:
+    with strict_determinism(warn_only=True):
         yield
-    finally:
-        torch.use_deterministic_algorithms(old[0], warn_only=old[1])
-        det.fill_uninitialized_memory = old[2]
 
 
 def _loss(logits_BSV: torch.Tensor, y_BS: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:

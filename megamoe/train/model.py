@@ -151,13 +151,13 @@ def _rotate(x_BnSH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) ->
 
 
 @contextmanager
-def strict_determinism():
-    """``torch.use_deterministic_algorithms(True)`` without ``warn_only`` inside the block, restored after;
+def strict_determinism(warn_only: bool = False):
+    """``torch.use_deterministic_algorithms(True, warn_only=warn_only)`` inside the block, restored after;
     no NaN fill of new tensors (the flag would turn it on; the kernels below write all of their outputs)."""
     import torch.utils.deterministic as det
     old = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
            det.fill_uninitialized_memory)
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
     det.fill_uninitialized_memory = False
     try:
         yield
