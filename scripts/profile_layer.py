@@ -13,7 +13,7 @@ the benchmark's ``megamoe-ep`` provider): the exchange kernels next to the GEMMs
 With PROFILE_HOST=1 it also runs the host-enqueue loop under cProfile and prints the 30 functions with the
 most own time (where the host's per-step cost goes when a shape is host-bound).
 With STEPS_ONLY=N in the environment it only runs N steps per case and exits (for Nsight Compute,
-scripts/ncu_layer.sh: no torch.profiler, no graph capture).
+`scripts/gpu.sh ncu`: no torch.profiler, no graph capture).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One table from interleaved A/B benchmark runs: ``python -m megamoe.bench.ab_summary DIR [DIR ...]``.
 
 Reads ``results.json`` in each DIR (or under it), as written by ``python -m megamoe.bench`` (for instance by
-``scripts/gpu_all.sh abtiles``), groups the runs by the library switches recorded in their metadata
+``scripts/gpu.sh ab``), groups the runs by the library switches recorded in their metadata
 (``meta.env``: ``MEGAMOE_TILES``, ``MEGAMOE_GLUON``, ``MEGAMOE_PERMUTED_DY``, ``MEGAMOE_TORCH_WGRAD``,
 ``MEGAMOE_EP_PUSH`` (recorded since 2026-12-01, eleventh session), ``MEGAMOE_EP_COMM_SMS`` (twelfth session),
 ``MEGAMOE_EP_PULL_OVERLAP`` (eighteenth); runs without any are "table"),
