@@ -114,7 +114,7 @@ class MoEConfig:
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
             bad(f"dtype {self.dtype} is not supported")
 
-    def replace(self, **changes) -> "MoEConfig":
+    def replace(self, **changes) -> MoEConfig:
         """A copy with some fields changed (validated again)."""
         if "moe_intermediate_size" in changes and "shared_intermediate_size" not in changes and self.n_shared_experts:
             changes["shared_intermediate_size"] = None

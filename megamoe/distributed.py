@@ -92,7 +92,7 @@ class WorkspaceSpec:
         if self.num_experts % self.world:
             raise ValueError(f"megamoe.distributed: num_experts={self.num_experts} not divisible by W={self.world}")
 
-    def covers(self, other: "WorkspaceSpec") -> bool:
+    def covers(self, other: WorkspaceSpec) -> bool:
         return (self.world == other.world and self.hidden == other.hidden and self.top_k == other.top_k
                 and self.num_experts == other.num_experts and self.dtype == other.dtype
                 and self.max_tokens >= other.max_tokens)
@@ -171,7 +171,7 @@ class EPWorkspace:
 
     # ----------------------------------------------------------------------------------- builders
     @classmethod
-    def from_shared_buffers(cls, spec: WorkspaceSpec, rank: int, buffers: list[torch.Tensor]) -> "EPWorkspace":
+    def from_shared_buffers(cls, spec: WorkspaceSpec, rank: int, buffers: list[torch.Tensor]) -> EPWorkspace:
         """CPU simulation: ``buffers[r]`` is rank r's pool, a ``share_memory_()`` uint8 tensor mapped in
         every process; the pointer table holds this process's own mapped addresses. Zero the buffers
         before any rank starts."""
@@ -310,7 +310,8 @@ def reserve_workspace(group, max_tokens: int) -> None:
     rank with the same value). Without it, the first call all-reduces the largest T of the group once
     (a host synchronisation at setup) and rounds it up to a multiple of 256."""
     if not isinstance(max_tokens, int) or max_tokens <= 0:
-        raise ValueError(f"megamoe.distributed.reserve_workspace: max_tokens must be a positive int, got {max_tokens!r}")
+        raise ValueError("megamoe.distributed.reserve_workspace: max_tokens must be a positive int, "
+                         f"got {max_tokens!r}")
     _RESERVED[_group_key(group)] = max_tokens
 
 

@@ -103,8 +103,9 @@ def experts_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -
             return fwd_bwd(lambda: experts(x, ids_TK, w_TK), inputs, dout)
         return run
 
-    functional = lambda: fwd_bwd(lambda: moe_experts(x, ids_TK, w_TK, *inputs[2:], backend=backend),
-                                 inputs, dout)
+    def functional():
+        return fwd_bwd(lambda: moe_experts(x, ids_TK, w_TK, *inputs[2:], backend=backend), inputs, dout)
+
     works = {"eager": impl("eager"), "grouped_mm": impl("grouped_mm"), "megamoe": impl("megamoe"),
              "functional": functional}
     want = functional()

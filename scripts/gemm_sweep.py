@@ -21,8 +21,16 @@ import sys
 import torch
 
 from megamoe.config import get_preset
-from megamoe.ops import (GemmConfig, build_routing_plan, down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm,
-                         swiglu_dgrad, tile_config)
+from megamoe.ops import (
+    GemmConfig,
+    build_routing_plan,
+    down_proj,
+    gate_up_swiglu,
+    grouped_mm_nn,
+    k_grouped_mm,
+    swiglu_dgrad,
+    tile_config,
+)
 
 dev = torch.device("cuda")
 
@@ -158,21 +166,23 @@ def layer(name, T, rows, log):
     s2 = (torch.randn(D, S, generator=g, device=dev) / S ** 0.5).bfloat16().requires_grad_() if S else None
     params = [p for p in (x, w, w13, w2, s13, s2) if p is not None]
     dout = torch.randn_like(x)
-    fb = lambda: [t.clone() for t in torch.autograd.grad(moe_experts(x, ids, w, w13, w2, s13, s2, backend="fused"),
-                                                         params, dout)]
+    def fb():
+        out = moe_experts(x, ids, w, w13, w2, s13, s2, backend="fused")
+        return [t.clone() for t in torch.autograd.grad(out, params, dout)]
+
     keys = {"gate_up": ("gate_up", F, D), "down": ("down", D, F), "dgrad_swiglu": ("dgrad_swiglu", F, D),
             "dgrad": ("dgrad", D, 2 * F), "wgrad13": ("wgrad", 2 * F, D), "wgrad2": ("wgrad", D, F)}
     saved = dict(tile_config._OVERRIDES)
     base_out = fb()
     t0 = timeit(fb, iters=6)
     best = {}
-    for label, key in keys.items():
+    for label in keys:
         ok = [r for r in rows if r["case"] == f"{name} T={T}" and r.get("gemm") == label and r["bitwise_equal"]]
         if ok:
             best[label] = min(ok, key=lambda r: r["ms"])["config"]
     for label, shown in best.items():
         if shown != "table default":
-            tile_config._OVERRIDES[keys[label]] = eval(shown, {"GemmConfig": GemmConfig})  # noqa: S307 - our repr
+            tile_config._OVERRIDES[keys[label]] = eval(shown, {"GemmConfig": GemmConfig})
     out = fb()
     same = all(torch.equal(a, b) for a, b in zip(base_out, out))
     t1 = timeit(fb, iters=6)
@@ -207,7 +217,8 @@ def main():
         if not (balanced or nolayer):
             rows.append(layer(name, int(T), rows, log))
             torch.cuda.empty_cache()
-        json.dump(rows, open(f"{out_dir}/gemm_sweep.json", "w"), indent=1)
+        with open(f"{out_dir}/gemm_sweep.json", "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

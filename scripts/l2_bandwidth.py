@@ -71,7 +71,8 @@ def gemm_tile_traffic(rows: int, n: int, k: int, block_m: int, block_n: int) -> 
 
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
-    res = {"gpu": torch.cuda.get_device_name(), "l2_read_gbs": {}, "dram_copy_gbs": _copy_gbs(Timer(torch.device("cuda")), 10)}
+    res = {"gpu": torch.cuda.get_device_name(), "l2_read_gbs": {},
+           "dram_copy_gbs": _copy_gbs(Timer(torch.device("cuda")), 10)}
     for ppsm in (2, 4, 8):
         res["l2_read_gbs"][ppsm] = l2_read_gbs(programs_per_sm=ppsm)
     R = 16384 * 8  # qwen3-30b-a3b T=16384, top-8: rows of the grouped buffer

@@ -91,7 +91,7 @@ def profile_case(name: str, T: int) -> dict:
     # idle time between consecutive kernels (us), after the first step's start
     gaps = defaultdict(lambda: [0, 0.0])
     idle = 0.0
-    for (s0, e0, k0), (s1, e1, k1) in zip(kernels, kernels[1:]):
+    for (s0, e0, k0), (s1, _e1, k1) in zip(kernels, kernels[1:]):
         g = s1 - max(e0, s0)
         if g > 0:
             idle += g
@@ -185,7 +185,8 @@ def main():
     if EP1:
         from megamoe.bench.providers_ep import close_one_rank_group
         close_one_rank_group()
-    json.dump(res, open(f"{sys.argv[1]}/profile_layer{'_ep1' if EP1 else ''}.json", "w"), indent=1)
+    with open(f"{sys.argv[1]}/profile_layer{'_ep1' if EP1 else ''}.json", "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ import os
 
 import pytest
 import torch
-from ep_utils import free_port, spawn_ranks
 
+from ep_utils import free_port, spawn_ranks
 from megamoe.bench.__main__ import build_parser, main
 from megamoe.bench.check import check_provider
 from megamoe.bench.problem import make_problem

@@ -1,5 +1,7 @@
 """MoEConfig validation and preset numbers (checked against the published model configs)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,10 +15,12 @@ def test_presets_match_published_configs():
     k2 = PRESETS["kimi-k2"]
     assert (k2.num_experts, k2.top_k, k2.routed_scaling_factor, k2.n_group) == (384, 8, 2.827, 1)
     q = PRESETS["qwen3-30b-a3b"]
-    assert (q.hidden_size, q.moe_intermediate_size, q.num_experts, q.top_k, q.score_func) == (2048, 768, 128, 8, "softmax")
+    assert (q.hidden_size, q.moe_intermediate_size, q.num_experts, q.top_k, q.score_func) == (
+        2048, 768, 128, 8, "softmax")
     assert q.shared_intermediate_size == 0
     glm = PRESETS["glm-4.5"]
-    assert (glm.hidden_size, glm.moe_intermediate_size, glm.num_experts, glm.shared_intermediate_size) == (5120, 1536, 160, 1536)
+    assert (glm.hidden_size, glm.moe_intermediate_size, glm.num_experts, glm.shared_intermediate_size) == (
+        5120, 1536, 160, 1536)
     mok = PRESETS["mok-bench"]
     assert (mok.hidden_size, mok.moe_intermediate_size, mok.num_experts, mok.top_k, mok.shared_intermediate_size) == (
         7168, 3072, 384, 6, 3072)
@@ -49,7 +53,7 @@ def test_config_rejects_bad_values(kwargs, match):
 
 def test_config_frozen_and_replace():
     c = get_preset("tiny")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         c.top_k = 3
     c2 = c.replace(moe_intermediate_size=48)
     assert c2.shared_intermediate_size == 48 and c.shared_intermediate_size == 32

@@ -17,7 +17,7 @@ def _ptx(kernel, sig: dict, const: dict, divisible: tuple, text: bool = False, n
     from triton.compiler import ASTSource
 
     names = list(kernel.arg_names)
-    sig = {**sig, **{n: "constexpr" for n in const}}
+    sig = {**sig, **dict.fromkeys(const, "constexpr")}
     assert set(sig) == set(names), set(names) ^ set(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     c = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
@@ -57,7 +57,6 @@ def test_pull_beside_a_gemm_flags_its_blocks_and_lets_the_gemm_launch(bwd):
     at GPU scope after a CTA barrier, ``griddepcontrol.launch_dependents`` (the GEMM beside it may launch);
     without them neither appears."""
     from megamoe.kernels.ep_comm import ep_dispatch_kernel
-
     from megamoe.ops.ep_comm import _BD_BESIDE, _NW_BESIDE
 
     const = dict(W=2, E=256, E_PAD=256, L_PAD=256, BM=32, BD=256, BWD=bwd, ALIGNED=True, PULL_X=True,
@@ -102,7 +101,7 @@ def test_schedule_kernel_builds_for_sm90(use_timer):
     sig = {"ptrs_ptr": "*i64", "flags_ptr": "*i32", "sched_ptr": "*i32", "rank": "i32", "L": "i32", "C": "i32",
            "rounds": "i32", "max_iters": "i32", "timeout_ns": "i64", "PLAN_OFF": "i64"}
     const = dict(READY=16, W=8, E=256, W_PAD=8, E_PAD=256, L_PAD=64, USE_TIMER=use_timer, FILL=64)
-    sig = {**sig, **{n: "constexpr" for n in const}}
+    sig = {**sig, **dict.fromkeys(const, "constexpr")}
     assert set(sig) == set(names), set(names) ^ set(sig)
     c = triton.compile(ASTSource(ep_schedule_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4))

@@ -45,8 +45,16 @@ import time
 import pytest
 import torch
 
-from ep_utils import (ep_inputs, expert_counts, model_rounds, rank_device, shared_gpu, spawn_ranks,
-                      split_experts, temp_env)
+from ep_utils import (
+    ep_inputs,
+    expert_counts,
+    model_rounds,
+    rank_device,
+    shared_gpu,
+    spawn_ranks,
+    split_experts,
+    temp_env,
+)
 from ep_utils import leaf as _leaf
 
 pytestmark = [pytest.mark.gpu]

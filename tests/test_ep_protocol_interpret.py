@@ -19,8 +19,16 @@ import os
 import pytest
 import torch
 
-from ep_utils import (check_round_table, expert_counts, model_rounds, model_schedule, offsets_of, payload_rows, routing,
-                      spawn_ranks)
+from ep_utils import (
+    check_round_table,
+    expert_counts,
+    model_rounds,
+    model_schedule,
+    offsets_of,
+    payload_rows,
+    routing,
+    spawn_ranks,
+)
 
 ENV = {"TRITON_INTERPRET": "1"}
 D = 32
@@ -55,7 +63,7 @@ def _protocol_worker(rank, W, buffers, spec_args, ids_all, w_all, C, rounds, rep
     T = ids.shape[0]
     x = payload_rows(rank, T, spec.hidden)
     outs = []
-    for rep in range(repeats):
+    for _ in range(repeats):
         ops.publish(ws, ids, x)
         bufs = ops.ExchangeBuffers(ws, C, backward=False, rounds=rounds)
         ops.build_schedule(ws, bufs, timeout)
@@ -224,7 +232,7 @@ def test_round_table_sweep_against_the_model():
     spec = WorkspaceSpec(1, T_max, D, K, E, torch.float32)
     g = torch.Generator().manual_seed(5)
     cases = []
-    for i in range(40):
+    for _ in range(40):
         T = int(torch.randint(0, T_max + 1, (1,), generator=g))
         weight = torch.rand(E, generator=g) ** 4 + 1e-3 * (torch.rand(E, generator=g) > 0.3)  # skewed, some ~0
         ids = (torch.multinomial(weight.expand(T, E), K, replacement=False, generator=g) if T else

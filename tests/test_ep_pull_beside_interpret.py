@@ -2,11 +2,11 @@
 MEGAMOE_EP_PULL_OVERLAP), under TRITON_INTERPRET=1 in a spawned process, with a stand-in pull: a Python
 ``launch`` that writes A's rows (and row scales), then sets the ready flags of the blocks it was asked to.
 
-Proves: gate/up + SwiGLU and dgrad + SwiGLU beside a pull give the bits of the plain GEMM on the same rows
-(an empty expert, rows not a multiple of any block), waiting only for the blocks that hold rows, the pull is
-launched exactly once, and the tiles came from the counter; a block whose flag never comes (the first, a middle or the last of the rows) turns into
-stage 5 in the workspace's status word within the bound, and ``EPWorkspace.check`` raises naming the rank,
-the stage and the switch; bad RowPull arguments raise ValueError before anything is launched.
+Proves: gate/up + SwiGLU and dgrad + SwiGLU beside a pull give the bits of the plain GEMM on the same rows (an empty
+expert, rows not a multiple of any block), waiting only for the blocks that hold rows, the pull is launched exactly
+once, and the tiles came from the counter; a block whose flag never comes (the first, a middle or the last of the
+rows) turns into stage 5 in the workspace's status word within the bound, and ``EPWorkspace.check`` raises naming
+the rank, the stage and the switch; bad RowPull arguments raise ValueError before anything is launched.
 (tests/test_ep_protocol_interpret.py checks the real pull's flags; tests/test_ep_layer_interpret.py and
 tests/test_ep_gpu.py the whole layer with the switch.)
 

@@ -8,8 +8,8 @@ reference on the whole batch (float64, so only summation order can differ).
 import pytest
 import torch
 import torch.distributed as dist
-from ep_utils import layout_groups, spawn_ranks
 
+from ep_utils import layout_groups, spawn_ranks
 from megamoe import MoE, get_preset
 from megamoe import reference as ref
 from megamoe.reference_ep import moe_experts_ep
@@ -31,7 +31,8 @@ def _worker(rank, world, tokens_per_rank, routing):
     sw13 = torch.randn(2 * S, D, dtype=torch.float64) * D ** -0.5
     sw2 = torch.randn(D, S, dtype=torch.float64) * S ** -0.5
     if routing == "uniform":
-        ids = torch.stack([torch.randperm(E)[:K] for _ in range(T_all)]) if T_all else torch.zeros(0, K, dtype=torch.long)
+        ids = (torch.stack([torch.randperm(E)[:K] for _ in range(T_all)]) if T_all
+               else torch.zeros(0, K, dtype=torch.long))
     elif routing == "one-rank":  # every token of every rank routed to the last rank's experts
         ids = (E - L) + torch.stack([torch.randperm(L)[:K] for _ in range(T_all)])
     else:  # one hot expert in every token's first slot
@@ -153,7 +154,7 @@ def _dp_ep_worker(rank, world, ep, tokens_per_rank):
             g = p.grad.clone()
             # the experts' gradients sum their EP group's tokens, the replicas add the rest; the replicated
             # parameters' are per-rank partials
-            dist.all_reduce(g, group=my_dp if name.startswith("experts.") else None)
+            dist.all_reduce(g, group=my_dp if name.startswith("experts.") else None)  # noqa: B023 - used at once
             return g
 
         layer = MoE(_cfg(), backend="reference", group=groups[tuple(my_ep)], dp_group=my_dp, seed=7)
@@ -238,7 +239,7 @@ def _fsdp_mp_worker(rank, world):
         fully_shard(layer.experts, mesh=mesh, mp_policy=bf16)
         fully_shard(layer, mesh=mesh, mp_policy=bf16)
         seen = []
-        hook = layer.router.register_forward_pre_hook(lambda m, args: seen.append(m.w_ED.dtype))
+        hook = layer.router.register_forward_pre_hook(lambda m, args: seen.append(m.w_ED.dtype))  # noqa: B023
         y = layer(x)
         hook.remove()
         assert seen == [want] and y.dtype == torch.bfloat16

@@ -66,7 +66,8 @@ def _check(case, *, x_view=None, seed=7):
         err = (a.double() - b64).abs().max().item()
         err_pt = (bpt.double() - b64).abs().max().item()
         scale = b64.abs().max().item()
-        assert err <= 2 * err_pt + 1e-3 * scale + 1e-6, f"{name}: err {err:.3g} vs torch bf16 {err_pt:.3g} (max {scale:.3g})"
+        assert err <= 2 * err_pt + 1e-3 * scale + 1e-6, (
+            f"{name}: err {err:.3g} vs torch bf16 {err_pt:.3g} (max {scale:.3g})")
         rel = (a.double() - b64).norm() / b64.norm().clamp_min(1e-30)
         rel_pt = (bpt.double() - b64).norm() / b64.norm().clamp_min(1e-30)
         assert rel <= 2 * rel_pt + 1e-4, f"{name}: rel rms {rel:.3g} vs torch {rel_pt:.3g}"
@@ -138,8 +139,7 @@ def test_routing_plan_exact():
 
 
 def test_poisoned_outputs_overwritten():
-    from megamoe.ops import (build_routing_plan, down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm,
-                             swiglu_dgrad)
+    from megamoe.ops import build_routing_plan, down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm, swiglu_dgrad
     x, ids, w, w13, w2, _, _ = _make(333, 256, 192, 8, 3, 0, seed=5)
     plan = build_routing_plan(ids, 8)
     N = ids.numel()

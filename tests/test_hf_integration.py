@@ -26,8 +26,8 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
-import megamoe.integrations.transformers as mt  # after the skip: it needs transformers
-from megamoe import reference as ref
+import megamoe.integrations.transformers as mt  # noqa: E402 - after the skip: it needs transformers
+from megamoe import reference as ref  # noqa: E402
 
 BF16, F64 = torch.bfloat16, torch.float64
 _COMMON = {"vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -188,14 +188,14 @@ def test_experts_get_the_model_parameters_without_copies(monkeypatch):
 def test_swap_keeps_state_dict_parameters_and_loads_checkpoints():
     model = build("deepseek_v3")
     before = model.state_dict()
-    params = {n: p for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
     names = mt.swap_moe_blocks(model)
     assert names == ["model.layers.1.mlp"]
     assert all(isinstance(model.get_submodule(n), mt.MegaMoEBlock) for n in names)
     after = model.state_dict()
     assert list(after) == list(before)
     assert all(after[k].data_ptr() == before[k].data_ptr() for k in before)
-    assert {n: p for n, p in model.named_parameters()} == params
+    assert dict(model.named_parameters()) == params
     fresh = build("deepseek_v3", seed=5)
     mt.swap_moe_blocks(fresh)
     fresh.load_state_dict(before)  # strict: same keys

@@ -53,7 +53,7 @@ def test_gradcheck_experts_with_topk_weights():
     w = torch.rand(5, 2, dtype=torch.float64, requires_grad=True)
     for k in ("x_TD", "w13_EGD", "w2_EDF", "shared_w13_HD", "shared_w2_DS"):
         p[k].requires_grad_(True)
-    f = lambda x, w_, a, b, c, d: ref.moe_experts(x, ids, w_, a, b, c, d)
+    f = lambda x, w_, a, b, c, d: ref.moe_experts(x, ids, w_, a, b, c, d)  # noqa: E731
     args = (p["x_TD"], w, p["w13_EGD"], p["w2_EDF"], p["shared_w13_HD"], p["shared_w2_DS"])
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-6)
     f(*args).sum().backward()

@@ -67,7 +67,8 @@ def test_ties_go_to_lower_index():
     cfg_g = get_preset("small")
     r = route(x, torch.randn(cfg_g.num_experts, cfg_g.hidden_size), torch.zeros(cfg_g.num_experts), cfg_g)
     assert r.topk_ids_TK.tolist() == [list(range(cfg_g.top_k))] * 3
-    torch.testing.assert_close(r.topk_weights_TK, torch.full((3, cfg_g.top_k), cfg_g.routed_scaling_factor / cfg_g.top_k))
+    want = torch.full((3, cfg_g.top_k), cfg_g.routed_scaling_factor / cfg_g.top_k)
+    torch.testing.assert_close(r.topk_weights_TK, want)
 
 
 def test_bias_changes_selection_not_weights():

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch.distributed as dist
+
 from ep_utils import spawn_ranks
 
 
@@ -27,6 +28,7 @@ def _raise_on_rank_0(rank, world):
 
 def _allreduce_then_abort_at_exit(rank, world):
     import atexit
+
     import torch
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)

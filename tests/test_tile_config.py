@@ -204,7 +204,6 @@ def test_tiles_env_rejects_bad_entries(monkeypatch, text, match):
 def test_dgrad_swiglu_entry_depends_on_gathered_rows(monkeypatch):
     """dgrad + SwiGLU: TMA for A and B when dY's rows are contiguous, pointer loads when they are gathered
     (measured, tile_config); an explicit entry (code or MEGAMOE_TILES) wins in both; other kinds ignore it."""
-    from megamoe.ops import tile_config
     monkeypatch.delenv("MEGAMOE_TILES", raising=False)
     rows = m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=False)
     gathered = m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=False, gathered=True)

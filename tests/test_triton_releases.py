@@ -14,9 +14,8 @@ import pytest
 
 pytest.importorskip("triton.experimental.gluon")
 
-from triton_versions import triton_release  # noqa: E402
-
-from megamoe.kernels import gluon_compat  # noqa: E402
+from megamoe.kernels import gluon_compat
+from triton_versions import triton_release
 
 
 def test_builtins_resolve_under_the_installed_release():

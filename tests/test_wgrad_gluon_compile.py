@@ -1,12 +1,12 @@
 """The Gluon weight-gradient kernel compiled for sm_90a on the CPU (no GPU needed; runs in CI).
 
-Proves, for a representative set of the variants the launcher can pick (bf16 or fp16 operands, 16-bit or
-fp32 outputs, P or Q gathered, TMA-stored or masked-store epilogue, 128x128 and 128x256 tiles, P streamed
-or kept on chip), and that the Gluon path imports wherever Gluon does: the kernel compiles with Triton's bundled ptxas; its
-matrix products are Hopper wgmma instructions of the expected shape (m64n128k16 / m64n256k16, bf16 in,
-fp32 accumulate); operands move with 16-byte cp.async copies; the output goes through the bulk tensor
-store exactly when TMA_C; no register spills or local memory; shared memory within the 227 KiB a Hopper
-block can have. Correctness and speed are measured on the GPU (tests/test_wgrad_gluon_gpu.py, docs/perf.md).
+Proves, for a representative set of the variants the launcher can pick (bf16 or fp16 operands, 16-bit or fp32
+outputs, P or Q gathered, TMA-stored or masked-store epilogue, 128x128 and 128x256 tiles, P streamed or kept on
+chip), and that the Gluon path imports wherever Gluon does: the kernel compiles with Triton's bundled ptxas; its
+matrix products are Hopper wgmma instructions of the expected shape (m64n128k16 / m64n256k16, bf16 in, fp32
+accumulate); operands move with 16-byte cp.async copies; the output goes through the bulk tensor store exactly when
+TMA_C; no register spills or local memory; shared memory within the 227 KiB a Hopper block can have. Correctness and
+speed are measured on the GPU (tests/test_wgrad_gluon_gpu.py, docs/perf.md).
 """
 
 import re
@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("triton.experimental.gluon")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.compiler import GPUTarget
 
-from megamoe.ops.wgrad_gluon import GLUON_AVAILABLE  # noqa: E402
-from triton_versions import expected  # noqa: E402
+from megamoe.ops.wgrad_gluon import GLUON_AVAILABLE
+from triton_versions import expected
 
 
 def test_gluon_path_imports():
@@ -39,7 +39,8 @@ def _compile(tma_c, p_gather, q_gather, block_n, stages, res, dt="bf16", out="bf
 
     from megamoe.kernels.wgrad_gluon import _k_grouped_wgrad_kernel as kernel
 
-    layout = gl.NVMMASharedLayout.get_default_for([128, block_n], {"bf16": gl.bfloat16, "fp16": gl.float16}.get(out, gl.float32))
+    out_gl = {"bf16": gl.bfloat16, "fp16": gl.float16}.get(out, gl.float32)
+    layout = gl.NVMMASharedLayout.get_default_for([128, block_n], out_gl)
     sig = dict(p_ptr=f"*{dt}", p_idx_ptr="*i32", q_ptr=f"*{dt}", q_idx_ptr="*i32", row_offsets_ptr="*i32",
                c_ptr=f"*{out}", c_desc=f"tensordesc<{out}[128, {block_n}],{layout!r}>" if tma_c else "constexpr",
                num_experts="i32", M="i32", N="i32", stride_pr="i32", stride_qr="i32", stride_ce="i32",
@@ -109,7 +110,7 @@ def _compile_ws(stages, dt="bf16", res=0, tma_c=False):
     const = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=stages, RES=res, TMA_C=tma_c, num_warps=4)
     if not tma_c:
         const["c_desc"] = None
-    sig.update({name: "constexpr" for name in const})
+    sig.update(dict.fromkeys(const, "constexpr"))
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
              for n in ("row_offsets_ptr", "c_ptr", "M", "N", "stride_ce", "stride_cm")}

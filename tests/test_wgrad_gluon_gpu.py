@@ -2,8 +2,9 @@
 
 Proves: bitwise the same (E, M, N) result as the Triton k-grouped kernels (which the interpreter tests check
 against float64 on the CPU), on experts of 0, 1, 63, 64, 65 and 300 rows, with P or Q rows gathered through
-an index or read in place, M and N multiples of 128 (TMA-stored tiles) or only of 16 (partial tiles, masked stores), bf16 and fp32
-outputs, 128x128 and 128x256 tiles, P streamed or kept on chip (both in one launch), and more tiles than programs (every program walks several tiles and experts);
+an index or read in place, M and N multiples of 128 (TMA-stored tiles) or only of 16 (partial tiles, masked
+stores), bf16 and fp32 outputs, 128x128 and 128x256 tiles, P streamed or kept on chip (both in one launch), and
+more tiles than programs (every program walks several tiles and experts);
 every element of a NaN-poisoned output is written (empty experts: exact zeros); the result is within bf16
 rounding of a float64 reference; launching it reads nothing on the host (no sync under
 set_sync_debug_mode("error")).
@@ -119,7 +120,8 @@ def test_many_tiles_per_program(out_dtype):
     counts[5] = counts[17] = 0
     p, q, off, pi, qi = _problem(512, 640, counts, False, True, seed=11)
     want = _run(GemmConfig(128, 128, 64, 8, 2), p, q, off, pi, qi, out_dtype=out_dtype)
-    for cfg in (GemmConfig(128, 128, 64, 8, 4, gluon=True), GemmConfig(128, 128, 64, 8, 4, resident_chunks=3, gluon=True),
+    for cfg in (GemmConfig(128, 128, 64, 8, 4, gluon=True),
+                GemmConfig(128, 128, 64, 8, 4, resident_chunks=3, gluon=True),
                 GemmConfig(128, 256, 64, 8, 3, resident_chunks=4, gluon=True)):
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -183,7 +185,8 @@ def test_ws_next_experts_rows_never_reach_the_sum():
     good = [e for e in range(len(counts)) if e not in bad]
     for stages, res in ((4, 0), (5, 5), (5, 2)):  # streamed, resident, both
         got = _run(_ws(stages, res), p, q, off, None, None)
-        assert torch.isfinite(got[good]).all(), f"({stages}, {res}): another expert's non-finite rows reached a gradient"
+        assert torch.isfinite(got[good]).all(), (
+            f"({stages}, {res}): another expert's non-finite rows reached a gradient")
         assert torch.equal(got[good], want[good])
         assert got[bad].isnan().any()
 

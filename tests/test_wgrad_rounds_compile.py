@@ -13,7 +13,7 @@ def _compile(kernel, sig: dict, const: dict, num_warps: int, num_stages: int = 1
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = {**sig, **{n: "constexpr" for n in const}}
+    sig = {**sig, **dict.fromkeys(const, "constexpr")}
     assert set(sig) == set(kernel.arg_names), set(kernel.arg_names) ^ set(sig)
     return triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -30,7 +30,7 @@ def test_round_kernel_compiles_with_wgmma():
             "stride_cm", "stride_se", "stride_sm")
     sig = {"p_ptr": "*bf16", "q_ptr": "*bf16", "roff_ptr": "*i32", "full_off_ptr": "*i32", "rstart_ptr": "*i32",
            "c_ptr": "*bf16",
-           "s_ptr": "*fp32", **{n: "i32" for n in ints}}
+           "s_ptr": "*fp32", **dict.fromkeys(ints, "i32")}
     const = dict(FP32_DOT=False, INTERPRET=False, EVEN_M=True, EVEN_N=True, L_PAD=32, BLOCK_M=cfg.block_m,
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     c = _compile(_k_grouped_round_kernel, sig, const, cfg.num_warps, cfg.num_stages)

@@ -36,8 +36,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-2000:]
 
 else:
-    from megamoe.ops import k_grouped_mm
     from ep_utils import model_rounds, offsets_of
+    from megamoe.ops import k_grouped_mm
     from megamoe.ops.wgrad_rounds import finalize_split, k_grouped_round, split_slots
 
     M, N = 20, 36  # not multiples of the interpreter's 16 x 16 tiles

@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             r = inventory_row(g, cfg)
             shown = _shown(cfg) + (" (torch)" if torch_wgrad and isinstance(g, WgradShape) else "")
             print(f"{case:24s} {g.kind:13s} {shown:34s} {r['registers']:4d} {r['spill_bytes']:7d} "
-                  f"{r['shared_bytes'] / 1024:8.1f} {r['blocks_per_sm']:6d} {r['tma_loads']:3d} {r['cp_async_loads']:8d} "
+                  f"{r['shared_bytes'] / 1024:8.1f} {r['blocks_per_sm']:6d} {r['tma_loads']:3d} "
+                  f"{r['cp_async_loads']:8d} "
                   f"{r['sync_tile_loads']:4d}  {','.join(r['wgmma'])}", flush=True)
     return 0
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -158,7 +158,8 @@ def format_table(rows: list[Row], baselines: list[str]) -> str:
         sp = " ".join(_fmt(r.speedup.get(b, math.nan), "10.2f") for b in baselines)
         note = r.note or (f"check: worst {r.check_worst}" if r.check_worst else "unchecked" if r.status == "ok" else "")
         status = r.status + (f" ({note})" if note else "")
-        lines.append(f"{r.preset:<14} {r.tokens:>6} {routing_label(r.routing):<16} {r.provider:<10} {_fmt(r.fwd.median)} "
+        lines.append(f"{r.preset:<14} {r.tokens:>6} {routing_label(r.routing):<16} {r.provider:<10} "
+                     f"{_fmt(r.fwd.median)} "
                      f"{_fmt(r.bwd.median)} {_fmt(r.fwdbwd.median)} {spread:>15} {_fmt(r.tflops, '8.1f')} "
                      f"{_fmt(r.pct_peak, '6.1f')} {_fmt(r.peak_mem_gib)} {sp}  {status}")
     return "\n".join(lines)

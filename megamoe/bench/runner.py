@@ -121,7 +121,7 @@ def run(args) -> list[Row]:
             raise ValueError(f"--providers: unknown provider {n!r}; known: {', '.join(registry)}")
     baselines = [b for b in (args.baselines or (["nccl"] if ep else ["torch"])) if b in names]
     timer = Timer(ctx.device, group=ctx.group, world_size=ctx.world_size, flush_mib=args.flush_mib)
-    meta = run_metadata(ctx.device, ctx.world_size, {k: v for k, v in vars(args).items()})
+    meta = run_metadata(ctx.device, ctx.world_size, dict(vars(args)))
     _log(ctx, f"megamoe.bench: {meta['gpu']} x{ctx.world_size}, torch {meta['torch']}, triton {meta['triton']}, "
               f"CUDA {meta['cuda']}, driver {meta['driver']}, commit {meta['commit']}")
     ceilings = measure_ceilings(timer, _DTYPES.get(args.dtype, torch.bfloat16), ctx.rank) if not args.no_ceilings \
@@ -157,7 +157,8 @@ def run(args) -> list[Row]:
             base = dict(preset=preset, tokens=T, routing=spec, routed_flops_fwd=fl["routed_fwd"],
                         shared_flops_fwd=fl["shared_fwd"], weight_bytes=L * 3 * cfg.hidden_size *
                         cfg.moe_intermediate_size * elem,
-                        dispatch_bytes=dispatch_bytes(prob.topk_ids_TK, ctx.rank, L, cfg.hidden_size, elem) if ep else 0)
+                        dispatch_bytes=(dispatch_bytes(prob.topk_ids_TK, ctx.rank, L, cfg.hidden_size, elem)
+                                        if ep else 0))
             live: dict[str, tuple] = {}
             case_rows: dict[str, Row] = {}
             for n in names:
@@ -193,12 +194,12 @@ def run(args) -> list[Row]:
                 if bar:
                     bar.update(1)
             modes = [m for m in ("fwd", "bwd", "fwdbwd") if m in args.modes]
-            for n, md in live.items():  # warm-up (compiles, caches, allocator)
+            for md in live.values():  # warm-up (compiles, caches, allocator)
                 for m in modes:
                     setup, work = md[m]
                     timer.time(work, args.warmup, setup)
             samples = {n: {m: [] for m in modes} for n in live}
-            peak = {n: 0.0 for n in live}
+            peak = dict.fromkeys(live, 0.0)
             for rnd in range(rounds):
                 order = list(live)
                 order = order[rnd % max(1, len(order)):] + order[:rnd % max(1, len(order))]

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ class Stats:
     n: int
 
     @staticmethod
-    def empty() -> "Stats":
+    def empty() -> Stats:
         return Stats(math.nan, math.nan, math.nan, 0)
 
 

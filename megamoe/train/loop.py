@@ -73,7 +73,7 @@ class Dist:
         return self.world // self.ep_size
 
     @classmethod
-    def from_world(cls, ep_size: int | None = None, device_type: str = "cpu") -> "Dist":
+    def from_world(cls, ep_size: int | None = None, device_type: str = "cpu") -> Dist:
         """The initialised default process group split into EP groups of ``ep_size`` consecutive ranks
         (default: all of them) through a :class:`torch.distributed.device_mesh.DeviceMesh` of shape
         (R, N), dims ("dp", "ep"). Collective: call on every rank. Raises ValueError if N does not divide W."""

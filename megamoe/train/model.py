@@ -84,7 +84,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig {self.name}: D={self.d_model} must split into {self.n_head} heads "
                              "of even size")
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return replace(self, **changes)
 
 
@@ -308,7 +308,8 @@ class GPT(nn.Module):
         cos_SH, sin_SH = self.rope_cos_SH, self.rope_sin_SH
         x_BSD = self.embed(idx_BS).float()
         for blk in self.blocks:
-            x_BSD = x_BSD + _chunked(lambda c: blk.attn(blk.attn_norm(c), cos_SH, sin_SH), x_BSD, chunks)
+            # the lambda runs inside _chunked, before blk moves on
+            x_BSD = x_BSD + _chunked(lambda c: blk.attn(blk.attn_norm(c), cos_SH, sin_SH), x_BSD, chunks)  # noqa: B023
             h_BSD = _chunked(blk.moe_norm, x_BSD, chunks)
             with torch.autocast(device_type=x_BSD.device.type, enabled=False):
                 x_BSD = x_BSD + blk.moe(h_BSD).float()

@@ -104,7 +104,8 @@ def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str, layo
         shares = [s for s in res.moe_share[1:] or res.moe_share if s == s]
         basis = ("median over log intervals after the first" if len(res.tokens_per_s) > 1 else
                  "the only log interval, start-up included: run more steps for a steady rate")
-        lines.append(f"speed: {statistics.median(steady):,.0f} tokens/s ({basis}); MoE layers {100 * statistics.median(shares) if shares else float('nan'):.0f}% "
+        moe_pct = 100 * statistics.median(shares) if shares else float("nan")
+        lines.append(f"speed: {statistics.median(steady):,.0f} tokens/s ({basis}); MoE layers {moe_pct:.0f}% "
                      f"of step time; training loop {res.seconds:.1f} s (setup and data loading not included)")
     path = res.model.attention_path() if res.model is not None else None
     if path is not None:

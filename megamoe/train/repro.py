@@ -105,7 +105,8 @@ def repeat_spawned(rc: RunConfig, world: int = 2, timeout_s: float = 1800.0) -> 
     q = ctx.Queue()
     rc = dataclasses.replace(rc, out_dir=None, progress=False)
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, rc, max(1, torch.get_num_threads() // world), q)) for r in range(world)]
+    threads = max(1, torch.get_num_threads() // world)
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, rc, threads, q)) for r in range(world)]
     for p in procs:
         p.start()
     results, deadline = {}, time.monotonic() + timeout_s

@@ -31,7 +31,7 @@ class _Clock:
         else:
             self.event, self.t = None, time.perf_counter()
 
-    def ms_until(self, later: "_Clock") -> float:
+    def ms_until(self, later: _Clock) -> float:
         if self.event is not None:
             return self.event.elapsed_time(later.event)
         return (later.t - self.t) * 1e3
