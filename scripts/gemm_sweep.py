@@ -59,15 +59,12 @@ def routing(T, E, K, balanced, g):
 
 
 def _plain_candidates():
-    """down / dgrad: session 7's warp-specialized Gluon kernel (cooperative 128x256 at 3-4 ring slots, ping-pong
-    128x128 at 5; run 1 also had ping-pong at 4 and 6), interleaved with the Triton kernel (the table's 128x256
-    entry, twice, to see the drift within one sweep) and the persistent Gluon kernel of session 6."""
+    """down / dgrad: Triton tiles around the table's 128x256 entry (which comes twice, first and last, to show
+    the drift within one sweep)."""
     G = GemmConfig
-    ws = dict(tma_b=True, tma_a=True, gluon=True, warp_specialized=True)
-    return [G(128, 256, 64, 8, 4, **ws), G(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
-            G(128, 128, 64, 8, 5, **ws), G(128, 256, 64, 8, 3, **ws),
-            G(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True),
-            G(128, 256, 64, 8, 4, **ws), G(128, 256, 64, 8, 3, tma_b=True, tma_a=True)]
+    tma = dict(tma_b=True, tma_a=True)
+    return [G(128, 256, 64, 8, 3, **tma), G(128, 256, 64, 8, 4, **tma), G(128, 128, 64, 8, 4, **tma),
+            G(128, 128, 64, 8, 3, **tma), G(128, 256, 64, 8, 3, **tma)]
 
 
 def candidates(kind):
@@ -75,7 +72,7 @@ def candidates(kind):
     c = {
         "gate_up": [G(128, 128, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
         "down": _plain_candidates(),
-        # session 4: 256-column tiles (two 128-column row-dot partials per tile: the same bits)
+        # 256-column tiles (two 128-column row-dot partials per tile: the same bits)
         "dgrad_swiglu": [G(128, 256, 64, 8, 3, tma_b=True), G(128, 256, 64, 8, 4, tma_b=True),
                          G(128, 256, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
         "dgrad": _plain_candidates(),
@@ -83,7 +80,7 @@ def candidates(kind):
         "wgrad": [G(128, 128, 64, 8, 2), G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 2), G(256, 128, 64, 8, 2),
                   G(128, 128, 64, 8, 3, resident_chunks=3), G(128, 128, 64, 8, 4, resident_chunks=2),
                   G(128, 128, 64, 8, 4, resident_chunks=1), G(128, 64, 64, 8, 4, resident_chunks=4),
-                  # session 5: the persistent Gluon kernel (P streamed, or on chip for experts of <= 3-5 chunks)
+                  # the persistent Gluon kernel (P streamed, or on chip for experts of <= 3-5 chunks)
                   G(128, 256, 64, 8, 3, gluon=True), G(128, 128, 64, 8, 4, resident_chunks=3, gluon=True),
                   G(128, 128, 64, 8, 4, resident_chunks=5, gluon=True),
                   G(128, 128, 64, 8, 5, resident_chunks=5, gluon=True),

@@ -3,7 +3,7 @@
 Usage: python scripts/l2_bandwidth.py OUT_DIR
 
 Why: every m-grouped GEMM of qwen3-30b-a3b T=16384 runs at 450-570 TFLOP/s whatever the kernel (Triton,
-persistent Gluon, warp-specialized Gluon; docs/perf.md, seventh session), while at 128x256 tiles their A and B
+persistent Gluon, warp-specialized Gluon; docs/perf.md), while at 128x256 tiles their A and B
 tiles amount to 5.5-6.7 TB/s of reads from L2 (each tile reads BLOCK_M x K of A and BLOCK_N x K of B). This
 script measures the ceiling that figure is to be compared with: a Triton kernel in which 2, 4 or 8 programs
 per SM read, over and over, windows of a buffer that fits in L2 (32 MiB of the H200's 60 MB) with 16-byte

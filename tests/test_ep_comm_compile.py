@@ -1,7 +1,7 @@
 """The EP pull and push kernels compiled for sm_90a on the CPU: with aligned pools (``EPWorkspace.aligned``) the
 row copies are 16-byte vector loads and stores; without the alignment promise the compiler reads rows from a
 peer two bytes at a time (an address loaded from the pointer table carries no alignment), which is what this
-guards against. Speed itself is measured on the GPU (docs/perf.md, twelfth session). Also: the schedule kernel,
+guards against. Speed itself is measured on the GPU (docs/perf.md). Also: the schedule kernel,
 with its bounded waits and the round-table loop, builds for sm_90a."""
 
 import re

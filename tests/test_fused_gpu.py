@@ -287,7 +287,7 @@ def test_bits_do_not_depend_on_tile_shape():
 def test_permuted_dy_switch_gives_the_same_bits(monkeypatch):
     """MEGAMOE_PERMUTED_DY=1 (dY copied to row order, then read without a gather, so dgrad + SwiGLU can
     TMA-load it): bitwise the gathering default's output and gradients, with the table's tiles and with the
-    TMA-fed dgrad + SwiGLU tile it exists for (docs/perf.md, eighth session)."""
+    TMA-fed dgrad + SwiGLU tile it exists for (docs/perf.md)."""
     from megamoe.ops import GemmConfig, tile_config
 
     T, D, F, E, K, S = 300, 256, 192, 6, 3, 128

@@ -3,7 +3,7 @@
 Reads ``results.json`` in each DIR (or under it), as written by ``python -m megamoe.bench`` (for instance by
 ``scripts/gpu.sh ab``), groups the runs by the library switches recorded in their metadata
 (``meta.env``: ``MEGAMOE_TILES``, ``MEGAMOE_GLUON``, ``MEGAMOE_PERMUTED_DY``, ``MEGAMOE_TORCH_WGRAD``,
-``MEGAMOE_EP_PUSH`` (recorded since 2026-12-01, eleventh session), ``MEGAMOE_EP_COMM_SMS`` (twelfth session),
+``MEGAMOE_EP_PUSH`` (recorded since 2026-12-01), ``MEGAMOE_EP_COMM_SMS``,
 ``MEGAMOE_EP_PULL_OVERLAP`` (eighteenth); runs without any are "table"),
 or by folder name with ``--by-folder`` (older runs that did not record their switches), and prints, per
 (preset, tokens, routing, provider) and group, the forward+backward medians of every repetition, their median,

@@ -17,7 +17,7 @@ on H200). What differs is the structure:
   in shared memory while Q's chunks stream past for every n-tile, so each FLOP costs 1 / BLOCK_M bytes of
   operand loads instead of 1 / BLOCK_M + 1 / BLOCK_N (this was expected to be the limit at ~128-256 rows
   per expert; measured, it moved the time by +11% to -22%: the kernel is latency bound at one program per
-  SM, docs/perf.md, fifth session); a larger expert streams P and Q chunk pairs through the same ring;
+  SM, docs/perf.md); a larger expert streams P and Q chunk pairs through the same ring;
 * within a unit the ring runs across n-tile boundaries (the next tile's chunks are copied while a tile's
   last chunk is multiplied and stored), STAGES - 2 chunks ahead, with ``cp.async`` (zero fill past the
   expert's rows, optionally gathered through a row index; the indices are requested a step ahead);

@@ -9,7 +9,7 @@ chunk) pair; STAGES slots of the TMA load ring.
 Why: a weight gradient at ~128-256 rows per expert reduces only 2-5 chunks per 128x128 output tile, so one
 tile's epilogue (cast, store of 32 KiB) costs about as much as its wgmmas. The persistent kernel of
 megamoe.kernels.wgrad_gluon runs them one after the other in one warpgroup and measured latency bound
-(docs/perf.md, fifth session). Here the tiles of a program alternate between two MMA warpgroups (ping-pong),
+(docs/perf.md). Here the tiles of a program alternate between two MMA warpgroups (ping-pong),
 so one tile's epilogue runs while the other warpgroup's wgmmas keep the tensor cores busy, and a TMA load warp
 keeps the ring full across tiles; no address arithmetic is left on the MMA warps (the P and Q rows must be
 contiguous: the EP receive buffers, or rows copied into expert order).
@@ -28,7 +28,7 @@ Handshakes (mbarriers), as in megamoe.kernels.grouped_gemm_gluon's ping-pong ker
 Step s (a program's flat index) uses slot s % STAGES, phase (s // STAGES) & 1. A consumer walks every tile of
 the program and advances s by nch over the other consumer's tiles.
 
-P on chip (RES > 0; measured not faster, docs/perf.md sixteenth session, the table streams P): a unit whose
+P on chip (RES > 0; measured not faster, docs/perf.md; the table streams P): a unit whose
 expert has at most RES chunks gets its P chunks once into p_buf (p_ready, expect-tx of all RES chunks), the
 consumer of the unit's first tile zeroes the next expert's rows in the last one and arrives p_zeroed (the
 other consumer waits for it), and the load warp reuses p_buf for the next unit only after both consumers

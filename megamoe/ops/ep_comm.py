@@ -42,17 +42,17 @@ __all__ = ["ExchangeBuffers", "expert_offsets", "round_starts", "publish", "rout
 # rows per program, columns per copy step, warps of the dispatch (pull) and push kernels; combine's rows per
 # program. Copies only: these never change bits. Copy shapes from 8 to 32 rows x 256 to 1024 columns, 4 or 8
 # warps, are equal within the run-to-run spread (H200 x2, T=4096 per rank, interleaved rounds: pull
-# 0.79-0.84 ms deepseek-v3, 0.67-0.71 ms mok-bench; scripts/comm_bench.py --sweep,
-# benchmarks/results/2026-11-30-s4/comm_sweep_interleaved_1e77d22.log). A first, non-interleaved sweep had
-# shown 32 rows 13-22% faster than 16; that was the order of measurement, not the shape.
+# 0.79-0.84 ms deepseek-v3, 0.67-0.71 ms mok-bench; scripts/comm_bench.py --sweep, 2026-11-30, log in git
+# history: git log -- benchmarks/results/2026-11-30-s4). A first, non-interleaved sweep had shown 32 rows
+# 13-22% faster than 16; that was the order of measurement, not the shape.
 _BM, _BD, _NW, _BT = 32, 256, 4, 16
 # columns per copy step and warps of the pull beside a GEMM (pull_beside): its few programs each need more bytes
 # in flight than the full grid's: 32 x 256 with 4 warps moved ~15 GB/s per program (H200, W = 1, deepseek-v3
-# M = 8192: 8 programs took ~8 ms per pass, eighteenth session), latency-bound
+# M = 8192: 8 programs took ~8 ms per pass), latency-bound
 _BD_BESIDE, _NW_BESIDE = 1024, 16
 # routing plans with N * E above this take the device sort (routing_plan); module-level so tests can force it.
 # Inside the exchange the sort path took 0.18 ms (mok-bench, N = 24576, E = 384, in
-# benchmarks/results/2026-11-30-s4/final_9b42ded/comm.log, where this bound was 8M) against 0.08 ms for the scan
+# benchmarks/results/comm-ep2/comm.txt, where this bound was 8M) against 0.08 ms for the scan
 # at the same size in earlier runs, so the bound sits where the scan reaches ~0.2 ms (16M; chosen from those
 # numbers, not re-measured at 16M).
 _SCAN_MAX = 16 << 20
@@ -342,7 +342,7 @@ def fused_push(ws: EPWorkspace) -> bool:
 
 
 # SMs left to the exchange while the shared expert runs beside it (megamoe.ops.ep_experts); DeepEP likewise
-# gives its intranode kernels a fixed number of SMs. Off by default: at W = 1 (H200, 2026-12-01, twelfth session,
+# gives its intranode kernels a fixed number of SMs. Off by default: at W = 1 (H200, 2026-12-01,
 # docs/perf.md) 16 SMs gave deepseek-v3 M=8192 -0.39 / -0.24 ms and mok-bench M=4096 +0.48 / +0.65 ms on two
 # machines; 8 SMs was worse on both, 32 worse on deepseek-v3 and level on mok-bench; the pull there is a local HBM
 # copy that wants the whole GPU. At W > 1 (rows over NVLink, the wait for the peers' plans hidden too) it is not

@@ -57,7 +57,7 @@ def tile_offsets_for(offsets_E1: torch.Tensor, block_m: int) -> torch.Tensor:
 
     offsets_E1: (E+1,) non-decreasing group offsets (counts >= 0). On CUDA (and under TRITON_INTERPRET=1) one
     small Triton kernel computes it (five PyTorch ops cost ~0.13 ms of host time per call, and the
-    fused layer calls this up to nine times a step: docs/perf.md, eleventh session); plain CPU tensors
+    fused layer calls this up to nine times a step); plain CPU tensors
     (and int64 or non-contiguous offsets) take the PyTorch ops. The same integers either way for valid
     offsets; the kernel launches on the current CUDA device, like the GEMMs that use it."""
     E = offsets_E1.shape[0] - 1
