@@ -40,7 +40,7 @@ from torch import nn
 from .. import reference as ref
 from ..config import MoEConfig
 from ..functional import FUSED_DTYPES, moe_experts, router_logits
-from ..layer import RouterStats
+from ..layer import RouterStats, in_backward
 
 try:
     from transformers.integrations.moe import ExpertsInterface
@@ -69,13 +69,6 @@ class UnsupportedModelError(ValueError):
 def _backend_for(x: torch.Tensor) -> str:
     """"fused" for CUDA tensors in a fused dtype, "reference" otherwise (CPU, fp64)."""
     return "fused" if x.is_cuda and x.dtype in FUSED_DTYPES else "reference"
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine runs a backward on this thread: the only place a training step runs a
-    block's forward again is an activation-checkpoint recompute (transformers' gradient checkpointing)."""
-    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)  # (private; in every supported torch)
-    return graph_task_id is not None and graph_task_id() != -1
 
 
 def _is_silu(act) -> bool:
@@ -256,7 +249,7 @@ class MegaMoEBlock(nn.Module):
 
     Forward hooks on ``gate`` (transformers records ``router_logits`` through them, e.g. for Qwen3-MoE's
     and Mixtral's load-balancing loss) are called with ``(logits [T, E] fp32, weights [T, K], ids [T, K])``
-    as if the router had run. ``last_stats`` (:class:`megamoe.layer.RouterStats`, ``aux_loss`` None) holds
+    as if the router had run. ``last_stats`` (:class:`megamoe.layer.RouterStats`, ``aux_loss`` a zero tensor: the model computes its own load-balancing loss) holds
     the last forward's expert counts and ids; :meth:`update_expert_bias` applies megamoe's aux-loss-free
     update to ``e_score_correction_bias`` (transformers never changes it; nothing does unless called). A
     forward run again inside a backward (an activation-checkpoint recompute) leaves both alone.
@@ -306,12 +299,13 @@ class MegaMoEBlock(nn.Module):
         r = ref.route(x_TD, router_w_ED, bias_E, c, logits_TE=logits_TE)
         out_TD = moe_experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, w13_EGD, w2_EDF, *self._shared_weights(),
                              backend=backend)
-        if not _in_backward():  # an activation-checkpoint recompute counts nothing twice
+        if not in_backward():  # an activation-checkpoint recompute counts nothing twice
             counts_E = ref.tokens_per_expert(r.topk_ids_TK, c.num_experts)
             if self.training:
                 with torch.no_grad():
                     self.counts_since_update_E += counts_E
-            self.last_stats = RouterStats(counts_E, None, r.topk_ids_TK.detach())
+            aux = torch.zeros((), dtype=torch.float32, device=x_TD.device)  # the model computes its own aux loss
+            self.last_stats = RouterStats(counts_E, aux, r.topk_ids_TK.detach())
         self._call_gate_hooks(x_TD, (logits_TE, r.topk_weights_TK, r.topk_ids_TK))
         return out_TD.to(hidden_states.dtype).view(hidden_states.shape)
 
