@@ -27,10 +27,14 @@ implementations interleaved round by round; each implementation's results checke
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import json
+import os
+import time
 
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -42,8 +46,18 @@ from megamoe.functional import moe_experts
 BF16 = torch.bfloat16
 
 
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+def rel_rms(got: torch.Tensor, want: torch.Tensor, chunk: int = 1 << 24) -> float:
+    """||got - want|| / ||want|| over every element, in fp32 blocks of ``chunk`` elements whose sums of squares
+    add up in fp64 scalars on the device: no full-size fp32 or fp64 copy (DeepSeek-V3's gate/up gradient alone is
+    15 GB in bf16, 60 GB in fp64)."""
+    g, w = got.reshape(-1), want.reshape(-1)
+    num = torch.zeros((), dtype=torch.float64, device=w.device)
+    den = torch.zeros((), dtype=torch.float64, device=w.device)
+    for i in range(0, w.numel(), chunk):
+        w_c = w[i:i + chunk].float()
+        num += (g[i:i + chunk].float() - w_c).square().sum().double()
+        den += w_c.square().sum().double()
+    return (num.sqrt() / den.sqrt().clamp_min(1e-30)).item()
 
 
 def fwd_bwd(fn, inputs, dout):
@@ -87,8 +101,9 @@ def build(cls, cfg, device, seed: int):
     return module
 
 
-def experts_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -> dict:
-    """Part 1 on one block: the experts implementations and the functional call, on the block's routing."""
+def experts_part(label: str, block, x, timer: Timer, iters: dict, rounds: int, untimed: tuple = ()) -> dict:
+    """Part 1 on one block: the experts implementations and the functional call, on the block's routing.
+    ``untimed``: implementations checked (one call, its wall time printed) but left out of the timing."""
     experts, cfg = block.experts, block.experts.config
     with torch.no_grad():
         _, w_TK, ids_TK = block.gate(x)
@@ -108,9 +123,13 @@ def experts_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -
     works = {"eager": impl("eager"), "grouped_mm": impl("grouped_mm"), "megamoe": impl("megamoe"),
              "functional": functional}
     want = functional()
-    errs = {}
-    for name in ("megamoe", "grouped_mm", "eager"):  # (one result at a time: DeepSeek-V3's gradients are 22 GB)
+    errs, check_s = {}, {}
+    for name in ("megamoe", "grouped_mm", "eager"):  # one result at a time: DeepSeek-V3's gradients are 22 GB
+        timer.sync()
+        t0 = time.perf_counter()
         res = works[name]()
+        timer.sync()
+        check_s[name] = time.perf_counter() - t0
         if name == "megamoe":
             assert all(torch.equal(a, b) for a, b in zip((res[0], *res[1]), (want[0], *want[1]))), \
                 f"{label}: the megamoe experts implementation differs from megamoe.functional.moe_experts"
@@ -118,16 +137,20 @@ def experts_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -
             errs[name] = max(rel_rms(a, b) for a, b in zip((res[0], *res[1]), (want[0], *want[1])))
             assert errs[name] < 2e-2, f"{label}: {name} vs megamoe relative rms error {errs[name]:.3g}"
         del res
-    del want
-    stats = time_interleaved(timer, works, iters, rounds)
+    del want  # nothing but the parameters and the inputs is held while timing
+    stats = time_interleaved(timer, {k: v for k, v in works.items() if k not in untimed}, iters, rounds)
     overhead = stats["megamoe"].median / stats["functional"].median - 1
     print(f"\n{label} experts, fwd+bwd, ms (median [p20, p80] of n)")
     for name, s in stats.items():
         note = f"  (rel rms vs megamoe {errs[name]:.2e})" if name in errs else ""
         print(f"  {name:<11} {s.median:9.2f}  [{s.p20:.2f}, {s.p80:.2f}] n={s.n}{note}")
+    for name in untimed:
+        print(f"  {name:<11} not timed: one checked call took {check_s[name]:.1f} s (rel rms vs megamoe "
+              f"{errs[name]:.2e})")
+    ratios = "; ".join(f"{name} / megamoe {stats[name].median / stats['megamoe'].median:.2f}x"
+                       for name in ("grouped_mm", "eager") if name in stats)
     print(f"  megamoe vs functional: {100 * overhead:+.1f}% (target < 3%: {'met' if overhead < 0.03 else 'MISSED'}); "
-          f"grouped_mm / megamoe {stats['grouped_mm'].median / stats['megamoe'].median:.2f}x, "
-          f"eager / megamoe {stats['eager'].median / stats['megamoe'].median:.1f}x")
+          + ratios)
     return {name: s.median for name, s in stats.items()} | {"overhead_vs_functional": overhead}
 
 
@@ -162,6 +185,152 @@ def block_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -> 
     gain = stats["megamoe"].median / stats["swap"].median
     print(f"  swap vs megamoe experts implementation: {gain:.2f}x (target > 1: {'met' if gain > 1 else 'MISSED'})")
     return {name: s.median for name, s in stats.items()}
+
+
+def _dout_like(out: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=out.device).manual_seed(seed)
+    return torch.randn(out.shape, generator=g, device=out.device).to(out.dtype)
+
+
+def _grad_of(fn, inputs, seed: int = 7):
+    """fwd + bwd of ``fn()`` with a fixed random output gradient (made once, on the first call)."""
+    dout = []
+
+    def run():
+        out = fn()
+        if not dout:
+            dout.append(_dout_like(out, seed))
+        return out, torch.autograd.grad(out, inputs, dout[0])
+    return run
+
+
+def router_part(label: str, block, x, timer: Timer, rounds: int) -> dict:
+    """Part 2b: the routers alone, fwd + bwd (gradients of x and the router weight), to split the block
+    difference: transformers' router (``block.gate``; its top-k weights get the gradient), the swap's router
+    (:meth:`MegaMoEBlock.route`: megamoe's fp32 logits GEMM, then megamoe's routing) and its two halves, and
+    cuBLAS's fp32 and bf16 ``F.linear`` at the same shape (what an IEEE fp32 and a bf16 GEMM cost there)."""
+    swapped = mt.MegaMoEBlock(block)
+    x_TD = x.detach().view(-1, x.shape[-1]).requires_grad_()
+    w_ED = block.gate.weight
+    logits_TE = swapped.route(x_TD)[0].detach().requires_grad_()
+    works = {
+        "transformers router": _grad_of(lambda: block.gate(x_TD)[1], [x_TD, w_ED]),
+        "swap router": _grad_of(lambda: swapped.route(x_TD)[1].topk_weights_TK, [x_TD, w_ED]),
+        "  logits GEMM": _grad_of(lambda: swapped.route(x_TD)[0], [x_TD, w_ED]),  # (routing's fwd runs too)
+        "  routing": _grad_of(lambda: mt.ref.route(x_TD, w_ED, getattr(block.gate, "e_score_correction_bias", None),
+                                                   swapped.moe_config, logits_TE=logits_TE).topk_weights_TK,
+                              [logits_TE]),
+        "cuBLAS fp32 linear": _grad_of(lambda: F.linear(x_TD.float(), w_ED.float()), [x_TD, w_ED]),
+        "cuBLAS bf16 linear": _grad_of(lambda: F.linear(x_TD, w_ED), [x_TD, w_ED]),
+    }
+    stats = time_interleaved(timer, works, dict.fromkeys(works, 5), rounds)
+    T, D, E = x_TD.shape[0], x_TD.shape[1], w_ED.shape[0]
+    print(f"\n{label} routers alone, fwd+bwd, ms (T {T}, D {D}, E {E}: {6 * T * D * E / 1e9:.1f} GFLOP of GEMMs)")
+    for name, s in stats.items():
+        print(f"  {name:<21} {s.median:8.3f}  [{s.p20:.3f}, {s.p80:.3f}] n={s.n}")
+    return {name.strip(): s.median for name, s in stats.items()}
+
+
+_FP32_TILES = {  # candidate fp32 tiles for the router's GEMMs; BLOCK_K stays the table's 32 (the K order)
+    "m": [(64, 64, 32, 4, 3), (64, 64, 32, 4, 3, 2), (64, 64, 32, 4, 3, 4), (128, 64, 32, 8, 3, 2),
+          (64, 128, 32, 8, 3, 2), (128, 128, 32, 8, 2)],
+    "k": [(64, 64, 32, 4, 3), (32, 64, 32, 4, 3), (64, 32, 32, 4, 3), (32, 32, 32, 2, 3), (32, 32, 32, 4, 3),
+          (16, 64, 32, 2, 3)],
+}
+
+
+def fp32_tile_sweep(label: str, block, x, timer: Timer, rounds: int) -> dict:
+    """Part 2c: the three fp32 GEMMs of megamoe's router (logits ``x @ W.T``; backward ``dlogits @ W`` and
+    ``dlogits.T @ x``), as megamoe.autograd.RouterLogitsFunction launches them, with the table's tile (first)
+    and other tiles of the same BLOCK_K; each result compared bitwise with the table's. Prints ms per tile."""
+    import megamoe.ops.grouped_gemm as gg
+    from megamoe.ops import GemmConfig, single_group_offsets
+
+    x_TD = x.detach().view(-1, x.shape[-1])
+    T = x_TD.shape[0]
+    w_1ED = block.gate.weight.detach().float().unsqueeze(0)
+    one_2 = single_group_offsets(T, x_TD.device)
+    dlogits_TE = torch.randn(T, w_1ED.shape[1], generator=torch.Generator(x.device).manual_seed(8), device=x.device)
+    gemms = {
+        "logits x @ W.T": ("m", lambda: gg.grouped_mm_nt(x_TD, w_1ED, one_2, out_dtype=torch.float32)),
+        "dx dlogits @ W": ("m", lambda: gg.grouped_mm_nn(dlogits_TE, w_1ED, one_2, out_dtype=x_TD.dtype)),
+        "dW dlogits.T @ x": ("k", lambda: gg.k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=torch.float32)),
+    }
+    m_table, k_table = gg.m_grouped_config, gg.k_grouped_config
+    out = {}
+    print(f"\n{label} router fp32 GEMMs by tile (BM, BN, BK, warps, stages[, programs per SM]), ms; "
+          "bits vs the table's tile")
+    for gemm, (kind, fn) in gemms.items():
+        base, row = None, []
+        for tile in _FP32_TILES[kind]:
+            cfg = GemmConfig(*tile[:5], programs_per_sm=tile[5] if len(tile) > 5 else 1)
+            gg.m_grouped_config = lambda k_, n, kk, dt, _c=cfg, **kw: _c if dt == torch.float32 else m_table(k_, n, kk, dt, **kw)
+            gg.k_grouped_config = lambda m, n, dt, _c=cfg, **kw: _c if dt == torch.float32 else k_table(m, n, dt, **kw)
+            try:
+                res = fn()
+                same = True if base is None else torch.equal(res, base)
+                base = res if base is None else base
+                ms = time_interleaved(timer, {"g": fn}, {"g": 10}, rounds)["g"].median
+            finally:
+                gg.m_grouped_config, gg.k_grouped_config = m_table, k_table
+            row.append({"tile": tile, "ms": ms, "same_bits": same})
+        best = min((r for r in row if r["same_bits"]), key=lambda r: r["ms"])
+        print(f"  {gemm:<17} " + "  ".join(f"{r['tile']}: {r['ms']:.3f}{'' if r['same_bits'] else ' DIFFERENT BITS'}"
+                                           for r in row) + f"\n  {'':<17} fastest with the same bits: {best['tile']} "
+              f"({row[0]['ms'] - best['ms']:+.3f} ms vs the table's)")
+        out[gemm] = row
+    return out
+
+
+def profile_part(label: str, block, x, out_dir: str, steps: int = 3) -> dict:
+    """Part 2d: where the block's GPU time goes (torch.profiler, CUDA kernels grouped by name, per step), for
+    transformers' block with the ``megamoe`` experts implementation and for the swap, with the difference,
+    largest first. The experts' kernels are the same in both, so the difference is the routers' and the
+    glue's. Writes OUT_DIR/<label>_kernels.txt (the table) and .json."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = x.is_cuda  # (on the CPU, a smoke run: the top-level CPU ops instead of kernels)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    cfg = block.experts.config
+    swapped = mt.MegaMoEBlock(block)
+    inputs = [x, *block.parameters()]
+
+    def hf():
+        cfg._experts_implementation = "megamoe"
+        return block(x)
+    paths = {"megamoe": _grad_of(hf, inputs, 2), "swap": _grad_of(lambda: swapped(x), inputs, 2)}
+    per = {}
+    for name, fn in paths.items():
+        fn()
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                fn()
+            sync()
+        per[name] = collections.defaultdict(lambda: [0.0, 0.0])
+        for ev in prof.events():
+            if ev.device_type == kind and (cuda or ev.cpu_parent is None):
+                per[name][ev.name[:110]][0] += 1 / steps
+                per[name][ev.name[:110]][1] += (ev.device_time_total if cuda else ev.cpu_time_total) / 1e3 / steps
+    names = set(per["megamoe"]) | set(per["swap"])
+    rows = sorted(((per["swap"][n][1] - per["megamoe"][n][1], n) for n in names), key=lambda r: -abs(r[0]))
+    totals = {k: sum(v[1] for v in per[k].values()) for k in per}
+    head = (f"{label}: CUDA kernel time per fwd+bwd step, ms (mean of {steps} profiled steps): megamoe experts "
+            f"implementation in transformers' block {totals['megamoe']:.3f}, swap {totals['swap']:.3f}, "
+            f"difference {totals['swap'] - totals['megamoe']:+.3f}")
+    lines = [head, f"{'swap - megamoe':>15} {'megamoe':>9} {'swap':>9} {'calls':>11}  {'kernel' if cuda else 'op'}"]
+    for d, n in rows:
+        a, b = per["megamoe"][n], per["swap"][n]
+        lines.append(f"{d:+15.3f} {a[1]:9.3f} {b[1]:9.3f} {a[0]:5.0f}/{b[0]:<5.0f}  {n}")
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, label.split(" ")[0] + "_kernels")
+    with open(stem + ".txt", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(stem + ".json", "w") as f:
+        json.dump({k: {n: {"calls": c, "ms": ms} for n, (c, ms) in v.items()} for k, v in per.items()}, f, indent=1)
+    print("\n" + "\n".join(lines[:22]) + f"\n  (all rows: {stem}.txt)")
+    return totals
 
 
 def model_part(tokens: tuple[int, int], widths: dict, timer: Timer, device, iters: dict, rounds: int) -> dict:
@@ -230,6 +399,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes (a smoke run; CPU works)")
     ap.add_argument("--json", help="write the medians here")
+    ap.add_argument("--profile", metavar="DIR", help="also time the routers alone and the router's fp32 GEMMs by "
+                    "tile, and profile the whole block's kernels (megamoe experts implementation vs the swap; CUDA "
+                    "only), writing the kernel tables under DIR")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = SHAPES["tiny" if args.tiny else "full"]
@@ -246,8 +418,17 @@ def main() -> None:
         block = build(cls, cfg, device, seed=0)
         x = torch.randn(T, cfg.hidden_size, generator=torch.Generator(device).manual_seed(5), device=device, dtype=BF16)
         x.requires_grad_()
-        results[label] = {"experts": experts_part(f"{label} (T={T})", block, x, timer, iters, 3),
-                          "block": block_part(f"{label} (T={T})", block, x.view(1, T, -1), timer, iters, 3)}
+        # eager's DeepSeek-V3 backward writes a zero gradient of all 256 experts' weights per expert (seconds a
+        # call): checked, not timed
+        untimed = ("eager",) if label == "deepseek-v3" and not args.tiny else ()
+        name = f"{label} (T={T})"
+        results[label] = {"experts": experts_part(name, block, x, timer, iters, 3, untimed),
+                          "block": block_part(name, block, x.view(1, T, -1), timer, iters, 3)}
+        if args.profile:
+            results[label]["router"] = router_part(name, block, x.view(1, T, -1), timer, 3)
+            if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+                results[label]["router_fp32_tiles"] = fp32_tile_sweep(name, block, x, timer, 2)
+            results[label]["profile_ms"] = profile_part(name, block, x.view(1, T, -1), args.profile)
         del block, x
         if device.type == "cuda":
             torch.cuda.empty_cache()
