@@ -231,10 +231,10 @@ def router_part(label: str, block, x, timer: Timer, rounds: int) -> dict:
     return {name.strip(): s.median for name, s in stats.items()}
 
 
-_FP32_TILES = {  # candidate fp32 tiles for the router's GEMMs; BLOCK_K stays the table's 32 (the K order)
-    "m": [(64, 64, 32, 4, 3), (64, 64, 32, 4, 3, 2), (64, 64, 32, 4, 3, 4), (128, 64, 32, 8, 3, 2),
-          (64, 128, 32, 8, 3, 2), (128, 128, 32, 8, 2)],
-    "k": [(64, 64, 32, 4, 3), (32, 64, 32, 4, 3), (64, 32, 32, 4, 3), (32, 32, 32, 2, 3), (32, 32, 32, 4, 3),
+_FP32_TILES = {  # the table's own tile first (None), then others; BLOCK_K stays the table's 32 (the K order)
+    "m": [None, (64, 64, 32, 4, 3, 2), (64, 64, 32, 4, 3, 4), (128, 64, 32, 8, 3, 2), (64, 128, 32, 8, 3, 2),
+          (128, 128, 32, 8, 2)],
+    "k": [None, (64, 64, 32, 4, 3), (32, 64, 32, 4, 3), (64, 32, 32, 4, 3), (32, 32, 32, 2, 3), (32, 32, 32, 4, 3),
           (16, 64, 32, 2, 3)],
 }
 
@@ -263,9 +263,10 @@ def fp32_tile_sweep(label: str, block, x, timer: Timer, rounds: int) -> dict:
     for gemm, (kind, fn) in gemms.items():
         base, row = None, []
         for tile in _FP32_TILES[kind]:
-            cfg = GemmConfig(*tile[:5], programs_per_sm=tile[5] if len(tile) > 5 else 1)
-            gg.m_grouped_config = lambda k_, n, kk, dt, _c=cfg, **kw: _c if dt == torch.float32 else m_table(k_, n, kk, dt, **kw)
-            gg.k_grouped_config = lambda m, n, dt, _c=cfg, **kw: _c if dt == torch.float32 else k_table(m, n, dt, **kw)
+            if tile is not None:
+                cfg = GemmConfig(*tile[:5], programs_per_sm=tile[5] if len(tile) > 5 else 1)
+                gg.m_grouped_config = lambda *a, _c=cfg, **kw: _c if a[3] == torch.float32 else m_table(*a, **kw)
+                gg.k_grouped_config = lambda *a, _c=cfg, **kw: _c if a[2] == torch.float32 else k_table(*a, **kw)
             try:
                 res = fn()
                 same = True if base is None else torch.equal(res, base)
@@ -273,7 +274,7 @@ def fp32_tile_sweep(label: str, block, x, timer: Timer, rounds: int) -> dict:
                 ms = time_interleaved(timer, {"g": fn}, {"g": 10}, rounds)["g"].median
             finally:
                 gg.m_grouped_config, gg.k_grouped_config = m_table, k_table
-            row.append({"tile": tile, "ms": ms, "same_bits": same})
+            row.append({"tile": tile or "table", "ms": ms, "same_bits": same})
         best = min((r for r in row if r["same_bits"]), key=lambda r: r["ms"])
         print(f"  {gemm:<17} " + "  ".join(f"{r['tile']}: {r['ms']:.3f}{'' if r['same_bits'] else ' DIFFERENT BITS'}"
                                            for r in row) + f"\n  {'':<17} fastest with the same bits: {best['tile']} "
