@@ -249,8 +249,7 @@ def test_router_bits_do_not_depend_on_tile(monkeypatch, T, D, E):
     base = run()
     m_table, k_table = gg.m_grouped_config, gg.k_grouped_config
     fp32 = tile_config._FP32.block_k
-    for tile in [(64, 64, fp32, 4, 3), (32, 64, fp32, 4, 3), (64, 32, fp32, 4, 3), (32, 32, fp32, 2, 2),
-                 (128, 64, fp32, 8, 3, 2), (64, 128, fp32, 8, 2, 3), (16, 64, fp32, 2, 4)]:
+    for tile in [(64, 64, fp32, 4, 3), (32, 64, fp32, 4, 3), (32, 32, fp32, 2, 2), (128, 64, fp32, 8, 3, 2)]:
         cfg = GemmConfig(*tile[:5], programs_per_sm=tile[5] if len(tile) > 5 else 1)
         monkeypatch.setattr(gg, "m_grouped_config", lambda *a, _c=cfg, **kw: _c if a[3] == torch.float32
                             else m_table(*a, **kw))
