@@ -310,11 +310,17 @@ def profile_part(label: str, block, x, out_dir: str, steps: int = 3) -> dict:
         cfg._experts_implementation = "megamoe"
         return block(x)
     paths = {"megamoe": _grad_of(hf, inputs, 2), "swap": _grad_of(lambda: swapped(x), inputs, 2)}
-    per = {}
+    per, host, wall = {}, {}, {}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for name, fn in paths.items():
         fn()
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
+        t0 = time.perf_counter()  # back to back, no sync between steps: the host's enqueue time vs the wall time
+        for _ in range(steps):
+            fn()
+        host[name] = (time.perf_counter() - t0) * 1e3 / steps
+        sync()
+        wall[name] = (time.perf_counter() - t0) * 1e3 / steps
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 fn()
@@ -329,7 +335,8 @@ def profile_part(label: str, block, x, out_dir: str, steps: int = 3) -> dict:
     totals = {k: sum(v[1] for v in per[k].values()) for k in per}
     head = (f"{label}: CUDA kernel time per fwd+bwd step, ms (mean of {steps} profiled steps): megamoe experts "
             f"implementation in transformers' block {totals['megamoe']:.3f}, swap {totals['swap']:.3f}, "
-            f"difference {totals['swap'] - totals['megamoe']:+.3f}")
+            f"difference {totals['swap'] - totals['megamoe']:+.3f}; back to back, wall / host enqueue ms per step: "
+            + ", ".join(f"{k} {wall[k]:.3f} / {host[k]:.3f}" for k in paths))
     lines = [head, f"{'swap - megamoe':>15} {'megamoe':>9} {'swap':>9} {'calls':>11}  {'kernel' if cuda else 'op'}"]
     for d, n in rows:
         a, b = per["megamoe"][n], per["swap"][n]
@@ -341,7 +348,7 @@ def profile_part(label: str, block, x, out_dir: str, steps: int = 3) -> dict:
     with open(stem + ".json", "w") as f:
         json.dump({k: {n: {"calls": c, "ms": ms} for n, (c, ms) in v.items()} for k, v in per.items()}, f, indent=1)
     print("\n" + "\n".join(lines[:22]) + f"\n  (all rows: {stem}.txt)")
-    return totals
+    return {k: {"kernels_ms": totals[k], "wall_ms": wall[k], "host_ms": host[k]} for k in paths}
 
 
 def model_part(tokens: tuple[int, int], widths: dict, timer: Timer, device, iters: dict, rounds: int) -> dict:
