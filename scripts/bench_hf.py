@@ -52,6 +52,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 import megamoe.integrations.transformers as mt
+from megamoe import reference as ref
 from megamoe.bench.timing import Timer, summarize
 from megamoe.functional import moe_experts
 
@@ -166,8 +167,25 @@ def experts_part(label: str, block, x, timer: Timer, iters: dict, rounds: int, u
     return {name: s.median for name, s in stats.items()} | {"overhead_vs_functional": overhead}
 
 
-def block_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -> dict:
-    """Part 2 on one block: transformers' block (grouped_mm, megamoe experts) vs the swapped block."""
+class CublasLogitsSwap(mt.MegaMoEBlock):
+    """A what-if, not a megamoe option: the swap with the router logits from transformers' own GEMM (cuBLAS
+    ``F.linear``: in the model dtype for Qwen3-MoE, in fp32 for DeepSeek-V3, as their routers compute them), then
+    megamoe's routing and fused experts as in the swap. Not batch invariant, and other bits than the swap; it
+    measures what the swap's logits GEMM (megamoe's IEEE fp32 kernel and its two backward GEMMs) costs."""
+
+    def route(self, x_TD):
+        w_ED = self.gate.weight
+        fp32 = self.moe_config.score_func == "sigmoid"  # (DeepSeek-V3's router computes fp32 logits)
+        logits_TE = F.linear(x_TD.float(), w_ED.float()) if fp32 else F.linear(x_TD, w_ED).float()
+        r = ref.route(x_TD, w_ED, getattr(self.gate, "e_score_correction_bias", None), self.moe_config,
+                         logits_TE=logits_TE)
+        r.topk_ids_TK = r.topk_ids_TK.contiguous()
+        return logits_TE, r
+
+
+def block_part(label: str, block, x, timer: Timer, iters: dict, rounds: int, whatif: bool = False) -> dict:
+    """Part 2 on one block: transformers' block (grouped_mm, megamoe experts) vs the swapped block (and with
+    ``whatif`` the swap with cuBLAS logits, :class:`CublasLogitsSwap`)."""
     cfg = block.experts.config
     swapped = mt.MegaMoEBlock(block)  # the same submodules and parameters
     inputs = [x, *block.parameters()]
@@ -181,6 +199,10 @@ def block_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -> 
 
     works = {"grouped_mm": hf("grouped_mm"), "megamoe": hf("megamoe"), "swap": lambda: fwd_bwd(lambda: swapped(x),
                                                                                                 inputs, dout)}
+    if whatif:
+        cublas = CublasLogitsSwap(block)
+        works["swap, cuBLAS logits (what-if)"] = lambda: fwd_bwd(lambda: cublas(x), inputs, dout)
+        iters = iters | {"swap, cuBLAS logits (what-if)": iters["swap"]}
     with torch.no_grad():  # the check: tokens both routers send to the same experts
         cfg._experts_implementation = "megamoe"
         want = block(x).view(-1, x.shape[-1])
@@ -189,13 +211,17 @@ def block_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -> 
         same = (swapped.last_stats.topk_ids_TK.sort(-1).values == hf_ids).all(-1)
     err = rel_rms(got[same], want[same])
     assert same.float().mean() > 0.9 and err < 2e-2, f"{label}: swap vs transformers' block: {err:.3g} on {same.sum()}"
+    del want, got
     stats = time_interleaved(timer, works, iters, rounds)
     print(f"\n{label} whole block (router + experts{' + shared' if hasattr(block, 'shared_experts') else ''}), "
           f"fwd+bwd, ms; same top-k on {100 * same.float().mean():.2f}% of tokens, there rel rms {err:.2e}")
     for name, s in stats.items():
-        print(f"  {name:<11} {s.median:9.2f}  [{s.p20:.2f}, {s.p80:.2f}] n={s.n}")
+        print(f"  {name:<30} {s.median:9.2f}  [{s.p20:.2f}, {s.p80:.2f}] n={s.n}")
     gain = stats["megamoe"].median / stats["swap"].median
     print(f"  swap vs megamoe experts implementation: {gain:.2f}x (target > 1: {'met' if gain > 1 else 'MISSED'})")
+    if whatif:
+        print(f"  what-if (cuBLAS logits) vs megamoe experts implementation: "
+              f"{stats['megamoe'].median / stats['swap, cuBLAS logits (what-if)'].median:.2f}x")
     return {name: s.median for name, s in stats.items()}
 
 
@@ -219,9 +245,10 @@ def _grad_of(fn, inputs, seed: int = 7):
 def router_part(label: str, block, x, timer: Timer, rounds: int) -> dict:
     """Part 2b: the routers alone, fwd + bwd (gradients of x and the router weight), to split the block
     difference: transformers' router (``block.gate``; its top-k weights get the gradient), the swap's router
-    (:meth:`MegaMoEBlock.route`: megamoe's fp32 logits GEMM, then megamoe's routing) and its two halves, and
-    cuBLAS's fp32 and bf16 ``F.linear`` at the same shape (what an IEEE fp32 and a bf16 GEMM cost there)."""
-    swapped = mt.MegaMoEBlock(block)
+    (:meth:`MegaMoEBlock.route`: megamoe's fp32 logits GEMM, then megamoe's routing) and its two halves, the same
+    routing on transformers' own logits GEMM (:class:`CublasLogitsSwap`), and cuBLAS's fp32 and bf16 ``F.linear``
+    at the same shape (what an IEEE fp32 and a bf16 GEMM cost there)."""
+    swapped, cublas = mt.MegaMoEBlock(block), CublasLogitsSwap(block)
     x_TD = x.detach().view(-1, x.shape[-1]).requires_grad_()
     w_ED = block.gate.weight
     logits_TE = swapped.route(x_TD)[0].detach().requires_grad_()
@@ -229,7 +256,9 @@ def router_part(label: str, block, x, timer: Timer, rounds: int) -> dict:
         "transformers router": _grad_of(lambda: block.gate(x_TD)[1], [x_TD, w_ED]),
         "swap router": _grad_of(lambda: swapped.route(x_TD)[1].topk_weights_TK, [x_TD, w_ED]),
         "  logits GEMM": _grad_of(lambda: swapped.route(x_TD)[0], [x_TD, w_ED]),  # (routing's fwd runs too)
-        "  routing": _grad_of(lambda: mt.ref.route(x_TD, w_ED, getattr(block.gate, "e_score_correction_bias", None),
+        "  cuBLAS logits + routing": _grad_of(lambda: cublas.route(x_TD)[1].topk_weights_TK,
+                                              [x_TD, w_ED]),
+        "  routing": _grad_of(lambda: ref.route(x_TD, w_ED, getattr(block.gate, "e_score_correction_bias", None),
                                                    swapped.moe_config, logits_TE=logits_TE).topk_weights_TK,
                               [logits_TE]),
         "cuBLAS fp32 linear": _grad_of(lambda: F.linear(x_TD.float(), w_ED.float()), [x_TD, w_ED]),
@@ -239,7 +268,7 @@ def router_part(label: str, block, x, timer: Timer, rounds: int) -> dict:
     T, D, E = x_TD.shape[0], x_TD.shape[1], w_ED.shape[0]
     print(f"\n{label} routers alone, fwd+bwd, ms (T {T}, D {D}, E {E}: {6 * T * D * E / 1e9:.1f} GFLOP of GEMMs)")
     for name, s in stats.items():
-        print(f"  {name:<21} {s.median:8.3f}  [{s.p20:.3f}, {s.p80:.3f}] n={s.n}")
+        print(f"  {name:<26} {s.median:8.3f}  [{s.p20:.3f}, {s.p80:.3f}] n={s.n}")
     return {name.strip(): s.median for name, s in stats.items()}
 
 
@@ -333,7 +362,7 @@ def profile_part(label: str, block, x, out_dir: str, steps: int = 3) -> dict:
     names = set(per["megamoe"]) | set(per["swap"])
     rows = sorted(((per["swap"][n][1] - per["megamoe"][n][1], n) for n in names), key=lambda r: -abs(r[0]))
     totals = {k: sum(v[1] for v in per[k].values()) for k in per}
-    head = (f"{label}: CUDA kernel time per fwd+bwd step, ms (mean of {steps} profiled steps): megamoe experts "
+    head = (f"{label}: {'CUDA kernel' if cuda else 'CPU op'} time per fwd+bwd step, ms (mean of {steps} profiled steps): megamoe experts "
             f"implementation in transformers' block {totals['megamoe']:.3f}, swap {totals['swap']:.3f}, "
             f"difference {totals['swap'] - totals['megamoe']:+.3f}; back to back, wall / host enqueue ms per step: "
             + ", ".join(f"{k} {wall[k]:.3f} / {host[k]:.3f}" for k in paths))
@@ -442,7 +471,7 @@ def main() -> None:
         untimed = ("eager",) if label == "deepseek-v3" and not args.tiny else ()
         name = f"{label} (T={T})"
         results[label] = {"experts": experts_part(name, block, x, timer, iters, 3, untimed),
-                          "block": block_part(name, block, x.view(1, T, -1), timer, iters, 3)}
+                          "block": block_part(name, block, x.view(1, T, -1), timer, iters, 3, bool(args.profile))}
         if args.profile:
             results[label]["router"] = router_part(name, block, x.view(1, T, -1), timer, 3)
             if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":

@@ -311,7 +311,7 @@ def test_bench_profile_parts_run_on_cpu(tmp_path):
     x = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(4)).to(BF16).requires_grad_()
     timer = bench.Timer(torch.device("cpu"))
     times = bench.router_part("dsv3", block, x, timer, rounds=1)
-    assert {"transformers router", "swap router", "logits GEMM", "routing"} <= set(times)
+    assert {"transformers router", "swap router", "logits GEMM", "cuBLAS logits + routing", "routing"} <= set(times)
     totals = bench.profile_part("dsv3 tiny", block, x, str(tmp_path), steps=1)
     assert set(totals) == {"megamoe", "swap"} and all(t["wall_ms"] >= t["host_ms"] > 0 for t in totals.values())
     assert (tmp_path / "dsv3_kernels.txt").read_text().startswith("dsv3 tiny:")
