@@ -299,19 +299,22 @@ def test_bench_rel_rms_in_blocks_is_the_fp64_formula():
     want = torch.randn(37, 129, generator=g).to(BF16)
     got = (want.float() + 1e-2 * torch.randn(want.shape, generator=g)).to(BF16)
     exact = ((got.double() - want.double()).norm() / want.double().norm()).item()
-    for chunk in (1, 100, 4773, 1 << 24):
+    for chunk in (7, 100, 4773, 1 << 24):
         assert bench.rel_rms(got, want, chunk=chunk) == pytest.approx(exact, rel=1e-5)
     assert bench.rel_rms(want, want, chunk=100) == 0.0
 
 
 def test_bench_profile_parts_run_on_cpu(tmp_path):
-    """bench_hf --profile's routers-alone timing and the block's op table, at a tiny shape on the CPU."""
+    """bench_hf --profile's block timing with the what-if swap, routers-alone timing and the block's op table, at
+    a tiny shape on the CPU."""
     bench = _bench_hf()
     block = _moe_block(build("deepseek_v3")).to(BF16)
     x = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(4)).to(BF16).requires_grad_()
     timer = bench.Timer(torch.device("cpu"))
     times = bench.router_part("dsv3", block, x, timer, rounds=1)
     assert {"transformers router", "swap router", "logits GEMM", "cuBLAS logits + routing", "routing"} <= set(times)
+    medians = bench.block_part("dsv3", block, x, timer, dict.fromkeys(("grouped_mm", "megamoe", "swap"), 1), 1, True)
+    assert set(medians) == {"grouped_mm", "megamoe", "swap", "swap, cuBLAS logits (what-if)"}
     totals = bench.profile_part("dsv3 tiny", block, x, str(tmp_path), steps=1)
     assert set(totals) == {"megamoe", "swap"} and all(t["wall_ms"] >= t["host_ms"] > 0 for t in totals.values())
     assert (tmp_path / "dsv3_kernels.txt").read_text().startswith("dsv3 tiny:")
