@@ -273,7 +273,8 @@ def router_part(label: str, block, x, timer: Timer, rounds: int) -> dict:
 
 
 _FP32_TILES = {  # the table's own tile first (None), then others; BLOCK_K stays the table's 32 (the K order)
-    "m": [None, (64, 64, 32, 4, 3, 2), (128, 64, 32, 8, 3, 2), (64, 128, 32, 8, 3, 2)],
+    "m": [None, (64, 64, 32, 4, 3, 2), (128, 64, 32, 8, 3, 2), (64, 128, 32, 8, 3, 2), (64, 128, 32, 4, 3, 2),
+          (128, 128, 32, 8, 2)],
     "k": [None, (64, 64, 32, 4, 3), (32, 32, 32, 2, 3), (16, 64, 32, 2, 3)],
 }
 
