@@ -243,7 +243,7 @@ class MegaMoEBlock(nn.Module):
     experts): fp32 router logits (megamoe's batch-invariant Triton GEMM on the fused backend),
     :func:`megamoe.reference.route` (softmax or sigmoid scores, group-limited top-k with the selection bias,
     normalised, scaled once), then routed + shared experts and their fp32 sum in one
-    :func:`megamoe.functional.moe_experts` call. The shared expert's gate and up weights stay two
+    :func:`megamoe.functional.moe_experts` call. :meth:`route` runs the router part alone. The shared expert's gate and up weights stay two
     parameters; each forward concatenates them into megamoe's [gate; up] layout (one copy of 2 * S * D
     elements, kept for the backward; gradients reach both parameters).
 
