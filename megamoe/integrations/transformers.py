@@ -243,7 +243,7 @@ class MegaMoEBlock(nn.Module):
     experts): fp32 router logits (megamoe's batch-invariant Triton GEMM on the fused backend),
     :func:`megamoe.reference.route` (softmax or sigmoid scores, group-limited top-k with the selection bias,
     normalised, scaled once), then routed + shared experts and their fp32 sum in one
-    :func:`megamoe.functional.moe_experts` call. The shared expert's gate and up weights stay two
+    :func:`megamoe.functional.moe_experts` call. :meth:`route` runs the router part alone. The shared expert's gate and up weights stay two
     parameters; each forward concatenates them into megamoe's [gate; up] layout (one copy of 2 * S * D
     elements, kept for the backward; gradients reach both parameters).
 
@@ -287,18 +287,29 @@ class MegaMoEBlock(nn.Module):
         _refuse(self.block_class, "a megamoe block", _shared_problems(shared))
         return torch.cat([shared.gate_proj.weight, shared.up_proj.weight], 0), shared.down_proj.weight
 
+    def _backend_of(self, x_TD: torch.Tensor) -> str:
+        return _backend_for(x_TD) if self.backend == "auto" else self.backend
+
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, ref.RouterOutput]:
+        """The router alone, as :meth:`forward` runs it: ``x_TD`` [T, D] in the experts' dtype -> (fp32 logits
+        [T, E], :class:`megamoe.reference.RouterOutput`), the top-k ids made contiguous once (the experts'
+        call, the counts and ``last_stats`` all read them; the values are the router's)."""
+        router_w_ED = self.gate.weight
+        fused = self._backend_of(x_TD) == "fused"
+        logits_TE = router_logits(x_TD, router_w_ED) if fused else ref.router_logits(x_TD, router_w_ED)
+        r = ref.route(x_TD, router_w_ED, getattr(self.gate, "e_score_correction_bias", None), self.moe_config,
+                      logits_TE=logits_TE)
+        r.topk_ids_TK = r.topk_ids_TK.contiguous()
+        return logits_TE, r
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         c = self.moe_config
         _refuse(self.block_class, "a megamoe block", _experts_problems(self.experts))
         w13_EGD, w2_EDF = self.experts.gate_up_proj, self.experts.down_proj
         x_TD = hidden_states.reshape(-1, hidden_states.shape[-1]).to(w13_EGD.dtype)
-        backend = _backend_for(x_TD) if self.backend == "auto" else self.backend
-        router_w_ED = self.gate.weight
-        logits_TE = router_logits(x_TD, router_w_ED) if backend == "fused" else ref.router_logits(x_TD, router_w_ED)
-        bias_E = getattr(self.gate, "e_score_correction_bias", None)
-        r = ref.route(x_TD, router_w_ED, bias_E, c, logits_TE=logits_TE)
+        logits_TE, r = self.route(x_TD)
         out_TD = moe_experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, w13_EGD, w2_EDF, *self._shared_weights(),
-                             backend=backend)
+                             backend=self._backend_of(x_TD))
         if not in_backward():  # an activation-checkpoint recompute counts nothing twice
             counts_E = ref.tokens_per_expert(r.topk_ids_TK, c.num_experts)
             if self.training:
