@@ -27,7 +27,7 @@ __all__ = ["MoE", "RoutedExperts", "Router", "RouterStats", "SharedExpert"]
 BACKENDS = ("reference", "fused")
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """True while the autograd engine runs a backward on this thread. An activation-checkpoint recompute
     (``torch.utils.checkpoint``, reentrant or not, selective or not) runs the module's forward there, and so
     does nothing else in a training step; FSDP2 tells its own recompute forwards apart the same way
@@ -412,7 +412,12 @@ class MoE(nn.Module):
         # A forward inside the backward is an activation-checkpoint recompute: it computes what the original
         # forward did (a non-reentrant checkpoint recomputes the aux loss's saved tensors too) but neither
         # counts again nor replaces the original forward's statistics.
-        recompute = _in_backward()
+        recompute = in_backward()
+        if not recompute:
+            # Drop the previous forward's statistics first: their aux loss holds that forward's autograd graph,
+            # whose nodes (the router weight's gradient accumulator among them) would otherwise be reused by
+            # this forward, stream and all, which breaks a CUDA-graph capture that follows eager steps.
+            self.last_stats = None
         if self.training and not recompute:
             self._check_aux_loss_can_train(x)
         in_dtype = x.dtype

@@ -1,6 +1,6 @@
 """megamoe inside Hugging Face transformers on one GPU: experts implementations, the block swap, a training step.
 
-Usage: python scripts/bench_hf.py [--json OUT.json]      (one H200: about 2 minutes)
+Usage: python scripts/bench_hf.py [--json OUT.json] [--profile DIR] [--no-train-step]   (one H200: 2-3 minutes)
        python scripts/bench_hf.py --tiny                  (small shapes, any device: a smoke run of this script)
 
 Three parts, every timing the median of CUDA-event samples (megamoe.bench.timing, L2 flushed before each), the
@@ -12,7 +12,10 @@ implementations interleaved round by round; each implementation's results checke
    shared expert, T 4096): transformers' ``eager``, ``grouped_mm`` and ``megamoe`` experts implementations
    and megamoe's own call (megamoe.functional.moe_experts) on the same tensors. Checks: ``megamoe`` gives
    bitwise the functional call's output and gradients; ``grouped_mm`` and ``eager`` agree with it to bf16
-   rounding (relative rms error printed). Target: the experts implementation adds < 3% to the functional call.
+   rounding (relative rms error printed, summed in fp32 blocks: no full-size fp64 copies). DeepSeek-V3's
+   ``eager`` is checked but not timed (its backward writes a zero gradient of all 256 experts per expert: seconds
+   a call; the checked call's time is printed). Target: the experts implementation adds < 3% to the functional
+   call.
 2. The whole block (router + experts [+ shared expert]), forward + backward (gradients of x and every
    parameter): transformers' block with ``grouped_mm`` and with ``megamoe`` experts, and megamoe's block
    swap (megamoe.integrations.transformers.MegaMoEBlock, on the same parameters). Check: on the tokens
@@ -22,28 +25,52 @@ implementations interleaved round by round; each implementation's results checke
 3. A training step (forward, backward, AdamW) of a 2-layer Qwen3-MoE model at the Qwen3-30B-A3B layer
    widths (vocab 32768, 4 sequences of 4096 tokens), in tokens/s, for ``grouped_mm``, ``megamoe`` and the
    swap (``eager`` too: slow). Check: the first step's loss agrees across them.
+
+With ``--profile DIR``, for each block after part 2, where the swap's time differs from the block with the
+``megamoe`` experts implementation (the experts' call is the same in both; the routers differ):
+2b. the routers alone, fwd + bwd: transformers' router, the swap's router (megamoe's fp32 logits GEMM, then
+    megamoe's routing) and its two halves, and cuBLAS's fp32 and bf16 linear at the same shape;
+2c. the swap router's three fp32 GEMMs (logits, dx, dW) with the table's tile and other tiles of the same
+    BLOCK_K, each checked bitwise against the table's (a faster one can go into megamoe.ops.tile_config as is);
+2d. torch.profiler's CUDA kernels of both blocks' fwd + bwd, grouped by name, with the difference per kernel
+    (DIR/<block>_kernels.txt and .json).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import json
+import os
+import time
 
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 import megamoe.integrations.transformers as mt
+from megamoe import reference as ref
 from megamoe.bench.timing import Timer, summarize
 from megamoe.functional import moe_experts
 
 BF16 = torch.bfloat16
 
 
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+def rel_rms(got: torch.Tensor, want: torch.Tensor, chunk: int = 1 << 24) -> float:
+    """||got - want|| / ||want|| over every element, in fp32 blocks of ``chunk`` elements whose sums of squares
+    add up in fp64 scalars on the device: no full-size fp32 or fp64 copy (DeepSeek-V3's gate/up gradient alone is
+    15 GB in bf16, 60 GB in fp64)."""
+    g, w = got.reshape(-1), want.reshape(-1)
+    num = torch.zeros((), dtype=torch.float64, device=w.device)
+    den = torch.zeros((), dtype=torch.float64, device=w.device)
+    for i in range(0, w.numel(), chunk):
+        w_c = w[i:i + chunk].float()
+        num += (g[i:i + chunk].float() - w_c).square().sum().double()
+        den += w_c.square().sum().double()
+    return (num.sqrt() / den.sqrt().clamp_min(1e-30)).item()
 
 
 def fwd_bwd(fn, inputs, dout):
@@ -87,8 +114,9 @@ def build(cls, cfg, device, seed: int):
     return module
 
 
-def experts_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -> dict:
-    """Part 1 on one block: the experts implementations and the functional call, on the block's routing."""
+def experts_part(label: str, block, x, timer: Timer, iters: dict, rounds: int, untimed: tuple = ()) -> dict:
+    """Part 1 on one block: the experts implementations and the functional call, on the block's routing.
+    ``untimed``: implementations checked (one call, its wall time printed) but left out of the timing."""
     experts, cfg = block.experts, block.experts.config
     with torch.no_grad():
         _, w_TK, ids_TK = block.gate(x)
@@ -109,9 +137,13 @@ def experts_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -
     works = {"eager": impl("eager"), "grouped_mm": impl("grouped_mm"), "megamoe": impl("megamoe"),
              "functional": functional}
     want = functional()
-    errs = {}
-    for name in ("megamoe", "grouped_mm", "eager"):  # (one result at a time: DeepSeek-V3's gradients are 22 GB)
+    errs, check_s = {}, {}
+    for name in ("megamoe", "grouped_mm", "eager"):  # one result at a time: DeepSeek-V3's gradients are 22 GB
+        timer.sync()
+        t0 = time.perf_counter()
         res = works[name]()
+        timer.sync()
+        check_s[name] = time.perf_counter() - t0
         if name == "megamoe":
             assert all(torch.equal(a, b) for a, b in zip((res[0], *res[1]), (want[0], *want[1]))), \
                 f"{label}: the megamoe experts implementation differs from megamoe.functional.moe_experts"
@@ -119,21 +151,42 @@ def experts_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -
             errs[name] = max(rel_rms(a, b) for a, b in zip((res[0], *res[1]), (want[0], *want[1])))
             assert errs[name] < 2e-2, f"{label}: {name} vs megamoe relative rms error {errs[name]:.3g}"
         del res
-    del want
-    stats = time_interleaved(timer, works, iters, rounds)
+    del want  # nothing but the parameters and the inputs is held while timing
+    stats = time_interleaved(timer, {k: v for k, v in works.items() if k not in untimed}, iters, rounds)
     overhead = stats["megamoe"].median / stats["functional"].median - 1
     print(f"\n{label} experts, fwd+bwd, ms (median [p20, p80] of n)")
     for name, s in stats.items():
         note = f"  (rel rms vs megamoe {errs[name]:.2e})" if name in errs else ""
         print(f"  {name:<11} {s.median:9.2f}  [{s.p20:.2f}, {s.p80:.2f}] n={s.n}{note}")
+    for name in untimed:
+        print(f"  {name:<11} not timed: one checked call took {check_s[name]:.1f} s (rel rms vs megamoe "
+              f"{errs[name]:.2e})")
+    ratios = "; ".join(f"{name} / megamoe {stats[name].median / stats['megamoe'].median:.2f}x"
+                       for name in ("grouped_mm", "eager") if name in stats)
     print(f"  megamoe vs functional: {100 * overhead:+.1f}% (target < 3%: {'met' if overhead < 0.03 else 'MISSED'}); "
-          f"grouped_mm / megamoe {stats['grouped_mm'].median / stats['megamoe'].median:.2f}x, "
-          f"eager / megamoe {stats['eager'].median / stats['megamoe'].median:.1f}x")
+          + ratios)
     return {name: s.median for name, s in stats.items()} | {"overhead_vs_functional": overhead}
 
 
-def block_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -> dict:
-    """Part 2 on one block: transformers' block (grouped_mm, megamoe experts) vs the swapped block."""
+class CublasLogitsSwap(mt.MegaMoEBlock):
+    """A what-if, not a megamoe option: the swap with the router logits from transformers' own GEMM (cuBLAS
+    ``F.linear``: in the model dtype for Qwen3-MoE, in fp32 for DeepSeek-V3, as their routers compute them), then
+    megamoe's routing and fused experts as in the swap. Not batch invariant, and other bits than the swap; it
+    measures what the swap's logits GEMM (megamoe's IEEE fp32 kernel and its two backward GEMMs) costs."""
+
+    def route(self, x_TD):
+        w_ED = self.gate.weight
+        fp32 = self.moe_config.score_func == "sigmoid"  # (DeepSeek-V3's router computes fp32 logits)
+        logits_TE = F.linear(x_TD.float(), w_ED.float()) if fp32 else F.linear(x_TD, w_ED).float()
+        r = ref.route(x_TD, w_ED, getattr(self.gate, "e_score_correction_bias", None), self.moe_config,
+                         logits_TE=logits_TE)
+        r.topk_ids_TK = r.topk_ids_TK.contiguous()
+        return logits_TE, r
+
+
+def block_part(label: str, block, x, timer: Timer, iters: dict, rounds: int, whatif: bool = False) -> dict:
+    """Part 2 on one block: transformers' block (grouped_mm, megamoe experts) vs the swapped block (and with
+    ``whatif`` the swap with cuBLAS logits, :class:`CublasLogitsSwap`)."""
     cfg = block.experts.config
     swapped = mt.MegaMoEBlock(block)  # the same submodules and parameters
     inputs = [x, *block.parameters()]
@@ -147,6 +200,10 @@ def block_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -> 
 
     works = {"grouped_mm": hf("grouped_mm"), "megamoe": hf("megamoe"), "swap": lambda: fwd_bwd(lambda: swapped(x),
                                                                                                 inputs, dout)}
+    if whatif:
+        cublas = CublasLogitsSwap(block)
+        works["swap, cuBLAS logits (what-if)"] = lambda: fwd_bwd(lambda: cublas(x), inputs, dout)
+        iters = iters | {"swap, cuBLAS logits (what-if)": iters["swap"]}
     with torch.no_grad():  # the check: tokens both routers send to the same experts
         cfg._experts_implementation = "megamoe"
         want = block(x).view(-1, x.shape[-1])
@@ -155,14 +212,174 @@ def block_part(label: str, block, x, timer: Timer, iters: dict, rounds: int) -> 
         same = (swapped.last_stats.topk_ids_TK.sort(-1).values == hf_ids).all(-1)
     err = rel_rms(got[same], want[same])
     assert same.float().mean() > 0.9 and err < 2e-2, f"{label}: swap vs transformers' block: {err:.3g} on {same.sum()}"
+    del want, got
     stats = time_interleaved(timer, works, iters, rounds)
     print(f"\n{label} whole block (router + experts{' + shared' if hasattr(block, 'shared_experts') else ''}), "
           f"fwd+bwd, ms; same top-k on {100 * same.float().mean():.2f}% of tokens, there rel rms {err:.2e}")
     for name, s in stats.items():
-        print(f"  {name:<11} {s.median:9.2f}  [{s.p20:.2f}, {s.p80:.2f}] n={s.n}")
+        print(f"  {name:<30} {s.median:9.2f}  [{s.p20:.2f}, {s.p80:.2f}] n={s.n}")
     gain = stats["megamoe"].median / stats["swap"].median
     print(f"  swap vs megamoe experts implementation: {gain:.2f}x (target > 1: {'met' if gain > 1 else 'MISSED'})")
+    if whatif:
+        print(f"  what-if (cuBLAS logits) vs megamoe experts implementation: "
+              f"{stats['megamoe'].median / stats['swap, cuBLAS logits (what-if)'].median:.2f}x")
     return {name: s.median for name, s in stats.items()}
+
+
+def _dout_like(out: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=out.device).manual_seed(seed)
+    return torch.randn(out.shape, generator=g, device=out.device).to(out.dtype)
+
+
+def _grad_of(fn, inputs, seed: int = 7):
+    """fwd + bwd of ``fn()`` with a fixed random output gradient (made once, on the first call)."""
+    dout = []
+
+    def run():
+        out = fn()
+        if not dout:
+            dout.append(_dout_like(out, seed))
+        return out, torch.autograd.grad(out, inputs, dout[0])
+    return run
+
+
+def router_part(label: str, block, x, timer: Timer, rounds: int) -> dict:
+    """Part 2b: the routers alone, fwd + bwd (gradients of x and the router weight), to split the block
+    difference: transformers' router (``block.gate``; its top-k weights get the gradient), the swap's router
+    (:meth:`MegaMoEBlock.route`: megamoe's fp32 logits GEMM, then megamoe's routing) and its two halves, the same
+    routing on transformers' own logits GEMM (:class:`CublasLogitsSwap`), and cuBLAS's fp32 and bf16 ``F.linear``
+    at the same shape (what an IEEE fp32 and a bf16 GEMM cost there)."""
+    swapped, cublas = mt.MegaMoEBlock(block), CublasLogitsSwap(block)
+    x_TD = x.detach().view(-1, x.shape[-1]).requires_grad_()
+    w_ED = block.gate.weight
+    logits_TE = swapped.route(x_TD)[0].detach().requires_grad_()
+    works = {
+        "transformers router": _grad_of(lambda: block.gate(x_TD)[1], [x_TD, w_ED]),
+        "swap router": _grad_of(lambda: swapped.route(x_TD)[1].topk_weights_TK, [x_TD, w_ED]),
+        "  logits GEMM": _grad_of(lambda: swapped.route(x_TD)[0], [x_TD, w_ED]),  # (routing's fwd runs too)
+        "  cuBLAS logits + routing": _grad_of(lambda: cublas.route(x_TD)[1].topk_weights_TK,
+                                              [x_TD, w_ED]),
+        "  routing": _grad_of(lambda: ref.route(x_TD, w_ED, getattr(block.gate, "e_score_correction_bias", None),
+                                                   swapped.moe_config, logits_TE=logits_TE).topk_weights_TK,
+                              [logits_TE]),
+        "cuBLAS fp32 linear": _grad_of(lambda: F.linear(x_TD.float(), w_ED.float()), [x_TD, w_ED]),
+        "cuBLAS bf16 linear": _grad_of(lambda: F.linear(x_TD, w_ED), [x_TD, w_ED]),
+    }
+    stats = time_interleaved(timer, works, dict.fromkeys(works, 5), rounds)
+    T, D, E = x_TD.shape[0], x_TD.shape[1], w_ED.shape[0]
+    print(f"\n{label} routers alone, fwd+bwd, ms (T {T}, D {D}, E {E}: {6 * T * D * E / 1e9:.1f} GFLOP of GEMMs)")
+    for name, s in stats.items():
+        print(f"  {name:<26} {s.median:8.3f}  [{s.p20:.3f}, {s.p80:.3f}] n={s.n}")
+    return {name.strip(): s.median for name, s in stats.items()}
+
+
+_FP32_TILES = {  # the table's own tile first (None), then others; BLOCK_K stays the table's 32 (the K order)
+    "m": [None, (64, 64, 32, 4, 3, 2), (128, 64, 32, 8, 3, 2), (64, 128, 32, 8, 3, 2), (64, 128, 32, 4, 3, 2),
+          (128, 128, 32, 8, 2)],
+    "k": [None, (64, 64, 32, 4, 3), (32, 32, 32, 2, 3), (16, 64, 32, 2, 3)],
+}
+
+
+def fp32_tile_sweep(label: str, block, x, timer: Timer, rounds: int) -> dict:
+    """Part 2c: the three fp32 GEMMs of megamoe's router (logits ``x @ W.T``; backward ``dlogits @ W`` and
+    ``dlogits.T @ x``), as megamoe.autograd.RouterLogitsFunction launches them, with the table's tile (first)
+    and other tiles of the same BLOCK_K; each result compared bitwise with the table's. Prints ms per tile."""
+    import megamoe.ops.grouped_gemm as gg
+    from megamoe.ops import GemmConfig, single_group_offsets
+
+    x_TD = x.detach().view(-1, x.shape[-1])
+    T = x_TD.shape[0]
+    w_1ED = block.gate.weight.detach().float().unsqueeze(0)
+    one_2 = single_group_offsets(T, x_TD.device)
+    dlogits_TE = torch.randn(T, w_1ED.shape[1], generator=torch.Generator(x.device).manual_seed(8), device=x.device)
+    gemms = {
+        "logits x @ W.T": ("m", lambda: gg.grouped_mm_nt(x_TD, w_1ED, one_2, out_dtype=torch.float32)),
+        "dx dlogits @ W": ("m", lambda: gg.grouped_mm_nn(dlogits_TE, w_1ED, one_2, out_dtype=x_TD.dtype)),
+        "dW dlogits.T @ x": ("k", lambda: gg.k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=torch.float32)),
+    }
+    m_table, k_table = gg.m_grouped_config, gg.k_grouped_config
+    out = {}
+    print(f"\n{label} router fp32 GEMMs by tile (BM, BN, BK, warps, stages[, programs per SM]), ms; "
+          "bits vs the table's tile")
+    for gemm, (kind, fn) in gemms.items():
+        base, row = None, []
+        for tile in _FP32_TILES[kind]:
+            if tile is not None:
+                cfg = GemmConfig(*tile[:5], programs_per_sm=tile[5] if len(tile) > 5 else 1)
+                gg.m_grouped_config = lambda *a, _c=cfg, **kw: _c if a[3] == torch.float32 else m_table(*a, **kw)
+                gg.k_grouped_config = lambda *a, _c=cfg, **kw: _c if a[2] == torch.float32 else k_table(*a, **kw)
+            try:
+                res = fn()
+                same = True if base is None else torch.equal(res, base)
+                base = res if base is None else base
+                ms = time_interleaved(timer, {"g": fn}, {"g": 10}, rounds)["g"].median
+            finally:
+                gg.m_grouped_config, gg.k_grouped_config = m_table, k_table
+            row.append({"tile": tile or "table", "ms": ms, "same_bits": same})
+        best = min((r for r in row if r["same_bits"]), key=lambda r: r["ms"])
+        print(f"  {gemm:<17} " + "  ".join(f"{r['tile']}: {r['ms']:.3f}{'' if r['same_bits'] else ' DIFFERENT BITS'}"
+                                           for r in row) + f"\n  {'':<17} fastest with the same bits: {best['tile']} "
+              f"({row[0]['ms'] - best['ms']:+.3f} ms vs the table's)")
+        out[gemm] = row
+    return out
+
+
+def profile_part(label: str, block, x, out_dir: str, steps: int = 3) -> dict:
+    """Part 2d: where the block's GPU time goes (torch.profiler, CUDA kernels grouped by name, per step), for
+    transformers' block with the ``megamoe`` experts implementation and for the swap, with the difference,
+    largest first. The experts' kernels are the same in both, so the difference is the routers' and the
+    glue's. Writes OUT_DIR/<label>_kernels.txt (the table) and .json."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = x.is_cuda  # (on the CPU, a smoke run: the top-level CPU ops instead of kernels)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    cfg = block.experts.config
+    swapped = mt.MegaMoEBlock(block)
+    inputs = [x, *block.parameters()]
+
+    def hf():
+        cfg._experts_implementation = "megamoe"
+        return block(x)
+    paths = {"megamoe": _grad_of(hf, inputs, 2), "swap": _grad_of(lambda: swapped(x), inputs, 2)}
+    per, host, wall = {}, {}, {}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for name, fn in paths.items():
+        fn()
+        sync()
+        t0 = time.perf_counter()  # back to back, no sync between steps: the host's enqueue time vs the wall time
+        for _ in range(steps):
+            fn()
+        host[name] = (time.perf_counter() - t0) * 1e3 / steps
+        sync()
+        wall[name] = (time.perf_counter() - t0) * 1e3 / steps
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                fn()
+            sync()
+        per[name] = collections.defaultdict(lambda: [0.0, 0.0])
+        for ev in prof.events():
+            if ev.device_type == kind and (cuda or ev.cpu_parent is None):
+                per[name][ev.name[:110]][0] += 1 / steps
+                per[name][ev.name[:110]][1] += (ev.device_time_total if cuda else ev.cpu_time_total) / 1e3 / steps
+    names = set(per["megamoe"]) | set(per["swap"])
+    rows = sorted(((per["swap"][n][1] - per["megamoe"][n][1], n) for n in names), key=lambda r: -abs(r[0]))
+    totals = {k: sum(v[1] for v in per[k].values()) for k in per}
+    head = (f"{label}: {'CUDA kernel' if cuda else 'CPU op'} time per fwd+bwd step, ms (mean of {steps} profiled steps): megamoe experts "
+            f"implementation in transformers' block {totals['megamoe']:.3f}, swap {totals['swap']:.3f}, "
+            f"difference {totals['swap'] - totals['megamoe']:+.3f}; back to back, wall / host enqueue ms per step: "
+            + ", ".join(f"{k} {wall[k]:.3f} / {host[k]:.3f}" for k in paths))
+    lines = [head, f"{'swap - megamoe':>15} {'megamoe':>9} {'swap':>9} {'calls':>11}  {'kernel' if cuda else 'op'}"]
+    for d, n in rows:
+        a, b = per["megamoe"][n], per["swap"][n]
+        lines.append(f"{d:+15.3f} {a[1]:9.3f} {b[1]:9.3f} {a[0]:5.0f}/{b[0]:<5.0f}  {n}")
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, label.split(" ")[0] + "_kernels")
+    with open(stem + ".txt", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(stem + ".json", "w") as f:
+        json.dump({k: {n: {"calls": c, "ms": ms} for n, (c, ms) in v.items()} for k, v in per.items()}, f, indent=1)
+    print("\n" + "\n".join(lines[:22]) + f"\n  (all rows: {stem}.txt)")
+    return {k: {"kernels_ms": totals[k], "wall_ms": wall[k], "host_ms": host[k]} for k in paths}
 
 
 def model_part(tokens: tuple[int, int], widths: dict, timer: Timer, device, iters: dict, rounds: int) -> dict:
@@ -231,6 +448,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes (a smoke run; CPU works)")
     ap.add_argument("--json", help="write the medians here")
+    ap.add_argument("--profile", metavar="DIR", help="also time the routers alone and the router's fp32 GEMMs by "
+                    "tile, and profile the whole block's kernels (megamoe experts implementation vs the swap; CUDA "
+                    "only), writing the kernel tables under DIR")
+    ap.add_argument("--no-train-step", action="store_true", help="leave out part 3 (the training step)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = SHAPES["tiny" if args.tiny else "full"]
@@ -247,12 +468,22 @@ def main() -> None:
         block = build(cls, cfg, device, seed=0)
         x = torch.randn(T, cfg.hidden_size, generator=torch.Generator(device).manual_seed(5), device=device, dtype=BF16)
         x.requires_grad_()
-        results[label] = {"experts": experts_part(f"{label} (T={T})", block, x, timer, iters, 3),
-                          "block": block_part(f"{label} (T={T})", block, x.view(1, T, -1), timer, iters, 3)}
+        # eager's DeepSeek-V3 backward writes a zero gradient of all 256 experts' weights per expert (seconds a
+        # call): checked, not timed
+        untimed = ("eager",) if label == "deepseek-v3" and not args.tiny else ()
+        name = f"{label} (T={T})"
+        results[label] = {"experts": experts_part(name, block, x, timer, iters, 3, untimed),
+                          "block": block_part(name, block, x.view(1, T, -1), timer, iters, 3, bool(args.profile))}
+        if args.profile:
+            results[label]["router"] = router_part(name, block, x.view(1, T, -1), timer, 3)
+            if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+                results[label]["router_fp32_tiles"] = fp32_tile_sweep(name, block, x, timer, 2)
+            results[label]["profile_ms"] = profile_part(name, block, x.view(1, T, -1), args.profile)
         del block, x
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    results["train_step_tokens_per_s"] = model_part(shapes["model_tokens"], shapes["model"], timer, device, iters, 2)
+    if not args.no_train_step:
+        results["train_step_tokens_per_s"] = model_part(shapes["model_tokens"], shapes["model"], timer, device, iters, 2)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

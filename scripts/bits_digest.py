@@ -1,12 +1,17 @@
 """SHA-256 digests of the fused layer's outputs and every gradient on the benchmark cases (one GPU).
 
-Usage: python scripts/bits_digest.py [--out FILE] [CASE ...]   (CASE = preset:tokens, default the README's cases)
+Usage: python scripts/bits_digest.py [--out FILE] [--world W] [CASE ...]
+  (CASE = preset:tokens, default the README's cases)
 
 For each case: the single-GPU path (``megamoe.functional.moe_experts``) and the EP path on a one-rank group
 (``megamoe.functional_ep.moe_experts_ep``, W = 1), forward then backward with the benchmark's seeded problem
 (megamoe.bench.problem: uniform routing, seed 0). One line per tensor: case, path, name, sha256 of the bytes.
 Two checkouts give the same file exactly when every output and gradient is bitwise the same; run it at both
 commits (e.g. ``PYTHONPATH=<other checkout>``) and ``diff`` the files.
+
+``--world W`` (W > 1) runs the EP path at W ranks instead, all on the one visible GPU (spawned processes over
+gloo with ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, as the shared-GPU EP tests run): the global batch
+of ``tokens`` is split over the ranks, and each rank's output and gradients are digested (path ``epW.rR``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import queue
+import traceback
+from datetime import timedelta
 
 import torch
 
@@ -31,33 +39,96 @@ def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:32]
 
 
-def digests(case: str, path: str, device: torch.device) -> list[str]:
+def digests(case: str, path: str, device: torch.device, *, world: int = 1, rank: int = 0, group=None) -> list[str]:
     preset, tokens = case.split(":")
     cfg = get_preset(preset)
-    prob = make_problem(case, cfg, int(tokens), make_routing("uniform", cfg, int(tokens), 1, 0), device=device)
+    T = int(tokens) // world
+    prob = make_problem(case, cfg, T, make_routing("uniform", cfg, T, world, 0), world_size=world, rank=rank,
+                        device=device)
     if path == "fused":
         out = moe_experts(*prob.args(), backend="fused")
     else:
-        out = moe_experts_ep(*prob.args(), group=one_rank_group(device))
+        out = moe_experts_ep(*prob.args(), group=group if group is not None else one_rank_group(device))
     grads = torch.autograd.grad(out, prob.grad_inputs(), prob.grad_out_TD)
     names = ["x", "topk_weights", "w13", "w2", "shared_w13", "shared_w2"]
     return [f"{case} {path} out {_sha(out)}"] + [f"{case} {path} d{n} {_sha(g)}" for n, g in zip(names, grads)]
+
+
+def _rank(rank: int, world: int, port: int, cases: list[str], q) -> None:
+    import torch.distributed as dist
+
+    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    try:
+        lines = []
+        for case in cases:
+            lines += digests(case, f"ep{world}.r{rank}", device, world=world, rank=rank, group=dist.group.WORLD)
+            torch.cuda.empty_cache()
+        q.put((rank, lines))
+        dist.barrier()
+    except BaseException:
+        q.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def shared_gpu_digests(cases: list[str], world: int) -> list[str]:
+    """Digests of the EP path at ``world`` ranks sharing the visible GPU (see the module doc)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, cases, q)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    got, failed = {}, None
+    while len(got) < world and failed is None:
+        try:
+            rank, res = q.get(timeout=5)
+        except queue.Empty:
+            dead = [r for r, proc in enumerate(procs) if r not in got and proc.exitcode is not None]
+            if dead:
+                failed = f"bits_digest --world {world}: ranks {dead} exited before reporting"
+            continue
+        if isinstance(res, str):
+            failed = f"bits_digest --world {world}: rank {rank} failed:\n{res}"
+        got[rank] = res
+    for proc in procs:
+        proc.join(timeout=5 if failed else 120)
+        if proc.is_alive():
+            proc.kill()
+    if failed:
+        raise RuntimeError(failed)
+    return [ln for r in range(world) for ln in got[r]]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cases", nargs="*", default=DEFAULT_CASES)
     p.add_argument("--out", help="write the digests here too")
+    p.add_argument("--world", type=int, default=1, help="W > 1: the EP path at W ranks sharing the GPU")
     args = p.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    device = torch.device("cuda", torch.cuda.current_device())
-    lines = []
-    for case in args.cases:
-        for path in ("fused", "ep1"):
-            lines += digests(case, path, device)
-            torch.cuda.empty_cache()
-    close_one_rank_group()
+    if args.world > 1:
+        lines = shared_gpu_digests(list(args.cases), args.world)
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
+        lines = []
+        for case in args.cases:
+            for path in ("fused", "ep1"):
+                lines += digests(case, path, device)
+                torch.cuda.empty_cache()
+        close_one_rank_group()
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:

@@ -299,10 +299,6 @@ def test_capture_first_thing_in_a_process():
     _check(spawn_ranks(_first_thing, 1, timeout=600)[0])
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (open): MoE.last_stats.aux_loss keeps the last forward's graph, "
-                   "so the router weight's AccumulateGrad node made by an eager step on the default stream stays "
-                   "alive and the layer's backward capture touches the legacy stream (layer_backward part fails "
-                   "on H200)")
 def test_capture_after_many_eager_calls_with_ep_workspaces_alive():
     _check(spawn_ranks(_after_eager, 1, cuda=True, timeout=600)[0])
 

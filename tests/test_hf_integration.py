@@ -221,6 +221,105 @@ def test_swap_save_pretrained_round_trip(family, tmp_path):
         assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def _moe_block(model):
+    return next(m for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module))
+
+
+def _megamoe_by_hand(block, x, backend):
+    """megamoe's own calls on a transformers block's tensors, written out: the function MegaMoEBlock computes."""
+    from megamoe.functional import moe_experts, router_logits
+    x_TD, w_ED = x.reshape(-1, x.shape[-1]), block.gate.weight
+    logits_TE = router_logits(x_TD, w_ED) if backend == "fused" else ref.router_logits(x_TD, w_ED)
+    r = ref.route(x_TD, w_ED, getattr(block.gate, "e_score_correction_bias", None), mt.moe_config_of(block),
+                  logits_TE=logits_TE)
+    sh = getattr(block, "shared_experts", None)
+    shared = () if sh is None else (torch.cat([sh.gate_proj.weight, sh.up_proj.weight]), sh.down_proj.weight)
+    out = moe_experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, block.experts.gate_up_proj, block.experts.down_proj,
+                      *shared, backend=backend)
+    return out.view(x.shape), r
+
+
+def check_swap_is_megamoe_bitwise(block, backend, monkeypatch):
+    """The swapped block's output and every gradient are bitwise megamoe's own calls written out, its routing
+    (ids, weights) bitwise megamoe's, and the experts' call gets the ids contiguous (no copy of its own); on a GPU,
+    forward and backward make no host sync."""
+    swapped = mt.MegaMoEBlock(block)
+    dev, D = block.experts.gate_up_proj.device, block.experts.gate_up_proj.shape[2]
+    g = torch.Generator(device=dev).manual_seed(7)
+    x = torch.randn(2, 40, D, generator=g, device=dev).to(BF16).requires_grad_()
+    dout = torch.randn(x.shape, generator=g, device=dev).to(BF16)
+    inputs = [x, *swapped.parameters()]
+    seen, real = [], mt.moe_experts
+    monkeypatch.setattr(mt, "moe_experts", lambda *a, **kw: seen.append(a[1].is_contiguous()) or real(*a, **kw))
+    if dev.type == "cuda":  # on the fused kernels the whole step runs without a host sync: any sync raises here
+        swapped(x)  # (the first call compiles and loads kernels)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = swapped(x)
+        got_grads = torch.autograd.grad(got, inputs, dout)
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.undo()
+    seen = seen[-1:]
+    want, r = _megamoe_by_hand(block, x, backend)
+    want_grads = torch.autograd.grad(want, inputs, dout)
+    assert seen == [True]
+    assert torch.equal(got, want)
+    names = ["x", *(n for n, _ in swapped.named_parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads)), \
+        [n for n, a, b in zip(names, got_grads, want_grads) if not torch.equal(a, b)]
+    logits_TE, r2 = swapped.route(x.detach().reshape(-1, D))
+    assert r2.topk_ids_TK.is_contiguous() and logits_TE.dtype == torch.float32
+    assert torch.equal(r2.topk_ids_TK, r.topk_ids_TK) and torch.equal(r2.topk_weights_TK, r.topk_weights_TK)
+    assert torch.equal(swapped.last_stats.topk_ids_TK, r.topk_ids_TK)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_swap_is_megamoe_route_and_experts_bitwise(family, monkeypatch):
+    check_swap_is_megamoe_bitwise(_moe_block(build(family)).to(BF16), "reference", monkeypatch)
+
+
+def _bench_hf():
+    """scripts/bench_hf.py as a module (its helpers are tested here; the script itself needs a GPU for its shapes)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_hf.py"
+    spec = importlib.util.spec_from_file_location("bench_hf", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_rel_rms_in_blocks_is_the_fp64_formula():
+    """bench_hf's accuracy check sums in fp32 blocks (no full-size fp64 copies of 22 GB of gradients): the same
+    relative rms error as the fp64 formula, whatever the block size."""
+    bench = _bench_hf()
+    g = torch.Generator().manual_seed(3)
+    want = torch.randn(37, 129, generator=g).to(BF16)
+    got = (want.float() + 1e-2 * torch.randn(want.shape, generator=g)).to(BF16)
+    exact = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    for chunk in (7, 100, 4773, 1 << 24):
+        assert bench.rel_rms(got, want, chunk=chunk) == pytest.approx(exact, rel=1e-5)
+    assert bench.rel_rms(want, want, chunk=100) == 0.0
+
+
+def test_bench_profile_parts_run_on_cpu(tmp_path):
+    """bench_hf --profile's block timing with the what-if swap, routers-alone timing and the block's op table, at
+    a tiny shape on the CPU."""
+    bench = _bench_hf()
+    block = _moe_block(build("deepseek_v3")).to(BF16)
+    x = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(4)).to(BF16).requires_grad_()
+    timer = bench.Timer(torch.device("cpu"))
+    times = bench.router_part("dsv3", block, x, timer, rounds=1)
+    assert {"transformers router", "swap router", "logits GEMM", "cuBLAS logits + routing", "routing"} <= set(times)
+    medians = bench.block_part("dsv3", block, x, timer, dict.fromkeys(("grouped_mm", "megamoe", "swap"), 1), 1, True)
+    assert set(medians) == {"grouped_mm", "megamoe", "swap", "swap, cuBLAS logits (what-if)"}
+    totals = bench.profile_part("dsv3 tiny", block, x, str(tmp_path), steps=1)
+    assert set(totals) == {"megamoe", "swap"} and all(t["wall_ms"] >= t["host_ms"] > 0 for t in totals.values())
+    assert (tmp_path / "dsv3_kernels.txt").read_text().startswith("dsv3 tiny:")
+
+
 def test_swap_feeds_router_logits_and_aux_loss():
     model = build("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.01)
     ids = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(3))
@@ -352,3 +451,10 @@ def test_gpu_backend_is_the_functional_call():
     got = experts(x, ids, w)
     want = moe_experts(x, ids, w, experts.gate_up_proj, experts.down_proj, backend="fused")
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_gpu_swap_is_megamoe_route_and_experts_bitwise(family, monkeypatch):
+    """On the fused kernels: megamoe's batch-invariant fp32 router GEMM, its routing, its fused experts."""
+    check_swap_is_megamoe_bitwise(_moe_block(_gpu_model(family, all_experts=False)).to(BF16), "fused", monkeypatch)

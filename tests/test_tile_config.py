@@ -10,7 +10,7 @@ pointer loads are the fallback everywhere else (fp32, misaligned rows, odd K).
 import pytest
 import torch
 
-from megamoe.ops import GemmConfig, k_grouped_config, m_grouped_config
+from megamoe.ops import GemmConfig, k_grouped_config, m_grouped_config, tile_config
 from megamoe.ops.grouped_gemm import _weight_descriptor
 
 BF16 = torch.bfloat16
@@ -48,6 +48,11 @@ def test_table_is_pure_function_of_shape(monkeypatch):
     assert not k_grouped_config(4096, 7168, torch.float32, interpret=False, rows_per_group=256).gluon
     assert k_grouped_config(4096, 7168, torch.float32, interpret=False, rows_per_group=128).resident_chunks == 0
     assert k_grouped_config(64, 64, torch.float32, interpret=True, rows_per_group=10).resident_chunks == 1
+    # fp32 weight gradients of few outputs (the router's dW, [E, D] over all T rows) get half-height tiles so that
+    # they span the SMs; others keep the fp32 tile; BLOCK_K (the reduction order, hence the bits) stays
+    for (m, n), want in {(128, 2048): (32, 64), (256, 7168): (64, 64), (1536, 2048): (64, 64)}.items():
+        cfg = k_grouped_config(m, n, torch.float32, interpret=False, rows_per_group=16384)
+        assert (cfg.block_m, cfg.block_n, cfg.block_k) == (*want, tile_config._FP32.block_k), (m, n, cfg)
     with pytest.raises(ValueError, match="resident_chunks"):
         GemmConfig(128, 128, 64, 8, 2, resident_chunks=5)
     with pytest.raises(ValueError, match="unknown kind"):

@@ -17,6 +17,7 @@ under TRITON_INTERPRET=1 it takes about a minute, too long for this file).
 
 import copy
 import warnings
+import weakref
 from functools import partial
 
 import pytest
@@ -184,6 +185,20 @@ def test_aux_loss_is_a_zero_tensor_when_off_or_without_tokens():
     m = MoE(cfg.replace(seq_aux_loss_coef=1e-3), seed=0)
     m(torch.randn(6, D))
     assert m.last_stats.aux_loss.requires_grad and m.last_stats.aux_loss.item() > 0
+
+
+
+def test_a_forward_releases_the_previous_statistics_before_routing():
+    """The previous step's aux loss holds that step's autograd graph (the router weight's gradient accumulator
+    included): a forward drops it before the router runs, so this forward builds fresh nodes (a CUDA-graph
+    capture after eager steps needs that; see tests/test_cuda_graph_gpu.py)."""
+    m = MoE(get_preset("tiny").replace(dtype=torch.float32, seq_aux_loss_coef=1e-3), seed=0)
+    (m(torch.randn(6, D)).square().sum() + m.last_stats.aux_loss).backward()
+    previous_aux = weakref.ref(m.last_stats.aux_loss)
+    seen = []
+    m.router.register_forward_pre_hook(lambda mod, args: seen.append(previous_aux() is None))
+    m(torch.randn(6, D))
+    assert seen == [True]
 
 
 CASTS = {

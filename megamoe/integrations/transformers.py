@@ -40,7 +40,7 @@ from torch import nn
 from .. import reference as ref
 from ..config import MoEConfig
 from ..functional import FUSED_DTYPES, moe_experts, router_logits
-from ..layer import RouterStats
+from ..layer import RouterStats, in_backward
 
 try:
     from transformers.integrations.moe import ExpertsInterface
@@ -69,13 +69,6 @@ class UnsupportedModelError(ValueError):
 def _backend_for(x: torch.Tensor) -> str:
     """"fused" for CUDA tensors in a fused dtype, "reference" otherwise (CPU, fp64)."""
     return "fused" if x.is_cuda and x.dtype in FUSED_DTYPES else "reference"
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine runs a backward on this thread: the only place a training step runs a
-    block's forward again is an activation-checkpoint recompute (transformers' gradient checkpointing)."""
-    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)  # (private; in every supported torch)
-    return graph_task_id is not None and graph_task_id() != -1
 
 
 def _is_silu(act) -> bool:
@@ -250,13 +243,13 @@ class MegaMoEBlock(nn.Module):
     experts): fp32 router logits (megamoe's batch-invariant Triton GEMM on the fused backend),
     :func:`megamoe.reference.route` (softmax or sigmoid scores, group-limited top-k with the selection bias,
     normalised, scaled once), then routed + shared experts and their fp32 sum in one
-    :func:`megamoe.functional.moe_experts` call. The shared expert's gate and up weights stay two
+    :func:`megamoe.functional.moe_experts` call. :meth:`route` runs the router part alone. The shared expert's gate and up weights stay two
     parameters; each forward concatenates them into megamoe's [gate; up] layout (one copy of 2 * S * D
     elements, kept for the backward; gradients reach both parameters).
 
     Forward hooks on ``gate`` (transformers records ``router_logits`` through them, e.g. for Qwen3-MoE's
     and Mixtral's load-balancing loss) are called with ``(logits [T, E] fp32, weights [T, K], ids [T, K])``
-    as if the router had run. ``last_stats`` (:class:`megamoe.layer.RouterStats`, ``aux_loss`` None) holds
+    as if the router had run. ``last_stats`` (:class:`megamoe.layer.RouterStats`, ``aux_loss`` a zero tensor: the model computes its own load-balancing loss) holds
     the last forward's expert counts and ids; :meth:`update_expert_bias` applies megamoe's aux-loss-free
     update to ``e_score_correction_bias`` (transformers never changes it; nothing does unless called). A
     forward run again inside a backward (an activation-checkpoint recompute) leaves both alone.
@@ -294,24 +287,36 @@ class MegaMoEBlock(nn.Module):
         _refuse(self.block_class, "a megamoe block", _shared_problems(shared))
         return torch.cat([shared.gate_proj.weight, shared.up_proj.weight], 0), shared.down_proj.weight
 
+    def _backend_of(self, x_TD: torch.Tensor) -> str:
+        return _backend_for(x_TD) if self.backend == "auto" else self.backend
+
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, ref.RouterOutput]:
+        """The router alone, as :meth:`forward` runs it: ``x_TD`` [T, D] in the experts' dtype -> (fp32 logits
+        [T, E], :class:`megamoe.reference.RouterOutput`), the top-k ids made contiguous once (the experts'
+        call, the counts and ``last_stats`` all read them; the values are the router's)."""
+        router_w_ED = self.gate.weight
+        fused = self._backend_of(x_TD) == "fused"
+        logits_TE = router_logits(x_TD, router_w_ED) if fused else ref.router_logits(x_TD, router_w_ED)
+        r = ref.route(x_TD, router_w_ED, getattr(self.gate, "e_score_correction_bias", None), self.moe_config,
+                      logits_TE=logits_TE)
+        r.topk_ids_TK = r.topk_ids_TK.contiguous()
+        return logits_TE, r
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         c = self.moe_config
         _refuse(self.block_class, "a megamoe block", _experts_problems(self.experts))
         w13_EGD, w2_EDF = self.experts.gate_up_proj, self.experts.down_proj
         x_TD = hidden_states.reshape(-1, hidden_states.shape[-1]).to(w13_EGD.dtype)
-        backend = _backend_for(x_TD) if self.backend == "auto" else self.backend
-        router_w_ED = self.gate.weight
-        logits_TE = router_logits(x_TD, router_w_ED) if backend == "fused" else ref.router_logits(x_TD, router_w_ED)
-        bias_E = getattr(self.gate, "e_score_correction_bias", None)
-        r = ref.route(x_TD, router_w_ED, bias_E, c, logits_TE=logits_TE)
+        logits_TE, r = self.route(x_TD)
         out_TD = moe_experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, w13_EGD, w2_EDF, *self._shared_weights(),
-                             backend=backend)
-        if not _in_backward():  # an activation-checkpoint recompute counts nothing twice
+                             backend=self._backend_of(x_TD))
+        if not in_backward():  # an activation-checkpoint recompute counts nothing twice
             counts_E = ref.tokens_per_expert(r.topk_ids_TK, c.num_experts)
             if self.training:
                 with torch.no_grad():
                     self.counts_since_update_E += counts_E
-            self.last_stats = RouterStats(counts_E, None, r.topk_ids_TK.detach())
+            aux = torch.zeros((), dtype=torch.float32, device=x_TD.device)  # the model computes its own aux loss
+            self.last_stats = RouterStats(counts_E, aux, r.topk_ids_TK.detach())
         self._call_gate_hooks(x_TD, (logits_TE, r.topk_weights_TK, r.topk_ids_TK))
         return out_TD.to(hidden_states.dtype).view(hidden_states.shape)
 

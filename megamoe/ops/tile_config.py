@@ -125,8 +125,15 @@ class GemmConfig:
 
 # CPU interpreter (TRITON_INTERPRET=1): tiny tiles so that tiny test shapes still span several tiles.
 _INTERPRET = GemmConfig(16, 16, 16, 4, 1)
-# fp32 operands use input_precision="ieee" FMA dots (router logits, fp32 experts): small tiles.
+# fp32 operands use input_precision="ieee" FMA dots (router logits, fp32 experts): small tiles. An FMA dot adds
+# each output element's products one at a time, in K order, onto its accumulator (Triton's FMADotUtility), so
+# for fp32 too only BLOCK_K can change bits; tests/test_fused_gpu.py::test_router_bits_do_not_depend_on_tile.
 _FP32 = GemmConfig(64, 64, 32, 4, 3)
+# fp32 weight gradients with few outputs per group: the router's dW = dlogits^T @ x ([E, D], one group of all T
+# rows, e.g. Qwen3-30B-A3B's E 128 x D 2048 = 64 tiles of 64 x 64, each reducing all T rows, so half of an
+# H200's 132 SMs idle): 32 x 64 tiles, twice the programs.
+_FP32_FEW_OUTPUTS = GemmConfig(32, 64, 32, 4, 3)
+_FP32_FEW_TILES = 128  # fewer 64 x 64 tiles than this per group: _FP32_FEW_OUTPUTS
 
 # m-grouped kinds: "gate_up" (SwiGLU fwd, two accumulators, N = F, K = D), "down" (N = D, K = F),
 # "dgrad_swiglu" (dY @ W2, N = F, K = D, SwiGLU backward epilogue), "dgrad" (dGU @ W13, N = D, K = 2F).
@@ -331,7 +338,7 @@ def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool,
         chunks = _resident_chunks(rows_per_group, _INTERPRET.block_k)
         return dataclasses.replace(_INTERPRET, resident_chunks=chunks)
     if not _is_half(dtype):
-        return _FP32
+        return _FP32_FEW_OUTPUTS if -(-m // 64) * -(-n // 64) < _FP32_FEW_TILES else _FP32
     allow_torch = allow_torch and dtype == torch.bfloat16 and torch_wgrad_mode() != "off"
     override = override_for("wgrad", m, n)
     if override is not None and (allow_gluon or not override.gluon) and (allow_torch or not override.torch_mm):

@@ -445,7 +445,7 @@ def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corp
             with _autocast(device):
                 logits_BSV = model(x_BS, chunks=C)
             loss, chunk_losses_C = _loss(logits_BSV, y_BS, C)
-            auxes = [m.last_stats.aux_loss for m in model.moe_layers() if m.last_stats.aux_loss is not None]
+            auxes = [m.last_stats.aux_loss for m in model.moe_layers()]
             aux = torch.stack(auxes).sum() if auxes else torch.zeros((), device=device)
             opt.zero_grad(set_to_none=True)
             (loss + aux).backward()
