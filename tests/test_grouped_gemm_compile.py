@@ -86,7 +86,7 @@ PULL_CASES = [(p, t, dataclasses.replace(g, gathered=False, E=g.E // 2))
 
 @pytest.mark.parametrize("preset, tokens, gemm", PULL_CASES, ids=[f"{p}-{g.kind}" for p, _, g in PULL_CASES])
 def test_pull_wait_compiles_like_the_plain_one(preset, tokens, gemm):
-    """Waiting on a RowPull (MEGAMOE_EP_PULL_OVERLAP: the tile counter, the bounded acquire spins on the blocks'
+    """Waiting on a RowPull (EPOptions.pull_programs: the tile counter, the bounded acquire spins on the blocks'
     flags, the end-of-grid ``griddepcontrol.wait``; with TMA for A a proxy fence after the waits) keeps the plain
     kernel's wgmma, operand paths and shared memory; spills within the budget."""
     cfg = m_grouped_config(gemm.kind, gemm.N, gemm.K, torch.bfloat16, interpret=False, gathered=False)
