@@ -11,7 +11,7 @@ the 227 KiB a block can have; and register spills no larger than recorded for th
 (tests/triton_versions.py; with 3.6: gate/up 28-40 bytes, dgrad + SwiGLU backward 4 bytes with gathered dY rows
 (deepseek-v3), none at qwen3, where the backward reads a row-order copy of dY by TMA; none elsewhere), so that an
 epilogue change that spills more is seen here before it is timed. At qwen3 the weight gradients run in torch._grouped_mm; the kernels compiled for them are the Triton
-fallback (MEGAMOE_TORCH_WGRAD=0, gathered rows). Speed itself is measured on the GPU (docs/perf.md).
+fallback (gathered rows, where torch's kernel cannot run). Speed itself is measured on the GPU (docs/perf.md).
 """
 
 import dataclasses
