@@ -11,7 +11,8 @@ Two kernel families (GEMM naming after DeepGEMM: which dimension is grouped):
   nn.Linear layout) and the "nn" dgrad GEMMs (B[e] stored [K, N]). ``row(r)`` is r, or
   ``a_idx[r]`` when HAS_GATHER (rows are gathered straight from the token matrix, no permuted copy).
   Persistent grid: program p walks the tiles p, p + num_programs, ... (WAIT_PULL: tiles from an int32
-  counter in increasing order, each tile first waiting for its rows' ready flags); a tile is (m-tile, n-tile)
+  counter in increasing order, each tile first waiting for its rows' ready flags; these expert-parallel pieces,
+  and PUSH's destinations below, are helpers of megamoe.kernels.ep_tiles); a tile is (m-tile, n-tile)
   with the n-tile fastest. M-tiles never straddle two experts: expert e owns ``ceil(count_e / BLOCK_M)``
   m-tiles starting at ``tile_offsets[e]`` (exclusive prefix sum on the device), so the grid is sized
   from a static bound on rows and programs past the real work exit. Operand loads: pointer loads, or
