@@ -34,13 +34,15 @@ cast(cast(w * dout) @ w2)) and the w2 gradient as dout^T @ cast(w * h) (referenc
 the same function, one rounding placed differently, within the tested bf16 error bound.
 
 Weight gradients through ``torch._grouped_mm`` (megamoe.ops.torch_grouped_mm; the tile table's ``torch_mm``
-for bf16 experts of more than ~154 expected rows, on Hopper; ``MEGAMOE_TORCH_WGRAD=0 / 1`` off / everywhere):
+for bf16 experts of more than ~154 expected rows, on Hopper, or a ``torch_mm`` "wgrad" entry of the KernelConfig):
 its kernel takes contiguous rows only, so the backward copies dout's rows (``dy = dout[row_token]``, then
 also read by swiglu_dgrad without a gather) and x's rows (``x[row_token]``) into row order first: N x D more
 transient memory each (qwen3-30b-a3b T=16384: 0.54 GB each), bitwise the same gradients (the same rows in
 the same order; tests/test_torch_wgrad_gpu.py). Measured -0.68 ms of 8.59 at qwen3-30b-a3b T=16384
-(docs/perf.md, ninth session). Experiment switch ``MEGAMOE_PERMUTED_DY=1`` (default off; eighth session):
-the dY copy alone, with the Triton weight-gradient kernels (tests/test_kernels_interpret.py).
+(docs/perf.md, ninth session).
+
+Kernel choices: ``kernel_config`` (a :class:`megamoe.config.KernelConfig`, the last argument of ``apply``;
+default: the tile table) goes to every GEMM launcher of both passes. It never changes bits.
 
 Determinism: no atomics, no split-K, configs a pure function of shape: bitwise reproducible.
 Sync: none (no .item(), no shapes from routing); CUDA-graph capturable.
@@ -48,10 +50,9 @@ Sync: none (no .item(), no shapes from routing); CUDA-graph capturable.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .config import KernelConfig
 from .ops import (build_routing_plan, combine_fwd, down_proj, gate_up_swiglu, grouped_mm_nn, grouped_mm_nt,
                   k_grouped_mm, k_grouped_wants_rows_in_order, single_group_offsets, slot_sum_bwd, swiglu_dgrad)
 
@@ -63,22 +64,25 @@ class MoEExpertsFunction(torch.autograd.Function):
     (megamoe.functional.moe_experts does that); gradients flow to x, topk_weights and all weights."""
 
     @staticmethod
-    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS):
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS,
+                kernel_config: KernelConfig):
         T = x_TD.shape[0]
+        kc = kernel_config
         plan = build_routing_plan(topk_ids_TK, w13_EGD.shape[0])
         # the m-tile offsets of each group-offset table, computed once and shared by the GEMMs of both passes
         # (the backward's offsets are the same saved tensors)
         tiles = {}
-        h_NF, gu_NG = gate_up_swiglu(x_TD, w13_EGD, plan.offsets_E1, gather_idx_R=plan.row_token_N, tile_cache=tiles)
-        y_ND = down_proj(h_NF, w2_EDF, plan.offsets_E1, tile_cache=tiles)
+        h_NF, gu_NG = gate_up_swiglu(x_TD, w13_EGD, plan.offsets_E1, gather_idx_R=plan.row_token_N, tile_cache=tiles,
+                                     kernel_config=kc)
+        y_ND = down_proj(h_NF, w2_EDF, plan.offsets_E1, tile_cache=tiles, kernel_config=kc)
         del h_NF
         shared_TD = gus_TH = one_2 = None
         if shared_w13_HD is not None:
             one_2 = single_group_offsets(T, x_TD.device)
-            hs_TS, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, tile_cache=tiles)
-            shared_TD = down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, tile_cache=tiles)
+            hs_TS, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, tile_cache=tiles, kernel_config=kc)
+            shared_TD = down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, tile_cache=tiles, kernel_config=kc)
             del hs_TS
-        ctx.tiles, ctx.one_2 = tiles, one_2
+        ctx.tiles, ctx.one_2, ctx.kernel_config = tiles, one_2, kc
         out_TD = combine_fwd(y_ND, plan.row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype)
         ctx.save_for_backward(x_TD, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, gu_NG, gus_TH,
                               plan.offsets_E1, plan.row_token_N, plan.row_src_N, plan.row_of_TK)
@@ -88,7 +92,8 @@ class MoEExpertsFunction(torch.autograd.Function):
     def backward(ctx, dout_TD):
         (x_TD, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, gu_NG, gus_TH,
          offsets_E1, row_token_N, row_src_N, row_of_TK) = ctx.saved_tensors
-        need_x, _, need_w, need_w13, need_w2, need_s13, need_s2 = ctx.needs_input_grad
+        need_x, _, need_w, need_w13, need_w2, need_s13, need_s2 = ctx.needs_input_grad[:7]
+        kc = ctx.kernel_config
         T, D = x_TD.shape
         dout_TD = dout_TD.contiguous()
         if dout_TD.dtype != x_TD.dtype:
@@ -96,38 +101,41 @@ class MoEExpertsFunction(torch.autograd.Function):
         scale_N = topk_weights_TK.reshape(-1).index_select(0, row_src_N).float()
         G, F, N = gu_NG.shape[1], w2_EDF.shape[2], row_token_N.shape[0]
         rows_est = N / max(w13_EGD.shape[0], 1)  # k_grouped_mm's own estimate: its kernel choice
-        copy_dy = need_w2 and k_grouped_wants_rows_in_order(D, F, w2_EDF.dtype, x_TD.device, rows_est)
-        copy_x = need_w13 and k_grouped_wants_rows_in_order(G, D, w13_EGD.dtype, x_TD.device, rows_est)
-        if copy_dy or os.environ.get("MEGAMOE_PERMUTED_DY") == "1":  # (module docstring)
+        copy_dy = need_w2 and k_grouped_wants_rows_in_order(D, F, w2_EDF.dtype, x_TD.device, rows_est, kc)
+        copy_x = need_w13 and k_grouped_wants_rows_in_order(G, D, w13_EGD.dtype, x_TD.device, rows_est, kc)
+        if copy_dy:  # (module docstring)
             dy_ND, dy_idx_N = dout_TD.index_select(0, row_token_N), None
         else:
             dy_ND, dy_idx_N = dout_TD, row_token_N
         tiles = ctx.tiles
         dgu_NG, hw_NF, part_NP = swiglu_dgrad(dy_ND, w2_EDF, offsets_E1, gu_NG, gather_idx_R=dy_idx_N,
-                                              row_scale_R=scale_N, row_dot=need_w, tile_cache=tiles)
-        dw2 = k_grouped_mm(dy_ND, hw_NF, offsets_E1, p_idx_R=dy_idx_N, out_dtype=w2_EDF.dtype) if need_w2 else None
+                                              row_scale_R=scale_N, row_dot=need_w, tile_cache=tiles, kernel_config=kc)
+        dw2 = (k_grouped_mm(dy_ND, hw_NF, offsets_E1, p_idx_R=dy_idx_N, out_dtype=w2_EDF.dtype, kernel_config=kc)
+               if need_w2 else None)
         del hw_NF, dy_ND
         dw13 = None
         if copy_x:
-            dw13 = k_grouped_mm(dgu_NG, x_TD.index_select(0, row_token_N), offsets_E1, out_dtype=w13_EGD.dtype)
+            dw13 = k_grouped_mm(dgu_NG, x_TD.index_select(0, row_token_N), offsets_E1, out_dtype=w13_EGD.dtype,
+                                kernel_config=kc)
         elif need_w13:
-            dw13 = k_grouped_mm(dgu_NG, x_TD, offsets_E1, q_idx_R=row_token_N, out_dtype=w13_EGD.dtype)
-        dx_ND = grouped_mm_nn(dgu_NG, w13_EGD, offsets_E1, tile_cache=tiles) if need_x else None
+            dw13 = k_grouped_mm(dgu_NG, x_TD, offsets_E1, q_idx_R=row_token_N, out_dtype=w13_EGD.dtype,
+                                kernel_config=kc)
+        dx_ND = grouped_mm_nn(dgu_NG, w13_EGD, offsets_E1, tile_cache=tiles, kernel_config=kc) if need_x else None
         del dgu_NG
         ds13 = ds2 = dxs_TD = None
         if shared_w13_HD is not None and (need_x or need_s13 or need_s2):
             one_2 = ctx.one_2
             dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False,
-                                             tile_cache=tiles)
+                                             tile_cache=tiles, kernel_config=kc)
             if need_s2:
-                ds2 = k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype)[0]
+                ds2 = k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype, kernel_config=kc)[0]
             if need_s13:
-                ds13 = k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype)[0]
+                ds13 = k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype, kernel_config=kc)[0]
             if need_x:
-                dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2, tile_cache=tiles)
+                dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2, tile_cache=tiles, kernel_config=kc)
         dx_TD, dw_TK = slot_sum_bwd(dx_ND, row_of_TK, dxs_TD, part_NP if need_w else None, num_cols=D,
                                     dx_dtype=x_TD.dtype, dw_dtype=topk_weights_TK.dtype)
-        return dx_TD, None, dw_TK, dw13, dw2, ds13, ds2
+        return dx_TD, None, dw_TK, dw13, dw2, ds13, ds2, None
 
 
 class RouterLogitsFunction(torch.autograd.Function):

@@ -33,13 +33,15 @@ class MoEExpertsEPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS, ws,
-                capacity_rows, rounds, timeout_s, save_preact=False, save_dispatched=False):
+                capacity_rows, rounds, timeout_s, save_preact, save_dispatched, options, kernel_config):
         ctx.ws, ctx.capacity_rows, ctx.rounds, ctx.timeout_s = ws, capacity_rows, rounds, timeout_s
+        ctx.options, ctx.kernel_config = options, kernel_config
         grad = any(ctx.needs_input_grad)
         out_TD, gu_CG, xr_CD, plan = ep_moe_forward(ws, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF,
                                                     shared_w13_HD, shared_w2_DS, capacity_rows=capacity_rows,
                                                     rounds=rounds, timeout_s=timeout_s, save_preact=save_preact,
-                                                    save_dispatched=save_dispatched, save_plan=grad)
+                                                    save_dispatched=save_dispatched, save_plan=grad, options=options,
+                                                    kernel_config=kernel_config)
         plan_E, plan_N = plan if plan is not None else (None, None)
         ctx.save_for_backward(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS,
                               gu_CG, xr_CD, plan_E, plan_N)
@@ -56,6 +58,7 @@ class MoEExpertsEPFunction(torch.autograd.Function):
             ctx.ws, dout_TD, x_TD, ids_TK, w_TK, w13_LGD, w2_LDF, sw13_HD, sw2_DS, capacity_rows=ctx.capacity_rows,
             rounds=ctx.rounds, timeout_s=ctx.timeout_s, need_w=need[2], need_w13=need[3], need_w2=need[4],
             need_shared=need[5] or need[6], saved_gu_CG=gu_CG, saved_xr_CD=xr_CD,
-            saved_plan=(plan_E, plan_N) if plan_E is not None else None)
+            saved_plan=(plan_E, plan_N) if plan_E is not None else None, options=ctx.options,
+            kernel_config=ctx.kernel_config)
         return (dx if need[0] else None, None, dw if need[2] else None, dw13, dw2, ds13 if need[5] else None,
-                ds2 if need[6] else None, None, None, None, None, None, None)
+                ds2 if need[6] else None, None, None, None, None, None, None, None, None)

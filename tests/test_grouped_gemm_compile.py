@@ -10,9 +10,8 @@ what a lost unit-stride or divisibility specialization turns a gathered load int
 the 227 KiB a block can have; and register spills no larger than recorded for the installed Triton release
 (tests/triton_versions.py; with 3.6: gate/up 28-40 bytes, dgrad + SwiGLU backward 4 bytes with gathered dY rows
 (deepseek-v3), none at qwen3, where the backward reads a row-order copy of dY by TMA; none elsewhere), so that an
-epilogue change that spills more is seen here before it is timed. At qwen3 the weight gradients run in
-torch._grouped_mm; the kernels compiled for them are the Triton fallback (MEGAMOE_TORCH_WGRAD=0, gathered
-rows). Speed itself is measured on the GPU (docs/perf.md).
+epilogue change that spills more is seen here before it is timed. At qwen3 the weight gradients run in torch._grouped_mm; the kernels compiled for them are the Triton
+fallback (gathered rows, where torch's kernel cannot run). Speed itself is measured on the GPU (docs/perf.md).
 """
 
 import dataclasses
@@ -20,14 +19,7 @@ import dataclasses
 import pytest
 import torch
 
-from megamoe.bench.kernel_inventory import (
-    HOPPER_SMEM,
-    compile_m_grouped,
-    inventory_row,
-    layer_gemms,
-    layer_wgrads,
-    wgrad_config,
-)
+from megamoe.bench.kernel_inventory import HOPPER_SMEM, compile_m_grouped, inventory_row, layer_gemms, layer_wgrads, wgrad_config
 from megamoe.ops import m_grouped_config
 from triton_versions import expected
 
@@ -94,7 +86,7 @@ PULL_CASES = [(p, t, dataclasses.replace(g, gathered=False, E=g.E // 2))
 
 @pytest.mark.parametrize("preset, tokens, gemm", PULL_CASES, ids=[f"{p}-{g.kind}" for p, _, g in PULL_CASES])
 def test_pull_wait_compiles_like_the_plain_one(preset, tokens, gemm):
-    """Waiting on a RowPull (MEGAMOE_EP_PULL_OVERLAP: the tile counter, the bounded acquire spins on the blocks'
+    """Waiting on a RowPull (EPOptions.pull_programs: the tile counter, the bounded acquire spins on the blocks'
     flags, the end-of-grid ``griddepcontrol.wait``; with TMA for A a proxy fence after the waits) keeps the plain
     kernel's wgmma, operand paths and shared memory; spills within the budget."""
     cfg = m_grouped_config(gemm.kind, gemm.N, gemm.K, torch.bfloat16, interpret=False, gathered=False)

@@ -8,7 +8,7 @@ rows of round r.
 Forward (every rank is both owner of its tokens and host of its L experts)::
 
     publish(x, ids)                       stage x, routing plan, epoch += 1, "ready" -> all
-    shared = down(swiglu(x @ sw13))       with MEGAMOE_EP_COMM_SMS=n > 0: on a side stream, all SMs but n,
+    shared = down(swiglu(x @ sw13))       with EPOptions.comm_sms=n > 0: on a side stream, all SMs but n,
     build_schedule; pull round 0          beside these two (wait "ready" of all, receive order (expert,
                                           global token, slot), cut into rounds of n_r <= C rows at expert
                                           boundaries; round 0's rows); then join
@@ -17,17 +17,17 @@ Forward (every rank is both owner of its tokens and host of its L experts)::
     signal_done; wait_done                every owner waits for all pushes
     out = combine_fwd(slots, w, shared)   fp32, slot order, shared last, one cast
 
-With ``MEGAMOE_EP_PULL_OVERLAP=n`` (n > 0; off by default: slower at W = 1, docs/perf.md)
+With ``EPOptions.pull_programs=n`` (n > 0; off by default: slower at W = 1, docs/perf.md, eighteenth session)
 round 0's pull is not run before the loop but as n programs beside round 0's first GEMM (forward gate/up;
 backward dgrad + SwiGLU when gu is kept), which waits per 32-row block (``ep_comm.pull_beside``,
-``ops.grouped_gemm.RowPull``); the shared expert then runs beside the schedule build only.
+``ops.ep_tiles.RowPull``); the shared expert then runs beside the schedule build only.
 
 The shared expert needs only this rank's tokens, so it can run beside the exchange: with
-``MEGAMOE_EP_COMM_SMS=n`` (n > 0) on a high-priority side stream (``ep_comm.shared_expert_stream``), its
+``EPOptions.comm_sms=n`` (n > 0) on a high-priority side stream (``ep_comm.shared_expert_stream``), its
 persistent grids sized for all SMs but n (``_common.reserve_sms``), while the current stream waits for the
 peers' plans and pulls round 0 (the overlap of Megatron-core's ``moe_shared_expert_overlap``; the SM split as
 DeepEP's fixed communication SMs). The default (0), CPU and the interpreter run the same steps in this order
-on one stream: at W = 1 the overlap measured level to worse (docs/perf.md), at W > 1 it is
+on one stream: at W = 1 the overlap measured level to worse (docs/perf.md, twelfth session), at W > 1 it is
 not measured yet. Either way the same kernels see the same rows: the bits do not depend on it. Memory: what
 outlives the block is allocated on the current stream (forward) or marked with ``record_stream`` for it
 (backward: the side stream comes from torch's stream pool, which other code may share); the join also runs
@@ -42,8 +42,12 @@ gu of round 0 (kept when ``save_preact``: C x 2F elements) or recomputes it from
 dx rows plus the P partial dots of each row; the owner reduces with ``slot_sum_bwd``.
 
 The result rows (forward y, backward dx) are stored by the GEMM's epilogue straight into the owners' slots
-(``ops.grouped_gemm.RowPush``, local or across NVLink): no (C, D) round buffer and no copy pass, the same
-bits. ``MEGAMOE_EP_PUSH=kernel`` keeps the earlier round buffer + ``push_round`` copy (A/B runs, tests).
+(``ops.ep_tiles.RowPush``, local or across NVLink): no (C, D) round buffer and no copy pass, the same
+bits. ``EPOptions.push_kernel`` keeps the earlier round buffer + ``push_round`` copy (A/B runs, tests).
+
+The options (``options``, a :class:`megamoe.config.EPOptions`) and the kernel choices (``kernel_config``, a
+:class:`megamoe.config.KernelConfig`, passed to every expert GEMM) are arguments of both passes; neither
+changes bits.
 
 The expert GEMMs are megamoe's batch-invariant kernels (megamoe.ops.grouped_gemm; the weight gradients of
 experts with many rows go to ``torch._grouped_mm`` where the table says so, with the same bits), so with one round
@@ -64,6 +68,7 @@ import contextlib
 
 import torch
 
+from ..config import EPOptions, KernelConfig
 from ..distributed import EPWorkspace, max_received_rows
 from . import ep_comm as X
 from ._common import reserve_sms
@@ -97,7 +102,8 @@ def _join(side) -> None:
 
 def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS,
                    *, capacity_rows: int, rounds: int, timeout_s: float, save_preact: bool = False,
-                   save_dispatched: bool = False, save_plan: bool = False):
+                   save_dispatched: bool = False, save_plan: bool = False, options: EPOptions = EPOptions(),
+                   kernel_config: KernelConfig = KernelConfig()):
     """Forward exchange; returns (out_TD in x's dtype, gu_CG or None, xr_CD or None, plan or None). Inputs
     contiguous and validated.
 
@@ -112,10 +118,10 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
     T, D = x_TD.shape
     F = w2_LDF.shape[2]
     dev = x_TD.device
-    fused = X.fused_push(ws)  # result rows stored by down_proj's epilogue into the owners' slots (checked
-    # before publish, like the side stream's switch: a bad value must not leave the peers waiting for this rank)
-    side = X.shared_expert_stream(ws)
-    overlap = X.pull_overlap_programs()  # checked before publish too
+    kc = kernel_config
+    fused = X.fused_push(ws, options)  # result rows stored by down_proj's epilogue into the owners' slots
+    side = X.shared_expert_stream(ws, options)
+    overlap = options.pull_programs
     X.publish(ws, topk_ids_TK, x_TD)
     plan = X.save_plan(ws, T, topk_ids_TK.shape[1]) if save_plan else None
     shared_TD = None
@@ -133,8 +139,9 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
             shared_TD = torch.empty(T, D, dtype=x_TD.dtype, device=dev)  # on the current stream: it outlives the block
             with _beside(side):
                 st = {}  # m-tile offsets of one_2, computed once for both GEMMs (ops.grouped_gemm tile_cache)
-                hs_TS, _ = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=False, tile_cache=st)
-                down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, out=shared_TD, tile_cache=st)
+                hs_TS, _ = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=False, tile_cache=st,
+                                          kernel_config=kc)
+                down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, out=shared_TD, tile_cache=st, kernel_config=kc)
                 del hs_TS
         X.build_schedule(ws, bufs, timeout_s)
         if not overlap:
@@ -152,11 +159,11 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
         keep = gu_CG is not None and r == 0
         rt = {}  # this round's m-tile offsets (roff_L1 is rewritten by every round's dispatch)
         gate_up_swiglu(bufs.xr_CD, w13_LGD, bufs.roff_L1, save_preact=keep, out=h_CF,
-                       preact_out=gu_CG if keep else None, tile_cache=rt, pull=pull)
+                       preact_out=gu_CG if keep else None, tile_cache=rt, pull=pull, kernel_config=kc)
         if fused:
-            down_proj(h_CF, w2_LDF, bufs.roff_L1, push=X.push_target(ws, bufs), tile_cache=rt)
+            down_proj(h_CF, w2_LDF, bufs.roff_L1, push=X.push_target(ws, bufs), tile_cache=rt, kernel_config=kc)
         else:
-            down_proj(h_CF, w2_LDF, bufs.roff_L1, out=y_CD, tile_cache=rt)
+            down_proj(h_CF, w2_LDF, bufs.roff_L1, out=y_CD, tile_cache=rt, kernel_config=kc)
             X.push_round(ws, bufs, r, y_CD)
     X.signal_done(ws)
     X.wait_done(ws, timeout_s)
@@ -167,7 +174,8 @@ def ep_moe_forward(ws: EPWorkspace, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD,
 def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD,
                     shared_w2_DS, *, capacity_rows: int, rounds: int, timeout_s: float, need_w: bool = True,
                     need_w13: bool = True, need_w2: bool = True, need_shared: bool = True, saved_gu_CG=None,
-                    saved_xr_CD=None, saved_plan=None):
+                    saved_xr_CD=None, saved_plan=None, options: EPOptions = EPOptions(),
+                    kernel_config: KernelConfig = KernelConfig()):
     """Backward exchange: (dx_TD, dw_TK, dw13_LGD, dw2_LDF, dshared_w13_HD, dshared_w2_DS); None where
     not needed. dx is always computed (every rank must take part in the exchange). saved_gu_CG: the forward's
     pre-activations of round 0 (the schedule, hence the row order, is rebuilt identically from the
@@ -180,11 +188,12 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
     L, G, _ = w13_LGD.shape
     F = G // 2
     dev = x_TD.device
-    fused = X.fused_push(ws)  # checked before publish, as in the forward
-    side = X.shared_expert_stream(ws)
+    kc = kernel_config
+    fused = X.fused_push(ws, options)
+    side = X.shared_expert_stream(ws, options)
     # round 0's pull beside dgrad + SwiGLU, its first GEMM, when the pre-activations are kept (else the first
     # GEMM is the gate/up recompute, and the pull runs first)
-    overlap = X.pull_overlap_programs() if saved_gu_CG is not None else 0
+    overlap = options.pull_programs if saved_gu_CG is not None else 0
     X.publish(ws, topk_ids_TK, x_TD, dout_TD=dout_TD, topk_weights_TK=topk_weights_TK, saved_plan=saved_plan)
 
     ds13 = ds2 = dxs_TD = None
@@ -199,8 +208,8 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
 
     def shared_wgrads():  # on the whole GPU (torch._grouped_mm where the table says so)
         if need_shared:
-            return (k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype)[0],
-                    k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype)[0])
+            return (k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype, kernel_config=kc)[0],
+                    k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype, kernel_config=kc)[0])
         return None, None
 
     try:  # the join also on an error (as in the forward)
@@ -208,10 +217,11 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
             one_2 = single_group_offsets(T, dev)
             with _beside(side):
                 st = {}
-                _, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=True, tile_cache=st)
+                _, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=True, tile_cache=st,
+                                           kernel_config=kc)
                 dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False,
-                                                 tile_cache=st)
-                dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2, tile_cache=st)
+                                                 tile_cache=st, kernel_config=kc)
+                dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2, tile_cache=st, kernel_config=kc)
                 del gus_TH
                 if side is not None:  # made on the side stream, used on the current one after the join: the
                     # side stream is one of torch's pooled streams, which other code may also use, so its
@@ -259,29 +269,32 @@ def ep_moe_backward(ws: EPWorkspace, dout_TD, x_TD, topk_ids_TK, topk_weights_TK
             if h_CF is None:
                 h_CF = torch.empty(capacity_rows, F, dtype=x_TD.dtype, device=dev)
                 gu_CG = torch.empty(capacity_rows, G, dtype=x_TD.dtype, device=dev)
-            gate_up_swiglu(bufs.xr_CD, w13_LGD, roff, save_preact=True, out=h_CF, preact_out=gu_CG, tile_cache=rt)
+            gate_up_swiglu(bufs.xr_CD, w13_LGD, roff, save_preact=True, out=h_CF, preact_out=gu_CG, tile_cache=rt,
+                           kernel_config=kc)
         pull = (X.pull_beside(ws, bufs, 0, backward=True, programs=overlap, timeout_s=timeout_s, pull_x=pull_x0)
                 if r == 0 and overlap else None)
         dgu_CG, hw_CF, part_CP = swiglu_dgrad(bufs.gr_CD, w2_LDF, roff, gu_CG, row_scale_R=bufs.wr_C, row_dot=True,
-                                              tile_cache=rt, pull=pull)
+                                              tile_cache=rt, pull=pull, kernel_config=kc)
         # the receive buffers' rows are contiguous, so the table's torch._grouped_mm (more than ~154 rows per
-        # expert) needs no row copies here (docs/perf.md); round 0 is the one-round GEMM
+        # expert) needs no row copies here (docs/perf.md, tenth session); round 0 is the one-round GEMM
         if need_w2:
             if r == 0:
-                dw2 = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=w2_LDF.dtype, rows_per_group=rows_est)
+                dw2 = k_grouped_mm(bufs.gr_CD, hw_CF, roff, out_dtype=w2_LDF.dtype, rows_per_group=rows_est,
+                                   kernel_config=kc)
             if not one_round:
                 k_grouped_round(bufs.gr_CD, hw_CF, roff, full_off_L1, round_starts_Q1, dw2, part2_JDF, round_idx=r,
-                                capacity_rows=C)
+                                capacity_rows=C, kernel_config=kc)
         if need_w13:
             if r == 0:
-                dw13 = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=w13_LGD.dtype, rows_per_group=rows_est)
+                dw13 = k_grouped_mm(dgu_CG, bufs.xr_CD, roff, out_dtype=w13_LGD.dtype, rows_per_group=rows_est,
+                                    kernel_config=kc)
             if not one_round:
                 k_grouped_round(dgu_CG, bufs.xr_CD, roff, full_off_L1, round_starts_Q1, dw13, part13_JGD, round_idx=r,
-                                capacity_rows=C)
+                                capacity_rows=C, kernel_config=kc)
         if fused:  # dx rows stored by the GEMM's epilogue into the owners' slots, then the dots
-            dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff, push=X.push_target(ws, bufs), tile_cache=rt)
+            dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff, push=X.push_target(ws, bufs), tile_cache=rt, kernel_config=kc)
         else:
-            dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff, tile_cache=rt)
+            dx_CD = grouped_mm_nn(dgu_CG, w13_LGD, roff, tile_cache=rt, kernel_config=kc)
         P = part_CP.shape[1]
         X.push_round(ws, bufs, r, dx_CD, part_CP)
         del dgu_CG, hw_CF, part_CP, dx_CD

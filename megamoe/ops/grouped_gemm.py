@@ -11,19 +11,18 @@ GEMM grammar (DeepGEMM style): "m-grouped" = rows grouped by expert, one weight 
 "nt": ``C = A @ B[e].T`` with B[e] stored [N, K] (nn.Linear layout); "nn": ``C = A @ B[e]`` with B[e]
 stored [K, N].
 
-For the EP engineer: every launcher works on any expert-grouped buffer (for example rows received from
-peers) given device offsets; rows may be gathered from a token matrix through ``gather_idx_R``
-(int32, one token index per row) instead of being copied first. Nothing here reads device values on the
-host: no sync, CUDA-graph capturable. Determinism: no float atomics (with a :class:`RowPull` an int32 tile counter
-decides which program computes a tile, never what it computes); tile configs are a pure function of
-(kind, N, K, dtype) (megamoe.ops.tile_config), so results are bitwise reproducible and each row's
-result is independent of the other rows (batch invariance).
+For the EP engineer: every launcher works on any expert-grouped buffer (for example rows received from peers) given
+device offsets; rows may be gathered from a token matrix through ``gather_idx_R`` (int32, one token index per row)
+instead of being copied first; the plain-epilogue GEMMs store rows through a
+:class:`~megamoe.ops.ep_tiles.RowPush`, and the first GEMM of a round can run beside its pull
+(:class:`~megamoe.ops.ep_tiles.RowPull`). Nothing here reads device values on the host: no sync, CUDA-graph
+capturable. Determinism: no float atomics (with a :class:`RowPull` an int32 tile counter decides which program
+computes a tile, never what it computes); tile configs are a pure function of (kind, N, K, dtype)
+(megamoe.ops.tile_config), so results are bitwise reproducible and each row's result is independent of the other
+rows (batch invariance).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import triton
@@ -32,96 +31,19 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
 from ._common import _sm_count, check_device, is_interpreted, persistent_programs, pow2
-from .m_grouped_gluon import gluon_m_grouped_eligible, launch_gluon_m_grouped
-from .torch_grouped_mm import (torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, torch_wgrad_mode,
-                               wgrad_shape_fits)
+from .ep_tiles import RowPull, RowPush, pull_args, pull_constexprs, pull_launch, push_args, row_push_deltas
+from .torch_grouped_mm import torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, wgrad_shape_fits
 from .wgrad_gluon import (GLUON_AVAILABLE, gluon_device_ok, gluon_wgrad_eligible, launch_gluon_wgrad,
                           launch_gluon_wgrad_ws, ws_operands_fit)
 from .routing import tile_offsets_for
 from . import tile_config
-from .tile_config import k_grouped_config, m_grouped_config
+from .tile_config import DEFAULT_KERNELS, KernelConfig, k_grouped_config, m_grouped_config
 
 __all__ = ["gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm", "RowPush",
            "RowPull", "row_push_deltas"]
 
 _PLAIN, _SWIGLU, _SWIGLU_BWD = 0, 1, 2
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True)
-class RowPush:
-    """Where a plain-epilogue m-grouped GEMM stores its rows instead of an (R, N) output (expert parallelism:
-    result rows go straight into their owners' slot buffers, megamoe.ops.ep_comm.push_target).
-
-    dest: this rank's (rows, N) contiguous destination buffer (gives the dtype and the base); deltas_W:
-    (W,) int64 device tensor, the element offset of rank s's buffer from ``dest`` (0 for this rank; a
-    peer's mapping elsewhere in the address space), each a multiple of 16. The kernel relies on that for
-    16-byte stores and the table is not read on the host, so build it with :func:`row_push_deltas` (or
-    ``EPWorkspace.slot_deltas_W``), which check it: a misaligned entry faults on the GPU. rowtab_3C:
-    (3, C) int32 device tensor, C >= R, columns r = (source rank, token, slot) of row r, source < 0 for a
-    row that is not stored; top_k: slots per token. Row r is written to row ``token * top_k + slot`` of
-    rank ``source``'s buffer. The caller guarantees those rows exist and that no two rows share one (the
-    EP schedule gives each slot one row).
-    """
-
-    dest: torch.Tensor
-    deltas_W: torch.Tensor
-    rowtab_3C: torch.Tensor
-    top_k: int
-
-    def check(self, where: str, num_rows: int, N: int, dtype: torch.dtype, dev) -> None:
-        d = self.dest
-        if d.dim() != 2 or d.shape[1] != N or d.dtype != dtype or not d.is_contiguous():
-            raise ValueError(f"{where}: push.dest must be a contiguous {dtype} (rows, {N}) tensor, got {d.dtype} "
-                             f"{tuple(d.shape)}")
-        if self.deltas_W.dtype != torch.int64 or self.deltas_W.dim() != 1:
-            raise TypeError(f"{where}: push.deltas_W must be a 1-D int64 tensor, got {self.deltas_W.dtype} "
-                            f"{tuple(self.deltas_W.shape)}")
-        t = self.rowtab_3C
-        if t.dtype != torch.int32 or t.dim() != 2 or t.shape[0] != 3 or t.shape[1] < num_rows or not t.is_contiguous():
-            raise ValueError(f"{where}: push.rowtab_3C must be a contiguous int32 (3, C >= {num_rows}) tensor, got "
-                             f"{t.dtype} {tuple(t.shape)}")
-        if self.top_k < 1:
-            raise ValueError(f"{where}: push needs top_k >= 1, got {self.top_k}")
-        if any(x.device != dev for x in (d, self.deltas_W, t)):
-            raise ValueError(f"{where}: push tensors must be on {dev}")
-
-
-@dataclass(frozen=True)
-class RowPull:
-    """The rows of A still arriving while an m-grouped GEMM runs (expert parallelism: the pull of a round's rows
-    beside the GEMM that consumes them, megamoe.ops.ep_comm.pull_beside).
-
-    ready_B1: int32 (1 + B,) device tensor (B blocks of ``block_rows`` rows), zero before ``launch`` runs:
-    ``[0]`` the GEMM's tile counter, ``[1 + b]`` set to 1 by the pull (release, GPU scope) once rows
-    ``[b * block_rows, (b + 1) * block_rows)`` of A (and of the row scales) are written. launch: enqueues the pull kernel; the GEMM launcher calls it right
-    after its own small kernels (the m-tile table), so that the GEMM is the next kernel of the stream, launched
-    as its programmatic dependent (``pdl``) on the GPU: it starts once every program of the pull is resident,
-    takes tiles from the counter in increasing order and spins (bounded, ``max_iters`` / ``timeout_ns``,
-    ``use_timer``) on the flags covering a tile's rows before it loads them; a spin that expires writes stage 5
-    with ``rank`` into the EP workspace's status word ``flags`` (``EPWorkspace.check`` raises). At its end the
-    GEMM waits for the pull's grid (``griddepcontrol.wait``), so the stream's next kernel sees all its rows.
-    No bits change: the same tiles see the same rows.
-    """
-
-    ready_B1: torch.Tensor
-    block_rows: int
-    flags: torch.Tensor
-    rank: int
-    max_iters: int
-    timeout_ns: int
-    use_timer: bool
-    pdl: bool
-    launch: Callable[[], None]
-
-    def check(self, where: str, num_rows: int, dev) -> None:
-        r = self.ready_B1
-        need = 1 + triton.cdiv(num_rows, self.block_rows)
-        if r.dtype != torch.int32 or r.dim() != 1 or r.shape[0] < need or r.device != dev:
-            raise ValueError(f"{where}: pull.ready_B1 must be an int32 (>= {need},) tensor on {dev}, got {r.dtype} "
-                             f"{tuple(r.shape)} on {r.device}")
-        if self.flags.dtype != torch.int32 or self.flags.device != dev:
-            raise ValueError(f"{where}: pull.flags must be the EP workspace's int32 flags on {dev}")
 
 
 def _check_2d(name: str, t: torch.Tensor, where: str, cols: int | None = None) -> None:
@@ -169,15 +91,17 @@ def _alloc(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, n
 
 def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows, N, K, offsets_E1, c, aux=None,
                       dot=None, scale=None, gu=None, tile_offsets_E1=None, push: RowPush | None = None,
-                      tile_cache: dict | None = None, pull: RowPull | None = None):
+                      tile_cache: dict | None = None, pull: RowPull | None = None,
+                      kernel_config: KernelConfig = DEFAULT_KERNELS):
     """Launch the persistent m-grouped kernel. stride_b = (stride_e, stride_n, stride_k) of B, in elements.
     push (plain epilogue only): store rows through ``push`` (c is then its dest). tile_cache: see
     :func:`gate_up_swiglu`. pull: A's rows (and row scales) still arriving (:class:`RowPull`; rows not
-    gathered): its pull is launched here, then this GEMM beside it."""
+    gathered): its pull is launched here, then this GEMM beside it. kernel_config: tile overrides."""
     E = b.shape[0]
     kernel = _m_grouped_gemm_kernel
     interpret = is_interpreted(kernel)
-    cfg = m_grouped_config(kind, N, K, b.dtype, interpret=interpret, gathered=a_idx is not None)
+    cfg = m_grouped_config(kind, N, K, b.dtype, interpret=interpret, gathered=a_idx is not None,
+                           kernel_config=kernel_config)
     if pull is not None:
         if a_idx is not None:
             raise ValueError(f"{where}: pull needs rows that are not gathered")
@@ -195,10 +119,6 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
                 tile_cache[key] = tile_offsets_E1
     if pull is not None:
         pull.launch()  # the GEMM below must be the next kernel on the stream (programmatic dependent launch)
-    if (cfg.gluon and epilogue == _PLAIN and not interpret and push is None and pull is None
-            and gluon_m_grouped_eligible(cfg, a, b, stride_b, K, c, gathered=a_idx is not None)):
-        launch_gluon_m_grouped(cfg, a, b, stride_b, K, N, num_rows, offsets_E1, tile_offsets_E1, c, scale)
-        return cfg
     bound = (triton.cdiv(num_rows, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
     grid = (persistent_programs(c.device, kernel, bound, cfg.programs_per_sm),)
     fp32_dot = interpret or a.dtype == torch.float32 or b.dtype == torch.float32
@@ -212,13 +132,7 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         a, a_desc, a_idx if a_idx is not None else offsets_E1, b, b_desc, offsets_E1, tile_offsets_E1,
         scale if scale is not None else dummy, gu if gu is not None else dummy,
         c, aux if aux is not None else dummy, dot if dot is not None else dummy,
-        # without push: integer 1s (a launch makes them compile-time constants; unused runtime ints moved the
-        # register allocation of dgrad + SwiGLU to 16 spilled bytes in the sm_90a compile test)
-        push.deltas_W if push is not None else offsets_E1, push.rowtab_3C if push is not None else offsets_E1,
-        push.rowtab_3C.shape[1] if push is not None else 1, push.top_k if push is not None else 1,
-        pull.ready_B1 if pull is not None else offsets_E1, pull.flags if pull is not None else offsets_E1,
-        pull.rank if pull is not None else 1, pull.max_iters if pull is not None else 1,
-        pull.timeout_ns if pull is not None else 1,
+        *push_args(push, offsets_E1), *pull_args(pull, offsets_E1),  # EP pieces (ops.ep_tiles); else 1s
         num_rows, N, E, K,
         a.stride(0), a.stride(1), stride_b[0], stride_b[1], stride_b[2], c.stride(0),
         gu.stride(0) if gu is not None else 0, aux.stride(0) if aux is not None else 0,
@@ -226,12 +140,9 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         SAVE_AUX=aux is not None, HAS_DOT=dot is not None, PUSH=push is not None, FP32_DOT=fp32_dot,
         EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows,
-        WAIT_PULL=pull is not None, PULL_BM=pull.block_rows if pull is not None else 1,
-        PULL_TIMER=pull is not None and pull.use_timer, PULL_GDC=pull is not None and pull.pdl,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        **pull_constexprs(pull), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_N=_dot_cols(cfg) if epilogue == _SWIGLU_BWD else cfg.block_n,
-        num_warps=cfg.num_warps, enable_fp_fusion=True, num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if pull is not None and pull.pdl else {}),
+        num_warps=cfg.num_warps, enable_fp_fusion=True, num_stages=cfg.num_stages, **pull_launch(pull),
     )
     return cfg
 
@@ -289,7 +200,7 @@ def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Ten
                    gather_idx_R: torch.Tensor | None = None, save_preact: bool = True,
                    out: torch.Tensor | None = None, preact_out: torch.Tensor | None = None,
                    tile_offsets_E1: torch.Tensor | None = None, tile_cache: dict | None = None,
-                   pull: RowPull | None = None):
+                   pull: RowPull | None = None, kernel_config: KernelConfig = DEFAULT_KERNELS):
     """Gate/up projection with SwiGLU fused into the epilogue (m-grouped "nt").
 
     ``gu[r] = A[row(r)] @ w13[e].T`` rounded to A's dtype, ``h[r] = cast(silu(gate) * up)`` in fp32.
@@ -308,6 +219,8 @@ def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Ten
             ``offsets_E1`` do not change (use a new dict after rewriting them).
         pull: optional :class:`RowPull`: a's rows are still being written by the pull it launches; this GEMM
             runs beside it, each tile waiting (bounded) for its rows. Rows not gathered. The same bits.
+        kernel_config: tile overrides (:class:`megamoe.config.KernelConfig`; default: the table). The other
+            m-grouped launchers and :func:`k_grouped_mm` take it too.
 
     Returns:
         h_RF: (R, F) in a's dtype.  gu_RG: (R, 2F) or None.
@@ -330,7 +243,7 @@ def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Ten
     gu = _alloc(preact_out, (R, G), a.dtype, dev, "preact_out", where) if save_preact else None
     _launch_m_grouped(where=where, kind="gate_up", epilogue=_SWIGLU, a=a, a_idx=gather_idx_R, b=w13_EGD,
                       stride_b=(G * D, D, 1), num_rows=R, N=F, K=D, offsets_E1=offsets_E1, c=h, aux=gu,
-                      tile_offsets_E1=tile_offsets_E1, tile_cache=tile_cache, pull=pull)
+                      tile_offsets_E1=tile_offsets_E1, tile_cache=tile_cache, pull=pull, kernel_config=kernel_config)
     return h, gu
 
 
@@ -338,7 +251,7 @@ def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor
                   gather_idx_R: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None, kind: str = "down",
                   tile_offsets_E1: torch.Tensor | None = None, push: RowPush | None = None,
-                  tile_cache: dict | None = None) -> torch.Tensor | None:
+                  tile_cache: dict | None = None, kernel_config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor | None:
     """m-grouped ``C[r] = cast(A[row(r)] @ B[e].T [* row_scale[r]])``, B[e] stored (N, K).
 
     a: (R, K) grouped rows or (T, K) with gather_idx_R (R,) int32. b_ENK: (E, N, K) contiguous.
@@ -355,25 +268,9 @@ def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor
     c = _plain_out(where, out, push, R, N, out_dtype or a.dtype, dev)
     _launch_m_grouped(where=where, kind=kind, epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_ENK,
                       stride_b=(N * K, K, 1), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
-                      scale=row_scale_R, tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache)
+                      scale=row_scale_R, tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache,
+                      kernel_config=kernel_config)
     return None if push is not None else c
-
-
-def row_push_deltas(dest: torch.Tensor, addresses: list[int]) -> torch.Tensor:
-    """The ``RowPush.deltas_W`` table for destination buffers at the given host-known byte ``addresses``
-    (``addresses[s]``: rank s's buffer as mapped in this process; one of them is ``dest``'s own). Raises
-    ValueError when an offset is not a multiple of 16 elements. A host-to-device copy: build it once, outside
-    captured regions (``EPWorkspace`` builds its own ``slot_deltas_W`` the same way, as ``megamoe.distributed``
-    may not import ops)."""
-    es = dest.element_size()
-    out = []
-    for a in addresses:
-        d = a - dest.data_ptr()
-        if d % (16 * es):
-            raise ValueError(f"row_push_deltas: buffer at {a:#x} is {d} bytes from dest, not a multiple of "
-                             f"16 elements ({16 * es} bytes)")
-        out.append(d // es)
-    return torch.tensor(out, dtype=torch.int64, device=dest.device)
 
 
 def _plain_out(where: str, out, push: RowPush | None, R: int, N: int, dtype: torch.dtype, dev) -> torch.Tensor:
@@ -390,7 +287,7 @@ def _plain_out(where: str, out, push: RowPush | None, R: int, N: int, dtype: tor
 def down_proj(h_RF: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor,
               row_scale_R: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
               tile_offsets_E1: torch.Tensor | None = None, push: RowPush | None = None,
-              tile_cache: dict | None = None) -> torch.Tensor | None:
+              tile_cache: dict | None = None, kernel_config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor | None:
     """Down projection ``y[r] = cast(h[r] @ w2[e].T [* row_scale[r]])``: (R, F) x (E, D, F) -> (R, D).
 
     Each (token, slot) row is written exactly once; with row_scale_R (fp32 routing weights) the scaling
@@ -398,13 +295,15 @@ def down_proj(h_RF: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor
     Sync: none. Determinism: bitwise, batch invariant (the same bits with or without push).
     """
     return grouped_mm_nt(h_RF, w2_EDF, offsets_E1, row_scale_R=row_scale_R, out=out, kind="down",
-                         tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache)
+                         tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache,
+                         kernel_config=kernel_config)
 
 
 def grouped_mm_nn(a: torch.Tensor, b_EKN: torch.Tensor, offsets_E1: torch.Tensor, *,
                   gather_idx_R: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   out: torch.Tensor | None = None, tile_offsets_E1: torch.Tensor | None = None,
-                  push: RowPush | None = None, tile_cache: dict | None = None) -> torch.Tensor | None:
+                  push: RowPush | None = None, tile_cache: dict | None = None,
+                  kernel_config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor | None:
     """m-grouped dgrad ``C[r] = cast(A[row(r)] @ B[e])``, B[e] stored (K, N): e.g. dx = dGU @ W13[e].
 
     a: (R, K) or (T, K) with gather_idx_R. b_EKN: (E, K, N) contiguous. Returns (R, N), or with ``push``
@@ -416,14 +315,14 @@ def grouped_mm_nn(a: torch.Tensor, b_EKN: torch.Tensor, offsets_E1: torch.Tensor
     c = _plain_out(where, out, push, R, N, out_dtype or a.dtype, dev)
     _launch_m_grouped(where=where, kind="dgrad", epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_EKN,
                       stride_b=(K * N, 1, N), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
-                      tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache)
+                      tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache, kernel_config=kernel_config)
     return None if push is not None else c
 
 
 def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor, gu_RG: torch.Tensor, *,
                  gather_idx_R: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None,
                  row_dot: bool = True, tile_offsets_E1: torch.Tensor | None = None, tile_cache: dict | None = None,
-                 pull: RowPull | None = None):
+                 pull: RowPull | None = None, kernel_config: KernelConfig = DEFAULT_KERNELS):
     """Down-projection dgrad with the SwiGLU backward fused (m-grouped "nn").
 
     With ``acc = dY[row(r)] @ w2[e]`` (fp32) and h recomputed from the saved ``gu_RG`` exactly as
@@ -460,7 +359,7 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
     dev = check_device(_m_grouped_gemm_kernel, where, dy=dy, w2_EDF=w2_EDF, offsets_E1=offsets_E1, gu_RG=gu_RG,
                        gather_idx_R=gather_idx_R, row_scale_R=row_scale_R)
     cfg = m_grouped_config("dgrad_swiglu", F, D, w2_EDF.dtype, interpret=is_interpreted(_m_grouped_gemm_kernel),
-                           gathered=gather_idx_R is not None)
+                           gathered=gather_idx_R is not None, kernel_config=kernel_config)
     num_p = triton.cdiv(F, _dot_cols(cfg))
     dgu = torch.empty((R, 2 * F), dtype=dy.dtype, device=dev)
     hs = torch.empty((R, F), dtype=dy.dtype, device=dev)
@@ -468,27 +367,28 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
     _launch_m_grouped(where=where, kind="dgrad_swiglu", epilogue=_SWIGLU_BWD, a=dy, a_idx=gather_idx_R, b=w2_EDF,
                       stride_b=(D * F, 1, F), num_rows=R, N=F, K=D, offsets_E1=offsets_E1, c=dgu, aux=hs,
                       dot=part, scale=row_scale_R, gu=gu_RG, tile_offsets_E1=tile_offsets_E1, tile_cache=tile_cache,
-                      pull=pull)
+                      pull=pull, kernel_config=kernel_config)
     return dgu, hs, part
 
 
 def k_grouped_wants_rows_in_order(m: int, n: int, dtype: torch.dtype, device: torch.device,
-                                  rows_per_group: float) -> bool:
+                                  rows_per_group: float, kernel_config: KernelConfig = DEFAULT_KERNELS) -> bool:
     """True when :func:`k_grouped_mm` would run ``torch._grouped_mm`` (or, in its window, the warp-specialized
     Gluon kernel, which also reads contiguous rows only) for an (E, m, n) weight gradient of
-    ``dtype`` with ~rows_per_group rows per expert, had it contiguous rows (the table's ``torch_mm``, or
-    ``MEGAMOE_TORCH_WGRAD=1``, on a Hopper GPU, bf16): a caller whose rows are gathered by token should then
-    copy them into row order first (megamoe.autograd). A host-side function of shapes: no sync."""
+    ``dtype`` with ~rows_per_group rows per expert, had it contiguous rows (the table's ``torch_mm``, or a
+    ``torch_mm`` "wgrad" entry of ``kernel_config``, on a Hopper GPU, bf16): a caller whose rows are gathered
+    by token should then copy them into row order first (megamoe.autograd). A host-side function of shapes:
+    no sync."""
     if (not wgrad_shape_fits(m, n, dtype) or is_interpreted(_k_grouped_gemm_kernel)
             or not torch_wgrad_device(device)):
         return False
-    return (k_grouped_config(m, n, dtype, interpret=False, rows_per_group=rows_per_group).torch_mm
-            or _torch_wgrad_forced(m, n))
+    return k_grouped_config(m, n, dtype, interpret=False, rows_per_group=rows_per_group,
+                            kernel_config=kernel_config).torch_mm
 
 
 def _ws_takes(cfg, p, q, E, M, N, out_dtype, out, gathered, *, fill_sms: bool = True) -> bool:
-    """The warp-specialized weight gradient with ``cfg`` can run here: Gluon on a Hopper device (and not
-    ``MEGAMOE_GLUON=0``), the operands of ``ws_operands_fit`` for the (E, M, N) output ``out`` (or the one
+    """The warp-specialized weight gradient with ``cfg`` can run here: Gluon on a Hopper device, the operands
+    of ``ws_operands_fit`` for the (E, M, N) output ``out`` (or the one
     about to be allocated) and, with ``fill_sms`` (the table's choice; an explicit config runs on fewer), at
     least one (expert, m-tile) unit per SM: a single large group, e.g. a shared expert's, keeps torch's kernel,
     which spreads it over every SM."""
@@ -500,16 +400,11 @@ def _ws_takes(cfg, p, q, E, M, N, out_dtype, out, gathered, *, fill_sms: bool = 
     return ws_operands_fit(cfg, p, q, c_meta, gathered)
 
 
-def _torch_wgrad_forced(m: int, n: int) -> bool:
-    """``MEGAMOE_TORCH_WGRAD=1`` and no explicit wgrad entry for (m, n) (an override in code or MEGAMOE_TILES
-    wins over the switch, so tests and sweeps of megamoe's own kernels keep them)."""
-    return torch_wgrad_mode() == "on" and tile_config.override_for("wgrad", m, n) is None
-
-
 def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
                  p_idx_R: torch.Tensor | None = None, q_idx_R: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-                 rows_per_group: float | None = None) -> torch.Tensor:
+                 rows_per_group: float | None = None,
+                 kernel_config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """k-grouped weight gradient ``C[e] = cast(sum_{r in group e} P[prow(r)]^T Q[qrow(r)])``: [E, M, N].
 
     Args:
@@ -518,6 +413,9 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         offsets_E1: (E+1,) int32 group offsets into the R rows; E = offsets_E1.numel() - 1.
         rows_per_group: host-side estimate of the rows per group (default R / E) that picks the kernel
             (few rows: the P rows stay on chip while a program walks the n-tiles); never changes bits.
+        kernel_config: tile overrides (:class:`megamoe.config.KernelConfig`); an explicit "wgrad" entry
+            with ``torch_mm`` runs torch's kernel wherever the operands allow, any other explicit entry
+            megamoe's kernels.
     Returns:
         (E, M, N) in out_dtype (default p's dtype).
     Determinism: each output element reduces its expert's rows from the expert's first row, in row order,
@@ -527,9 +425,7 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     (:mod:`megamoe.ops.torch_grouped_mm`). For contiguous bf16 rows of more than ~154 per expert the table
     picks the warp-specialized kernel up to ~384 rows (with one (expert, m-tile) unit per SM at least) and
     torch's kernel above. The launcher falls back to the Triton kernels wherever the Gluon or torch kernel
-    cannot take the operands. An expert
-    with no rows gets exact zeros. Sync: none. ``MEGAMOE_TORCH_WGRAD=1`` uses torch's kernel wherever the
-    operands allow (but not over an explicit wgrad entry in code or ``MEGAMOE_TILES``), ``=0`` never.
+    cannot take the operands. An expert with no rows gets exact zeros. Sync: none.
     """
     where = "k_grouped_mm"
     _check_2d("p", p, where)
@@ -549,20 +445,22 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         rows_per_group = R / E
     interpret = is_interpreted(kernel)
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
-    cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group)
+    cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, kernel_config=kernel_config)
     gathered = p_idx_R is not None or q_idx_R is not None
-    ws_cfg = tile_config.ws_wgrad_config(rows_per_group) if cfg.torch_mm and not _torch_wgrad_forced(M, N) else None
+    explicit = kernel_config.tile("wgrad", M, N)  # asked for explicitly (A/B runs, sweeps, tests)
+    ws_cfg = tile_config.ws_wgrad_config(rows_per_group) if cfg.torch_mm and explicit is None else None
     if (ws_cfg is not None and R > 0 and E * M * N > 0 and not interpret
             and _ws_takes(ws_cfg, p, q, E, M, N, out_dtype or p.dtype, out, gathered)):
         c = _alloc(out, (E, M, N), out_dtype or p.dtype, dev, "out", where)
         launch_gluon_wgrad_ws(ws_cfg, p, q, offsets_E1, c)  # megamoe's own kernel there: the same bits
         return c
-    if ((cfg.torch_mm or _torch_wgrad_forced(M, N)) and R > 0 and E * M * N > 0
+    if (cfg.torch_mm and R > 0 and E * M * N > 0
             and torch_wgrad_eligible(p, q, out_dtype or p.dtype, has_out=out is not None,
                                      gathered=gathered)):
         return torch_wgrad(p, q, offsets_E1)  # torch._grouped_mm (megamoe.ops.torch_grouped_mm): the same bits
     if cfg.torch_mm:  # operands it cannot take: the table's own kernel for the shape (the same bits)
-        cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_torch=False)
+        cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_torch=False,
+                               kernel_config=kernel_config)
     c = _alloc(out, (E, M, N), out_dtype or p.dtype, dev, "out", where)
     if c.numel() == 0:
         return c
@@ -573,15 +471,23 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
             launch_gluon_wgrad_ws(cfg, p, q, offsets_E1, c)
             return c
         cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_gluon=False,
-                               allow_torch=False)
+                               allow_torch=False, kernel_config=kernel_config)
     if cfg.gluon:
-        forced = tile_config.override_for("wgrad", M, N) is cfg  # asked for explicitly (tests, sweeps)
-        if not interpret and gluon_wgrad_eligible(cfg, p, q, c, fill_sms=not forced):
+        if not interpret and gluon_wgrad_eligible(cfg, p, q, c, fill_sms=explicit is not cfg):
             launch_gluon_wgrad(cfg, p, p_idx_R, q, q_idx_R, offsets_E1, c)
             return c
         # the Triton kernels' own table entry (same chunk order, so the same bits)
         cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_gluon=False,
-                               allow_torch=False)
+                               allow_torch=False, kernel_config=kernel_config)
+    _launch_k_grouped(cfg, p, p_idx_R, q, q_idx_R, offsets_E1, c, dtype, interpret)
+    return c
+
+
+def _launch_k_grouped(cfg, p, p_idx_R, q, q_idx_R, offsets_E1, c, dtype, interpret) -> None:
+    """Launch megamoe's Triton weight-gradient kernel with ``cfg`` into ``c`` (E, M, N): the resident kernel
+    (one program per (expert, m-tile)) when cfg.resident_chunks, else the per-tile kernel."""
+    E, M, N = c.shape
+    kernel = _k_grouped_gemm_kernel
     extra = {}
     if cfg.resident_chunks:
         kernel = _k_grouped_resident_kernel
@@ -598,4 +504,3 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, enable_fp_fusion=True, num_stages=cfg.num_stages, **extra,
     )
-    return c
