@@ -26,6 +26,7 @@ from megamoe.ops.wgrad_rounds import finalize_split, k_grouped_round, split_slot
 
 M, N = 20, 36  # not multiples of the interpreter's 16 x 16 tiles
 
+
 def _rounds_wgrad(P, Q, counts, C, rounds):
     """Production order: round 0's one-round GEMM, then k_grouped_round per round, then finalize."""
     L, R = len(counts), P.shape[0]
@@ -44,6 +45,7 @@ def _rounds_wgrad(P, Q, counts, C, rounds):
         k_grouped_round(Pr, Qr, roff, full, starts_t, out, scratch, round_idx=r, capacity_rows=C)
     finalize_split(scratch, full, out, capacity_rows=C)
     return out
+
 
 @pytest.mark.parametrize("counts,C,extra_rounds", [
     ([0, 5, 9, 3, 0, 12, 1], 8, 1),  # two experts above C split, the others whole in later rounds; unused round
@@ -77,6 +79,7 @@ def test_rounds_match_one_round(counts, C, extra_rounds):
         err = (got[e].double() - ref64).abs().max().item()
         assert err <= 2 * torch_err + 1e-6, (e, err, torch_err)
 
+
 @interpreted
 def test_a_round_without_rows_writes_nothing():
     """What makes an unused round cheap: no program of a round without rows (or of round 0 when no
@@ -94,6 +97,7 @@ def test_a_round_without_rows_writes_nothing():
         assert torch.equal(out, sentinel) and bool((scratch == 5.0).all()), f"round {r} wrote"
     finalize_split(scratch, full, out, capacity_rows=C)
     assert torch.equal(out, sentinel), "finalize wrote without a split expert"
+
 
 @interpreted
 def test_overflowing_rows_write_nothing_past_the_slots():
@@ -115,11 +119,13 @@ def test_overflowing_rows_write_nothing_past_the_slots():
     finalize_split(big[:S], full, out, capacity_rows=C)
     assert bool((big[S] == 3.0).all()), "a split expert past the slots was written"
 
+
 @interpreted
 def test_split_slots():
     assert split_slots(8, 8, 16) == 0 and split_slots(100, 8, 16) == 11 and split_slots(1000, 8, 16) == 16
     with pytest.raises(ValueError, match="capacity_rows"):
         split_slots(8, 0, 16)
+
 
 @interpreted
 def test_bad_arguments_raise():
