@@ -39,7 +39,7 @@ its kernel takes contiguous rows only, so the backward copies dout's rows (``dy 
 also read by swiglu_dgrad without a gather) and x's rows (``x[row_token]``) into row order first: N x D more
 transient memory each (qwen3-30b-a3b T=16384: 0.54 GB each), bitwise the same gradients (the same rows in
 the same order; tests/test_torch_wgrad_gpu.py). Measured -0.68 ms of 8.59 at qwen3-30b-a3b T=16384
-(docs/perf.md, ninth session).
+(docs/perf.md).
 
 Kernel choices: ``kernel_config`` (a :class:`megamoe.config.KernelConfig`, the last argument of ``apply``;
 default: the tile table) goes to every GEMM launcher of both passes. It never changes bits.
@@ -53,8 +53,19 @@ from __future__ import annotations
 import torch
 
 from .config import KernelConfig
-from .ops import (build_routing_plan, combine_fwd, down_proj, gate_up_swiglu, grouped_mm_nn, grouped_mm_nt,
-                  k_grouped_mm, k_grouped_wants_rows_in_order, single_group_offsets, slot_sum_bwd, swiglu_dgrad)
+from .ops import (
+    build_routing_plan,
+    combine_fwd,
+    down_proj,
+    gate_up_swiglu,
+    grouped_mm_nn,
+    grouped_mm_nt,
+    k_grouped_mm,
+    k_grouped_wants_rows_in_order,
+    single_group_offsets,
+    slot_sum_bwd,
+    swiglu_dgrad,
+)
 
 __all__ = ["MoEExpertsFunction", "RouterLogitsFunction"]
 

@@ -165,9 +165,11 @@ def get_preset(name: str, **overrides) -> MoEConfig:
     """The named preset, optionally with fields overridden. Raises KeyError listing valid names, TypeError
     listing valid fields for an unknown override."""
     if name not in PRESETS:
-        raise KeyError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))} (these are MoE layer "
-                       f"presets; the training demo's model sizes, `python -m megamoe.train --preset`, are "
-                       f"megamoe.train.model.MODEL_PRESETS)")
+        hint = ""
+        if name.startswith("lm-"):
+            hint = (f" ({name!r} names a language model of the training demo: `python -m megamoe.train --preset "
+                    f"{name}`, megamoe.train.model.get_model_preset)")
+        raise KeyError(f"unknown MoE layer preset {name!r}{hint}; valid presets: {', '.join(sorted(PRESETS))}")
     cfg = PRESETS[name]
     fields = {f.name for f in dataclasses.fields(MoEConfig)}
     unknown = sorted(set(overrides) - fields)

@@ -62,7 +62,7 @@ def candidates(kind):
     c = {
         "gate_up": [G(128, 128, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
         "down": _plain_candidates(),
-        # session 4: 256-column tiles (two 128-column row-dot partials per tile: the same bits)
+        # 256-column tiles (two 128-column row-dot partials per tile: the same bits)
         "dgrad_swiglu": [G(128, 256, 64, 8, 3, tma_b=True), G(128, 256, 64, 8, 4, tma_b=True),
                          G(128, 256, 64, 8, 3), G(128, 128, 64, 8, 4, tma_b=True)],
         "dgrad": _plain_candidates(),
@@ -70,7 +70,7 @@ def candidates(kind):
         "wgrad": [G(128, 128, 64, 8, 2), G(128, 128, 64, 8, 4), G(128, 256, 64, 8, 2), G(256, 128, 64, 8, 2),
                   G(128, 128, 64, 8, 3, resident_chunks=3), G(128, 128, 64, 8, 4, resident_chunks=2),
                   G(128, 128, 64, 8, 4, resident_chunks=1), G(128, 64, 64, 8, 4, resident_chunks=4),
-                  # session 5: the persistent Gluon kernel (P streamed, or on chip for experts of <= 3-5 chunks)
+                  # the persistent Gluon kernel (P streamed, or on chip for experts of <= 3-5 chunks)
                   G(128, 256, 64, 8, 3, gluon=True), G(128, 128, 64, 8, 4, resident_chunks=3, gluon=True),
                   G(128, 128, 64, 8, 4, resident_chunks=5, gluon=True),
                   G(128, 128, 64, 8, 5, resident_chunks=5, gluon=True),
@@ -163,7 +163,7 @@ def layer(name, T, rows, log):
         ok = [r for r in rows if r["case"] == f"{name} T={T}" and r.get("gemm") == label and r["bitwise_equal"]]
         if ok:
             best[label] = min(ok, key=lambda r: r["ms"])["config"]
-    kc = KernelConfig({keys[label]: eval(shown, {"GemmConfig": GemmConfig})  # noqa: S307 - our repr
+    kc = KernelConfig({keys[label]: eval(shown, {"GemmConfig": GemmConfig})
                        for label, shown in best.items() if shown != "table default"})
     out = fb(kc)
     same = all(torch.equal(a, b) for a, b in zip(base_out, out))

@@ -18,6 +18,7 @@ Legend: W ranks, T tokens of a rank, K top-k, D hidden, E global experts, L = E 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
@@ -30,7 +31,6 @@ from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
-
 
 PG_TIMEOUT_S = 120  # process-group timeout: a lost peer fails a collective in bounded time
 
@@ -101,38 +101,37 @@ def temp_env(env: dict):
                 os.environ[k] = v
 
 
-def spawn_ranks(fn, world: int, *args, cuda: bool = False, backend: str | None = None, timeout: float = 300.0,
-                env: dict | None = None):
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; return [result of rank r].
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent exits (no orphaned rank outlives a killed run)."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
-    ``backend`` ("gloo" or "nccl"; ``cuda=True`` means "nccl" on GPU ``rank``, or gloo on
-    :func:`rank_device` when the ranks share GPUs) initialises the default
-    process group before ``fn``; a default process group that exists after ``fn`` (ours or fn's own) is
-    torn down after the report, behind a barrier. A rank that raises is reported with its
-    traceback; a rank that dies without reporting (a signal, ``std::terminate``) is reported with its exit
-    code as soon as it is seen dead, not after ``timeout``. What a rank does after its report (process
-    group teardown) does not decide the test; a non-zero exit code there is raised as a warning.
-    """
-    if cuda:
-        backend = "nccl"
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    with temp_env(env or {}):  # the children inherit it
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, args, q, port, backend)) for r in range(world)]
-        for p in procs:
-            p.start()
+
+def _forked_entry(fn, rank, world, args, q, port, backend):
+    _die_with_parent()
+    _entry(fn, rank, world, args, q, port, backend)
+
+
+def _collect(procs, q, timeout: float) -> tuple[dict, list[str], list[tuple[int, int]]]:
+    """Wait for the W ranks' reports: ({rank: result bytes}, error lines, [(rank, exit code)] of ranks that
+    reported, then exited non-zero). A rank seen dead without a report is an error at once; the ranks still
+    alive after ``timeout`` (or after an error) are killed."""
+    world = len(procs)
     results, errors, reported = {}, [], set()
     deadline = time.monotonic() + timeout
     try:
         while len(reported) < world:
             try:
-                rank, status, res = q.get(timeout=1.0)
+                rank, status, res = q.get(timeout=0.25)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
                 if dead:
                     try:  # a report written just before the exit may still be in the pipe
-                        rank, status, res = q.get(timeout=2.0)
+                        rank, status, res = q.get(timeout=0.5)
                     except queue.Empty:
                         errors += [f"rank {r}: exited with code {procs[r].exitcode} before reporting" for r in dead]
                         break
@@ -143,7 +142,7 @@ def spawn_ranks(fn, world: int, *args, cuda: bool = False, backend: str | None =
                     continue
             reported.add(rank)
             if status == "ok":
-                results[rank] = torch.load(io.BytesIO(res), weights_only=False)
+                results[rank] = res
             else:
                 errors.append(f"rank {rank}: {res}")
     finally:
@@ -152,12 +151,137 @@ def spawn_ranks(fn, world: int, *args, cuda: bool = False, backend: str | None =
             if p.is_alive():
                 p.kill()
                 p.join()
+    return results, errors, [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)]
+
+
+def _host_main(conn) -> None:
+    """A rank host: serves (fn, world, args, port, backend, timeout) calls from the test process until told to
+    stop or the test process goes away. Each call forks W fresh rank processes (what the host imported while
+    unpickling earlier calls, torch and the test module above all, is not imported again; what a rank changes
+    dies with it) and answers with :func:`_collect`'s result."""
+    _die_with_parent()
+    ctx = mp.get_context("fork")
+    while True:
+        try:
+            call = conn.recv()
+        except EOFError:
+            return
+        if call is None:
+            return
+        fn, world, args, port, backend, timeout = call
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_forked_entry, args=(fn, r, world, args, q, port, backend)) for r in range(world)]
+        for p in procs:
+            p.start()
+        del call, args  # the host keeps no shared-memory tensors of a finished call
+        answer = _collect(procs, q, timeout)
+        q.close()
+        conn.send(answer)
+
+
+class _RankHost:
+    """A spawned host process (:func:`_host_main`) for one environment, and the test process's end of its pipe."""
+
+    def __init__(self, environ: dict):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        with temp_env(environ):  # the host, and every rank it forks, runs in this environment
+            self.proc = ctx.Process(target=_host_main, args=(child,), name="megamoe-test-rank-host")
+            self.proc.start()
+        child.close()
+
+    def call(self, fn, world, args, port, backend, timeout):
+        """Run one call; (results, errors, bad exits) as :func:`_collect` gives them. A host that dies or does
+        not answer in time is stopped and reported as an error."""
+        try:
+            self.conn.send((fn, world, args, port, backend, timeout))
+            if self.conn.poll(timeout + 60):
+                return self.conn.recv()
+            why = f"no answer within {timeout + 60} s"
+        except (EOFError, OSError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        self.stop()
+        error = f"ranks {list(range(world))}: the rank host process failed ({why}; exit code {self.proc.exitcode})"
+        return {}, [error], []
+
+    def stop(self):
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.proc.join(timeout=5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+_HOSTS: dict[tuple, _RankHost] = {}
+MAX_HOSTS = 2  # hosts kept for reuse (one per environment; each holds an imported torch)
+
+
+def _stop_hosts() -> None:
+    while _HOSTS:
+        _HOSTS.pop(next(iter(_HOSTS))).stop()
+
+
+def _host_for(env: dict) -> _RankHost:
+    """The rank host of the test process's environment with ``env`` applied, started on first use (the
+    oldest host is stopped when more than MAX_HOSTS would run)."""
+    environ = {**os.environ, **env}
+    key = tuple(sorted((k, v) for k, v in environ.items() if not k.startswith("PYTEST_")))  # pytest's, per test
+    host = _HOSTS.get(key)
+    if host is not None and not host.proc.is_alive():
+        host.stop()
+        del _HOSTS[key]
+        host = None
+    if host is None:
+        if not _HOSTS:
+            atexit.register(_stop_hosts)  # before multiprocessing's own exit handler, which would wait for them
+        while len(_HOSTS) >= MAX_HOSTS:
+            _HOSTS.pop(next(iter(_HOSTS))).stop()
+        host = _HOSTS[key] = _RankHost(env)
+    return host
+
+
+def spawn_ranks(fn, world: int, *args, cuda: bool = False, backend: str | None = None, timeout: float = 300.0,
+                env: dict | None = None):
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes; return [result of rank r].
+
+    ``backend`` ("gloo" or "nccl"; ``cuda=True`` means "nccl" on GPU ``rank``, or gloo on
+    :func:`rank_device` when the ranks share GPUs) initialises the default
+    process group before ``fn``; a default process group that exists after ``fn`` (ours or fn's own) is
+    torn down after the report, behind a barrier. A rank that raises is reported with its
+    traceback; a rank that dies without reporting (a signal, ``std::terminate``) is reported with its exit
+    code as soon as it is seen dead, not after ``timeout``. What a rank does after its report (process
+    group teardown) does not decide the test; a non-zero exit code there is raised as a warning.
+
+    CPU ranks (no ``cuda``) are forked from a rank host (:class:`_RankHost`), one spawned process per
+    environment (``env`` applied to this process's environment) that lives for the whole test session, so
+    torch and the test module are imported once, not once per rank and call; every rank is still a fresh
+    process that starts from the host's imports. CUDA ranks are spawned (a CUDA context does not survive a fork).
+    """
+    port = free_port()
+    if cuda:
+        results, errors, bad_exit = _spawn_fresh(fn, world, args, port, "nccl", timeout, env or {})
+    else:
+        results, errors, bad_exit = _host_for(env or {}).call(fn, world, args, port, backend, timeout)
     if errors:
         raise AssertionError("\n".join(errors))
-    bad_exit = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)]
     if bad_exit:
         warnings.warn(f"ranks reported results, then exited with codes {bad_exit} (process group teardown)")
-    return [results[r] for r in range(world)]
+    return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world)]
+
+
+def _spawn_fresh(fn, world, args, port, backend, timeout, env):
+    """W spawned rank processes, each importing everything anew (the CUDA ranks)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with temp_env(env):  # the children inherit it
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, args, q, port, backend)) for r in range(world)]
+        for p in procs:
+            p.start()
+    return _collect(procs, q, timeout)
 
 
 def ep_inputs(Ts, kind: str, seed: int, dev, *, E: int, D: int, F: int, S: int, K: int, dtype=torch.bfloat16):

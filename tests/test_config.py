@@ -59,10 +59,23 @@ def test_config_frozen_and_replace():
     assert c2.shared_intermediate_size == 48 and c.shared_intermediate_size == 32
     with pytest.raises(KeyError, match="valid presets"):
         get_preset("nope")
-    from megamoe.train.model import MODEL_PRESETS
-    for name in set(MODEL_PRESETS) - set(PRESETS):  # a training-model size asked for as a layer preset
-        with pytest.raises(KeyError, match="MODEL_PRESETS"):
+
+
+
+def test_layer_and_model_presets_are_named_apart():
+    """One namespace: no name is both an MoE layer preset and a training-demo model; each lookup's error for
+    the other kind's name says which kind it is and lists the valid names."""
+    from megamoe.train.model import MODEL_PRESETS, get_model_preset
+
+    assert not set(MODEL_PRESETS) & set(PRESETS)
+    for name in MODEL_PRESETS:  # a training-demo model asked for as a layer preset
+        with pytest.raises(KeyError, match=rf"{name}.*training demo.*valid presets: .*deepseek-v3"):
             get_preset(name)
+    for name in PRESETS:  # a layer preset asked for as a training-demo model
+        with pytest.raises(ValueError, match=rf"{name}.*MoE layer preset.*valid: lm-tiny, lm-mini"):
+            get_model_preset(name)
+    with pytest.raises(ValueError, match=r"'mini'.*did you mean 'lm-mini'"):
+        get_model_preset("mini")
 
 
 def test_local_experts():

@@ -48,7 +48,6 @@ import torch
 
 from ep_utils import ep_inputs, expert_counts, model_rounds, rank_device, shared_gpu, spawn_ranks, split_experts
 from ep_utils import leaf as _leaf
-
 from megamoe.config import EPOptions, GemmConfig, KernelConfig
 
 pytestmark = [pytest.mark.gpu]

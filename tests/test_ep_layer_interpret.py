@@ -93,7 +93,6 @@ def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, pu
 
     spec = WorkspaceSpec(*spec_args)
     ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)
-    L = E // W
     p = _draw(seed, Ts, K, E, F, spec.hidden, kind, S)
     w13, w2, sw13, sw2, xs, ids, ws_, gos = p.w13, p.w2, p.sw13, p.sw2, p.xs, p.ids, p.wts, p.gos
 
@@ -112,17 +111,22 @@ def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, pu
         gr = torch.autograd.grad(out, params, gos[rank])
         outs.append(out.detach())
         grads.append([t.clone() for t in gr])
-    # single-GPU fused path on the global batch
-    X, Wt = leaf(torch.cat(xs)), leaf(torch.cat(ws_))
-    G13, G2, S13, S2 = leaf(w13), leaf(w2), leaf(sw13), leaf(sw2)
-    ref = moe_experts(X, torch.cat(ids), Wt, G13, G2, S13, S2, backend="fused")
-    ref_params = [t for t in (X, Wt, G13, G2, S13, S2) if t is not None]
-    rg = torch.autograd.grad(ref, ref_params, torch.cat(gos))
+    res = {"out": outs, "grads": grads, "pushes": pushes}
+    if rank == 0:  # single-GPU fused path on the global batch, once (every rank's slice of it: _ref_slices)
+        X, Wt = leaf(torch.cat(xs)), leaf(torch.cat(ws_))
+        G13, G2, S13, S2 = leaf(w13), leaf(w2), leaf(sw13), leaf(sw2)
+        ref = moe_experts(X, torch.cat(ids), Wt, G13, G2, S13, S2, backend="fused")
+        ref_params = [t for t in (X, Wt, G13, G2, S13, S2) if t is not None]
+        res["ref"] = (ref.detach(), torch.autograd.grad(ref, ref_params, torch.cat(gos)))
+    return res
+
+
+def _ref_slices(ref, Ts, rank, L):
+    """Rank ``rank``'s part of the global-batch result ``ref`` = (out, grads): (out, [dx, dw, dw13, dw2])."""
+    out, rg = ref
     lo = sum(Ts[:rank])
-    sl = slice(lo, lo + Ts[rank])
-    ref_local = [rg[0][sl], rg[1][sl], rg[2][rank * L:(rank + 1) * L], rg[3][rank * L:(rank + 1) * L]]
-    return {"out": outs, "grads": grads, "ref_out": ref.detach()[sl], "ref_grads": ref_local,
-            "ref_shared": list(rg[4:]), "rounds": None, "pushes": pushes}
+    sl, el = slice(lo, lo + Ts[rank]), slice(rank * L, (rank + 1) * L)
+    return out[sl], [rg[0][sl], rg[1][sl], rg[2][el], rg[3][el]]
 
 
 # The interpreter's numpy matmul is not batch invariant across a row's position inside a tile, and the
@@ -177,12 +181,12 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S,
                 assert torch.equal(a, b), f"gradients differ between (save_preact, save_dispatched) = " \
                     f"{SAVE_VARIANTS[0]} and {SAVE_VARIANTS[v]} (or not repeatable)"
         gx, gw, g13, g2 = got["grads"][0][:4]
-        rx, rw, r13, r2 = got["ref_grads"]
+        ref_out, (rx, rw, r13, r2) = _ref_slices(res[0]["ref"], Ts, r, E // W)
         if not rows_exact:
-            torch.testing.assert_close(got["out"][0], got["ref_out"], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got["out"][0], ref_out, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
         else:
-            assert torch.equal(got["out"][0], got["ref_out"]), f"rank {r}: output differs from EP=1 fused"
+            assert torch.equal(got["out"][0], ref_out), f"rank {r}: output differs from EP=1 fused"
             assert torch.equal(gx, rx), f"rank {r}: dx differs from EP=1 fused"
         if not split_any:
             assert torch.equal(gw, rw), f"rank {r}: d(topk_weights) differs from EP=1 fused"
@@ -200,7 +204,7 @@ def test_moe_experts_ep_bitwise_equals_single_gpu_fused(W, Ts, K, E, kind, C, S,
                     f"rank {r}: local expert {l}'s weight grads differ (split across rounds: {split[l]})"
         sh = got["grads"][0][4:]
         shared_sum = sh if shared_sum is None else [a + b for a, b in zip(shared_sum, sh)]
-    for a, b in zip(shared_sum or [], res[0]["ref_shared"]):
+    for a, b in zip(shared_sum or [], res[0]["ref"][1][4:]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     if C == 4:
         assert sum(map(sum, splits)) > 0, "the capacity-4 case must split an expert across rounds"

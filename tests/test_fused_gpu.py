@@ -138,8 +138,7 @@ def test_routing_plan_exact():
 
 
 def test_poisoned_outputs_overwritten():
-    from megamoe.ops import (build_routing_plan, down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm,
-                             swiglu_dgrad)
+    from megamoe.ops import build_routing_plan, down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm, swiglu_dgrad
     x, ids, w, w13, w2, _, _ = _make(333, 256, 192, 8, 3, 0, seed=5)
     plan = build_routing_plan(ids, 8)
     N = ids.numel()

@@ -19,7 +19,14 @@ import dataclasses
 import pytest
 import torch
 
-from megamoe.bench.kernel_inventory import HOPPER_SMEM, compile_m_grouped, inventory_row, layer_gemms, layer_wgrads, wgrad_config
+from megamoe.bench.kernel_inventory import (
+    HOPPER_SMEM,
+    compile_m_grouped,
+    inventory_row,
+    layer_gemms,
+    layer_wgrads,
+    wgrad_config,
+)
 from megamoe.ops import m_grouped_config
 from triton_versions import expected
 

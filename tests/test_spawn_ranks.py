@@ -26,13 +26,11 @@ def _raise_on_rank_0(rank, world):
     return rank
 
 
-def _allreduce_then_abort_at_exit(rank, world):
-    import atexit
-
+def _allreduce_then_abort_in_teardown(rank, world):
     import torch
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
-    atexit.register(os.abort)  # a crash in teardown, after the report
+    dist.destroy_process_group = lambda *a, **kw: os.abort()  # a crash in the teardown after the report
     return float(t)
 
 
@@ -50,4 +48,33 @@ def test_rank_that_raises_is_named_with_its_traceback():
 
 def test_crash_after_the_report_keeps_the_results_and_warns():
     with pytest.warns(UserWarning, match="exited with codes"):
-        assert spawn_ranks(_allreduce_then_abort_at_exit, 2, backend="gloo", timeout=100) == [3.0, 3.0]
+        assert spawn_ranks(_allreduce_then_abort_in_teardown, 2, backend="gloo", timeout=100) == [3.0, 3.0]
+
+
+def _pid_and_planted_state(rank, world, plant):
+    import megamoe
+    seen = (os.environ.get("MEGAMOE_TEST_PLANTED"), getattr(megamoe, "_test_planted", None))
+    if plant:  # what a rank changes (environment, module state) must die with it
+        os.environ["MEGAMOE_TEST_PLANTED"] = "1"
+        megamoe._test_planted = rank
+    return os.getpid(), seen
+
+
+def test_every_call_gets_fresh_rank_processes():
+    first = spawn_ranks(_pid_and_planted_state, 2, True, timeout=100)
+    second = spawn_ranks(_pid_and_planted_state, 2, False, timeout=100)
+    assert all(seen == (None, None) for _, seen in first + second), (first, second)
+    assert len({pid for pid, _ in first + second}) == 4 and os.getpid() not in {pid for pid, _ in first}
+
+
+def _hang_on_rank_1(rank, world):
+    if rank == 1:
+        time.sleep(3600)
+    return rank
+
+
+def test_rank_that_hangs_is_named_after_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ranks \[1\]: no report within 3"):
+        spawn_ranks(_hang_on_rank_1, 2, timeout=3)
+    assert time.monotonic() - t0 < 30

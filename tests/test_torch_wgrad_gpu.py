@@ -17,10 +17,9 @@ import functools
 import pytest
 import torch
 
+from megamoe.config import GemmConfig, KernelConfig
 from test_fused_gpu import NAMES, _fused, _make, _run
 from test_wgrad_gluon_gpu import BF16, DEV, TORCH_WGRAD, needs_hopper
-
-from megamoe.config import GemmConfig, KernelConfig
 
 pytestmark = [pytest.mark.gpu, needs_hopper]
 

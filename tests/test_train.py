@@ -4,7 +4,7 @@ Run: ``python -m pytest tests/test_train.py -q`` (CPU: about a minute on 2 cores
 marked ``gpu`` / ``multigpu`` and skipped without the hardware).
 
 Golden losses: ``tests/golden/train_tiny_losses.json`` holds the per-step losses of a 10-step run of
-the ``tiny`` preset on ``tests/golden/corpus.txt`` (reference backend, 1 CPU thread, seed 0), compared
+the ``lm-tiny`` preset on ``tests/golden/corpus.txt`` (reference backend, 1 CPU thread, seed 0), compared
 bit for bit on the platform that wrote it (same torch version and CPU capability; elsewhere to 1e-5,
 since CPU GEMM kernels differ between instruction sets). After an intentional change of the model,
 the layer's numerics or the data pipeline, regenerate it with
@@ -45,7 +45,7 @@ def one_thread():
 
 
 def tiny_rc(steps: int, out_dir=None, **kw) -> RunConfig:
-    model = get_model_preset("tiny").replace(steps=steps, eval_every=max(1, steps // 2))
+    model = get_model_preset("lm-tiny").replace(steps=steps, eval_every=max(1, steps // 2))
     return RunConfig(model=model, backend="reference", device="cpu", seed=0, data=str(CORPUS),
                      out_dir=str(out_dir) if out_dir else None, log_every=3, progress=False, **kw)
 
@@ -113,10 +113,10 @@ def test_cli_rejects_bad_arguments(monkeypatch):
         from megamoe.train.__main__ import _parser, resolve
         from megamoe.train.loop import Dist
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        rc = resolve(_parser().parse_args(["--backend", "fused", "--preset", "tiny", "--out", ""]), Dist(), "cpu")
+        rc = resolve(_parser().parse_args(["--backend", "fused", "--preset", "lm-tiny", "--out", ""]), Dist(), "cpu")
         assert rc.backend == "fused"
     with pytest.raises(SystemExit, match="must be positive"):
-        main(["--preset", "tiny", "--steps", "0", "--out", ""])
+        main(["--preset", "lm-tiny", "--steps", "0", "--out", ""])
 
 
 # ---------------------------------------------------------------- training
@@ -132,7 +132,7 @@ def test_tiny_run_learns_and_updates_the_bias(corpus):
     bias = torch.cat([m.expert_bias_E for m in res.model.moe_layers()])
     assert bias.abs().max() > 0  # the aux-loss-free bias moved
     # counts are exact integers: K slots per token of the global batch, every layer, every step
-    cfg = get_model_preset("tiny")
+    cfg = get_model_preset("lm-tiny")
     assert all(sum(layer) == cfg.batch_size * cfg.seq_len * cfg.moe.top_k for step in res.loads for layer in step)
 
 
@@ -148,7 +148,7 @@ def _platform() -> dict:
 def test_golden_losses(corpus):
     losses = _golden_run(corpus)
     if os.environ.get("MEGAMOE_REGEN_GOLDEN") == "1":
-        GOLDEN.write_text(json.dumps({"what": "per-step train losses, tiny preset, 10 steps, tests/golden/corpus.txt, "
+        GOLDEN.write_text(json.dumps({"what": "per-step train losses, lm-tiny preset, 10 steps, tests/golden/corpus.txt, "
                                               "reference backend, 1 CPU thread, seed 0",
                                       **_platform(), "losses_hex": [v.hex() for v in losses], "losses": losses},
                                      indent=1) + "\n")
@@ -182,7 +182,7 @@ def test_resume_gives_the_same_trajectory(tmp_path, corpus):
 
 def test_cli_run_folder(tmp_path, capsys):
     out = tmp_path / "run"
-    rc = main(["--preset", "tiny", "--steps", "6", "--eval-every", "3", "--log-every", "2", "--data", str(CORPUS),
+    rc = main(["--preset", "lm-tiny", "--steps", "6", "--eval-every", "3", "--log-every", "2", "--data", str(CORPUS),
                "--out", str(out), "--no-progress", "--threads", "1"])
     assert rc == 0
     screen = capsys.readouterr().out
@@ -196,13 +196,13 @@ def test_cli_run_folder(tmp_path, capsys):
     train_recs = [r for r in recs if "loss" in r]
     assert [r["step"] for r in train_recs] == list(range(6))
     assert [r["step"] for r in recs if "val_loss" in r] == [3, 6]
-    cfg = get_model_preset("tiny")
+    cfg = get_model_preset("lm-tiny")
     trace = torch.load(out / "routing_trace.pt")
     ids = trace["topk_ids_TK"]
     assert ids.dtype == torch.int64 and ids.device.type == "cpu"
     assert ids.shape == (cfg.batch_size * cfg.seq_len, cfg.moe.top_k)
     assert trace["num_experts"] == cfg.moe.num_experts and trace["top_k"] == cfg.moe.top_k
-    assert trace["preset"] == "tiny" and 0 <= ids.min() and ids.max() < cfg.moe.num_experts
+    assert trace["preset"] == "lm-tiny" and 0 <= ids.min() and ids.max() < cfg.moe.num_experts
     assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()  # K distinct experts per token
     assert (out / "checkpoint.pt").is_file() and (out / "config.json").is_file()
     assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -220,7 +220,7 @@ def test_ctrl_c_checkpoints_without_a_progress_bar(tmp_path):
     out = tmp_path / "run"
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-m", "megamoe.train", "--preset", "tiny", "--steps", "100000",
+    proc = subprocess.Popen([sys.executable, "-m", "megamoe.train", "--preset", "lm-tiny", "--steps", "100000",
                              "--log-every", "1", "--no-progress", "--threads", "1", "--data", str(CORPUS),
                              "--out", str(out)], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     metrics = out / "metrics.jsonl"
@@ -240,7 +240,7 @@ def test_ctrl_c_checkpoints_without_a_progress_bar(tmp_path):
 def test_check_on_cpu(capsys):
     """--check passes: backends agree, and two runs from one seed are bitwise equal at EP=1 (in process) and at
     EP=2 (two spawned gloo ranks)."""
-    assert main(["--preset", "tiny", "--check", "--steps", "4", "--data", str(CORPUS), "--threads", "1"]) == 0
+    assert main(["--preset", "lm-tiny", "--check", "--steps", "4", "--data", str(CORPUS), "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "--check PASSED" in out
     for where in ("EP=1", "EP=2"):
@@ -266,7 +266,7 @@ def test_check_fails_when_a_run_does_not_repeat(monkeypatch, capsys):
     same = {"loss": [1.0], "aux_loss": [0.0], "val": [], "state": {"w": "00"}}
     monkeypatch.setattr(loop, "lr_at", drifting)
     monkeypatch.setattr(check, "repeat_spawned", lambda rc, world: [(same, same)] * world)
-    assert main(["--preset", "tiny", "--check", "--steps", "3", "--data", str(CORPUS), "--threads", "1"]) == 1
+    assert main(["--preset", "lm-tiny", "--check", "--steps", "3", "--data", str(CORPUS), "--threads", "1"]) == 1
     out = capsys.readouterr().out
     assert "reproducibility at EP=1: two runs from seed 0 differ (loss at step 1:" in out, out
     assert "reproducibility at EP=2: two runs from seed 0 bitwise equal" in out and "--check FAILED" in out, out
@@ -302,8 +302,8 @@ def test_attention_mode_is_checked_and_reported(capsys):
     from megamoe.train.model import GPT
 
     with pytest.raises(ValueError, match="attention must be one of"):
-        GPT(get_model_preset("tiny"), lambda i: torch.nn.Identity(), attention="flash")
-    assert main(["--preset", "tiny", "--steps", "2", "--data", str(CORPUS), "--out", "", "--no-progress",
+        GPT(get_model_preset("lm-tiny"), lambda i: torch.nn.Identity(), attention="flash")
+    assert main(["--preset", "lm-tiny", "--steps", "2", "--data", str(CORPUS), "--out", "", "--no-progress",
                  "--threads", "1"]) == 0
     assert "attention: SDPA (CPU, deterministic) (--attention deterministic" in capsys.readouterr().out
 
@@ -326,7 +326,7 @@ def _first_step_bitwise_equal(stdout: str) -> bool:
 
 def test_ep2_check_on_cpu_gloo():
     """EP=2 over gloo (reference backend): trains, and the first step's loss equals EP=1's bit for bit."""
-    p = _torchrun(2, "--preset", "tiny", "--check", "--steps", "3", "--data", str(CORPUS), "--device", "cpu",
+    p = _torchrun(2, "--preset", "lm-tiny", "--check", "--steps", "3", "--data", str(CORPUS), "--device", "cpu",
                   timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     assert _first_step_bitwise_equal(p.stdout), p.stdout
@@ -341,7 +341,7 @@ def test_dp_x_ep_on_cpu_gloo_keeps_replicas_identical(tmp_path):
     the first step bitwise equal to EP=1 on the global batch; a resume at another EP size is refused in one
     line."""
     out = tmp_path / "run"
-    p = _torchrun(4, "--preset", "tiny", "--steps", "6", "--stop-after", "3", "--ep-size", "2", "--out", str(out),
+    p = _torchrun(4, "--preset", "lm-tiny", "--steps", "6", "--stop-after", "3", "--ep-size", "2", "--out", str(out),
                   "--no-progress", "--data", str(CORPUS), "--device", "cpu", timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "EP=2 x DP=2" in p.stdout
@@ -368,7 +368,7 @@ def test_dp_x_ep_on_cpu_gloo_keeps_replicas_identical(tmp_path):
                       "--device", "cpu", timeout=240)
     assert again.returncode != 0 and "error: --resume: checkpoint was written at EP size 2, this job has 4" in \
         again.stderr and "megamoe/train/loop.py" not in again.stderr, again.stdout + again.stderr  # no traceback
-    c = _torchrun(4, "--preset", "tiny", "--check", "--steps", "3", "--ep-size", "2", "--data", str(CORPUS),
+    c = _torchrun(4, "--preset", "lm-tiny", "--check", "--steps", "3", "--ep-size", "2", "--data", str(CORPUS),
                   "--device", "cpu", timeout=240)
     assert c.returncode == 0 and "EP=2 x DP=2 vs EP=1" in c.stdout, c.stdout + c.stderr
     assert _first_step_bitwise_equal(c.stdout), c.stdout
@@ -385,7 +385,7 @@ def test_fsdp2_under_dp_x_ep_on_cpu_gloo(tmp_path):
     here and FSDP2's divisions (by 2 and 4) are exact, so the bits hold exactly when the experts' gradients get
     the extra 1/N (Adam is nearly scale-invariant: without it the losses differ by ~5e-7 only, which a
     tolerance would miss). A stop + resume from the ranks' local shards gives the same trajectory too."""
-    common = ("--preset", "tiny", "--steps", "6", "--ep-size", "2", "--no-progress", "--data", str(CORPUS),
+    common = ("--preset", "lm-tiny", "--steps", "6", "--ep-size", "2", "--no-progress", "--data", str(CORPUS),
               "--device", "cpu")
     runs = {}
     for name, extra in (("replicated", ()), ("fsdp", ("--fsdp",)), ("fsdp_split", ("--fsdp", "--stop-after", "3"))):
@@ -403,11 +403,11 @@ def test_fsdp2_under_dp_x_ep_on_cpu_gloo(tmp_path):
 
 def test_fsdp_needs_torchrun():
     with pytest.raises(SystemExit, match="--fsdp shards over the ranks of a torchrun job"):
-        main(["--preset", "tiny", "--fsdp", "--steps", "1", "--out", "", "--data", str(CORPUS)])
+        main(["--preset", "lm-tiny", "--fsdp", "--steps", "1", "--out", "", "--data", str(CORPUS)])
 
 
 def test_ep_size_must_divide_the_ranks():
-    p = _torchrun(2, "--preset", "tiny", "--steps", "1", "--ep-size", "3", "--out", "", "--device", "cpu",
+    p = _torchrun(2, "--preset", "lm-tiny", "--steps", "1", "--ep-size", "3", "--out", "", "--device", "cpu",
                   "--data", str(CORPUS), timeout=120)
     assert p.returncode != 0 and "--ep-size must be a positive divisor of the 2 ranks, got 3" in p.stderr, \
         p.stdout + p.stderr
@@ -477,7 +477,7 @@ def test_gpu_deterministic_flash_backward_repeats():
 
 @pytest.mark.gpu
 def test_gpu_summary_names_the_attention_path(tmp_path):
-    p = _run("--preset", "tiny", "--steps", "4", "--out", "", "--no-progress", timeout=300)
+    p = _run("--preset", "lm-tiny", "--steps", "4", "--out", "", "--no-progress", timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "attention: flash, deterministic backward (--attention deterministic" in p.stdout, p.stdout
 

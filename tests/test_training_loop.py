@@ -244,7 +244,7 @@ def test_model_casts_keep_router_bias_and_counter_dtypes(cast):
     _check_bias_still_moves(net.moe)
 
     from megamoe.train.model import GPT, get_model_preset  # the training demo's model, cast whole
-    mcfg = get_model_preset("tiny")
+    mcfg = get_model_preset("lm-tiny")
     gpt = fn(GPT(mcfg, lambda i: MoE(mcfg.moe, seed=i)))
     assert gpt.head.weight.dtype == want
     for moe in gpt.moe_layers():

@@ -12,142 +12,137 @@ rounds write nothing past the slots; bad arguments raise ValueError.
 Legend: L local experts, C capacity rows per round, R rows in all rounds, M / N the gradient's sizes,
 S split slots.
 
-Run: python -m pytest tests/test_wgrad_rounds_interpret.py -q (re-runs itself in a subprocess with
-TRITON_INTERPRET=1 when that is not set, as tests/test_kernels_interpret.py does).
+Run: python -m pytest tests/test_wgrad_rounds_interpret.py -q (each case runs in a process with
+TRITON_INTERPRET=1: tests/interpreter.py).
 """
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
+from ep_utils import model_rounds, offsets_of
+from interpreter import interpreted
+from megamoe.ops import k_grouped_mm
+from megamoe.ops.wgrad_rounds import finalize_split, k_grouped_round, split_slots
 
-    def test_wgrad_rounds_under_interpreter():
-        root = Path(__file__).resolve().parents[1]
-        env = {**os.environ, "TRITON_INTERPRET": "1",
-               "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
-                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, f"interpreter run failed:\n{r.stdout[-8000:]}\n{r.stderr[-4000:]}"
-        assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-2000:]
+M, N = 20, 36  # not multiples of the interpreter's 16 x 16 tiles
 
-else:
-    from ep_utils import model_rounds, offsets_of
-    from megamoe.ops import k_grouped_mm
-    from megamoe.ops.wgrad_rounds import finalize_split, k_grouped_round, split_slots
 
-    M, N = 20, 36  # not multiples of the interpreter's 16 x 16 tiles
+def _rounds_wgrad(P, Q, counts, C, rounds):
+    """Production order: round 0's one-round GEMM, then k_grouped_round per round, then finalize."""
+    L, R = len(counts), P.shape[0]
+    full = torch.tensor(offsets_of(counts), dtype=torch.int32)
+    starts = model_rounds(counts, C, rounds)
+    starts_t = torch.tensor(starts, dtype=torch.int32)
+    scratch = torch.full((split_slots(R, C, L), M, N), float("nan"))  # no zero fill needed
+    out = None
+    for r in range(rounds):
+        lo, n = starts[r], starts[r + 1] - starts[r]
+        Pr, Qr = torch.full((C, M), float("nan")), torch.full((C, N), float("nan"))  # past the rows: poison
+        Pr[:n], Qr[:n] = P[lo:lo + n], Q[lo:lo + n]
+        roff = (full - lo).clamp(0, n).to(torch.int32)
+        if r == 0:
+            out = k_grouped_mm(Pr, Qr, roff)
+        k_grouped_round(Pr, Qr, roff, full, starts_t, out, scratch, round_idx=r, capacity_rows=C)
+    finalize_split(scratch, full, out, capacity_rows=C)
+    return out
 
-    def _rounds_wgrad(P, Q, counts, C, rounds):
-        """Production order: round 0's one-round GEMM, then k_grouped_round per round, then finalize."""
-        L, R = len(counts), P.shape[0]
-        full = torch.tensor(offsets_of(counts), dtype=torch.int32)
-        starts = model_rounds(counts, C, rounds)
-        starts_t = torch.tensor(starts, dtype=torch.int32)
-        scratch = torch.full((split_slots(R, C, L), M, N), float("nan"))  # no zero fill needed
-        out = None
-        for r in range(rounds):
-            lo, n = starts[r], starts[r + 1] - starts[r]
-            Pr, Qr = torch.full((C, M), float("nan")), torch.full((C, N), float("nan"))  # past the rows: poison
-            Pr[:n], Qr[:n] = P[lo:lo + n], Q[lo:lo + n]
-            roff = (full - lo).clamp(0, n).to(torch.int32)
-            if r == 0:
-                out = k_grouped_mm(Pr, Qr, roff)
-            k_grouped_round(Pr, Qr, roff, full, starts_t, out, scratch, round_idx=r, capacity_rows=C)
-        finalize_split(scratch, full, out, capacity_rows=C)
-        return out
 
-    @pytest.mark.parametrize("counts,C,extra_rounds", [
-        ([0, 5, 9, 3, 0, 12, 1], 8, 1),  # two experts above C split, the others whole in later rounds; unused round
-        ([2, 40, 1], 8, 0),              # one expert across six rounds
-        ([8, 8, 3], 8, 1),               # experts of exactly C rows: none split
-        ([5, 9, 9, 2], 9, 0),            # whole experts of C rows in later rounds
-        ([3, 0, 4], 16, 2),              # everything in round 0, two unused rounds (the W >= 4 default case)
-        ([0, 0, 0], 8, 2),               # no rows at all: exact zeros
-        ([7] * 9, 16, 0),                # many experts over several rounds, none split
-    ])
-    def test_rounds_match_one_round(counts, C, extra_rounds):
-        off = offsets_of(counts)
-        R = off[-1]
-        table = model_rounds(counts, C, R + 1)
-        rounds = max(1, sum(1 for a, b in zip(table, table[1:]) if b > a)) + extra_rounds
-        g = torch.Generator().manual_seed(len(counts) * 100 + C)
-        P, Q = torch.randn(R, M, generator=g), torch.randn(R, N, generator=g)
-        full = torch.tensor(off, dtype=torch.int32)
-        one = k_grouped_mm(P, Q, full)
-        got = _rounds_wgrad(P, Q, counts, C, rounds)
-        assert not got.isnan().any()
-        split = [c > C for c in counts]
-        assert sum(split) <= split_slots(R, C, len(counts))
-        for e, (lo, hi) in enumerate(zip(off[:-1], off[1:])):
-            if not split[e]:
-                assert torch.equal(got[e], one[e]), f"expert {e} (rows {lo}:{hi}) differs from one round"
-                continue
-            ref64 = P[lo:hi].double().T @ Q[lo:hi].double()
-            torch_err = (P[lo:hi].T @ Q[lo:hi] - ref64).abs().max().item()
-            err = (got[e].double() - ref64).abs().max().item()
-            assert err <= 2 * torch_err + 1e-6, (e, err, torch_err)
+@pytest.mark.parametrize("counts,C,extra_rounds", [
+    ([0, 5, 9, 3, 0, 12, 1], 8, 1),  # two experts above C split, the others whole in later rounds; unused round
+    ([2, 40, 1], 8, 0),              # one expert across six rounds
+    ([8, 8, 3], 8, 1),               # experts of exactly C rows: none split
+    ([5, 9, 9, 2], 9, 0),            # whole experts of C rows in later rounds
+    ([3, 0, 4], 16, 2),              # everything in round 0, two unused rounds (the W >= 4 default case)
+    ([0, 0, 0], 8, 2),               # no rows at all: exact zeros
+    ([7] * 9, 16, 0),                # many experts over several rounds, none split
+])
+@interpreted
+def test_rounds_match_one_round(counts, C, extra_rounds):
+    off = offsets_of(counts)
+    R = off[-1]
+    table = model_rounds(counts, C, R + 1)
+    rounds = max(1, sum(1 for a, b in zip(table, table[1:]) if b > a)) + extra_rounds
+    g = torch.Generator().manual_seed(len(counts) * 100 + C)
+    P, Q = torch.randn(R, M, generator=g), torch.randn(R, N, generator=g)
+    full = torch.tensor(off, dtype=torch.int32)
+    one = k_grouped_mm(P, Q, full)
+    got = _rounds_wgrad(P, Q, counts, C, rounds)
+    assert not got.isnan().any()
+    split = [c > C for c in counts]
+    assert sum(split) <= split_slots(R, C, len(counts))
+    for e, (lo, hi) in enumerate(zip(off[:-1], off[1:])):
+        if not split[e]:
+            assert torch.equal(got[e], one[e]), f"expert {e} (rows {lo}:{hi}) differs from one round"
+            continue
+        ref64 = P[lo:hi].double().T @ Q[lo:hi].double()
+        torch_err = (P[lo:hi].T @ Q[lo:hi] - ref64).abs().max().item()
+        err = (got[e].double() - ref64).abs().max().item()
+        assert err <= 2 * torch_err + 1e-6, (e, err, torch_err)
 
-    def test_a_round_without_rows_writes_nothing():
-        """What makes an unused round cheap: no program of a round without rows (or of round 0 when no
-        expert is split) stores anything."""
-        L, C = 5, 8
-        full = torch.tensor([0, 3, 3, 7, 8, 8], dtype=torch.int32)  # 8 rows: round 0 only, no split
-        starts = torch.tensor([0, 8, 8, 8], dtype=torch.int32)
+
+@interpreted
+def test_a_round_without_rows_writes_nothing():
+    """What makes an unused round cheap: no program of a round without rows (or of round 0 when no
+    expert is split) stores anything."""
+    L, C = 5, 8
+    full = torch.tensor([0, 3, 3, 7, 8, 8], dtype=torch.int32)  # 8 rows: round 0 only, no split
+    starts = torch.tensor([0, 8, 8, 8], dtype=torch.int32)
+    P, Q = torch.randn(C, M), torch.randn(C, N)
+    sentinel = torch.full((L, M, N), 7.0)
+    scratch = torch.full((2, M, N), 5.0)
+    for r, roff in ((0, full), (1, torch.full((L + 1,), 0, dtype=torch.int32)),
+                    (2, torch.full((L + 1,), 0, dtype=torch.int32))):
+        out = sentinel.clone()
+        k_grouped_round(P, Q, roff, full, starts, out, scratch, round_idx=r, capacity_rows=C)
+        assert torch.equal(out, sentinel) and bool((scratch == 5.0).all()), f"round {r} wrote"
+    finalize_split(scratch, full, out, capacity_rows=C)
+    assert torch.equal(out, sentinel), "finalize wrote without a split expert"
+
+
+@interpreted
+def test_overflowing_rows_write_nothing_past_the_slots():
+    """Rows beyond what the workspace was sized for (an overflow the schedule reports as an error) can make
+    more split experts than slots; the kernel skips those, so the memory after the S slots stays untouched."""
+    L, C, rounds = 3, 4, 3
+    counts = [6, 6, 6]  # 18 rows, every expert above C; sized for 8 rows: one slot
+    full = torch.tensor(offsets_of(counts), dtype=torch.int32)
+    starts = model_rounds(counts, C, rounds)
+    S = split_slots(8, C, L)
+    assert S == 1 and starts[-1] < 18
+    big = torch.full((S + 1, M, N), 3.0)  # one guard slot past the scratch
+    out = torch.zeros(L, M, N)
+    for r in range(rounds):
         P, Q = torch.randn(C, M), torch.randn(C, N)
-        sentinel = torch.full((L, M, N), 7.0)
-        scratch = torch.full((2, M, N), 5.0)
-        for r, roff in ((0, full), (1, torch.full((L + 1,), 0, dtype=torch.int32)),
-                        (2, torch.full((L + 1,), 0, dtype=torch.int32))):
-            out = sentinel.clone()
-            k_grouped_round(P, Q, roff, full, starts, out, scratch, round_idx=r, capacity_rows=C)
-            assert torch.equal(out, sentinel) and bool((scratch == 5.0).all()), f"round {r} wrote"
-        finalize_split(scratch, full, out, capacity_rows=C)
-        assert torch.equal(out, sentinel), "finalize wrote without a split expert"
+        roff = (full - starts[r]).clamp(0, starts[r + 1] - starts[r]).to(torch.int32)
+        k_grouped_round(P, Q, roff, full, torch.tensor(starts, dtype=torch.int32), out, big[:S], round_idx=r,
+                        capacity_rows=C)
+    finalize_split(big[:S], full, out, capacity_rows=C)
+    assert bool((big[S] == 3.0).all()), "a split expert past the slots was written"
 
-    def test_overflowing_rows_write_nothing_past_the_slots():
-        """Rows beyond what the workspace was sized for (an overflow the schedule reports as an error) can make
-        more split experts than slots; the kernel skips those, so the memory after the S slots stays untouched."""
-        L, C, rounds = 3, 4, 3
-        counts = [6, 6, 6]  # 18 rows, every expert above C; sized for 8 rows: one slot
-        full = torch.tensor(offsets_of(counts), dtype=torch.int32)
-        starts = model_rounds(counts, C, rounds)
-        S = split_slots(8, C, L)
-        assert S == 1 and starts[-1] < 18
-        big = torch.full((S + 1, M, N), 3.0)  # one guard slot past the scratch
-        out = torch.zeros(L, M, N)
-        for r in range(rounds):
-            P, Q = torch.randn(C, M), torch.randn(C, N)
-            roff = (full - starts[r]).clamp(0, starts[r + 1] - starts[r]).to(torch.int32)
-            k_grouped_round(P, Q, roff, full, torch.tensor(starts, dtype=torch.int32), out, big[:S], round_idx=r,
-                            capacity_rows=C)
-        finalize_split(big[:S], full, out, capacity_rows=C)
-        assert bool((big[S] == 3.0).all()), "a split expert past the slots was written"
 
-    def test_split_slots():
-        assert split_slots(8, 8, 16) == 0 and split_slots(100, 8, 16) == 11 and split_slots(1000, 8, 16) == 16
-        with pytest.raises(ValueError, match="capacity_rows"):
-            split_slots(8, 0, 16)
+@interpreted
+def test_split_slots():
+    assert split_slots(8, 8, 16) == 0 and split_slots(100, 8, 16) == 11 and split_slots(1000, 8, 16) == 16
+    with pytest.raises(ValueError, match="capacity_rows"):
+        split_slots(8, 0, 16)
 
-    def test_bad_arguments_raise():
-        L, C = 3, 8
-        full = torch.zeros(L + 1, dtype=torch.int32)
-        starts = torch.zeros(2, dtype=torch.int32)
-        P, Q = torch.randn(C, M), torch.randn(C, N)
-        out, scratch = torch.zeros(L, M, N), torch.zeros(2, M, N)
-        with pytest.raises(ValueError, match="scratch"):
-            k_grouped_round(P, Q, full, full, starts, out, scratch.double(), round_idx=0, capacity_rows=C)
-        with pytest.raises(ValueError, match="roff_L1"):
-            k_grouped_round(P, Q, full[:-1], full, starts, out, scratch, round_idx=0, capacity_rows=C)
-        with pytest.raises(ValueError, match="same R"):
-            k_grouped_round(P, Q[:-1], full, full, starts, out, scratch, round_idx=0, capacity_rows=C)
-        with pytest.raises(ValueError, match="capacity_rows"):
-            k_grouped_round(P, Q, full, full, starts, out, scratch, round_idx=0, capacity_rows=0)
-        with pytest.raises(ValueError, match="round_starts"):
-            k_grouped_round(P, Q, full, full, starts, out, scratch, round_idx=1, capacity_rows=C)
-        with pytest.raises(ValueError, match="out"):
-            finalize_split(scratch, full, out[:, :, :4].transpose(1, 2), capacity_rows=C)
+
+@interpreted
+def test_bad_arguments_raise():
+    L, C = 3, 8
+    full = torch.zeros(L + 1, dtype=torch.int32)
+    starts = torch.zeros(2, dtype=torch.int32)
+    P, Q = torch.randn(C, M), torch.randn(C, N)
+    out, scratch = torch.zeros(L, M, N), torch.zeros(2, M, N)
+    with pytest.raises(ValueError, match="scratch"):
+        k_grouped_round(P, Q, full, full, starts, out, scratch.double(), round_idx=0, capacity_rows=C)
+    with pytest.raises(ValueError, match="roff_L1"):
+        k_grouped_round(P, Q, full[:-1], full, starts, out, scratch, round_idx=0, capacity_rows=C)
+    with pytest.raises(ValueError, match="same R"):
+        k_grouped_round(P, Q[:-1], full, full, starts, out, scratch, round_idx=0, capacity_rows=C)
+    with pytest.raises(ValueError, match="capacity_rows"):
+        k_grouped_round(P, Q, full, full, starts, out, scratch, round_idx=0, capacity_rows=0)
+    with pytest.raises(ValueError, match="round_starts"):
+        k_grouped_round(P, Q, full, full, starts, out, scratch, round_idx=1, capacity_rows=C)
+    with pytest.raises(ValueError, match="out"):
+        finalize_split(scratch, full, out[:, :, :4].transpose(1, 2), capacity_rows=C)

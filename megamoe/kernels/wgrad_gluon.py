@@ -39,8 +39,13 @@ CUTLASS's SM90 multistage mainloop (cp.async + GMMA); the reduction order is thi
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .gluon_compat import cp_async_load, cta_barrier, tma_store
 

@@ -35,7 +35,7 @@ def check_device(kernel, where: str, **tensors) -> torch.device:
     return dev
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

@@ -8,8 +8,8 @@ Legend: R rows of the GEMM's expert-grouped row buffer, C >= R columns of the ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import triton

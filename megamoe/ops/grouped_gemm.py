@@ -26,18 +26,23 @@ from __future__ import annotations
 
 import torch
 import triton
-
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
+from . import tile_config
 from ._common import _sm_count, check_device, is_interpreted, persistent_programs, pow2
 from .ep_tiles import RowPull, RowPush, pull_args, pull_constexprs, pull_launch, push_args, row_push_deltas
-from .torch_grouped_mm import torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, wgrad_shape_fits
-from .wgrad_gluon import (GLUON_AVAILABLE, gluon_device_ok, gluon_wgrad_eligible, launch_gluon_wgrad,
-                          launch_gluon_wgrad_ws, ws_operands_fit)
 from .routing import tile_offsets_for
-from . import tile_config
 from .tile_config import DEFAULT_KERNELS, KernelConfig, k_grouped_config, m_grouped_config
+from .torch_grouped_mm import torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, wgrad_shape_fits
+from .wgrad_gluon import (
+    GLUON_AVAILABLE,
+    gluon_device_ok,
+    gluon_wgrad_eligible,
+    launch_gluon_wgrad,
+    launch_gluon_wgrad_ws,
+    ws_operands_fit,
+)
 
 __all__ = ["gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm", "RowPush",
            "RowPull", "row_push_deltas"]

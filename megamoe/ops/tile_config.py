@@ -45,7 +45,7 @@ _FP32 = GemmConfig(64, 64, 32, 4, 3)
 # m-grouped kinds: "gate_up" (SwiGLU fwd, two accumulators, N = F, K = D), "down" (N = D, K = F),
 # "dgrad_swiglu" (dY @ W2, N = F, K = D, SwiGLU backward epilogue), "dgrad" (dGU @ W13, N = D, K = 2F).
 # TMA for the weights (and for A where rows are not gathered): scripts/gemm_sweep.py, three H200 runs of
-# 2026-11-30 (session 2), deepseek-v3 T=4096 / qwen3 T=16384, ms (docs/perf.md "TMA and tile shapes"):
+# 2026-11-30, deepseek-v3 T=4096 / qwen3 T=16384, ms (docs/perf.md "TMA and tile shapes"):
 #   gate_up  tma_b        5.55-5.73 vs 5.78-6.01        | 1.67-1.90 vs 1.75-1.93
 #   down     tma_a+tma_b  3.03 vs 3.17 (3.02 vs 2.95 b) | 0.97 vs 0.91 (within run-to-run spread)
 #   dgrad    128x256 tma  5.70 vs 6.18                  | 1.55 vs 1.73
@@ -55,18 +55,18 @@ _M_GROUPED_BF16 = {
     # 128x256x64/3 stages beat 128x128x64/4 on H200 (2026-11-30): qwen3 1.00 vs 1.04 ms, deepseek-v3 2.88 vs 3.25 ms
     "down": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
     # dY's rows contiguous (the W=1 backward copies them into row order when the weight gradients go to
-    # torch._grouped_mm; the EP path receives them so): TMA for A and B. Layer A/B on H200 (2026-12-01, session 9,
+    # torch._grouped_mm; the EP path receives them so): TMA for A and B. Layer A/B on H200 (2026-12-01,
     # fwd+bwd ms, pointer loads vs this, qwen3-30b-a3b T=16384): 8.59 vs 8.51 and 7.94 vs 7.86 (two runs, 2 and 3
     # interleaved rounds). Gathered rows: _DGRAD_SWIGLU_GATHERED below.
     "dgrad_swiglu": GemmConfig(128, 128, 64, 8, 4, tma_b=True, tma_a=True),
     "dgrad": GemmConfig(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
 }
-# dgrad + SwiGLU with dY's rows gathered (A by pointer loads): B by TMA was 1-4% slower alone (session 2) and in
-# the layer +0.41 and -0.04 ms on deepseek-v3 T=4096 in two session-9 A/Bs, so pointer loads stay.
+# dgrad + SwiGLU with dY's rows gathered (A by pointer loads): B by TMA was 1-4% slower alone and in
+# the layer +0.41 and -0.04 ms on deepseek-v3 T=4096 in two A/Bs, so pointer loads stay.
 _DGRAD_SWIGLU_GATHERED = GemmConfig(128, 128, 64, 8, 4)
 _K_GROUPED_BF16 = GemmConfig(128, 128, 64, 8, 3)
 # few rows per expert (weight gradients at W = 1, 2): P chunks kept on chip, see k_grouped_config. Stages
-# matter most (H200 2026-11-30 session 3, deepseek-v3 T=4096, ~128 rows per expert, 3 chunks: dW13 6.36 ms
+# matter most (H200 2026-11-30, deepseek-v3 T=4096, ~128 rows per expert, 3 chunks: dW13 6.36 ms
 # with 3 stages vs 9.81 with 2 and 9.01 for the per-tile kernel; dW2 3.48 vs 5.01 vs 4.86). 3 chunks and 3
 # stages fill the shared memory (224 KiB); at ~256 rows per expert (4 chunks, which only fit with 2 stages)
 # the per-tile kernel was faster (12.4 vs 18.7 ms), so the resident kernel stops at 3 chunks.
@@ -124,7 +124,7 @@ def parse_tiles(text: str) -> dict[str, GemmConfig]:
 # per-tile weight-gradient kernel at shapes where it was measured (docs/perf.md): deepseek-v3 (D 7168, F 2048),
 # ~128 rows per expert, so a program runs ~2 K-steps; 2 stages beat 3 (H200 2026-11-30, T=4096: dW13 9.03 vs
 # 10.18 ms, dW2 4.97 vs 5.28 ms). Used when the rows per expert are too many for the resident kernel.
-# qwen3-30b-a3b dW13 (2F 1536, D 2048), ~1024 rows per expert: 2 stages beat 3 in all four session-3 sweeps
+# qwen3-30b-a3b dW13 (2F 1536, D 2048), ~1024 rows per expert: 2 stages beat 3 in all four sweeps
 # (1.94-2.03 vs 2.09-2.22 ms); its dW2 stays at 3 (1.13-1.23 vs 1.22-1.30 ms with 2).
 _K_GROUPED_PER_TILE: dict[tuple[int, int], GemmConfig] = {
     (4096, 7168): GemmConfig(128, 128, 64, 8, 2),
@@ -134,7 +134,7 @@ _K_GROUPED_PER_TILE: dict[tuple[int, int], GemmConfig] = {
 
 
 # ~256 rows per expert (EP=2's deepseek-v3 at T=4096 per rank; W=1 at T=8192): the persistent Gluon kernel with
-# every expert's P^T on chip (up to 5 chunks) beat the Triton per-tile kernel (H200 2026-12-01, session 5,
+# every expert's P^T on chip (up to 5 chunks) beat the Triton per-tile kernel (H200 2026-12-01,
 # gathered operands, deepseek-v3 T=8192: dW13 12.35 vs 13.41 ms, dW2 5.73 vs 7.04 ms; after dd53f33 11.51-11.86
 # vs 12.90 and 5.57-5.64 vs 6.92), while at ~128 rows the Triton resident kernel (dW13 6.35-6.60 vs 8.79-8.94)
 # and at ~1024 rows (qwen3) the Triton per-tile kernel (1.96-2.07 vs 2.27-2.59) stayed faster
@@ -147,23 +147,23 @@ _GLUON_MAX_ROWS = 256
 
 # bf16 experts with more rows than the resident kernel's window: torch._grouped_mm (CUTLASS's SM90 grouped GEMM,
 # cluster-shared operand tiles; bitwise the Triton kernels' result). Interleaved layer A/B on H200 (2026-12-01,
-# session 9, fwd+bwd ms, Triton vs torch, W=1, the backward copying dY and x into row order for it):
+# fwd+bwd ms, Triton vs torch, W=1, the backward copying dY and x into row order for it):
 # qwen3-30b-a3b T=4096 / 8192 / 16384 (256 / 512 / 1024 rows per expert) 2.96 vs 2.94, 4.76 vs 4.42, 8.59 vs
 # 7.91; deepseek-v3 T=8192 / 16384 (256 / 512 rows) 48.73 vs 46.81, 88.91 vs 79.58; at ~128 rows (deepseek-v3
 # T=4096, the resident kernel) 30.74 vs 31.58, so the resident window keeps the Triton kernel. It precedes the
 # Gluon kernel's window (beaten at 256 rows on deepseek-v3, and at 192 rows: deepseek-v3 T=6144 39.41 vs 40.34
-# ms with torch's kernel off, session 10; between ~155 and 192 rows not measured). The EP path's receive
+# ms with torch's kernel off; between ~155 and 192 rows not measured). The EP path's receive
 # buffers are contiguous (no copies): its layer at W = 1 (provider megamoe-ep), deepseek-v3 M=8192 (256 rows
 # per local expert) 52.01 -> 49.66 ms with torch's kernel forced, 52.59 -> 51.00 ms table vs
-# torch's kernel off once adopted; mok-bench M=4096 (64 rows, resident window) 52.47 -> 54.87 when forced
-# (session 10). k_grouped_config(..., allow_torch=False) gives the kernel that runs where torch's cannot; a
+# torch's kernel off once adopted; mok-bench M=4096 (64 rows, resident window) 52.47 -> 54.87 when forced.
+# k_grouped_config(..., allow_torch=False) gives the kernel that runs where torch's cannot; a
 # KernelConfig "wgrad" entry replaces the choice (with torch_mm: torch's kernel wherever the operands allow).
 _K_GROUPED_TORCH = GemmConfig(128, 128, 64, 8, 3, torch_mm=True)
 
 # Contiguous rows (the EP receive buffers, and W = 1's rows after the copies) inside torch's window but at most
 # ~384 per expert: megamoe's warp-specialized Gluon kernel (megamoe/kernels/wgrad_ws_gluon.py: ping-pong, P
 # streamed, 5 ring slots, TMA-stored tiles) instead of torch._grouped_mm, the same bits from megamoe's own
-# reduction order. scripts/ab_wgrad.py, H200 2026-12-02 (sixteenth session, call 6), an EP=2 rank of deepseek-v3 at
+# reduction order. scripts/ab_wgrad.py, H200 2026-12-02, an EP=2 rank of deepseek-v3 at
 # 4096 tokens (128 experts, ~256 rows): dW13 4.18 vs torch 4.35 ms, dW2 2.02 vs 2.29; at ~1024 rows (qwen3) level
 # (1.35 / 0.712 vs 1.33 / 0.706), so the window ends at 384 (only ~256 measured). Gathered rows, fp32 outputs and
 # fewer (expert, m-tile) units than SMs (a shared expert's single group) keep torch's kernel.

@@ -5,7 +5,7 @@ experts, P (R, M) and Q (R, N) row operands, C (E, M, N) = per expert ``P_e^T @ 
 
 Why: the tile table (megamoe.ops.tile_config, ``GemmConfig.torch_mm``) sends the bf16 weight gradients of
 experts with more rows than the resident Triton kernel keeps on chip (> ~154 expected rows per expert) here.
-Measured on one H200 (2026-12-01, ninth session, interleaved layer A/B, fwd+bwd ms, Triton kernels vs
+Measured on one H200 (2026-12-01, interleaved layer A/B, fwd+bwd ms, Triton kernels vs
 torch's, the backward copying dY's and x's rows into row order for it; docs/perf.md): qwen3-30b-a3b T=4096 /
 8192 / 16384 (256 / 512 / 1024 rows per expert) 2.96 vs 2.94, 4.76 vs 4.42, 8.59 vs 7.91; deepseek-v3 T=8192 /
 16384 (256 / 512) 48.73 vs 46.81, 88.91 vs 79.58; but deepseek-v3 T=4096 (128 rows, the resident kernel's
@@ -13,14 +13,14 @@ range) 30.74 vs 31.58. CUTLASS's kernel shares operand tiles across a cluster (T
 cannot express, and it reduces an expert's rows in the same order as megamoe's kernels (fp32 wgmma
 accumulation from the first row, one cast, no split-K): its results are **bitwise** the Triton kernels'
 (tests/test_torch_wgrad_gpu.py: experts of 0 to ~1100 rows, rows past the last expert, the layer's output and
-every gradient), so the choice never changes bits, at any EP size. Since the sixteenth session the table
+every gradient), so the choice never changes bits, at any EP size. Since then the table
 gives contiguous rows of ~154-384 per expert to megamoe's warp-specialized Gluon kernel instead
 (``tile_config.ws_wgrad_config``, megamoe/kernels/wgrad_ws_gluon.py; the same bits, faster there); torch's
 kernel keeps larger experts and single large groups (a shared expert's).
 
 A :class:`megamoe.config.KernelConfig` "wgrad" entry replaces the table's choice: with ``torch_mm``, torch's
 kernel wherever the operands allow; without, megamoe's own kernels. The EP path takes the table's choice on its
-contiguous receive buffers, with no copies (its layer at W = 1, deepseek-v3 M=8192, tenth session: 52.59 ->
+contiguous receive buffers, with no copies (its layer at W = 1, deepseek-v3 M=8192: 52.59 ->
 51.00 ms, table vs torch's kernel off).
 Operand conditions (:func:`torch_wgrad_eligible`): a CUDA device of compute capability 9.x, bf16 P, Q and C,
 rows of P and Q not gathered, no preallocated output, unit column strides, 16-byte aligned rows and base

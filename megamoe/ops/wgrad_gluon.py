@@ -40,7 +40,7 @@ _HALF = (torch.bfloat16, torch.float16)
 _BLOCK_M = 128
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 

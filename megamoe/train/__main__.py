@@ -1,8 +1,8 @@
 """``python -m megamoe.train``: train a small MoE language model end to end with megamoe layers.
 
 With no arguments it picks the best it can run on:
-  * CPU only            -> reference backend, preset "mini" (about 3 minutes on 2 cores);
-  * one CUDA GPU        -> fused backend, preset "small", bf16 experts, bf16 autocast elsewhere;
+  * CPU only            -> reference backend, preset "lm-mini" (about 3 minutes on 2 cores);
+  * one CUDA GPU        -> fused backend, preset "lm-small", bf16 experts, bf16 autocast elsewhere;
   * ``torchrun --nproc-per-node W`` -> expert parallelism over the W ranks (EP=W, data parallel for
     everything else), NCCL on GPUs (gloo on CPU, reference backend); ``--ep-size N`` splits the W ranks
     into W/N EP groups of N consecutive ranks, data parallel across the groups (DP x EP, as across nodes).
@@ -10,9 +10,9 @@ With no arguments it picks the best it can run on:
 Examples::
 
     python -m megamoe.train                               # default run, writes runs/<preset>-ep<N>[-dp<R>]/
-    python -m megamoe.train --preset tiny --steps 50      # seconds
+    python -m megamoe.train --preset lm-tiny --steps 50   # seconds
     python -m megamoe.train --data ~/books/ --out runs/books
-    python -m megamoe.train --out runs/mini-ep1 --resume  # continue from the run's checkpoint
+    python -m megamoe.train --out runs/lm-mini-ep1 --resume  # continue from the run's checkpoint
     python -m megamoe.train --check                       # fused vs reference, and two runs bitwise equal
     python -m megamoe.train --attention fast              # SDPA's own attention kernel: faster, not repeatable
     torchrun --nproc-per-node 2 -m megamoe.train --check
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     presets = ", ".join(f"{k} ({v.note})" for k, v in MODEL_PRESETS.items())
     p = argparse.ArgumentParser(prog="python -m megamoe.train", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", help=f"model size: {presets}. Default: mini on CPU, small on GPU")
+    p.add_argument("--preset", help=f"model size: {presets}. Default: lm-mini on CPU, lm-small on GPU")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
     p.add_argument("--batch-size", type=int, help="sequences per rank per step (default: the preset's)")
     p.add_argument("--seq-len", type=int, help="bytes per sequence (default: the preset's)")
@@ -111,7 +111,7 @@ def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
         raise SystemExit("error: --backend fused needs a CUDA GPU (use --backend reference on CPU, or set "
                          "TRITON_INTERPRET=1 to run the Triton kernels in the interpreter: slow, for debugging)")
     try:
-        cfg = get_model_preset(args.preset or ("small" if on_gpu else "mini"))
+        cfg = get_model_preset(args.preset or ("lm-small" if on_gpu else "lm-mini"))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     changes = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("seq_len", args.seq_len),

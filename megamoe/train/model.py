@@ -41,7 +41,7 @@ import torch.nn.functional as F_
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..config import MoEConfig, get_preset
+from ..config import PRESETS, MoEConfig, get_preset
 from .data import VOCAB_SIZE
 
 __all__ = ["ATTENTION_MODES", "GPT", "MODEL_PRESETS", "FlashDeterministic", "ModelConfig", "get_model_preset",
@@ -97,30 +97,34 @@ def _moe(D: int, F: int, E: int, K: int, n_group: int, topk_group: int) -> MoECo
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # Test-suite size: a few seconds for a few steps on one CPU thread.
-    "tiny": ModelConfig("tiny", n_layer=1, n_head=2, moe=_moe(64, 32, 8, 2, 2, 1), seq_len=32, batch_size=4,
-                        steps=30, lr=3e-3, warmup=5, eval_every=10, eval_batches=2,
-                        note="tests / CI"),
+    "lm-tiny": ModelConfig("lm-tiny", n_layer=1, n_head=2, moe=_moe(64, 32, 8, 2, 2, 1), seq_len=32, batch_size=4,
+                           steps=30, lr=3e-3, warmup=5, eval_every=10, eval_batches=2,
+                           note="tests / CI"),
     # CPU default: about 3 minutes on 2 cores with the reference backend.
-    "mini": ModelConfig("mini", n_layer=3, n_head=4, moe=_moe(128, 128, 8, 2, 2, 1), seq_len=256,
-                        batch_size=16, steps=400, lr=3e-3, warmup=20, eval_every=100, eval_batches=4,
-                        note="CPU default"),
+    "lm-mini": ModelConfig("lm-mini", n_layer=3, n_head=4, moe=_moe(128, 128, 8, 2, 2, 1), seq_len=256,
+                           batch_size=16, steps=400, lr=3e-3, warmup=20, eval_every=100, eval_batches=4,
+                           note="CPU default"),
     # One-GPU default (fused backend, bf16 experts).
-    "small": ModelConfig("small", n_layer=6, n_head=8, moe=_moe(512, 256, 32, 4, 4, 2), seq_len=512,
-                         batch_size=32, steps=600, lr=2e-3, warmup=50, eval_every=100, eval_batches=8,
-                         note="GPU default"),
-    "medium": ModelConfig("medium", n_layer=8, n_head=8, moe=_moe(1024, 512, 64, 6, 8, 4), seq_len=1024,
-                          batch_size=32, steps=1000, lr=1.5e-3, warmup=100, eval_every=200, eval_batches=8,
-                          note="GPU, a few minutes"),
-    "large": ModelConfig("large", n_layer=8, n_head=16, moe=_moe(2048, 1024, 64, 6, 8, 4), seq_len=1024,
-                         batch_size=32, steps=2000, lr=1e-3, warmup=200, eval_every=250, eval_batches=8,
-                         note="GPU / EP, tens of minutes"),
+    "lm-small": ModelConfig("lm-small", n_layer=6, n_head=8, moe=_moe(512, 256, 32, 4, 4, 2), seq_len=512,
+                            batch_size=32, steps=600, lr=2e-3, warmup=50, eval_every=100, eval_batches=8,
+                            note="GPU default"),
+    "lm-medium": ModelConfig("lm-medium", n_layer=8, n_head=8, moe=_moe(1024, 512, 64, 6, 8, 4), seq_len=1024,
+                             batch_size=32, steps=1000, lr=1.5e-3, warmup=100, eval_every=200, eval_batches=8,
+                             note="GPU, a few minutes"),
+    "lm-large": ModelConfig("lm-large", n_layer=8, n_head=16, moe=_moe(2048, 1024, 64, 6, 8, 4), seq_len=1024,
+                            batch_size=32, steps=2000, lr=1e-3, warmup=200, eval_every=250, eval_batches=8,
+                            note="GPU / EP, tens of minutes"),
 }
 
 
 def get_model_preset(name: str) -> ModelConfig:
-    """The named model preset. Raises ValueError listing the valid names."""
+    """The named model preset (``lm-*``: the training demo's language models, named apart from the MoE layer
+    presets of ``megamoe.get_preset``). Raises ValueError listing the valid names."""
     if name not in MODEL_PRESETS:
-        raise ValueError(f"--preset: unknown preset {name!r}; valid: {', '.join(MODEL_PRESETS)}")
+        hint = f" ({name!r} is an MoE layer preset of megamoe.get_preset, not a model)" if name in PRESETS else ""
+        if f"lm-{name}" in MODEL_PRESETS:
+            hint += f" (did you mean 'lm-{name}'?)"
+        raise ValueError(f"--preset: unknown model preset {name!r}{hint}; valid: {', '.join(MODEL_PRESETS)}")
     return MODEL_PRESETS[name]
 
 
