@@ -32,7 +32,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast off
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export MEGAMOE_COMMIT="${MEGAMOE_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null)}"  # recorded by the benchmark
+COMMIT="${COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null)}"  # recorded by the benchmark (--commit)
 OUT="${OUT:-/tmp/megamoe_gpu}"
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
@@ -41,11 +41,11 @@ STAGES=("$@")
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 ITERS="${ITERS:-10}"
 EP="${EP:-2}"
-BENCH=(python3 -m megamoe.bench --quiet --iters "$ITERS")
+BENCH=(python3 -m megamoe.bench --quiet --iters "$ITERS" --commit "$COMMIT")
 DIST=(python3 -m torch.distributed.run --standalone)
 read -r -a EXTRA <<< "${BENCH_ARGS:-}"
 summary="$OUT/summary.txt"
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; echo "commit $MEGAMOE_COMMIT"
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; echo "commit $COMMIT"
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } > "$summary" 2>&1
 
 stage() {  # stage NAME LIMIT CMD...: run CMD under a time limit, log to $LOGS/NAME.log, summarize
@@ -82,7 +82,7 @@ for s in "${STAGES[@]}"; do
     bench1) stage bench1 "${LIMIT_BENCH1:-200}" "${BENCH[@]}" \
               --cases qwen3-30b-a3b:16384 deepseek-v3:4096 mok-bench:2048 --out "$LOGS/bench1" "${EXTRA[@]}" ;;
     bench2) needs "$EP" bench2 && stage bench2 "${LIMIT_BENCH2:-240}" "${DIST[@]}" --nproc-per-node "$EP" \
-              -m megamoe.bench --quiet --iters "$ITERS" --providers megamoe nccl \
+              -m megamoe.bench --quiet --iters "$ITERS" --commit "$COMMIT" --providers megamoe nccl \
               --cases deepseek-v3:4096 deepseek-v3:2048 mok-bench:4096 mok-bench:2048 --out "$LOGS/bench2" \
               "${EXTRA[@]}" ;;
     benchep1) stage benchep1 "${LIMIT_BENCHEP1:-300}" "${BENCH[@]}" --providers megamoe megamoe-ep torch \
@@ -109,7 +109,7 @@ for s in "${STAGES[@]}"; do
         runner=("${BENCH[@]}")
         if [[ ${AB_EP:-1} -gt 1 ]]; then
           needs "$AB_EP" ab || continue
-          runner=("${DIST[@]}" --nproc-per-node "$AB_EP" -m megamoe.bench --quiet --iters "$ITERS")
+          runner=("${DIST[@]}" --nproc-per-node "$AB_EP" -m megamoe.bench --quiet --iters "$ITERS" --commit "$COMMIT")
         fi
         for r in $(seq 1 "${AB_REPS:-2}"); do
           for i in "${!arms[@]}"; do

@@ -227,6 +227,39 @@ def test_router_logits():
     assert torch.equal(router_logits(x[100:117], rw), lg[100:117])  # batch invariant
 
 
+@pytest.mark.parametrize("T,D,E", [(1000, 2048, 128), (333, 512, 256)])  # few dW outputs (32 x 64 tiles); more
+def test_router_bits_do_not_depend_on_tile(monkeypatch, T, D, E):
+    """The router's three fp32 GEMMs (IEEE FMA dots: logits, dx, dW) give bitwise the same logits and gradients
+    whatever the tile shape, warps, stages or programs per SM around the table's BLOCK_K, so the fp32 rows of
+    the table (megamoe.ops.tile_config) can change for speed without changing results; the table's own
+    choice among them."""
+    import megamoe.ops.grouped_gemm as gg
+    from megamoe.functional import router_logits
+    from megamoe.ops import GemmConfig, tile_config
+
+    g = torch.Generator(device=DEV).manual_seed(12)
+    x = torch.randn(T, D, generator=g, device=DEV).to(BF16).requires_grad_()
+    rw = (torch.randn(E, D, generator=g, device=DEV) * D ** -0.5).requires_grad_()
+    dl = torch.randn(T, E, generator=g, device=DEV)
+
+    def run():
+        lg = router_logits(x, rw)
+        return (lg, *torch.autograd.grad(lg, [x, rw], dl))
+    base = run()
+    m_table, k_table = gg.m_grouped_config, gg.k_grouped_config
+    fp32 = tile_config._FP32.block_k
+    for tile in [(64, 64, fp32, 4, 3), (32, 64, fp32, 4, 3), (32, 32, fp32, 2, 2), (128, 64, fp32, 8, 3, 2),
+                 (64, 128, fp32, 4, 3, 2)]:
+        cfg = GemmConfig(*tile[:5], programs_per_sm=tile[5] if len(tile) > 5 else 1)
+        monkeypatch.setattr(gg, "m_grouped_config", lambda *a, _c=cfg, **kw: _c if a[3] == torch.float32
+                            else m_table(*a, **kw))
+        monkeypatch.setattr(gg, "k_grouped_config", lambda *a, _c=cfg, **kw: _c if a[2] == torch.float32
+                            else k_table(*a, **kw))
+        for name, a, b in zip(("logits", "dx", "dW"), run(), base):
+            assert torch.equal(a, b), f"router {name} changed bits under tile {tile}"
+
+
+
 def test_bits_do_not_depend_on_tile_shape():
     """Every tile shape / load path (BLOCK_M 64 or 128, BLOCK_N 128 or 256, TMA or pointer loads, stages,
     programs per SM, and for the weight gradients the per-tile or the resident kernel with any number of

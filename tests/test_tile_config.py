@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megamoe.config import KernelConfig
-from megamoe.ops import GemmConfig, k_grouped_config, m_grouped_config
+from megamoe.ops import GemmConfig, k_grouped_config, m_grouped_config, tile_config
 from megamoe.ops.grouped_gemm import _weight_descriptor
 
 BF16 = torch.bfloat16
@@ -50,6 +50,16 @@ def test_table_is_pure_function_of_shape(monkeypatch):
     assert not k_grouped_config(4096, 7168, torch.float32, interpret=False, rows_per_group=256).gluon
     assert k_grouped_config(4096, 7168, torch.float32, interpret=False, rows_per_group=128).resident_chunks == 0
     assert k_grouped_config(64, 64, torch.float32, interpret=True, rows_per_group=10).resident_chunks == 1
+    # fp32 GEMMs (the router's): the weight gradient gets half-height tiles when it has few outputs (Qwen3's
+    # [E 128, D 2048]) so that it spans the SMs, and 32 x 32 otherwise; logits ("down") and dx ("dgrad") their
+    # own tiles; BLOCK_K (the reduction order, hence the bits) is the fp32 table's everywhere
+    for (m, n), want in {(128, 2048): (32, 64), (256, 7168): (32, 32), (1536, 2048): (32, 32)}.items():
+        cfg = k_grouped_config(m, n, torch.float32, interpret=False, rows_per_group=16384)
+        assert (cfg.block_m, cfg.block_n, cfg.block_k) == (*want, tile_config._FP32.block_k), (m, n, cfg)
+    for kind, want in {"down": (64, 128, 2), "dgrad": (128, 64, 2), "gate_up": (64, 64, 1),
+                       "dgrad_swiglu": (64, 64, 1)}.items():
+        cfg = m_grouped_config(kind, 128, 2048, torch.float32, interpret=False)
+        assert (cfg.block_m, cfg.block_n, cfg.programs_per_sm, cfg.block_k) == (*want, 32), (kind, cfg)
     with pytest.raises(ValueError, match="resident_chunks"):
         GemmConfig(128, 128, 64, 8, 2, resident_chunks=5)
     with pytest.raises(ValueError, match="unknown kind"):

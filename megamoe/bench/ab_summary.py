@@ -1,7 +1,7 @@
 """One table from interleaved A/B benchmark runs: ``python -m megamoe.bench.ab_summary DIR [DIR ...]``.
 
 Reads ``results.json`` in each DIR (or under it), as written by ``python -m megamoe.bench`` (for instance by
-``scripts/gpu_all.sh abtiles``), groups the runs by the megamoe variant recorded in their metadata
+``scripts/gpu.sh ab``), groups the runs by the megamoe variant recorded in their metadata
 (``meta.variant``: ``--tiles``, ``--ep-pull-programs``, ``--ep-comm-sms``, ``--ep-push-kernel``; older runs
 recorded environment switches in ``meta.env``, read the same way; runs without any are "table"),
 or by folder name with ``--by-folder`` (older runs that did not record their switches), and prints, per

@@ -41,6 +41,16 @@ DEFAULT_KERNELS = KernelConfig()  # no overrides: the table below
 _INTERPRET = GemmConfig(16, 16, 16, 4, 1)
 # fp32 operands use input_precision="ieee" FMA dots (router logits, fp32 experts): small tiles.
 _FP32 = GemmConfig(64, 64, 32, 4, 3)
+# Plain fp32 GEMMs: the router's logits x @ W.T ("down" kind) and dx = dlogits @ W ("dgrad"), and its
+# dW = dlogits^T @ x (one group of all T rows). scripts/bench_hf.py --profile on H200 (2026-12-03; BLOCK_K stays
+# 32, the K order, and every tile gave the table's bits), ms: qwen3-30b-a3b T=16384 logits 0.416 vs 0.732, dx
+# 0.230 vs 0.307, dW (E 128 x D 2048: 64 tiles of 64 x 64) 0.310 with 32 x 64 tiles vs 0.905; deepseek-v3
+# T=4096 logits 0.988 vs 1.271, dx 0.376 vs 0.488, dW (E 256 x D 7168) 0.553 with 32 x 32 tiles vs 0.762.
+_FP32_PLAIN = {"down": GemmConfig(64, 128, 32, 4, 3, programs_per_sm=2),
+               "dgrad": GemmConfig(128, 64, 32, 8, 3, programs_per_sm=2)}
+_FP32_WGRAD = GemmConfig(32, 32, 32, 2, 3)
+_FP32_FEW_OUTPUTS = GemmConfig(32, 64, 32, 4, 3)
+_FP32_FEW_TILES = 128  # fewer 64 x 64 output tiles than this per group: _FP32_FEW_OUTPUTS
 
 # m-grouped kinds: "gate_up" (SwiGLU fwd, two accumulators, N = F, K = D), "down" (N = D, K = F),
 # "dgrad_swiglu" (dY @ W2, N = F, K = D, SwiGLU backward epilogue), "dgrad" (dGU @ W13, N = D, K = 2F).
@@ -163,7 +173,7 @@ _K_GROUPED_TORCH = GemmConfig(128, 128, 64, 8, 3, torch_mm=True)
 # Contiguous rows (the EP receive buffers, and W = 1's rows after the copies) inside torch's window but at most
 # ~384 per expert: megamoe's warp-specialized Gluon kernel (megamoe/kernels/wgrad_ws_gluon.py: ping-pong, P
 # streamed, 5 ring slots, TMA-stored tiles) instead of torch._grouped_mm, the same bits from megamoe's own
-# reduction order. scripts/ab_wgrad.py, H200 2026-12-02, an EP=2 rank of deepseek-v3 at
+# reduction order. An A/B of the weight-gradient kernels (git history: scripts/ab_wgrad.py), H200 2026-12-02, an EP=2 rank of deepseek-v3 at
 # 4096 tokens (128 experts, ~256 rows): dW13 4.18 vs torch 4.35 ms, dW2 2.02 vs 2.29; at ~1024 rows (qwen3) level
 # (1.35 / 0.712 vs 1.33 / 0.706), so the window ends at 384 (only ~256 measured). Gathered rows, fp32 outputs and
 # fewer (expert, m-tile) units than SMs (a shared expert's single group) keep torch's kernel.
@@ -195,7 +205,7 @@ def m_grouped_config(kind: str, n: int, k: int, dtype: torch.dtype, *, interpret
     if interpret:
         return _INTERPRET
     if not _is_half(dtype):
-        return _FP32
+        return _FP32_PLAIN.get(kind, _FP32)
     if gathered and kind == "dgrad_swiglu":
         return kernel_config.tile(kind, n, k) or _DGRAD_SWIGLU_GATHERED
     return kernel_config.tile(kind, n, k) or _M_GROUPED_BF16[kind]
@@ -229,7 +239,7 @@ def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool,
         chunks = _resident_chunks(rows_per_group, _INTERPRET.block_k)
         return dataclasses.replace(_INTERPRET, resident_chunks=chunks)
     if not _is_half(dtype):
-        return _FP32
+        return _FP32_FEW_OUTPUTS if -(-m // 64) * -(-n // 64) < _FP32_FEW_TILES else _FP32_WGRAD
     allow_torch = allow_torch and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
     override = kernel_config.tile("wgrad", m, n)
     if override is not None and (allow_gluon or not override.gluon) and (allow_torch or not override.torch_mm):
