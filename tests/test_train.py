@@ -103,7 +103,7 @@ def test_bad_data_gives_clear_errors(tmp_path):
 
 
 def test_cli_rejects_bad_arguments(monkeypatch):
-    with pytest.raises(SystemExit, match="unknown preset"):
+    with pytest.raises(SystemExit, match="unknown model preset .nope.; valid: lm-tiny"):
         main(["--preset", "nope", "--out", ""])
     if not torch.cuda.is_available():
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
