@@ -15,7 +15,6 @@ import os
 
 import torch
 
-from . import reference
 from .validation import check_expert_inputs
 
 __all__ = ["moe_experts", "router_logits"]
@@ -56,6 +55,8 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
         raise ValueError(f"moe_experts: backend must be 'fused' or 'reference', got {backend!r}")
     check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
     if backend == "reference":
+        from . import reference  # the plain-PyTorch specification, imported only when asked for
+
         return reference.moe_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
     if x_TD.dtype not in FUSED_DTYPES:
         raise TypeError(f"moe_experts: the fused backend supports bf16, fp16 and fp32, got x_TD dtype {x_TD.dtype}")
