@@ -64,10 +64,12 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
         raise ValueError(f"moe_experts: the fused backend runs on CUDA tensors (or CPU tensors under "
                          f"TRITON_INTERPRET=1), got x_TD on {x_TD.device}; backend='reference' runs on any device")
     from .autograd import MoEExpertsFunction  # lazy: importing megamoe.functional does not import triton
+    from .ops.dispatch import LocalDispatcher
 
     c = torch.Tensor.contiguous
     shared = (None, None) if shared_w13_HD is None else (c(shared_w13_HD), c(shared_w2_DS))
-    return MoEExpertsFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_EGD), c(w2_EDF), *shared)
+    return MoEExpertsFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_EGD), c(w2_EDF), *shared,
+                                    LocalDispatcher(w13_EGD.shape[0]))
 
 
 def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:
