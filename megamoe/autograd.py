@@ -45,13 +45,15 @@ cast(cast(w * dout) @ w2)) and the w2 gradient as dout^T @ cast(w * h) (referenc
 the same function, one rounding placed differently, within the tested bf16 error bound.
 
 Weight gradients through ``torch._grouped_mm`` (megamoe.ops.torch_grouped_mm; the tile table's ``torch_mm``
-for bf16 experts of more than ~154 expected rows, on Hopper; ``MEGAMOE_TORCH_WGRAD=0 / 1`` off / everywhere):
+for bf16 experts of more than ~154 expected rows, on Hopper, or a ``torch_mm`` "wgrad" entry of the KernelConfig):
 its kernel takes contiguous rows only, so on one GPU the backward copies dout's rows (``dy = dout[row_token]``,
 then also read by swiglu_dgrad without a gather) and x's rows (``x[row_token]``) into row order first: N x D
 more transient memory each (qwen3-30b-a3b T=16384: 0.54 GB each), bitwise the same gradients (the same rows in
 the same order; tests/test_torch_wgrad_gpu.py). Measured -0.68 ms of 8.59 at qwen3-30b-a3b T=16384
-(docs/perf.md, ninth session). Experiment switch ``MEGAMOE_PERMUTED_DY=1`` (default off; eighth session):
-the dY copy alone, with the Triton weight-gradient kernels (tests/test_kernels_interpret.py).
+(docs/perf.md, ninth session).
+
+Kernel choices: the dispatcher's ``kernel_config`` (a :class:`megamoe.config.KernelConfig`; default: the tile
+table) goes to every GEMM launcher of both passes. It never changes bits.
 
 Determinism: no atomics, no split-K, configs a pure function of shape: bitwise reproducible; the order in which
 independent GEMMs (shared and routed experts) are launched does not change any bits.
@@ -71,26 +73,29 @@ __all__ = ["MoEExpertsFunction", "RouterLogitsFunction"]
 
 def _shared_forward(d, x_TD, shared_w13_HD, shared_w2_DS):
     """The shared expert's forward, in the dispatcher's ``beside`` block: (shared_TD, gus_TH or None)."""
+    kc = d.kernel_config
     one_2 = d.shared_offsets(x_TD.shape[0], x_TD.device)
     out_TD = d.shared_out(x_TD)
     with d.beside():
         st = d.shared_tiles()
         hs_TS, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=d.keeps_shared_preact,
-                                       tile_cache=st)
-        shared_TD = down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, out=out_TD, tile_cache=st)
+                                       tile_cache=st, kernel_config=kc)
+        shared_TD = down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, out=out_TD, tile_cache=st, kernel_config=kc)
         del hs_TS
     return shared_TD, gus_TH
 
 
 def _routed_forward(d, w13_EGD, w2_EDF):
     """Every round's gate/up + SwiGLU and down projection; returns round 0's pre-activations (kept ones)."""
+    kc = d.kernel_config
     gu0_RG = None
     for r in range(d.rounds):
         rows = d.forward_rows(r)
         h_RF, gu_RG = gate_up_swiglu(rows.x_RD, w13_EGD, rows.offsets_E1, gather_idx_R=rows.x_idx_R,
                                      save_preact=rows.keep_preact, out=rows.h_out, preact_out=rows.gu_out,
-                                     tile_cache=rows.tiles, pull=rows.pull)
-        y_RD = down_proj(h_RF, w2_EDF, rows.offsets_E1, out=rows.y_out, push=rows.push, tile_cache=rows.tiles)
+                                     tile_cache=rows.tiles, pull=rows.pull, kernel_config=kc)
+        y_RD = down_proj(h_RF, w2_EDF, rows.offsets_E1, out=rows.y_out, push=rows.push, tile_cache=rows.tiles,
+                         kernel_config=kc)
         del h_RF
         if r == 0:
             gu0_RG = gu_RG
@@ -101,20 +106,25 @@ def _routed_forward(d, w13_EGD, w2_EDF):
 def _shared_backward(d, x_TD, dout_TD, shared_w13_HD, shared_w2_DS, gus_TH, need: Needs):
     """The shared expert's backward in the dispatcher's ``beside`` block: (dxs_TD, weight-gradient thunk). The
     weight gradients run at once when inline, after the join when on a side stream (the thunk then runs them)."""
+    kc = d.kernel_config
     one_2 = d.shared_offsets(x_TD.shape[0], x_TD.device)
     with d.beside():
         st = d.shared_tiles()
         if gus_TH is None:  # not kept by the forward: recomputed
-            _, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=True, tile_cache=st)
+            _, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=True, tile_cache=st,
+                                       kernel_config=kc)
         dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False,
-                                         tile_cache=st)
+                                         tile_cache=st, kernel_config=kc)
         del gus_TH
-        dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2, tile_cache=st) if need.x else None
+        dxs_TD = (grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2, tile_cache=st, kernel_config=kc)
+                  if need.x else None)
         d.hand_over(dgus_TH, hs_TS, dxs_TD)
 
     def wgrads():  # on the whole GPU (torch._grouped_mm where the table says so)
-        ds13 = k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype)[0] if need.shared_w13 else None
-        ds2 = k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype)[0] if need.shared_w2 else None
+        ds13 = (k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype, kernel_config=kc)[0]
+                if need.shared_w13 else None)
+        ds2 = (k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype, kernel_config=kc)[0]
+               if need.shared_w2 else None)
         return ds13, ds2
 
     if d.side is None:  # inline: the weight gradients now
@@ -125,6 +135,7 @@ def _shared_backward(d, x_TD, dout_TD, shared_w13_HD, shared_w2_DS, gus_TH, need
 
 def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs):
     """Every round's dgrad + SwiGLU backward, weight gradients and dx rows; returns (dw13, dw2)."""
+    kc = d.kernel_config
     dw13 = dw2 = None
     for r in range(d.rounds):
         recompute = not (r == 0 and gu0_RG is not None)
@@ -132,15 +143,15 @@ def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs):
         gu_RG = gu0_RG
         if recompute:
             _, gu_RG = gate_up_swiglu(rows.x_RD, w13_EGD, rows.offsets_E1, gather_idx_R=rows.x_idx_R, save_preact=True,
-                                      out=rows.h_out, preact_out=rows.gu_out, tile_cache=rows.tiles)
+                                      out=rows.h_out, preact_out=rows.gu_out, tile_cache=rows.tiles, kernel_config=kc)
         dgu_RG, hw_RF, part_RP = swiglu_dgrad(rows.dy_RD, w2_EDF, rows.offsets_E1, gu_RG, gather_idx_R=rows.dy_idx_R,
                                               row_scale_R=rows.scale_R, row_dot=rows.row_dot, tile_cache=rows.tiles,
-                                              pull=rows.pull)
+                                              pull=rows.pull, kernel_config=kc)
         del gu_RG
         if need.w2:
             if r == 0:
                 dw2 = k_grouped_mm(rows.dy_RD, hw_RF, rows.offsets_E1, p_idx_R=rows.dy_idx_R, out_dtype=w2_EDF.dtype,
-                                   rows_per_group=rows.rows_per_group)
+                                   rows_per_group=rows.rows_per_group, kernel_config=kc)
             d.accumulate_round(r, "w2", rows.dy_RD, hw_RF, dw2)
         del hw_RF
         rows.dy_RD = rows.dy_idx_R = None  # a row-order copy of dout is freed before the one of x is made
@@ -148,11 +159,11 @@ def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs):
             q_RD, q_idx_R = d.wgrad_x_rows(rows)
             if r == 0:
                 dw13 = k_grouped_mm(dgu_RG, q_RD, rows.offsets_E1, q_idx_R=q_idx_R, out_dtype=w13_EGD.dtype,
-                                    rows_per_group=rows.rows_per_group)
+                                    rows_per_group=rows.rows_per_group, kernel_config=kc)
             d.accumulate_round(r, "w13", dgu_RG, q_RD, dw13)
             del q_RD
-        dx_RD = (grouped_mm_nn(dgu_RG, w13_EGD, rows.offsets_E1, push=rows.push, tile_cache=rows.tiles)
-                 if rows.need_dx else None)
+        dx_RD = (grouped_mm_nn(dgu_RG, w13_EGD, rows.offsets_E1, push=rows.push, tile_cache=rows.tiles,
+                               kernel_config=kc) if rows.need_dx else None)
         del dgu_RG
         d.backward_results(r, dx_RD, part_RP)
         del dx_RD, part_RP

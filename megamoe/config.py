@@ -8,17 +8,22 @@ The public model presets copy the MoE-layer numbers from each model's published 
 Hugging Face hub (``hidden_size``, ``moe_intermediate_size``, ``n_routed_experts``/``num_experts``,
 ``num_experts_per_tok``, ``n_group``, ``topk_group``, ``scoring_func``, ``norm_topk_prob``,
 ``routed_scaling_factor``, ``n_shared_experts``); the source is named next to each preset.
+
+Execution choices that never change results live here too, as frozen dataclasses passed down as arguments
+(no environment switches): :class:`KernelConfig` (tile overrides of the fused GEMMs, :class:`GemmConfig`)
+and :class:`EPOptions` (variants of the NVLink expert-parallel exchange, all off by default).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Union
 
 import torch
 
-__all__ = ["MoEConfig", "PRESETS", "get_preset"]
+__all__ = ["MoEConfig", "PRESETS", "get_preset", "GemmConfig", "KernelConfig", "EPOptions", "GEMM_KINDS"]
 
 ScoreFunc = Literal["sigmoid", "softmax"]
 NanPolicy = Literal["raise", "propagate"]
@@ -169,3 +174,175 @@ def get_preset(name: str, **overrides) -> MoEConfig:
     if unknown:
         raise TypeError(f"get_preset: unknown MoEConfig field(s) {unknown}; valid fields: {', '.join(sorted(fields))}")
     return cfg.replace(**overrides) if overrides else cfg
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One Triton GEMM launch config. block_k is the reduction chunk (rows of an expert for k-grouped).
+
+    m-grouped only (bf16/fp16 on CUDA): ``tma_b`` loads the weight operand B through a TMA tensor
+    descriptor instead of pointer loads; ``tma_a`` (with tma_b) also A, when A's rows are not gathered
+    (gathered rows always use pointer loads); ``programs_per_sm`` sizes the persistent grid.
+
+    k-grouped only: ``resident_chunks`` > 0 runs the weight gradient with one program per (expert,
+    m-tile) that keeps an expert's P rows on chip while it walks the n-tiles, for experts of at most
+    resident_chunks * block_k rows (larger experts fall back to the per-tile reduction inside the same
+    program); 0 runs one program per (expert, m-tile, n-tile). ``gluon`` runs the persistent Gluon kernel
+    instead (megamoe/kernels/wgrad_gluon.py: one program per SM walking (expert, m-tile) units, P kept on
+    chip for experts of at most resident_chunks * block_k rows (0..6; 0: always streamed), the load ring
+    running across n-tiles with num_stages slots, TMA stores of the output tiles) where the device and
+    operands allow it (Hopper, bf16/fp16, aligned rows; ops.wgrad_gluon.gluon_wgrad_eligible), else the
+    Triton kernels with this config's tiles.
+
+    k-grouped only: ``warp_specialized`` (with gluon; contiguous rows only, 128x128x64, 8 warps = two MMA
+    warpgroups, plus a TMA load warp) runs megamoe/kernels/wgrad_ws_gluon.py, ping-pong: the two warpgroups take
+    a program's tiles in turn, with the P chunks of an expert of at most resident_chunks chunks kept on chip
+    (ops.wgrad_gluon.ws_operands_fit); the table takes it (megamoe.ops.tile_config.ws_wgrad_config) in place of a
+    ``torch_mm`` choice for contiguous rows of at most ~384 per expert.
+
+    k-grouped only: ``torch_mm`` runs ``torch._grouped_mm`` (megamoe.ops.torch_grouped_mm; bitwise the Triton
+    kernels' result) where the operands allow it (contiguous bf16 rows on Hopper), else the table's own entry
+    for the shape (``k_grouped_config(..., allow_torch=False)``); its tiles are then not used.
+
+    Bits: only block_k (the K order) can change results. block_m, block_n, the stage count, the load path
+    and the grid were verified to give bitwise the same outputs and gradients on H200
+    (tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape), as expected from wgmma: every
+    64-row x N slab accumulates the same K sequence whatever the tile around it.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    tma_b: bool = False
+    tma_a: bool = False
+    programs_per_sm: int = 1
+    resident_chunks: int = 0
+    gluon: bool = False
+    warp_specialized: bool = False
+    torch_mm: bool = False
+
+    def __post_init__(self) -> None:
+        for v in (self.block_m, self.block_n, self.block_k):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig: block sizes must be powers of two >= 16, got {self}")
+        if self.torch_mm and (self.gluon or self.resident_chunks or self.tma_a or self.tma_b):
+            raise ValueError(f"GemmConfig: torch_mm (weight gradients through torch._grouped_mm) takes no Gluon, "
+                             f"resident or TMA fields, got {self}")
+        if self.resident_chunks not in range(0, 7 if self.gluon else 5):
+            raise ValueError(f"GemmConfig: resident_chunks must be 0..4 (0..6 with gluon), got {self}")
+        if self.warp_specialized:
+            # the ring (P slots: max(resident chunks, stages) for the weight gradient) plus one layout-change
+            # scratch per MMA warpgroup (64 x block_n bytes, compiler-placed)
+            p_slots = max(self.resident_chunks, self.num_stages)
+            smem = (2 * self.block_k * (p_slots * self.block_m + self.num_stages * self.block_n)
+                    + 2 * 64 * self.block_n + 256)
+            if (not self.gluon or (self.block_m, self.block_k, self.num_warps) != (128, 64, 8)
+                    or self.block_n != 128 or self.num_stages < 2 or smem > 227 * 1024):
+                raise ValueError(f"GemmConfig: the warp-specialized Gluon kernel runs gluon=True, 128x128x64 "
+                                 f"tiles (ping-pong; resident chunks 0..6), num_warps 8 (two MMA warpgroups), 2 or "
+                                 f"more stages within 227 KiB ({smem // 1024} KiB asked), got {self}")
+        elif self.gluon:
+            smem = 2 * self.block_k * (max(self.resident_chunks, self.num_stages) * self.block_m
+                                       + self.num_stages * self.block_n) + 2 * self.block_m * self.block_n
+            if (self.num_stages < 3 or self.block_m != 128 or self.block_n not in (128, 256) or self.block_k != 64
+                    or self.num_warps != 8 or smem > 227 * 1024):
+                raise ValueError(f"GemmConfig: the Gluon kernels run 128x128 or 128x256 tiles, "
+                                 f"BLOCK_K 64, 8 warps, num_stages >= 3, within 227 KiB of shared memory "
+                                 f"({smem // 1024} KiB asked), got {self}")
+
+
+# The GEMM kinds of the fused path: the m-grouped "gate_up" (SwiGLU forward, N = F, K = D), "down" (N = D,
+# K = F), "dgrad_swiglu" (dY @ W2 with the SwiGLU backward, N = F, K = D), "dgrad" (dGU @ W13, N = D, K = 2F),
+# and the k-grouped "wgrad" (weight gradients, an [E, M, N] output).
+GEMM_KINDS = ("gate_up", "down", "dgrad_swiglu", "dgrad", "wgrad")
+TileKey = Union[str, tuple[str, int, int]]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Kernel choices of the fused path, passed down as an argument (``MoE(..., kernel_config=)``, the
+    functional entries, the autograd functions, the GEMM launchers). The default (no overrides) is the
+    checked-in tile table, a pure function of shape (megamoe.ops.tile_config). For A/B runs, sweeps and
+    tests.
+
+    tiles: ``{key: GemmConfig}``; key a GEMM kind of :data:`GEMM_KINDS` (every shape of that kind), or
+        ``(kind, a, b)`` for one shape (m-grouped: (N, K); "wgrad": the (M, N) of its [E, M, N] output), which
+        wins over the kind's entry. Only 16-bit GEMMs on the GPU follow them (fp32 GEMMs and the interpreter
+        keep their fixed configs). A "wgrad" entry with ``torch_mm`` runs ``torch._grouped_mm`` wherever the
+        operands allow (a W = 1 backward then copies its rows into row order for it); any other "wgrad" entry
+        runs megamoe's own kernels with its tiles (Gluon ones where the device and operands allow, else
+        Triton). Stored as a tuple of (key, config) pairs, so the object stays hashable.
+
+    Bits: only BLOCK_K (the reduction order) can change results; an entry whose BLOCK_K differs from the
+    table's changes them (``megamoe.ops.tile_config.parse_tiles``, the text form the benchmark takes,
+    refuses that). Everything else here was verified on H200 not to change bits.
+    """
+
+    tiles: Mapping[TileKey, GemmConfig] | tuple[tuple[TileKey, GemmConfig], ...] = ()
+
+    def __post_init__(self) -> None:
+        items = tuple(self.tiles.items()) if isinstance(self.tiles, Mapping) else tuple(self.tiles)
+        seen = set()
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError(f"KernelConfig: tiles must map a kind or (kind, a, b) to a GemmConfig, got {item!r}")
+            key, cfg = item
+            kind = key[0] if isinstance(key, tuple) else key
+            shape_ok = not isinstance(key, tuple) or (
+                len(key) == 3 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in key[1:]))
+            if kind not in GEMM_KINDS or not shape_ok:
+                raise ValueError(f"KernelConfig: tile key {key!r} must be a kind of {GEMM_KINDS} or (kind, a, b) "
+                                 f"with positive ints a, b")
+            if not isinstance(cfg, GemmConfig):
+                raise TypeError(f"KernelConfig: tiles[{key!r}] must be a GemmConfig, got {type(cfg).__name__}")
+            if kind != "wgrad" and (cfg.torch_mm or cfg.gluon or cfg.warp_specialized or cfg.resident_chunks):
+                raise ValueError(f"KernelConfig: tiles[{key!r}]: torch_mm, gluon, warp_specialized and "
+                                 f"resident_chunks are weight-gradient (wgrad) fields, got {cfg}")
+            if key in seen:
+                raise ValueError(f"KernelConfig: tile key {key!r} is given twice")
+            seen.add(key)
+        object.__setattr__(self, "tiles", items)
+
+    def tile(self, kind: str, a: int, b: int) -> GemmConfig | None:
+        """The entry for (kind, a, b), else the kind's entry, else None (the table decides)."""
+        found = None
+        for key, cfg in self.tiles:
+            if key == (kind, a, b):
+                return cfg
+            if key == kind:
+                found = cfg
+        return found
+
+
+@dataclass(frozen=True)
+class EPOptions:
+    """Variants of the NVLink (symmetric-memory) expert-parallel exchange (megamoe.ops.ep_dispatch), passed
+    as ``MoE(..., ep_options=)`` or ``moe_experts_ep(..., options=)``. All off by default: measured only at
+    W = 1 (docs/perf.md), where there is no NVLink traffic to hide; to measure over NVLink (docs/ep.md).
+    None of them changes bits: the same kernels see the same rows.
+
+    pull_programs: n > 0 runs round 0's pull as n persistent programs beside the first expert GEMM that reads
+        its rows (forward gate/up; backward dgrad + SwiGLU when the pre-activations are kept), which waits
+        (bounded) per 32-row block (megamoe.ops.ep_comm.pull_beside); 0 pulls first. 0..128.
+    comm_sms: n > 0 runs the shared expert on a high-priority side stream beside the schedule build and round
+        0's pull, its persistent GEMMs leaving n SMs to them (n at or above the GPU's SM count leaves them one
+        program: slow, not wrong); 0 runs it inline on the current stream. 0..64.
+    push_kernel: store the result rows (forward y, backward dx) into a (C, D) round buffer and copy them to
+        the owners' slots with the separate push kernel, instead of storing them from the GEMM epilogue (the
+        earlier path; also a test reference). The epilogue path also falls back to it when the workspace has
+        no aligned slot-offset table.
+    """
+
+    pull_programs: int = 0
+    comm_sms: int = 0
+    push_kernel: bool = False
+
+    def __post_init__(self) -> None:
+        for name, hi in (("pull_programs", 128), ("comm_sms", 64)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
+                raise ValueError(f"EPOptions: {name} must be an integer in [0, {hi}], got {v!r}")
+        if not isinstance(self.push_kernel, bool):
+            raise TypeError(f"EPOptions: push_kernel must be a bool, got {self.push_kernel!r}")

@@ -62,7 +62,7 @@ STAGE_NAMES = {1: "dispatch: waiting for the peer's routing plan and token rows"
                4: "schedule: received rows exceed the launched rounds (a peer's plan above this workspace's "
                   "max_tokens: workspaces of different sizes across ranks?)",
                5: "expert GEMM: waiting for this rank's own pull of the round's rows, running beside it "
-                  "(MEGAMOE_EP_PULL_OVERLAP)"}
+                  "(EPOptions.pull_programs)"}
 
 
 class EPTimeoutError(RuntimeError):
@@ -209,7 +209,7 @@ class EPWorkspace:
             return (f"megamoe EP rank {self.rank} of {self.world}: timed out after {self.timeout_s:g} s in stage "
                     f"'{what}' (exchange epoch {epoch} mod 65536): a block of rows the GEMM needs was not flagged in "
                     "time (a pull slower than timeout_s, or a schedule / round-offset mismatch: a bug); "
-                    "MEGAMOE_EP_PULL_OVERLAP=0 runs the pull before the GEMM")
+                    "EPOptions(pull_programs=0) runs the pull before the GEMM")
         return f"megamoe EP rank {self.rank} of {self.world}: {what} (exchange epoch {epoch} mod 65536)"
 
     def check(self) -> None:

@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from .config import KernelConfig
 from .validation import check_expert_inputs
 
 __all__ = ["moe_experts", "router_logits"]
@@ -24,7 +25,8 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                 w13_EGD: torch.Tensor, w2_EDF: torch.Tensor, shared_w13_HD: torch.Tensor | None = None,
-                shared_w2_DS: torch.Tensor | None = None, *, backend: str = "fused") -> torch.Tensor:
+                shared_w2_DS: torch.Tensor | None = None, *, backend: str = "fused",
+                kernel_config: KernelConfig | None = None) -> torch.Tensor:
     """Routed + shared SwiGLU experts and combine for precomputed routing: (T, D) -> (T, D).
 
     out[t] = cast(sum_{k=0..K-1} w[t,k] * y[t,k] + shared(x[t])),  y[t,k] = FFN_{ids[t,k]}(x[t]),
@@ -39,6 +41,8 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
         w2_EDF: (E, D, F), x's dtype.
         shared_w13_HD: optional (2S, D); shared_w2_DS: optional (D, S); both or neither.
         backend: "fused" (Triton; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or "reference".
+        kernel_config: "fused" only: tile overrides (:class:`megamoe.config.KernelConfig`; None: the
+            checked-in table). Never changes results unless an entry changes BLOCK_K.
 
     Returns:
         out_TD: (T, D) in x's dtype. Differentiable w.r.t. x, topk_weights, w13, w2 and the shared weights.
@@ -53,6 +57,9 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
     """
     if backend not in ("fused", "reference"):
         raise ValueError(f"moe_experts: backend must be 'fused' or 'reference', got {backend!r}")
+    if kernel_config is not None and not isinstance(kernel_config, KernelConfig):
+        raise TypeError(f"moe_experts: kernel_config must be a megamoe.config.KernelConfig or None, got "
+                        f"{type(kernel_config).__name__}")
     check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
     if backend == "reference":
         from . import reference  # the plain-PyTorch specification, imported only when asked for
@@ -69,7 +76,7 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
     c = torch.Tensor.contiguous
     shared = (None, None) if shared_w13_HD is None else (c(shared_w13_HD), c(shared_w2_DS))
     return MoEExpertsFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_EGD), c(w2_EDF), *shared,
-                                    LocalDispatcher(w13_EGD.shape[0]))
+                                    LocalDispatcher(w13_EGD.shape[0], kernel_config or KernelConfig()))
 
 
 def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .config import EPOptions, KernelConfig
 from .validation import check_expert_inputs
 
 __all__ = ["moe_experts_ep", "moe_experts_ep_workspace"]
@@ -23,7 +24,8 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                    w13_LGD: torch.Tensor, w2_LDF: torch.Tensor, shared_w13_HD: torch.Tensor | None = None,
                    shared_w2_DS: torch.Tensor | None = None, *, group, capacity_rows: int | None = None,
-                   timeout_s: float = 10.0, save_preact: bool = True, save_dispatched: bool = True) -> torch.Tensor:
+                   timeout_s: float = 10.0, save_preact: bool = True, save_dispatched: bool = True,
+                   options: EPOptions | None = None, kernel_config: KernelConfig | None = None) -> torch.Tensor:
     """Routed + shared SwiGLU experts and combine with the routed experts sharded over ``group``.
 
     Rank r of ``group`` owns global experts [r*L, (r+1)*L). Each rank passes its own tokens; the global
@@ -58,6 +60,10 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
             layers; when memory is short, turn this off first (it saves far less time than
             ``save_preact``: +9 to +11 ms per call at W = 1 without the pre-activations). Same bits either
             way. Neither is kept when no backward can follow (grad mode off, or no input requires grad).
+        options: variants of the exchange (:class:`megamoe.config.EPOptions`; None: all off, the default
+            path). The same bits either way.
+        kernel_config: tile overrides of the expert GEMMs (:class:`megamoe.config.KernelConfig`; None: the
+            checked-in table).
 
     Returns:
         out_TD: (T, D) in x's dtype, this rank's tokens. Differentiable w.r.t. x, topk_weights, the
@@ -89,12 +95,14 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
                        num_experts=W * w13_LGD.shape[0], dtype=x_TD.dtype, device=x_TD.device)
     return moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD,
                                     shared_w2_DS, workspace=ws, capacity_rows=capacity_rows, timeout_s=timeout_s,
-                                    save_preact=save_preact, save_dispatched=save_dispatched, validated=True)
+                                    save_preact=save_preact, save_dispatched=save_dispatched, options=options,
+                                    kernel_config=kernel_config, validated=True)
 
 
 def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD=None,
                              shared_w2_DS=None, *, workspace, capacity_rows: int | None = None,
                              timeout_s: float = 10.0, save_preact: bool = True, save_dispatched: bool = True,
+                             options: EPOptions | None = None, kernel_config: KernelConfig | None = None,
                              validated: bool = False) -> torch.Tensor:
     """:func:`moe_experts_ep` on an explicit :class:`megamoe.distributed.EPWorkspace` (also a CPU
     workspace of shared-memory buffers under TRITON_INTERPRET=1, for tests). Same contract."""
@@ -122,6 +130,10 @@ def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF
     for name, flag in (("save_preact", save_preact), ("save_dispatched", save_dispatched)):
         if not isinstance(flag, bool):
             raise TypeError(f"moe_experts_ep: {name} must be a bool, got {flag!r}")
+    for name, value, cls in (("options", options, EPOptions), ("kernel_config", kernel_config, KernelConfig)):
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(f"moe_experts_ep: {name} must be a megamoe.config.{cls.__name__} or None, got "
+                            f"{type(value).__name__}")
     ws.timeout_s = float(timeout_s)
     ws.check_lazy()
     rounds = max_rounds(s, capacity_rows)
@@ -132,7 +144,8 @@ def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF
         t is not None and t.requires_grad
         for t in (x_TD, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS))
     dispatcher = NVLinkDispatcher(ws, capacity_rows=capacity_rows, rounds=rounds, timeout_s=float(timeout_s),
-                                  save_preact=save_preact and grad, save_dispatched=save_dispatched and grad)
+                                  save_preact=save_preact and grad, save_dispatched=save_dispatched and grad,
+                                  options=options or EPOptions(), kernel_config=kernel_config or KernelConfig())
     out = MoEExpertsFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_LGD), c(w2_LDF), *shared,
                                    dispatcher)
     if not out.is_cuda:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import MoEConfig
+from .config import EPOptions, KernelConfig, MoEConfig
 from .functional import FUSED_DTYPES
 from .router import route, router_logits, seq_balance_loss, tokens_per_expert, update_expert_bias_
 from .validation import check_same_across_ranks
@@ -118,11 +118,13 @@ class RoutedExperts(nn.Module):
     """
 
     def __init__(self, num_local_experts: int, hidden: int, ffn: int, *, device, dtype: torch.dtype, backend: str,
-                 group, ep_save_preact: bool, ep_save_dispatched: bool):
+                 group, ep_save_preact: bool, ep_save_dispatched: bool, kernel_config: KernelConfig | None = None,
+                 ep_options: EPOptions | None = None):
         super().__init__()
         L, D, F = num_local_experts, hidden, ffn
         self.backend, self.group, self.ep_save_preact = backend, group, ep_save_preact
         self.ep_save_dispatched = ep_save_dispatched
+        self.kernel_config, self.ep_options = kernel_config, ep_options
         self.w13_LGD = nn.Parameter(torch.empty(L, 2 * F, D, device=device, dtype=dtype))
         self.w2_LDF = nn.Parameter(torch.empty(L, D, F, device=device, dtype=dtype))
 
@@ -134,12 +136,13 @@ class RoutedExperts(nn.Module):
         if self.group is not None:
             from .functional_ep import moe_experts_ep
             return moe_experts_ep(*args, group=self.group, save_preact=self.ep_save_preact,
-                                  save_dispatched=self.ep_save_dispatched)
+                                  save_dispatched=self.ep_save_dispatched, options=self.ep_options,
+                                  kernel_config=self.kernel_config)
         if self.backend == "reference":
             from .reference import moe_experts as reference_moe_experts
             return reference_moe_experts(*args)
         from .functional import moe_experts
-        return moe_experts(*args, backend="fused")
+        return moe_experts(*args, backend="fused", kernel_config=self.kernel_config)
 
 
 _MOVED_KEYS = {"router_w_ED": "router.w_ED", "w13_LGD": "experts.w13_LGD", "w2_LDF": "experts.w2_LDF",
@@ -203,6 +206,10 @@ class MoE(nn.Module):
             weights; same bits either way (``save_dispatched``). Both are held per layer call until its
             backward, so they add up across a model's layers: when memory is short, turn this one off
             first (it saves far less time than ep_save_preact).
+        kernel_config: fused backend only: tile overrides of the expert GEMMs (:class:`megamoe.config.KernelConfig`,
+            for A/B runs and sweeps; None: the checked-in table).
+        ep_options: fused backend with a group only: variants of the NVLink exchange
+            (:class:`megamoe.config.EPOptions`, all off by default; to measure over NVLink). Same bits either way.
 
     Parameters (names carry shapes), in three submodules: ``router.w_ED`` fp32 (:class:`Router`),
     ``experts.w13_LGD`` / ``experts.w2_LDF`` (:class:`RoutedExperts`) and ``shared_expert.w13_HD`` /
@@ -233,14 +240,15 @@ class MoE(nn.Module):
     training-mode forward with an aux loss (``seq_aux_loss_coef > 0``) under ``torch.no_grad()``, which
     includes reentrant activation checkpointing's first forward: its aux loss could not train the router
     (use ``use_reentrant=False``, or ``moe.eval()`` for forwards without gradients); TypeError for a
-    group that is not a ProcessGroup, a non-floating input or a non-bool ep_save_preact / ep_save_dispatched;
-    FloatingPointError for non-finite router logits on CPU under ``nan_policy="raise"`` (on CUDA a device-side
-    assert, no sync).
+    group that is not a ProcessGroup, a non-floating input, a non-bool ep_save_preact / ep_save_dispatched or a
+    kernel_config / ep_options of another type; FloatingPointError for non-finite router logits on CPU under
+    ``nan_policy="raise"`` (on CUDA a device-side assert, no sync).
     """
 
     def __init__(self, config: MoEConfig, *, backend: str = "reference", group=None, dp_group=None,
                  device=None, seed: int | None = None, ep_save_preact: bool = True,
-                 ep_save_dispatched: bool = True):
+                 ep_save_dispatched: bool = True, kernel_config: KernelConfig | None = None,
+                 ep_options: EPOptions | None = None):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"megamoe.MoE: config must be a MoEConfig, got {type(config).__name__}")
@@ -259,6 +267,10 @@ class MoE(nn.Module):
         for name, flag in (("ep_save_preact", ep_save_preact), ("ep_save_dispatched", ep_save_dispatched)):
             if not isinstance(flag, bool):
                 raise TypeError(f"megamoe.MoE: {name} must be a bool, got {flag!r}")
+        for name, value, cls in (("kernel_config", kernel_config, KernelConfig), ("ep_options", ep_options, EPOptions)):
+            if value is not None and not isinstance(value, cls):
+                raise TypeError(f"megamoe.MoE: {name} must be a megamoe.config.{cls.__name__} or None, got "
+                                f"{type(value).__name__}")
         if config.top_k == 1 and config.norm_topk_prob:
             warnings.warn("megamoe.MoE: top_k=1 with norm_topk_prob=True makes every routing weight s/s = 1 "
                           "(times routed_scaling_factor), so the router gets no gradient from the main loss, only "
@@ -289,7 +301,8 @@ class MoE(nn.Module):
         # registered in this order, so parameters() keeps the order of the earlier flat layout
         self.router = Router(E, D, device=device, backend=backend)
         self.experts = RoutedExperts(L, D, F, device=device, dtype=c.dtype, backend=backend, group=group,
-                                     ep_save_preact=ep_save_preact, ep_save_dispatched=ep_save_dispatched)
+                                     ep_save_preact=ep_save_preact, ep_save_dispatched=ep_save_dispatched,
+                                     kernel_config=kernel_config, ep_options=ep_options)
         self.shared_expert = SharedExpert(D, S, device=device, dtype=c.dtype) if S else None
         self.register_buffer("expert_bias_E", torch.zeros(E, device=device) if c.use_expert_bias else None)
         self.register_buffer("counts_since_update_E", torch.zeros(E, dtype=torch.int64, device=device),

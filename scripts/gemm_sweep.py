@@ -20,9 +20,8 @@ import sys
 
 import torch
 
-from megamoe.config import get_preset
-from megamoe.ops import (GemmConfig, build_routing_plan, down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm,
-                         swiglu_dgrad, tile_config)
+from megamoe.config import GemmConfig, KernelConfig, get_preset
+from megamoe.ops import build_routing_plan, down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm, swiglu_dgrad
 
 dev = torch.device("cuda")
 
@@ -51,15 +50,11 @@ def routing(T, E, K, balanced, g):
 
 
 def _plain_candidates():
-    """down / dgrad: session 7's warp-specialized Gluon kernel (cooperative 128x256 at 3-4 ring slots, ping-pong
-    128x128 at 5; run 1 also had ping-pong at 4 and 6), interleaved with the Triton kernel (the table's 128x256
-    entry, twice, to see the drift within one sweep) and the persistent Gluon kernel of session 6."""
+    """down / dgrad: the table's 128x256 entry (twice, to see the drift within one sweep), more stages, and
+    128x128 tiles."""
     G = GemmConfig
-    ws = dict(tma_b=True, tma_a=True, gluon=True, warp_specialized=True)
-    return [G(128, 256, 64, 8, 4, **ws), G(128, 256, 64, 8, 3, tma_b=True, tma_a=True),
-            G(128, 128, 64, 8, 5, **ws), G(128, 256, 64, 8, 3, **ws),
-            G(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True),
-            G(128, 256, 64, 8, 4, **ws), G(128, 256, 64, 8, 3, tma_b=True, tma_a=True)]
+    return [G(128, 256, 64, 8, 3, tma_b=True, tma_a=True), G(128, 256, 64, 8, 4, tma_b=True, tma_a=True),
+            G(128, 128, 64, 8, 4, tma_b=True, tma_a=True), G(128, 256, 64, 8, 3, tma_b=True, tma_a=True)]
 
 
 def candidates(kind):
@@ -100,35 +95,37 @@ def sweep(name, T, balanced, log, only=None):
     dy = torch.randn_like(x)
     scale = w.reshape(-1).index_select(0, plan.row_src_N).float()
     dgu, hw, _ = swiglu_dgrad(dy, w2, off, gu, gather_idx_R=tok, row_scale_R=scale)
+    # each GEMM as fn(kernel_config): the config under test comes as a KernelConfig entry for its (kind, a, b)
     gemms = {
-        "gate_up": (lambda: gate_up_swiglu(x, w13, off, gather_idx_R=tok), ("gate_up", F, D), 4 * N * D * F,
-                    2 * E * F * D * 2),
-        "down": (lambda: (down_proj(h, w2, off),), ("down", D, F), 2 * N * D * F, E * D * F * 2),
-        "dgrad_swiglu": (lambda: swiglu_dgrad(dy, w2, off, gu, gather_idx_R=tok, row_scale_R=scale),
-                         ("dgrad_swiglu", F, D), 2 * N * D * F, E * D * F * 2),
-        "dgrad": (lambda: (grouped_mm_nn(dgu, w13, off),), ("dgrad", D, 2 * F), 4 * N * D * F, 2 * E * F * D * 2),
-        "wgrad13": (lambda: (k_grouped_mm(dgu, x, off, q_idx_R=tok),), ("wgrad", 2 * F, D), 4 * N * D * F,
-                    2 * E * F * D * 2),
-        "wgrad2": (lambda: (k_grouped_mm(dy, hw, off, p_idx_R=tok),), ("wgrad", D, F), 2 * N * D * F, E * D * F * 2),
+        "gate_up": (lambda kc: gate_up_swiglu(x, w13, off, gather_idx_R=tok, kernel_config=kc), ("gate_up", F, D),
+                    4 * N * D * F, 2 * E * F * D * 2),
+        "down": (lambda kc: (down_proj(h, w2, off, kernel_config=kc),), ("down", D, F), 2 * N * D * F, E * D * F * 2),
+        "dgrad_swiglu": (lambda kc: swiglu_dgrad(dy, w2, off, gu, gather_idx_R=tok, row_scale_R=scale,
+                                                 kernel_config=kc), ("dgrad_swiglu", F, D), 2 * N * D * F,
+                         E * D * F * 2),
+        "dgrad": (lambda kc: (grouped_mm_nn(dgu, w13, off, kernel_config=kc),), ("dgrad", D, 2 * F), 4 * N * D * F,
+                  2 * E * F * D * 2),
+        "wgrad13": (lambda kc: (k_grouped_mm(dgu, x, off, q_idx_R=tok, kernel_config=kc),), ("wgrad", 2 * F, D),
+                    4 * N * D * F, 2 * E * F * D * 2),
+        "wgrad2": (lambda kc: (k_grouped_mm(dy, hw, off, p_idx_R=tok, kernel_config=kc),), ("wgrad", D, F),
+                   2 * N * D * F, E * D * F * 2),
     }
     rows = []
     tag = f"{name} T={T}{' balanced' if balanced else ''}"
     for label, (fn, key, flop, wbytes) in gemms.items():
         if only and not any(label.startswith(o) for o in only):
             continue
-        base_cfg = tile_config._OVERRIDES.pop(key, None)
         ref = None
-        for cand in [base_cfg] + candidates(key[0]):
-            if cand is not None:
-                tile_config._OVERRIDES[key] = cand
+        for cand in [None] + candidates(key[0]):
+            kc = KernelConfig({key: cand} if cand is not None else {})
             shown = str(cand) if cand is not None else "table default"
             try:
-                out = [t.clone() for t in fn() if t is not None]
+                out = [t.clone() for t in fn(kc) if t is not None]
                 if ref is None:
                     ref, same = out, True
                 else:
                     same = all(torch.equal(a, b) for a, b in zip(ref, out))
-                ms = timeit(fn)
+                ms = timeit(lambda: fn(kc))
                 r = dict(case=tag, gemm=label, config=shown, ms=ms, tflops=flop / ms / 1e9,
                          weight_gbs=wbytes / ms / 1e6, bitwise_equal=same)
                 rows.append(r)
@@ -136,9 +133,6 @@ def sweep(name, T, balanced, log, only=None):
                     f"{wbytes / ms / 1e6:5.0f} GB/s weights  bitwise {'==' if same else 'DIFFERENT'}")
             except Exception as exc:  # noqa: BLE001 - record and go on
                 log(f"  {tag:28s} {label:13s} {shown} FAILED {type(exc).__name__}: {str(exc)[:300]}")
-            tile_config._OVERRIDES.pop(key, None)
-        if base_cfg is not None:
-            tile_config._OVERRIDES[key] = base_cfg
     return rows
 
 
@@ -158,11 +152,10 @@ def layer(name, T, rows, log):
     s2 = (torch.randn(D, S, generator=g, device=dev) / S ** 0.5).bfloat16().requires_grad_() if S else None
     params = [p for p in (x, w, w13, w2, s13, s2) if p is not None]
     dout = torch.randn_like(x)
-    fb = lambda: [t.clone() for t in torch.autograd.grad(moe_experts(x, ids, w, w13, w2, s13, s2, backend="fused"),
-                                                         params, dout)]
+    fb = lambda kc=None: [t.clone() for t in torch.autograd.grad(
+        moe_experts(x, ids, w, w13, w2, s13, s2, backend="fused", kernel_config=kc), params, dout)]
     keys = {"gate_up": ("gate_up", F, D), "down": ("down", D, F), "dgrad_swiglu": ("dgrad_swiglu", F, D),
             "dgrad": ("dgrad", D, 2 * F), "wgrad13": ("wgrad", 2 * F, D), "wgrad2": ("wgrad", D, F)}
-    saved = dict(tile_config._OVERRIDES)
     base_out = fb()
     t0 = timeit(fb, iters=6)
     best = {}
@@ -170,14 +163,11 @@ def layer(name, T, rows, log):
         ok = [r for r in rows if r["case"] == f"{name} T={T}" and r.get("gemm") == label and r["bitwise_equal"]]
         if ok:
             best[label] = min(ok, key=lambda r: r["ms"])["config"]
-    for label, shown in best.items():
-        if shown != "table default":
-            tile_config._OVERRIDES[keys[label]] = eval(shown, {"GemmConfig": GemmConfig})  # noqa: S307 - our repr
-    out = fb()
+    kc = KernelConfig({keys[label]: eval(shown, {"GemmConfig": GemmConfig})  # noqa: S307 - our repr
+                       for label, shown in best.items() if shown != "table default"})
+    out = fb(kc)
     same = all(torch.equal(a, b) for a, b in zip(base_out, out))
-    t1 = timeit(fb, iters=6)
-    tile_config._OVERRIDES.clear()
-    tile_config._OVERRIDES.update(saved)
+    t1 = timeit(lambda: fb(kc), iters=6)
     log(f"LAYER {name} T={T} fwd+bwd: table {t0:.2f} ms, best-per-GEMM {t1:.2f} ms ({t0 / t1:.2f}x), "
         f"gradients bitwise {'==' if same else 'DIFFERENT'}; best: {best}")
     return dict(case=f"{name} T={T}", table_ms=t0, best_ms=t1, bitwise_equal=same, best=best)

@@ -145,27 +145,50 @@ def test_cli_errors_and_help(capsys):
     assert main(["--device", "cpu", "--cases", "tiny:4", "--providers", "bogus"]) == 2
 
 
-def test_ab_summary_groups_runs_by_recorded_switches(tmp_path):
+def test_variant_flags_become_config_objects():
+    """``--tiles`` and ``--ep-*`` become the megamoe providers' KernelConfig / EPOptions (None where all are the
+    defaults), bad values are a ValueError (main returns 2), and the run's metadata records the variant and the
+    ``--commit`` given."""
+    from megamoe.bench.report import run_metadata
+    from megamoe.bench.runner import kernel_choices
+    from megamoe.config import EPOptions, GemmConfig
+
+    parse = lambda *a: build_parser().parse_args(["--cases", "tiny:4", *a])  # noqa: E731
+    args = parse("--tiles", "down:128,256,64,8,3", "--ep-comm-sms", "16", "--ep-push-kernel", "--commit", "abc123")
+    kc, ep = kernel_choices(args)
+    assert kc.tile("down", 64, 32) == GemmConfig(128, 256, 64, 8, 3) and kc.tile("dgrad", 64, 32) is None
+    assert ep == EPOptions(comm_sms=16, push_kernel=True)
+    assert kernel_choices(parse()) == (None, None)
+    meta = run_metadata(torch.device("cpu"), 1, vars(args))
+    assert meta["commit"].startswith("abc123")
+    assert meta["variant"] == {"tiles": "down:128,256,64,8,3", "ep_comm_sms": 16, "ep_push_kernel": True}
+    for bad in (("--tiles", "down:128,128,32,8,3"), ("--ep-pull-programs", "200"), ("--ep-comm-sms", "-1")):
+        with pytest.raises(ValueError):
+            kernel_choices(parse(*bad))
+    assert main(["--device", "cpu", "--cases", "tiny:4", "--tiles", "nope:1"]) == 2
+
+
+def test_ab_summary_groups_runs_by_recorded_variant(tmp_path):
     from megamoe.bench.ab_summary import load_runs, summarize
 
-    def write(folder, env, ms, status="ok"):
+    def write(folder, variant, ms, status="ok", key="variant"):
         row = dict(preset="qwen3-30b-a3b", tokens=16384, routing="uniform", provider="megamoe", status=status,
                    fwdbwd_ms=ms)
         (tmp_path / folder).mkdir()
-        (tmp_path / folder / "results.json").write_text(json.dumps({"meta": {"env": env}, "results": [row]}))
+        (tmp_path / folder / "results.json").write_text(json.dumps({"meta": {key: variant}, "results": [row]}))
 
-    write("abtiles_r1_0", {"MEGAMOE_TILES": ""}, 8.40)
-    write("abtiles_r1_1", {"MEGAMOE_TILES": "dgrad_swiglu:128,256,64,8,3,tma_b=1"}, 8.20)
-    write("abtiles_r1_2", {"MEGAMOE_PERMUTED_DY": "1", "MEGAMOE_TILES": ""}, 9.00, status="fail")
-    write("abtiles_r2_0", {}, 8.60)
-    write("abtiles_r2_1", {"MEGAMOE_TILES": "dgrad_swiglu:128,256,64,8,3,tma_b=1"}, 8.30)
+    write("abtiles_r1_0", {}, 8.40)
+    write("abtiles_r1_1", {"tiles": "dgrad_swiglu:128,256,64,8,3,tma_b=1"}, 8.20)
+    write("abtiles_r1_2", {"ep_comm_sms": 16}, 9.00, status="fail")
+    write("abtiles_r2_0", {"MEGAMOE_TILES": ""}, 8.60, key="env")  # an older run's record of its switches
+    write("abtiles_r2_1", {"tiles": "dgrad_swiglu:128,256,64,8,3,tma_b=1"}, 8.30)
     (tmp_path / "abtiles_r1_0.log").write_text("not json")  # what a shell glob also names
     runs = load_runs([str(p) for p in sorted(tmp_path.iterdir())])
     assert [g for g, _ in runs].count("table") == 2
     text = summarize(runs).splitlines()
     table = next(ln for ln in text if " table " in ln)
     assert "8.40 8.60" in table and "8.50" in table  # both repetitions and their median
-    cand = next(ln for ln in text if "MEGAMOE_TILES=dgrad_swiglu" in ln)
+    cand = next(ln for ln in text if "tiles=dgrad_swiglu" in ln)
     assert "8.20 8.30" in cand and "-0.25 (-2.9%)" in cand
-    failed = next(ln for ln in text if "MEGAMOE_PERMUTED_DY=1" in ln)
+    failed = next(ln for ln in text if "ep_comm_sms=16" in ln)
     assert "(fail)" in failed and "9.00" not in failed  # a failed check is never timed into the table

@@ -84,3 +84,29 @@ def test_get_preset_names_valid_fields_for_an_unknown_override():
     with pytest.raises(TypeError, match=r"unknown MoEConfig field\(s\) \['topk'\]; valid fields: .*top_k"):
         get_preset("tiny", topk=3)
     assert get_preset("tiny", top_k=1).top_k == 1
+
+
+def test_execution_options_are_frozen_defaults_and_validated():
+    """EPOptions: all off by default, frozen, hashable; bad values raise naming the field and the value (a bad
+    value cannot reach an exchange, where it would leave the peers waiting). KernelConfig: no overrides by
+    default (tests/test_tile_config.py covers its entries). Importing them does not import triton."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from megamoe.config import EPOptions, KernelConfig
+
+    assert EPOptions() == EPOptions(pull_programs=0, comm_sms=0, push_kernel=False) and hash(EPOptions()) is not None
+    assert KernelConfig().tiles == () and KernelConfig().tile("down", 1, 1) is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        EPOptions().comm_sms = 16
+    for kwargs, match in (({"pull_programs": 129}, "pull_programs must be an integer in \\[0, 128\\], got 129"),
+                          ({"pull_programs": -1}, "pull_programs"), ({"pull_programs": True}, "pull_programs"),
+                          ({"comm_sms": 65}, "comm_sms must be an integer in \\[0, 64\\], got 65"),
+                          ({"comm_sms": "16"}, "comm_sms"), ({"comm_sms": 1.5}, "comm_sms")):
+        with pytest.raises(ValueError, match=match):
+            EPOptions(**kwargs)
+    with pytest.raises(TypeError, match="push_kernel must be a bool"):
+        EPOptions(push_kernel="kernel")
+    code = "import sys, megamoe.config; assert 'triton' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

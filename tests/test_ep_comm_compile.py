@@ -53,7 +53,7 @@ def test_pull_rows_in_16_byte_vectors_when_aligned(bwd, pull_x, aligned):
 
 @pytest.mark.parametrize("bwd", [False, True])
 def test_pull_beside_a_gemm_flags_its_blocks_and_lets_the_gemm_launch(bwd):
-    """READY + PDL (MEGAMOE_EP_PULL_OVERLAP): the same 16-byte row copies, one release store of a block's flag
+    """READY + PDL (EPOptions.pull_programs): the same 16-byte row copies, one release store of a block's flag
     at GPU scope after a CTA barrier, ``griddepcontrol.launch_dependents`` (the GEMM beside it may launch);
     without them neither appears."""
     from megamoe.kernels.ep_comm import ep_dispatch_kernel

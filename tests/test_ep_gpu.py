@@ -18,13 +18,14 @@ below assert on it. Proves, for each W, bf16:
     ``torch.cuda.set_sync_debug_mode("error")``; CUDA-graph capture and replay (forward, and forward +
     backward in one graph); a peer that never calls gives EPTimeoutError naming rank and stage within a
     few seconds (W > 1);
-  * the weight gradients through ``torch._grouped_mm`` keep every bit, forced (``MEGAMOE_TORCH_WGRAD=1``,
-    case "torch_wgrad") and where the table picks it on the EP path's contiguous receive buffers (case
-    "torch_table", 256 rows and more per local expert); call counts show which kernel ran on which side;
+  * the weight gradients through ``torch._grouped_mm`` keep every bit, forced (a torch_mm "wgrad"
+    entry of the KernelConfig, case "torch_wgrad") and where the table picks it on the EP path's contiguous receive
+    buffers (case "torch_table", 256 rows and more per local expert); call counts show which kernel ran on which
+    side;
   * result rows stored from the GEMM epilogue into the owners' slots (the default) and through the separate
-    push kernel (``MEGAMOE_EP_PUSH=kernel``, case "push_kernel") give the same bits;
+    push kernel (``EPOptions(push_kernel=True)``, case "push_kernel") give the same bits;
   * the shared expert inline on one stream (the default), beside the exchange on the side stream with 16 SMs
-    left to the exchange (``MEGAMOE_EP_COMM_SMS=16``, case "overlap", also under CUDA-graph capture and the
+    left to the exchange (``EPOptions(comm_sms=16)``, case "overlap", also under CUDA-graph capture and the
     sync check) and with 64 (case "comm_sms_64") give the same bits; a record of each shared-expert block
     shows which way ran and the SM budget inside it.
 At W = 1 the "zero_tokens" and "one_rank" cases are plain routings of one rank (no peer to leave empty).
@@ -45,9 +46,10 @@ import time
 import pytest
 import torch
 
-from ep_utils import (ep_inputs, expert_counts, model_rounds, rank_device, shared_gpu, spawn_ranks,
-                      split_experts, temp_env)
+from ep_utils import ep_inputs, expert_counts, model_rounds, rank_device, shared_gpu, spawn_ranks, split_experts
 from ep_utils import leaf as _leaf
+
+from megamoe.config import EPOptions, GemmConfig, KernelConfig
 
 pytestmark = [pytest.mark.gpu]
 
@@ -64,12 +66,16 @@ def _inputs(Ts, kind, seed, dev, dtype=torch.bfloat16):
     return ep_inputs(Ts, kind, seed, dev, E=_num_experts(len(Ts)), D=D, F=F, S=S, K=K, dtype=dtype)
 
 
-def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None, save=(True, True)):
-    """One routing case; with ``env`` set for its duration, and ``save`` = (save_preact, save_dispatched)
-    of the EP calls (the defaults: both kept). Counts the calls of torch's weight-gradient
-    kernel (megamoe.ops.grouped_gemm.torch_wgrad) on the EP side ("ep_torch_calls": the repeated EP runs)
-    and in the EP=1 fused run it is compared with ("fused_torch_calls"), so a case can check which
-    kernel ran where."""
+# a "wgrad" entry that sends every weight gradient to torch._grouped_mm wherever the operands allow
+TORCH_WGRAD = KernelConfig({"wgrad": GemmConfig(128, 128, 64, 8, 3, torch_mm=True)})
+
+
+def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, options=None, kernels=None, save=(True, True)):
+    """One routing case; with the EP ``options`` (EPOptions) and ``kernels`` (KernelConfig, both sides), and
+    ``save`` = (save_preact, save_dispatched) of the EP calls (the defaults: both kept). Counts the calls of
+    torch's weight-gradient kernel (megamoe.ops.grouped_gemm.torch_wgrad) on the EP side ("ep_torch_calls": the
+    repeated EP runs) and in the EP=1 fused run it is compared with ("fused_torch_calls"), so a case can check
+    which kernel ran where."""
     import megamoe.ops.ep_comm as ec
     import megamoe.ops.ep_dispatch as ee
     import megamoe.ops.grouped_gemm as gg
@@ -90,11 +96,10 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, env=None, sa
             shared_blocks.append((side is not None, _common.sm_budget(dev), torch.cuda.current_stream(dev) != outer))
             yield
     ee._beside = beside
-    real_pull, pulls = ec.pull_beside, []  # round 0's pulls beside a GEMM (MEGAMOE_EP_PULL_OVERLAP): programs
+    real_pull, pulls = ec.pull_beside, []  # round 0's pulls beside a GEMM (EPOptions.pull_programs): programs
     ec.pull_beside = lambda *a, **kw: pulls.append(kw["programs"]) or real_pull(*a, **kw)
     try:
-        with temp_env(env or {}):
-            r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save)
+        r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save, options, kernels)
         r["fused_torch_calls"] = len(calls) - r["ep_torch_calls"]
         r["row_copies"] = sum(row_copies)
         r["pulls_beside"] = pulls
@@ -122,7 +127,7 @@ def _within(a, b) -> bool:
     return bool((a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max() + 1e-30)
 
 
-def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save):
+def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save, options, kernels):
     from megamoe import reference as ref
     from megamoe.functional import moe_experts
     from megamoe.functional_ep import moe_experts_ep
@@ -136,14 +141,14 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save):
     runs = []
     for _ in range(repeats):
         out = moe_experts_ep(x, ids[rank], w, l13, l2, p13, p2, group=group, capacity_rows=capacity,
-                             save_preact=save[0], save_dispatched=save[1])
+                             save_preact=save[0], save_dispatched=save[1], options=options, kernel_config=kernels)
         runs.append((out.detach(), torch.autograd.grad(out, params, gos[rank])))
     ep_calls = len(calls)
     same = all(torch.equal(runs[0][0], o) and all(torch.equal(a, b) for a, b in zip(runs[0][1], g)) for o, g in runs)
     out, grads = runs[0]
     # EP=1 fused on the global batch
     X, Wt, G13, G2, P13, P2 = (_leaf(t) for t in (torch.cat(xs), torch.cat(ws), w13, w2, s13, s2))
-    o1 = moe_experts(X, torch.cat(ids), Wt, G13, G2, P13, P2, backend="fused")
+    o1 = moe_experts(X, torch.cat(ids), Wt, G13, G2, P13, P2, backend="fused", kernel_config=kernels)
     g1 = torch.autograd.grad(o1, (X, Wt, G13, G2, P13, P2), torch.cat(gos))
     lo = sum(Ts[:rank])
     sl, el = slice(lo, lo + Ts[rank]), slice(rank * L, (rank + 1) * L)
@@ -193,7 +198,7 @@ def _capture(fn, warmups: int):
     return graph, out
 
 
-def _sync_and_graph(rep, tag, group, args, x0, go):
+def _sync_and_graph(rep, tag, group, args, x0, go, options=None):
     """No host sync in forward + backward (after the workspace exists): ``rep["sync_free" + tag]``; CUDA-graph
     capture and replay of the forward equal to eager and following its input: ``graph_same`` / ``graph_moves``;
     the same for forward + backward captured in one graph (the input gradient): ``graph_bwd_same`` /
@@ -204,7 +209,7 @@ def _sync_and_graph(rep, tag, group, args, x0, go):
     x = _leaf(x0)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = moe_experts_ep(*args(x), group=group)
+        out = moe_experts_ep(*args(x), group=group, options=options)
         torch.autograd.grad(out, (x,), go)
         rep["sync_free" + tag] = True
     except RuntimeError as exc:
@@ -212,8 +217,8 @@ def _sync_and_graph(rep, tag, group, args, x0, go):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     static_x = x0.clone()
-    eager = moe_experts_ep(*args(static_x), group=group)
-    graph, static_out = _capture(lambda: moe_experts_ep(*args(static_x), group=group), warmups=1)
+    eager = moe_experts_ep(*args(static_x), group=group, options=options)
+    graph, static_out = _capture(lambda: moe_experts_ep(*args(static_x), group=group, options=options), warmups=1)
     outs = []
     for i in range(3):
         static_x.copy_(x0 * (i + 1))
@@ -223,10 +228,10 @@ def _sync_and_graph(rep, tag, group, args, x0, go):
     graph.replay()
     rep["graph_same" + tag] = torch.equal(static_out, eager)
     rep["graph_moves" + tag] = not torch.equal(outs[0], outs[1])
-    _graph_fwd_bwd(rep, tag, group, args, x0, go)
+    _graph_fwd_bwd(rep, tag, group, args, x0, go, options=options)
 
 
-def _graph_fwd_bwd(rep, tag, group, args, x0, go, capacity=None):
+def _graph_fwd_bwd(rep, tag, group, args, x0, go, capacity=None, options=None):
     """Forward + backward captured in one graph (the backward's exchange; with the overlap its side-stream
     block; with ``capacity`` several rounds and their weight-gradient kernels): every gradient (x, topk
     weights, the local experts' w13 and w2) equal to eager at two inputs: ``graph_bwd_same`` / ``graph_bwd_moves``."""
@@ -236,7 +241,7 @@ def _graph_fwd_bwd(rep, tag, group, args, x0, go, capacity=None):
 
     def step(x):
         leaves = (x, _leaf(w_), _leaf(l13_), _leaf(l2_))
-        out = moe_experts_ep(x, ids_, *leaves[1:], s13_, s2_, group=group, capacity_rows=capacity)
+        out = moe_experts_ep(x, ids_, *leaves[1:], s13_, s2_, group=group, capacity_rows=capacity, options=options)
         return torch.autograd.grad(out, leaves, go)
 
     eager = [step(_leaf(x0 * scale)) for scale in (1, 2)]
@@ -291,30 +296,28 @@ def _suite(rank, W):
              "pull_beside_big_1": (per_rank(1024), "uniform", None, 2)}  # one program: the GEMM outruns it
     saves = {"keep_nothing": (False, False), "keep_gu_only": (True, False), "keep_x_only": (False, True),
              "rounds_keep_x_only": (False, True)}
-    envs = {"torch_wgrad": {"MEGAMOE_TORCH_WGRAD": "1"},  # both sides (EP and EP=1 fused) through torch's kernel
-            "push_kernel": {"MEGAMOE_EP_PUSH": "kernel"},  # result rows by the separate push kernel, not the epilogue
-            "overlap": {"MEGAMOE_EP_COMM_SMS": "16"},  # the shared expert beside the exchange, 16 SMs left to it
-            "comm_sms_64": {"MEGAMOE_EP_COMM_SMS": "64"},  # beside it, with 64 SMs left to the exchange
-            "overlap_repeat50": {"MEGAMOE_EP_COMM_SMS": "16"}, "overlap_rounds": {"MEGAMOE_EP_COMM_SMS": "16"},
+    opts = {"push_kernel": EPOptions(push_kernel=True),  # result rows by the separate push kernel, not the epilogue
+            "overlap": EPOptions(comm_sms=16),  # the shared expert beside the exchange, 16 SMs left to it
+            "comm_sms_64": EPOptions(comm_sms=64),  # beside it, with 64 SMs left to the exchange
+            "overlap_repeat50": EPOptions(comm_sms=16), "overlap_rounds": EPOptions(comm_sms=16),
             # beside the exchange and the GEMM at once
-            "pull_beside": {"MEGAMOE_EP_PULL_OVERLAP": "8", "MEGAMOE_EP_COMM_SMS": "16"},
-            "pull_beside_1": {"MEGAMOE_EP_PULL_OVERLAP": "1"},
-            "pull_beside_repeat50": {"MEGAMOE_EP_PULL_OVERLAP": "8"},
-            "pull_beside_rounds": {"MEGAMOE_EP_PULL_OVERLAP": "8"},
-            "pull_beside_big": {"MEGAMOE_EP_PULL_OVERLAP": "16"}, "pull_beside_big_1": {"MEGAMOE_EP_PULL_OVERLAP": "1"}}
+            "pull_beside": EPOptions(pull_programs=8, comm_sms=16),
+            "pull_beside_1": EPOptions(pull_programs=1),
+            "pull_beside_repeat50": EPOptions(pull_programs=8),
+            "pull_beside_rounds": EPOptions(pull_programs=8),
+            "pull_beside_big": EPOptions(pull_programs=16), "pull_beside_big_1": EPOptions(pull_programs=1)}
+    kernels = {"torch_wgrad": TORCH_WGRAD}  # both sides (EP and EP=1 fused) through torch's kernel
     for name, (Ts, kind, cap, reps) in cases.items():
-        rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, env=envs.get(name),
-                          save=saves.get(name, (True, True)))
+        rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, options=opts.get(name),
+                          kernels=kernels.get(name), save=saves.get(name, (True, True)))
     dev = rank_device(rank)
     w13, w2, s13, s2, xs, ids, ws, gos = _inputs([64] * W, "uniform", 7, dev)
     L = E // W
     l13, l2 = w13[rank * L:(rank + 1) * L].contiguous(), w2[rank * L:(rank + 1) * L].contiguous()
     args = lambda x: (x, ids[rank], ws[rank], l13, l2, s13, s2)  # noqa: E731
     # inline / the shared expert beside the exchange / round 0's pull beside its GEMM (programmatic launch)
-    for tag, env in (("", {}), ("_overlap", {"MEGAMOE_EP_COMM_SMS": "16"}),
-                     ("_pull", {"MEGAMOE_EP_PULL_OVERLAP": "8"})):
-        with temp_env(env):
-            _sync_and_graph(rep, tag, group, args, xs[rank], gos[rank])
+    for tag, options in (("", None), ("_overlap", EPOptions(comm_sms=16)), ("_pull", EPOptions(pull_programs=8))):
+        _sync_and_graph(rep, tag, group, args, xs[rank], gos[rank], options=options)
     # several rounds launched (32 W - 1 at capacity 1024), their weight-gradient kernels inside the graph
     _graph_fwd_bwd(rep, "_rounds", group, args, xs[rank], gos[rank], capacity=1024)
     torch.cuda.synchronize()
@@ -373,15 +376,13 @@ def _torch_kernel_usable() -> bool:
 
 def test_weight_gradients_take_torch_kernel_where_the_table_says(report):
     """Which weight-gradient kernel ran: per EP call four weight gradients (the local experts' dW2 and
-    dW13, the shared expert's pair; every rank here has tokens). ``torch_wgrad`` (forced by
-    MEGAMOE_TORCH_WGRAD=1): all four through torch._grouped_mm on the EP side, 2 repeats, and in the
+    dW13, the shared expert's pair; every rank here has tokens). ``torch_wgrad`` (forced by a torch_mm
+    "wgrad" entry of the KernelConfig): all four through torch._grouped_mm on the EP side, 2 repeats, and in the
     fused run. ``torch_table`` (1024 tokens per rank: 256 rows per local expert at W = 1, more at W > 1,
     above the table's window): the table alone sends all four there. ``uniform`` (16-64 rows per local
     expert, 48-64 shared rows): none on the EP side."""
     if not _torch_kernel_usable():
         pytest.skip("torch._grouped_mm weight gradients need a CUDA device of compute capability 9.x")
-    if os.environ.get("MEGAMOE_TORCH_WGRAD", "") or "wgrad" in os.environ.get("MEGAMOE_TILES", ""):
-        pytest.skip("MEGAMOE_TORCH_WGRAD or a wgrad entry in MEGAMOE_TILES overrides the table")
     for r, rep in enumerate(report):
         forced, table, uniform = rep["torch_wgrad"], rep["torch_table"], rep["uniform"]
         assert forced["ep_torch_calls"] == 2 * 4 and forced["fused_torch_calls"] == 4, (r, forced)
@@ -400,10 +401,8 @@ def test_shared_expert_partial_gradients_sum(report, case):
 
 def test_result_rows_take_the_push_asked_for(report):
     """By default the EP path's result rows go from the GEMM epilogue into the owners' slots: no row copies
-    on the EP side; ``push_kernel`` (MEGAMOE_EP_PUSH=kernel) copies them with the push kernel, one forward and
+    on the EP side; ``push_kernel`` (EPOptions.push_kernel) copies them with the push kernel, one forward and
     one backward copy per run and round launched (rounds: 1 at W <= 2, more at W >= 4)."""
-    if os.environ.get("MEGAMOE_EP_PUSH", "epilogue") != "epilogue":
-        pytest.skip("MEGAMOE_EP_PUSH is set for the whole run")
     for r, rep in enumerate(report):
         assert rep["uniform"]["row_copies"] == 0 and rep["torch_table"]["row_copies"] == 0, (r, rep["uniform"])
         pk = rep["push_kernel"]
@@ -413,11 +412,9 @@ def test_result_rows_take_the_push_asked_for(report):
 
 def test_shared_expert_runs_beside_the_exchange_as_asked(report):
     """Every rank here has tokens and a shared expert: one shared-expert block per forward and per backward.
-    By default (MEGAMOE_EP_COMM_SMS unset) it runs inline with every SM; ``overlap`` (=16) on another stream
+    By default (EPOptions.comm_sms 0) it runs inline with every SM; ``overlap`` (16) on another stream
     with all SMs but 16 for its persistent grids, ``comm_sms_64`` with all but 64. (The tests' shared expert
     is too small for a grid to reach the budget: the CPU test of ops._common.reserve_sms covers the sizing.)"""
-    if os.environ.get("MEGAMOE_EP_COMM_SMS", "0") not in ("", "0"):
-        pytest.skip("MEGAMOE_EP_COMM_SMS is set for the whole run")
     for r, rep in enumerate(report):
         sms = rep["uniform"]["sms"]
         assert rep["uniform"]["shared_blocks"] == [(False, sms, False)] * 2, (r, rep["uniform"]["shared_blocks"])
@@ -455,8 +452,8 @@ def test_capacity_rounds(report, case):
 
 @pytest.mark.parametrize("tag", ["", "_overlap", "_pull"])
 def test_sync_free_and_cuda_graph(report, tag):
-    """Inline (the default), with the shared expert beside the exchange (MEGAMOE_EP_COMM_SMS=16), and with
-    round 0's pull beside its first GEMM (MEGAMOE_EP_PULL_OVERLAP=8: a programmatic dependent launch, also
+    """Inline (the default), with the shared expert beside the exchange (EPOptions(comm_sms=16)), and with
+    round 0's pull beside its first GEMM (EPOptions(pull_programs=8): a programmatic dependent launch, also
     inside the captured graphs)."""
     for r, rep in enumerate(report):
         assert rep["sync_free" + tag] is True, rep["sync_free" + tag]
@@ -473,10 +470,8 @@ def test_cuda_graph_of_several_rounds(report):
 
 
 def test_pull_runs_beside_the_gemm_as_asked(report):
-    """With MEGAMOE_EP_PULL_OVERLAP=n, every forward and every backward (each keeps its pre-activations here)
-    runs round 0's pull beside its first GEMM with n programs; unset, none does."""
-    if os.environ.get("MEGAMOE_EP_PULL_OVERLAP", "0") not in ("", "0"):
-        pytest.skip("MEGAMOE_EP_PULL_OVERLAP is set for the whole run")
+    """With EPOptions(pull_programs=n), every forward and every backward (each keeps its pre-activations here)
+    runs round 0's pull beside its first GEMM with n programs; by default none does."""
     for r, rep in enumerate(report):
         assert rep["uniform"]["pulls_beside"] == [], (r, rep["uniform"]["pulls_beside"])
         for case, n, reps in (("pull_beside", 8, 1), ("pull_beside_1", 1, 1), ("pull_beside_repeat50", 8, 50),

@@ -13,7 +13,6 @@ Legend: W ranks, T tokens of a rank, K top-k, D hidden (Dm in workers), E global
 FFN, S shared FFN, C capacity rows.
 """
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -71,9 +70,11 @@ def _count_calls(module, name, counts, key):
 def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, push, overlap=0):
     import torch.nn.functional  # noqa: F401
 
-    os.environ["MEGAMOE_EP_PUSH"] = push  # result rows from the GEMM epilogue, or the separate push kernel
-    os.environ["MEGAMOE_EP_PULL_OVERLAP"] = str(overlap)  # round 0's pull beside its first GEMM, or before it
+    from megamoe.config import EPOptions
     from megamoe.ops import ep_comm
+    # result rows from the GEMM epilogue or the separate push kernel; round 0's pull beside its first GEMM, or
+    # before it
+    options = EPOptions(pull_programs=overlap, push_kernel=push == "kernel")
     # which way the result rows went, and how often round 0's pull ran beside a GEMM (counted, then asserted)
     pushes = {"epilogue": 0, "row_copies": 0, "pulls_beside": 0}
     real_push = ep_comm.push_round
@@ -106,7 +107,7 @@ def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, pu
     # (gu recomputed from them), only gu (x pulled again); bitwise the same, epochs advance
     for preact, dispatched in SAVE_VARIANTS:
         out = moe_experts_ep_workspace(x, ids[rank], w, l13, l2, s13, s2, workspace=ws, capacity_rows=C, timeout_s=60,
-                                       save_preact=preact, save_dispatched=dispatched)
+                                       save_preact=preact, save_dispatched=dispatched, options=options)
         params = [t for t in (x, w, l13, l2, s13, s2) if t is not None]
         gr = torch.autograd.grad(out, params, gos[rank])
         outs.append(out.detach())
@@ -128,7 +129,7 @@ def _layer_worker(rank, W, buffers, spec_args, Ts, K, E, F, S, kind, C, seed, pu
 # shared expert's rows sit at different tile positions for EP=1 (global batch) and EP=2 (local batch):
 # bitwise checks run without a shared expert; with one, outputs agree to fp32 rounding (on the GPU the
 # shared rows are bitwise too: tests/test_ep_gpu.py).
-# overlap > 0: round 0's pull runs as that many programs beside its first GEMM (MEGAMOE_EP_PULL_OVERLAP); under
+# overlap > 0: round 0's pull runs as that many programs beside its first GEMM (EPOptions.pull_programs); under
 # the interpreter the pull still finishes first, so these cases prove the flags, the tile counter and the
 # launch order give the same bits (tests/test_ep_gpu.py runs them side by side)
 @pytest.mark.parametrize("W,Ts,K,E,kind,C,S,push,overlap", [

@@ -14,7 +14,6 @@ rank and stage; an out-of-range expert id is reported by its owner.
 Legend: W ranks, T tokens of a rank, K top-k, D hidden, E global experts, L = E / W, C capacity rows.
 """
 
-import os
 
 import pytest
 import torch
@@ -181,7 +180,7 @@ def test_protocol_with_sorted_plan(W, Ts, K, E, kind, C):
     (2, [4, 6], 2, 8, "one_rank", 8, 5),  # more programs than blocks; several rounds, some unused
 ])
 def test_pull_beside_a_gemm_moves_the_same_rows_and_flags_each_used_block(W, Ts, K, E, kind, C, programs):
-    """``ops.ep_comm.pull_beside`` (the pull a GEMM runs beside, MEGAMOE_EP_PULL_OVERLAP): the same exchange as
+    """``ops.ep_comm.pull_beside`` (the pull a GEMM runs beside, EPOptions.pull_programs): the same exchange as
     ``dispatch_round``, the round offsets written before the pull, and after it exactly the flags of the blocks
     holding the round's rows set (the GEMM's wait must never need a flag that is not coming), the tile counter
     untouched."""
@@ -287,7 +286,7 @@ def test_bad_expert_id_is_reported_by_its_owner(bad, by_sort):
     assert "EPTimeoutError" in msg and "rank 1 of 2" in msg and "expert id out of range" in msg
 
 
-def _bad_switch_worker(rank, W, buffers, spec_args, switch):
+def _bad_options_worker(rank, W, buffers, spec_args, bad, good):
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
     from megamoe.functional_ep import moe_experts_ep_workspace
 
@@ -299,35 +298,31 @@ def _bad_switch_worker(rank, W, buffers, spec_args, switch):
     ids = routing("uniform", 4, spec.top_k, E, 0, rank)
     w = torch.rand(4, spec.top_k, generator=g)
     w13, w2 = torch.randn(E, 2 * F, D, generator=g), torch.randn(E, D, F, generator=g)
-    name, bad, good = switch
     before = ws.epoch()
-    os.environ[name] = bad
     try:
-        moe_experts_ep_workspace(x, ids, w, w13, w2, None, None, workspace=ws, capacity_rows=64, timeout_s=10)
+        moe_experts_ep_workspace(x, ids, w, w13, w2, None, None, workspace=ws, capacity_rows=64, timeout_s=10,
+                                 options=bad)
         msg = None
-    except ValueError as e:
+    except TypeError as e:
         msg = str(e)
     after_bad = ws.epoch()
-    os.environ[name] = good
-    out = moe_experts_ep_workspace(x, ids, w, w13, w2, None, None, workspace=ws, capacity_rows=64, timeout_s=10)
+    out = moe_experts_ep_workspace(x, ids, w, w13, w2, None, None, workspace=ws, capacity_rows=64, timeout_s=10,
+                                   options=good)
     return {"msg": msg, "epochs": (before, after_bad, ws.epoch()), "finite": bool(torch.isfinite(out).all())}
 
 
-@pytest.mark.parametrize("switch", [("MEGAMOE_EP_PUSH", "bogus", "epilogue"), ("MEGAMOE_EP_COMM_SMS", "many", "16"),
-                                    ("MEGAMOE_EP_COMM_SMS", "-1", "0"), ("MEGAMOE_EP_COMM_SMS", "65", "64"),
-                                    ("MEGAMOE_EP_COMM_SMS", "\u0663", "16"),  # an Arabic-Indic digit: not ASCII
-                                    ("MEGAMOE_EP_PULL_OVERLAP", "all", "4"), ("MEGAMOE_EP_PULL_OVERLAP", "129", "0")])
-def test_bad_ep_switch_is_a_clear_error_before_the_exchange(switch):
-    """MEGAMOE_EP_PUSH must be 'epilogue' or 'kernel', MEGAMOE_EP_COMM_SMS an integer in [0, 64],
-    MEGAMOE_EP_PULL_OVERLAP one in [0, 128]: anything else
-    raises ValueError naming the variable and the value before this rank publishes (its epoch does not move,
-    so no peer waits on it), and the workspace works afterwards with a good value."""
+@pytest.mark.parametrize("bad", ["kernel", {"comm_sms": 16}])
+def test_bad_ep_options_are_a_clear_error_before_the_exchange(bad):
+    """``options`` must be a megamoe.config.EPOptions (whose fields are checked when it is made,
+    tests/test_config.py): anything else raises TypeError naming the argument before this rank publishes (its
+    epoch does not move, so no peer waits on it), and the workspace works afterwards with good options."""
+    from megamoe.config import EPOptions
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
 
     spec = WorkspaceSpec(1, 4, D, 2, 4, torch.float32)
-    res = spawn_ranks(_bad_switch_worker, 1, EPWorkspace.allocate_shared(spec), (1, 4, D, 2, 4, torch.float32),
-                      switch, env=ENV)[0]
-    assert res["msg"] and switch[0] in res["msg"] and repr(switch[1]) in res["msg"], res
+    res = spawn_ranks(_bad_options_worker, 1, EPWorkspace.allocate_shared(spec), (1, 4, D, 2, 4, torch.float32),
+                      bad, EPOptions(comm_sms=16, push_kernel=True), env=ENV)[0]
+    assert res["msg"] and "options" in res["msg"] and "EPOptions" in res["msg"], res
     before, after_bad, after_good = res["epochs"]
     assert after_bad == before and after_good > before, res["epochs"]
     assert res["finite"]

@@ -1,5 +1,5 @@
 """The m-grouped GEMM's side of the pull that runs beside it (``ops.grouped_gemm.RowPull``,
-MEGAMOE_EP_PULL_OVERLAP), under TRITON_INTERPRET=1 in a spawned process, with a stand-in pull: a Python
+EPOptions.pull_programs), under TRITON_INTERPRET=1 in a spawned process, with a stand-in pull: a Python
 ``launch`` that writes A's rows (and row scales), then sets the ready flags of the blocks it was asked to.
 
 Proves: gate/up + SwiGLU and dgrad + SwiGLU beside a pull give the bits of the plain GEMM on the same rows
@@ -107,7 +107,7 @@ def test_a_flag_that_never_comes_is_a_named_timeout(op, skip):
     bounded wait expires (the interpreter counts spins: 0.2 s worth), writes stage 5, and ``check`` raises."""
     res = _run(op, skip=skip, timeout_s=0.2)
     msg = res["err"]
-    assert msg and "rank 1 of 2" in msg and "expert GEMM" in msg and "MEGAMOE_EP_PULL_OVERLAP" in msg, msg
+    assert msg and "rank 1 of 2" in msg and "expert GEMM" in msg and "EPOptions.pull_programs" in msg, msg
     assert res["took"] < 120, res["took"]
 
 

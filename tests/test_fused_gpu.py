@@ -44,9 +44,9 @@ def _run(fn, x, ids, w, w13, w2, s13, s2, dout):
     return [out.detach()] + [next(it) if p is not None else None for p in params]
 
 
-def _fused(*args):
+def _fused(*args, kernel_config=None):
     from megamoe.functional import moe_experts
-    return moe_experts(*args, backend="fused")
+    return moe_experts(*args, backend="fused", kernel_config=kernel_config)
 
 
 def _check(case, *, x_view=None, seed=7):
@@ -235,7 +235,9 @@ def test_bits_do_not_depend_on_tile_shape():
     gradients as the checked-in table: only
     the K order (BLOCK_K) fixes the bits. This is what lets the table change for speed without changing
     results, and what EP = 1 == EP = W relies on."""
-    from megamoe.ops import GemmConfig, tile_config
+    import functools
+
+    from megamoe.config import GemmConfig, KernelConfig
 
     T, D, F, E, K, S = 300, 256, 192, 6, 3, 128  # odd rows per expert, F not a multiple of 128
     case = _make(T, D, F, E, K, S, seed=5)
@@ -258,51 +260,9 @@ def test_bits_do_not_depend_on_tile_shape():
         # masked second partial, F % 256 <= 128, is checked under the interpreter, test_kernels_interpret.py)
         {"dgrad_swiglu": G(128, 256, 64, 8, 3, tma_b=True)},
         {"dgrad_swiglu": G(128, 256, 64, 8, 3)},
-        # the persistent Gluon m-grouped kernel for the plain-epilogue GEMMs (and the Triton one it replaces)
-        {k: G(128, 256, 64, 8, 3, tma_b=True, tma_a=True, gluon=True) for k in ("down", "dgrad")},
         {k: G(128, 256, 64, 8, 3, tma_b=True, tma_a=True) for k in ("down", "dgrad")},
-        {k: G(128, 128, 64, 8, 4, tma_b=True, tma_a=True, gluon=True) for k in ("down", "dgrad")},
-        # its warp-specialized ping-pong form (a TMA load warp, two MMA warpgroups taking tiles in turn)
-        {k: G(128, 128, 64, 8, 4, tma_b=True, tma_a=True, gluon=True, warp_specialized=True) for k in ("down", "dgrad")},
     ]
-    keys = {"gate_up": [("gate_up", F, D), ("gate_up", S, D)], "down": [("down", D, F), ("down", D, S)],
-            "dgrad_swiglu": [("dgrad_swiglu", F, D), ("dgrad_swiglu", S, D)], "dgrad": [("dgrad", D, 2 * F), ("dgrad", D, 2 * S)],
-            "wgrad": [("wgrad", 2 * F, D), ("wgrad", D, F), ("wgrad", 2 * S, D), ("wgrad", D, S)]}
-    saved = dict(tile_config._OVERRIDES)
-    try:
-        for v in variants:
-            for kind, cfg in v.items():
-                for key in keys[kind]:
-                    tile_config._OVERRIDES[key] = cfg
-            got = _run(_fused, *case, dout)
-            for name, a, b in zip(NAMES, got, base):
-                assert torch.equal(a, b), f"{name} changed bits under tile variant {v}"
-            tile_config._OVERRIDES.clear()
-            tile_config._OVERRIDES.update(saved)
-    finally:
-        tile_config._OVERRIDES.clear()
-        tile_config._OVERRIDES.update(saved)
-
-
-def test_permuted_dy_switch_gives_the_same_bits(monkeypatch):
-    """MEGAMOE_PERMUTED_DY=1 (dY copied to row order, then read without a gather, so dgrad + SwiGLU can
-    TMA-load it): bitwise the gathering default's output and gradients, with the table's tiles and with the
-    TMA-fed dgrad + SwiGLU tile it exists for (docs/perf.md, eighth session)."""
-    from megamoe.ops import GemmConfig, tile_config
-
-    T, D, F, E, K, S = 300, 256, 192, 6, 3, 128
-    case = _make(T, D, F, E, K, S, seed=8)
-    dout = torch.randn(T, D, generator=torch.Generator(device=DEV).manual_seed(9), device=DEV).to(BF16)
-    monkeypatch.delenv("MEGAMOE_PERMUTED_DY", raising=False)
-    base = _run(_fused, *case, dout)
-    monkeypatch.setenv("MEGAMOE_PERMUTED_DY", "1")
-    for name, a, b in zip(NAMES, _run(_fused, *case, dout), base):
-        assert torch.equal(a, b), f"{name} changed bits with the permuted dY"
-    # TMA-fed dgrad + SwiGLU tiles: the 128-row one, and 64-row tiles of 4 warps (two programs per SM)
-    for cfg in (GemmConfig(128, 128, 64, 8, 4, tma_b=True, tma_a=True),
-                GemmConfig(64, 128, 64, 4, 4, tma_b=True, tma_a=True),
-                GemmConfig(64, 128, 64, 4, 3, tma_b=True, tma_a=True)):
-        for key in (("dgrad_swiglu", F, D), ("dgrad_swiglu", S, D)):
-            monkeypatch.setitem(tile_config._OVERRIDES, key, cfg)
-        for name, a, b in zip(NAMES, _run(_fused, *case, dout), base):
-            assert torch.equal(a, b), f"{name} changed bits with the permuted dY and TMA-fed dgrad + SwiGLU {cfg}"
+    for v in variants:  # each kind's entry applies at every shape of that kind (routed and shared expert)
+        got = _run(functools.partial(_fused, kernel_config=KernelConfig(v)), *case, dout)
+        for name, a, b in zip(NAMES, got, base):
+            assert torch.equal(a, b), f"{name} changed bits under tile variant {v}"

@@ -11,7 +11,7 @@ the 227 KiB a block can have; and register spills no larger than recorded for th
 (tests/triton_versions.py; with 3.6: gate/up 28-40 bytes, dgrad + SwiGLU backward 4 bytes with gathered dY rows
 (deepseek-v3), none at qwen3, where the backward reads a row-order copy of dY by TMA; none elsewhere), so that an
 epilogue change that spills more is seen here before it is timed. At qwen3 the weight gradients run in torch._grouped_mm; the kernels compiled for them are the Triton
-fallback (MEGAMOE_TORCH_WGRAD=0, gathered rows). Speed itself is measured on the GPU (docs/perf.md).
+fallback (gathered rows, where torch's kernel cannot run). Speed itself is measured on the GPU (docs/perf.md).
 """
 
 import dataclasses
@@ -86,7 +86,7 @@ PULL_CASES = [(p, t, dataclasses.replace(g, gathered=False, E=g.E // 2))
 
 @pytest.mark.parametrize("preset, tokens, gemm", PULL_CASES, ids=[f"{p}-{g.kind}" for p, _, g in PULL_CASES])
 def test_pull_wait_compiles_like_the_plain_one(preset, tokens, gemm):
-    """Waiting on a RowPull (MEGAMOE_EP_PULL_OVERLAP: the tile counter, the bounded acquire spins on the blocks'
+    """Waiting on a RowPull (EPOptions.pull_programs: the tile counter, the bounded acquire spins on the blocks'
     flags, the end-of-grid ``griddepcontrol.wait``; with TMA for A a proxy fence after the waits) keeps the plain
     kernel's wgmma, operand paths and shared memory; spills within the budget."""
     cfg = m_grouped_config(gemm.kind, gemm.N, gemm.K, torch.bfloat16, interpret=False, gathered=False)

@@ -7,8 +7,7 @@ exact zero weight gradient, all tokens on one expert, T = 0, T = 1, T not a mult
 K = E, non-contiguous input); NaN-poisoned output buffers are fully overwritten; results are bitwise
 repeatable; the two weight-gradient kernels (per-tile, and resident with 1-4 chunks on chip and its
 fallback) agree bitwise and match float64; the routing-weight row-dot partials come per 128 columns with
-128- and 256-column tiles; the MEGAMOE_PERMUTED_DY experiment switch gives the same bits; router logits
-and their gradients; bad input raises a clear error.
+128- and 256-column tiles; router logits and their gradients; bad input raises a clear error.
 
 Run: python -m pytest tests/test_kernels_interpret.py -q
 (the kernels must be created with TRITON_INTERPRET=1 before triton is imported, so a process that has not
@@ -156,20 +155,6 @@ else:
         a = _run(moe_experts, x, ids, w, w13, w2, s13, s2, dout)
         b = _run(moe_experts, x, ids, w, w13, w2, s13, s2, dout)
         assert torch.equal(a[0], b[0]) and all(torch.equal(p, q) for p, q in zip(a[1], b[1]))
-
-    def test_permuted_dy_switch_gives_the_same_bits(monkeypatch):
-        # MEGAMOE_PERMUTED_DY=1: dY copied to row order, then read without a gather; the same rows land in
-        # the same tile positions, so every output and gradient must be bitwise the gathering default's
-        x, ids, w, w13, w2, s13, s2 = _make(24, 64, 32, 6, 3, 16, seed=12)
-        ids[:20, 0] = 2  # a hot expert with several (16-row) m-tiles
-        dout = torch.randn(24, 64, generator=torch.Generator().manual_seed(3))
-        monkeypatch.delenv("MEGAMOE_PERMUTED_DY", raising=False)
-        a = _run(moe_experts, x, ids, w, w13, w2, s13, s2, dout)
-        monkeypatch.setenv("MEGAMOE_PERMUTED_DY", "1")
-        b = _run(moe_experts, x, ids, w, w13, w2, s13, s2, dout)
-        assert torch.equal(a[0], b[0])
-        for name, p, q in zip(NAMES, a[1], b[1]):
-            assert torch.equal(p, q), name
 
     def test_tile_offsets_computed_once_per_offset_table(monkeypatch):
         # the m-grouped GEMMs of one group-offset table share its m-tile offsets (ops.grouped_gemm tile_cache):

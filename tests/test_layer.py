@@ -127,6 +127,10 @@ def test_bad_setups_fail_early_and_clearly(cfg, monkeypatch):
         MoE(cfg, backend="fused", ep_save_preact="yes")
     with pytest.raises(TypeError, match="ep_save_dispatched must be a bool"):
         MoE(cfg, backend="fused", ep_save_dispatched=1)
+    with pytest.raises(TypeError, match="kernel_config must be a megamoe.config.KernelConfig"):
+        MoE(cfg, backend="fused", kernel_config={"down": None})
+    with pytest.raises(TypeError, match="ep_options must be a megamoe.config.EPOptions"):
+        MoE(cfg, backend="fused", ep_options="kernel")
     with pytest.raises(ValueError, match="float64"):
         MoE(cfg.replace(dtype=torch.float64), backend="fused")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -137,23 +141,27 @@ def test_bad_setups_fail_early_and_clearly(cfg, monkeypatch):
 
 @pytest.mark.parametrize("preact,dispatched", [(True, False), (False, True)])
 def test_ep_save_switches_reach_the_ep_path(cfg, monkeypatch, preact, dispatched):
-    """MoE(ep_save_preact=, ep_save_dispatched=) hands each switch to moe_experts_ep unchanged, with the EP group
-    (recorded through a stand-in: the fused EP path needs CUDA; its bits under each setting are tested in
-    tests/test_ep_layer_interpret.py)."""
+    """MoE(ep_save_preact=, ep_save_dispatched=, ep_options=, kernel_config=) hands each to moe_experts_ep
+    unchanged, with the EP group (recorded through a stand-in: the fused EP path needs CUDA; its bits under each
+    setting are tested in tests/test_ep_layer_interpret.py)."""
     import megamoe.functional_ep as fep
+    from megamoe.config import EPOptions, GemmConfig, KernelConfig
 
     seen = {}
 
-    def stand_in(x_TD, *args, group, save_preact, save_dispatched):
-        seen.update(group=group, save_preact=save_preact, save_dispatched=save_dispatched)
+    def stand_in(x_TD, *args, group, save_preact, save_dispatched, options, kernel_config):
+        seen.update(group=group, save_preact=save_preact, save_dispatched=save_dispatched, options=options,
+                    kernel_config=kernel_config)
         return torch.zeros_like(x_TD)
     monkeypatch.setattr(fep, "moe_experts_ep", stand_in)
-    experts = MoE(cfg, backend="fused", seed=0, ep_save_preact=preact, ep_save_dispatched=dispatched).experts
+    opts, kc = EPOptions(comm_sms=16), KernelConfig({"down": GemmConfig(128, 128, 64, 8, 3)})
+    experts = MoE(cfg, backend="fused", seed=0, ep_save_preact=preact, ep_save_dispatched=dispatched,
+                  ep_options=opts, kernel_config=kc).experts
     experts.group = group = object()  # any group object: the stand-in only records it
     x = torch.randn(4, cfg.hidden_size)
     ids = torch.zeros(4, cfg.top_k, dtype=torch.long) + torch.arange(cfg.top_k)
     assert torch.equal(experts(x, ids, torch.full((4, cfg.top_k), 0.5)), torch.zeros_like(x))
-    assert seen == dict(group=group, save_preact=preact, save_dispatched=dispatched)
+    assert seen == dict(group=group, save_preact=preact, save_dispatched=dispatched, options=opts, kernel_config=kc)
 
 
 def test_functional_fused_on_cpu_names_itself_and_the_way_out(cfg, monkeypatch):

@@ -1,15 +1,16 @@
 """The tile table and the host-side choice of the operand load path (pure host logic, runs on CPU).
 
-Proves: configs are a pure function of (kind, N, K, dtype) (weight gradients: also of a host-side
-rows-per-expert estimate, which moves only the kernel structure, never block_k); block sizes are
-validated; the TMA descriptor is used only where it is safe (bf16/fp16, 16-byte aligned rows, and for
-"nn" weights only when BLOCK_K divides K, so a tile never reaches into the next expert's K rows) and
-pointer loads are the fallback everywhere else (fp32, misaligned rows, odd K).
+Proves: configs are a pure function of (kind, N, K, dtype) (weight gradients: also of a host-side rows-per-expert
+estimate, which moves only the kernel structure, never block_k) and of the KernelConfig passed in (never of the
+environment); block sizes are validated; the TMA descriptor is used only where it is safe (bf16/fp16, 16-byte
+aligned rows, and for "nn" weights only when BLOCK_K divides K, so a tile never reaches into the next expert's K
+rows) and pointer loads are the fallback everywhere else (fp32, misaligned rows, odd K).
 """
 
 import pytest
 import torch
 
+from megamoe.config import KernelConfig
 from megamoe.ops import GemmConfig, k_grouped_config, m_grouped_config
 from megamoe.ops.grouped_gemm import _weight_descriptor
 
@@ -17,6 +18,8 @@ BF16 = torch.bfloat16
 
 
 def test_table_is_pure_function_of_shape(monkeypatch):
+    for name in ("MEGAMOE_TILES", "MEGAMOE_TORCH_WGRAD", "MEGAMOE_GLUON"):  # former switches: no effect
+        monkeypatch.setenv(name, "nonsense")
     for kind in ("gate_up", "down", "dgrad_swiglu", "dgrad"):
         a = m_grouped_config(kind, 2048, 7168, BF16, interpret=False)
         assert a == m_grouped_config(kind, 2048, 7168, BF16, interpret=False)
@@ -32,7 +35,6 @@ def test_table_is_pure_function_of_shape(monkeypatch):
         cfg = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=many, allow_torch=False)
         assert cfg.resident_chunks == 0 and cfg.block_k == 64 and not cfg.gluon and not cfg.torch_mm
     # more rows than the resident window, bf16: torch._grouped_mm (tests/test_torch_wgrad.py has the rest)
-    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD", raising=False)
     for many in (155, 160, 256, 300, 4096):
         assert k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=many).torch_mm
     # without it, ~160-256 rows per expert: the persistent Gluon kernel (P on chip up to 5 chunks = 1.25 x 256
@@ -56,24 +58,37 @@ def test_table_is_pure_function_of_shape(monkeypatch):
         GemmConfig(96, 128, 64, 8, 3)
 
 
-def test_override_for_names_only_explicit_entries():
-    from megamoe.ops import tile_config
+def test_kernel_config_entries_win_over_the_table():
+    """A (kind, a, b) entry wins at its shape, a kind's entry at every other shape of the kind; no entry: the
+    table. The table's own Gluon entry is not an explicit one (the launcher may then fall back below one unit
+    per SM)."""
+    cfg = GemmConfig(128, 128, 64, 8, 5, resident_chunks=5, gluon=True)
+    kc = KernelConfig({("wgrad", 1536, 2048): cfg})
+    assert kc.tile("wgrad", 1536, 2048) is cfg and kc.tile("wgrad", 2048, 1536) is None
+    assert KernelConfig().tile("wgrad", 1536, 2048) is None
+    assert k_grouped_config(1536, 2048, BF16, interpret=False, kernel_config=kc) is cfg  # the entry wins
+    assert k_grouped_config(1536, 2048, BF16, interpret=False, kernel_config=kc, allow_gluon=False) != cfg
+    table = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=200, allow_torch=False, kernel_config=kc)
+    assert table.gluon and kc.tile("wgrad", 4096, 7168) is None
+    both = KernelConfig({"down": GemmConfig(128, 128, 64, 8, 3), ("down", 2048, 768): GemmConfig(128, 64, 64, 4, 3)})
+    assert m_grouped_config("down", 2048, 768, BF16, interpret=False, kernel_config=both).block_n == 64
+    assert m_grouped_config("down", 7168, 2048, BF16, interpret=False, kernel_config=both).block_n == 128
+    assert hash(both) == hash(KernelConfig(both.tiles)) and both == KernelConfig(both.tiles)
 
-    saved = dict(tile_config._OVERRIDES)
-    try:
-        tile_config._OVERRIDES.clear()
-        assert tile_config.override_for("wgrad", 1536, 2048) is None
-        cfg = GemmConfig(128, 128, 64, 8, 5, resident_chunks=5, gluon=True)
-        tile_config._OVERRIDES[("wgrad", 1536, 2048)] = cfg
-        assert tile_config.override_for("wgrad", 1536, 2048) is cfg
-        assert tile_config.override_for("wgrad", 2048, 1536) is None
-        assert k_grouped_config(1536, 2048, BF16, interpret=False) is cfg  # the override wins
-        # the table's own Gluon entry is not an override (the launcher may then fall back below one unit per SM)
-        table = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=200, allow_torch=False)
-        assert table.gluon and tile_config.override_for("wgrad", 4096, 7168) is None
-    finally:
-        tile_config._OVERRIDES.clear()
-        tile_config._OVERRIDES.update(saved)
+
+@pytest.mark.parametrize("tiles, err, match", [
+    ({"nope": GemmConfig(128, 128, 64, 8, 3)}, ValueError, "tile key 'nope'"),
+    ({("down", 0, 768): GemmConfig(128, 128, 64, 8, 3)}, ValueError, "positive ints"),
+    ({("down", 2048): GemmConfig(128, 128, 64, 8, 3)}, ValueError, "tile key"),
+    ({"down": (128, 128, 64, 8, 3)}, TypeError, "must be a GemmConfig"),
+    ({"down": GemmConfig(128, 128, 64, 8, 3, torch_mm=True)}, ValueError, "weight-gradient"),
+    ({"gate_up": GemmConfig(128, 128, 64, 8, 3, gluon=True)}, ValueError, "weight-gradient"),
+    ((("down", GemmConfig(128, 128, 64, 8, 3)), ("down", GemmConfig(128, 256, 64, 8, 3))), ValueError, "twice"),
+    ((("down",),), TypeError, "must map"),
+])
+def test_kernel_config_rejects_bad_entries(tiles, err, match):
+    with pytest.raises(err, match=match):
+        KernelConfig(tiles)
 
 
 def test_weight_descriptor_choice():
@@ -162,23 +177,26 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
 
 
-def test_tiles_env_replaces_a_kind_at_every_shape(monkeypatch):
+def test_parsed_tiles_replace_a_kind_at_every_shape():
     from megamoe.ops import tile_config
-    monkeypatch.setenv("MEGAMOE_TILES", " dgrad_swiglu:128,256,64,8,3,tma_b=1 ; wgrad:128,256,64,8,2 ")
+    kc = KernelConfig(tile_config.parse_tiles(" dgrad_swiglu:128,256,64,8,3,tma_b=1 ; wgrad:128,256,64,8,2 "))
     want = GemmConfig(128, 256, 64, 8, 3, tma_b=True)
     for n, k in ((768, 2048), (2048, 7168)):
-        assert m_grouped_config("dgrad_swiglu", n, k, BF16, interpret=False) == want
-    wgrad = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=128)
+        assert m_grouped_config("dgrad_swiglu", n, k, BF16, interpret=False, kernel_config=kc) == want
+    wgrad = k_grouped_config(4096, 7168, BF16, interpret=False, rows_per_group=128, kernel_config=kc)
     assert wgrad == GemmConfig(128, 256, 64, 8, 2)
-    assert tile_config.override_for("wgrad", 4096, 7168) is wgrad  # the launcher sees it as asked for
+    assert kc.tile("wgrad", 4096, 7168) is wgrad  # the launcher sees it as asked for
     # other kinds, fp32 and the interpreter keep the table
-    assert m_grouped_config("down", 2048, 768, BF16, interpret=False) == tile_config._M_GROUPED_BF16["down"]
-    assert m_grouped_config("dgrad_swiglu", 768, 2048, torch.float32, interpret=False) == tile_config._FP32
-    assert m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=True) == tile_config._INTERPRET
-    # an entry set in code wins over the environment
-    monkeypatch.setitem(tile_config._OVERRIDES, ("dgrad_swiglu", 768, 2048), GemmConfig(128, 128, 64, 8, 2))
-    assert m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=False) == GemmConfig(128, 128, 64, 8, 2)
-    monkeypatch.delenv("MEGAMOE_TILES")
+    assert m_grouped_config("down", 2048, 768, BF16, interpret=False, kernel_config=kc) == \
+        tile_config._M_GROUPED_BF16["down"]
+    assert m_grouped_config("dgrad_swiglu", 768, 2048, torch.float32, interpret=False, kernel_config=kc) == \
+        tile_config._FP32
+    assert m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=True, kernel_config=kc) == \
+        tile_config._INTERPRET
+    # a (kind, N, K) entry wins over the kind's
+    kc2 = KernelConfig({**dict(kc.tiles), ("dgrad_swiglu", 768, 2048): GemmConfig(128, 128, 64, 8, 2)})
+    assert m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=False, kernel_config=kc2) == \
+        GemmConfig(128, 128, 64, 8, 2)
     assert m_grouped_config("dgrad_swiglu", 2048, 7168, BF16, interpret=False) == \
         tile_config._M_GROUPED_BF16["dgrad_swiglu"]
 
@@ -195,17 +213,15 @@ def test_tiles_env_replaces_a_kind_at_every_shape(monkeypatch):
     ("down:128,96,64,8,3", "powers of two"),
     ("down:128,128,64,8,3;down:128,256,64,8,3", "given twice"),
 ])
-def test_tiles_env_rejects_bad_entries(monkeypatch, text, match):
-    monkeypatch.setenv("MEGAMOE_TILES", text)
-    with pytest.raises(ValueError, match=match):
-        m_grouped_config("down", 2048, 768, BF16, interpret=False)
-
-
-def test_dgrad_swiglu_entry_depends_on_gathered_rows(monkeypatch):
-    """dgrad + SwiGLU: TMA for A and B when dY's rows are contiguous, pointer loads when they are gathered
-    (measured, tile_config); an explicit entry (code or MEGAMOE_TILES) wins in both; other kinds ignore it."""
+def test_parse_tiles_rejects_bad_entries(text, match):
     from megamoe.ops import tile_config
-    monkeypatch.delenv("MEGAMOE_TILES", raising=False)
+    with pytest.raises(ValueError, match=match):
+        tile_config.parse_tiles(text)
+
+
+def test_dgrad_swiglu_entry_depends_on_gathered_rows():
+    """dgrad + SwiGLU: TMA for A and B when dY's rows are contiguous, pointer loads when they are gathered
+    (measured, tile_config); an explicit KernelConfig entry wins in both; other kinds ignore it."""
     rows = m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=False)
     gathered = m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=False, gathered=True)
     assert rows.tma_a and rows.tma_b and not gathered.tma_a and not gathered.tma_b
@@ -213,8 +229,9 @@ def test_dgrad_swiglu_entry_depends_on_gathered_rows(monkeypatch):
     for kind in ("gate_up", "down", "dgrad"):
         assert m_grouped_config(kind, 768, 2048, BF16, interpret=False, gathered=True) == \
             m_grouped_config(kind, 768, 2048, BF16, interpret=False)
-    monkeypatch.setenv("MEGAMOE_TILES", "dgrad_swiglu:128,256,64,8,3,tma_b=1")
-    assert m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=False, gathered=True).block_n == 256
+    kc = KernelConfig({"dgrad_swiglu": GemmConfig(128, 256, 64, 8, 3, tma_b=True)})
+    assert m_grouped_config("dgrad_swiglu", 768, 2048, BF16, interpret=False, gathered=True,
+                            kernel_config=kc).block_n == 256
 
 
 def test_reserve_sms_shrinks_persistent_grids_in_this_thread_only(monkeypatch):

@@ -1,7 +1,7 @@
 """When torch._grouped_mm takes a weight gradient: the host-side logic, on the CPU.
 
-Proves: ``MEGAMOE_TORCH_WGRAD`` reads as table / off / on and rejects other values; the tile table sends bf16
-weight gradients of more than the resident window's rows per expert to it and nothing else; the operand
+Proves: the tile table sends bf16 weight gradients of more than the resident window's rows per expert to it and
+nothing else, and a KernelConfig "wgrad" entry replaces that choice (with torch_mm: everywhere); the operand
 conditions accept contiguous, 16-byte aligned bf16
 rows and refuse fp16 / fp32, other output dtypes, misaligned bases, non-unit column strides, row strides
 that are not 16-byte multiples, different row counts and M or N not multiples of 8; gathered rows, a
@@ -14,6 +14,7 @@ megamoe's Triton kernels).
 import pytest
 import torch
 
+from megamoe.config import GemmConfig, KernelConfig
 from megamoe.ops.torch_grouped_mm import torch_wgrad, torch_wgrad_eligible, wgrad_operands_fit
 
 BF16 = torch.bfloat16
@@ -61,26 +62,16 @@ def test_wrapper_computes_per_expert_products():
         torch.testing.assert_close(got[e].double(), want, rtol=2 ** -8, atol=1e-6)
 
 
-def test_mode_values(monkeypatch):
-    from megamoe.ops.torch_grouped_mm import torch_wgrad_mode
-    has = hasattr(torch, "_grouped_mm")
-    for value, want in (("", "table"), ("0", "off"), ("1", "on")):
-        monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", value)
-        assert torch_wgrad_mode() == (want if has or want == "off" else "off")
-    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD")
-    assert torch_wgrad_mode() == ("table" if has else "off")
-    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "yes")
-    with pytest.raises(ValueError, match="MEGAMOE_TORCH_WGRAD must be unset, 0 or 1, got 'yes'"):
-        torch_wgrad_mode()
+TORCH_EVERYWHERE = GemmConfig(128, 128, 64, 8, 3, torch_mm=True)  # a "wgrad" entry: torch's kernel where it can
+TRITON_ONLY = GemmConfig(128, 128, 64, 8, 3)  # a "wgrad" entry: megamoe's own kernels
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
-def test_table_rule(monkeypatch):
+def test_table_rule():
     """bf16 weight gradients of more than the resident window's ~154 expected rows per expert go to torch's
-    kernel; fewer rows, fp16 / fp32, the interpreter, allow_torch=False and MEGAMOE_TORCH_WGRAD=0 keep the
-    Triton / Gluon kernels; an explicit torch_mm override wins unless torch is not allowed."""
-    from megamoe.ops import GemmConfig, k_grouped_config, tile_config
-    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD", raising=False)
+    kernel; fewer rows, fp16 / fp32, the interpreter, allow_torch=False and a Triton "wgrad" entry keep the
+    Triton / Gluon kernels; an explicit torch_mm entry wins unless torch is not allowed."""
+    from megamoe.ops import k_grouped_config, tile_config
     cfg = lambda rows, **kw: k_grouped_config(1536, 2048, kw.pop("dtype", BF16), interpret=kw.pop("interpret", False),
                                               rows_per_group=rows, **kw)
     assert cfg(1024).torch_mm and cfg(155).torch_mm and cfg(512).torch_mm
@@ -89,48 +80,41 @@ def test_table_rule(monkeypatch):
     assert not cfg(1024, dtype=torch.float16).torch_mm and not cfg(1024, dtype=torch.float32).torch_mm
     assert not cfg(1024, interpret=True).torch_mm
     assert not cfg(1024, allow_torch=False).torch_mm
-    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "0")
-    assert not cfg(1024).torch_mm
-    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD")
-    forced = GemmConfig(128, 128, 64, 8, 3, torch_mm=True)
-    monkeypatch.setitem(tile_config._OVERRIDES, ("wgrad", 1536, 2048), forced)
-    assert cfg(64) is forced and not cfg(64, allow_torch=False).torch_mm
+    assert cfg(1024, kernel_config=KernelConfig({"wgrad": TRITON_ONLY})) is TRITON_ONLY
+    forced = KernelConfig({("wgrad", 1536, 2048): TORCH_EVERYWHERE})
+    assert cfg(64, kernel_config=forced) is TORCH_EVERYWHERE
+    assert not cfg(64, allow_torch=False, kernel_config=forced).torch_mm
     with pytest.raises(ValueError, match="torch_mm"):
         GemmConfig(128, 128, 64, 8, 3, torch_mm=True, resident_chunks=2)
     with pytest.raises(ValueError, match="weight-gradient"):
-        tile_config.parse_tiles_env("down:128,256,64,8,3,torch_mm=1")
-    assert tile_config.parse_tiles_env("wgrad:128,128,64,8,3,torch_mm=1")["wgrad"].torch_mm
+        tile_config.parse_tiles("down:128,256,64,8,3,torch_mm=1")
+    assert tile_config.parse_tiles("wgrad:128,128,64,8,3,torch_mm=1")["wgrad"].torch_mm
 
 
-def test_rows_in_order_only_where_torch_runs(monkeypatch):
+def test_rows_in_order_only_where_torch_runs():
     """k_grouped_wants_rows_in_order (the autograd's reason to copy gathered rows): never on the CPU or for
-    non-bf16 weights, whatever the switch says."""
+    non-bf16 weights, whatever the KernelConfig says."""
     from megamoe.ops import k_grouped_wants_rows_in_order
-    for value in ("", "1"):
-        monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", value)
-        assert not k_grouped_wants_rows_in_order(1536, 2048, BF16, torch.device("cpu"), 1024.0)
+    for kc in (KernelConfig(), KernelConfig({"wgrad": TORCH_EVERYWHERE})):
+        assert not k_grouped_wants_rows_in_order(1536, 2048, BF16, torch.device("cpu"), 1024.0, kc)
 
 
 def test_rows_in_order_follows_the_table_on_hopper(monkeypatch):
     """With a Hopper device assumed (the device check patched): rows are wanted in order exactly where the
-    table picks torch's kernel (more than ~154 rows per expert), everywhere with MEGAMOE_TORCH_WGRAD=1, and
-    nowhere with =0."""
+    table picks torch's kernel (more than ~154 rows per expert), everywhere with a torch_mm "wgrad" entry, and
+    nowhere with a Triton one."""
     from megamoe.ops import grouped_gemm, k_grouped_wants_rows_in_order
     monkeypatch.setattr(grouped_gemm, "torch_wgrad_device", lambda device: True)
     monkeypatch.setattr(grouped_gemm, "is_interpreted", lambda kernel: False)
-    want = lambda rows: k_grouped_wants_rows_in_order(1536, 2048, BF16, torch.device("cuda"), rows)
-    monkeypatch.delenv("MEGAMOE_TORCH_WGRAD", raising=False)
+    want = lambda rows, kc=KernelConfig(): k_grouped_wants_rows_in_order(1536, 2048, BF16, torch.device("cuda"),
+                                                                        rows, kc)
     assert want(1024.0) and want(155.0) and not want(154.0) and not want(128.0)
     for dtype in (torch.float16, torch.float32):
         assert not k_grouped_wants_rows_in_order(1536, 2048, dtype, torch.device("cuda"), 1024.0)
     # torch's kernel cannot take M or N that are not multiples of 8: no copies for it then
     assert not k_grouped_wants_rows_in_order(2048, 100, BF16, torch.device("cuda"), 1024.0)
-    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "1")
-    assert want(128.0) and want(1024.0)
-    # an explicit wgrad entry for the shape wins over the switch (the launcher then runs it, so no copies)
-    from megamoe.ops import GemmConfig, tile_config
-    monkeypatch.setitem(tile_config._OVERRIDES, ("wgrad", 1536, 2048), GemmConfig(128, 128, 64, 8, 2))
-    assert not want(1024.0)
-    monkeypatch.delitem(tile_config._OVERRIDES, ("wgrad", 1536, 2048))
-    monkeypatch.setenv("MEGAMOE_TORCH_WGRAD", "0")
-    assert not want(1024.0)
+    everywhere = KernelConfig({"wgrad": TORCH_EVERYWHERE})
+    assert want(128.0, everywhere) and want(1024.0, everywhere)
+    # a Triton entry for the shape: the launcher runs it, so no copies
+    assert not want(1024.0, KernelConfig({("wgrad", 1536, 2048): TRITON_ONLY}))
+    assert want(1024.0, KernelConfig({("wgrad", 2048, 1536): TRITON_ONLY}))  # another shape's entry

@@ -16,7 +16,12 @@ import contextlib
 import pytest
 import torch
 
+from megamoe.config import GemmConfig, KernelConfig
+
 pytestmark = pytest.mark.gpu
+
+# every weight gradient through torch._grouped_mm wherever the operands allow
+TORCH_WGRAD = KernelConfig({"wgrad": GemmConfig(128, 128, 64, 8, 3, torch_mm=True)})
 DEV = "cuda"
 BF16 = torch.bfloat16
 
@@ -64,19 +69,15 @@ def _run(cfg, p, q, offsets, p_idx, q_idx, out_dtype=BF16, expect_gluon=None):
     """k_grouped_mm with ``cfg`` forced; a Gluon config must really launch the Gluon kernel (no silent
     fallback to the Triton kernels, which would compare them with themselves), unless ``expect_gluon`` is
     False (a config the launcher is meant to refuse)."""
-    from megamoe.ops import k_grouped_mm, tile_config
+    from megamoe.config import KernelConfig
+    from megamoe.ops import k_grouped_mm
 
     M, N = p.shape[1], q.shape[1]
-    saved = dict(tile_config._OVERRIDES)
-    tile_config._OVERRIDES[("wgrad", M, N)] = cfg
-    try:
-        with _launches("launch_gluon_wgrad", "launch_gluon_wgrad_ws") as launches:
-            E = offsets.numel() - 1
-            out = torch.full((E, M, N), float("nan"), device=DEV, dtype=out_dtype)
-            got = k_grouped_mm(p, q, offsets, p_idx_R=p_idx, q_idx_R=q_idx, out_dtype=out_dtype, out=out)
-    finally:
-        tile_config._OVERRIDES.clear()
-        tile_config._OVERRIDES.update(saved)
+    with _launches("launch_gluon_wgrad", "launch_gluon_wgrad_ws") as launches:
+        E = offsets.numel() - 1
+        out = torch.full((E, M, N), float("nan"), device=DEV, dtype=out_dtype)
+        got = k_grouped_mm(p, q, offsets, p_idx_R=p_idx, q_idx_R=q_idx, out_dtype=out_dtype, out=out,
+                           kernel_config=KernelConfig({("wgrad", M, N): cfg}))
     expect_gluon = cfg.gluon if expect_gluon is None else expect_gluon
     assert launches == ([cfg] if expect_gluon else []), f"Gluon launches {launches} for {cfg}"
     return got
@@ -212,9 +213,7 @@ def test_ws_many_tiles_per_program_without_sync():
 def test_table_takes_ws_kernel_for_contiguous_rows_in_its_window():
     """The table's choice (no override): contiguous rows at ~200 per expert (torch's window, at most 384) run
     the warp-specialized kernel with the Triton kernels' bits; gathered rows, and too few (expert, m-tile)
-    units to fill the SMs, keep torch._grouped_mm; MEGAMOE_GLUON=0 turns the kernel off."""
-    import os
-
+    units to fill the SMs, keep torch._grouped_mm; a torch_mm "wgrad" entry of the KernelConfig replaces it."""
     from megamoe.ops import GemmConfig, k_grouped_mm
 
     def table_run(p, q, off, **kw):
@@ -231,11 +230,7 @@ def test_table_takes_ws_kernel_for_contiguous_rows_in_its_window():
     few = counts[:8]
     pf, qf, offf, _, _ = _problem(256, 384, few, False, False, seed=23)
     assert table_run(pf, qf, offf)[1] == 0  # 16 units < SMs
-    os.environ["MEGAMOE_GLUON"] = "0"
-    try:
-        off_got, n_ws = table_run(p, q, off)
-    finally:
-        del os.environ["MEGAMOE_GLUON"]
+    off_got, n_ws = table_run(p, q, off, kernel_config=TORCH_WGRAD)
     assert n_ws == 0 and torch.equal(off_got, got)
 
 
@@ -243,32 +238,30 @@ def test_table_takes_ws_kernel_for_contiguous_rows_in_its_window():
 def test_layer_with_ws_weight_gradients_keeps_the_bits():
     """The fused layer at qwen3-30b-a3b's shapes, T = 4096 (~256 rows per expert, contiguous after the layer's row
     copies: the table's warp-specialized window): output, dx and every parameter gradient are bitwise the same
-    as with MEGAMOE_GLUON=0 (torch._grouped_mm there), and the warp-specialized kernel did run (dW13, dW2)."""
-    import os
-
+    as with torch._grouped_mm there (a torch_mm "wgrad" entry of the KernelConfig), and the warp-specialized kernel
+    did run (dW13, dW2)."""
     import megamoe
 
     cfg = megamoe.get_preset("qwen3-30b-a3b")
     moe = megamoe.MoE(cfg, backend="fused", device=DEV, seed=3)
+    moe_torch = megamoe.MoE(cfg, backend="fused", device=DEV, seed=3, kernel_config=TORCH_WGRAD)
     g = torch.Generator(device=DEV).manual_seed(4)
     x = torch.randn(4096, cfg.hidden_size, generator=g, device=DEV).to(BF16)
     dy = torch.randn(4096, cfg.hidden_size, generator=g, device=DEV).to(BF16)
 
-    def step():
-        moe.zero_grad(set_to_none=True)
+    def step(m):
+        m.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
-        y = moe(xi)
+        y = m(xi)
         y.backward(dy)
-        return [y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for p in moe.parameters()]
+        return [y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for p in m.parameters()]
 
     with _launches("launch_gluon_wgrad_ws") as ws:
-        with_ws = step()
+        with_ws = step(moe)
     assert len(ws) >= 2, f"the warp-specialized kernel ran {len(ws)} times"
-    os.environ["MEGAMOE_GLUON"] = "0"
-    try:
-        with_torch = step()
-    finally:
-        del os.environ["MEGAMOE_GLUON"]
+    with _launches("launch_gluon_wgrad_ws") as ws:
+        with_torch = step(moe_torch)
+    assert len(ws) == 0, f"the warp-specialized kernel ran {len(ws)} times with torch's kernel asked for"
     names = ["out", "dx"] + [n for n, _ in moe.named_parameters()]
     for name, a, b in zip(names, with_ws, with_torch):
         assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"

@@ -11,8 +11,10 @@ import argparse
 import os
 import sys
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)  # before torch.distributed / NVSHMEM are touched
+# NVLink multicast must stay off on the target machines: set (unless given) in main(), before torch.distributed /
+# NVSHMEM are touched
+_COMM_ENV_DEFAULTS = (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                      ("NVSHMEM_DISABLE_NVLS", "1"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,12 +64,23 @@ def build_parser() -> argparse.ArgumentParser:
     a("--flush-mib", type=int, default=256, help="L2 flush buffer zeroed before each timed iteration (MiB)")
     a("--dist-timeout", type=int, default=300, help="process-group timeout in seconds (EP)")
     a("--out", default="bench_out", help="output directory for results.{csv,json,png,txt} (default bench_out)")
+    a("--commit", help="the commit to record where the tree has no .git (default: git rev-parse HEAD)")
+    a("--tiles", metavar="TEXT", help="megamoe tile overrides for A/B runs, 'kind:BM,BN,BK,WARPS,STAGES[,field=value]' "
+      "entries separated by ';' (megamoe.ops.tile_config.parse_tiles; BLOCK_K must stay the table's)")
+    a("--ep-pull-programs", type=int, default=0, metavar="N", help="EP: round 0's pull as N programs beside "
+      "the first expert GEMM (megamoe.config.EPOptions.pull_programs; default 0: off)")
+    a("--ep-comm-sms", type=int, default=0, metavar="N", help="EP: the shared expert on a side stream leaving N "
+      "SMs to the exchange (EPOptions.comm_sms; default 0: off)")
+    a("--ep-push-kernel", action="store_true", help="EP: result rows by the separate push kernel "
+      "(EPOptions.push_kernel; default: the GEMM epilogue)")
     a("--quiet", action="store_true", help="no progress bar")
     a("--list-providers", action="store_true", help="print the providers and exit")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    for k, v in _COMM_ENV_DEFAULTS:
+        os.environ.setdefault(k, v)
     args = build_parser().parse_args(argv)
     if args.list_providers:
         from megamoe.bench.providers import get_providers

@@ -1,10 +1,9 @@
 """One table from interleaved A/B benchmark runs: ``python -m megamoe.bench.ab_summary DIR [DIR ...]``.
 
 Reads ``results.json`` in each DIR (or under it), as written by ``python -m megamoe.bench`` (for instance by
-``scripts/gpu_all.sh abtiles``), groups the runs by the library switches recorded in their metadata
-(``meta.env``: ``MEGAMOE_TILES``, ``MEGAMOE_GLUON``, ``MEGAMOE_PERMUTED_DY``, ``MEGAMOE_TORCH_WGRAD``,
-``MEGAMOE_EP_PUSH`` (recorded since 2026-12-01, eleventh session), ``MEGAMOE_EP_COMM_SMS`` (twelfth session),
-``MEGAMOE_EP_PULL_OVERLAP`` (eighteenth); runs without any are "table"),
+``scripts/gpu_all.sh abtiles``), groups the runs by the megamoe variant recorded in their metadata
+(``meta.variant``: ``--tiles``, ``--ep-pull-programs``, ``--ep-comm-sms``, ``--ep-push-kernel``; older runs
+recorded environment switches in ``meta.env``, read the same way; runs without any are "table"),
 or by folder name with ``--by-folder`` (older runs that did not record their switches), and prints, per
 (preset, tokens, routing, provider) and group, the forward+backward medians of every repetition, their median,
 and the difference from the reference group (default "table", else the first group seen). Only rows whose
@@ -25,8 +24,8 @@ __all__ = ["load_runs", "summarize", "main"]
 def _label(meta: dict, folder: Path, by_folder: bool) -> str:
     if by_folder:
         return folder.name
-    env = meta.get("env") or {}
-    parts = [f"{k}={v}" for k, v in sorted(env.items()) if v != ""]
+    variant = {**(meta.get("env") or {}), **(meta.get("variant") or {})}
+    parts = [f"{k}={v}" for k, v in sorted(variant.items()) if v != ""]
     return " ".join(parts) or "table"
 
 

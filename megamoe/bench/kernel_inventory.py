@@ -1,15 +1,15 @@
 """What the compiler makes of the grouped GEMMs, without a GPU: ``python -m megamoe.bench.kernel_inventory``.
 
 For each grouped GEMM of the layer at W = 1 (m-grouped: gate/up + SwiGLU, down, dgrad + SwiGLU backward,
-dgrad dx; k-grouped: the dW13 and dW2 weight gradients) at a preset's shapes and its tile config (the table, or
-``MEGAMOE_TILES``), compiles the Triton kernel the launcher would pick (``_m_grouped_gemm_kernel``;
+dgrad dx; k-grouped: the dW13 and dW2 weight gradients) at a preset's shapes and its tile config (the table),
+compiles the Triton kernel the launcher would pick (``_m_grouped_gemm_kernel``;
 ``_k_grouped_gemm_kernel`` or ``_k_grouped_resident_kernel``) for sm_90a with Triton's bundled ptxas, on the
 CPU, and reports registers per thread, spill bytes, shared memory, the blocks that fit per SM, the wgmma
 instruction shape and how each operand reaches shared memory in the loop that holds the MMA (TMA, cp.async,
 or a synchronous load through registers). Weight gradients the table sends to the persistent Gluon kernel
 are reported for the Triton kernel of the same tiles, the launcher's fallback (the Gluon kernel has its own
 compile test, tests/test_wgrad_gluon_compile.py); those it sends to ``torch._grouped_mm`` (bf16, more than
-~154 rows per expert) for the Triton kernel that runs instead with ``MEGAMOE_TORCH_WGRAD=0`` (gathered rows),
+~154 rows per expert) for the Triton kernel that runs where torch's cannot (gathered rows),
 marked "(torch)"; dgrad + SwiGLU then reads dY's rows ungathered, as the backward copies them for torch.
 The specialization is the one a
 launch at those shapes gets (Triton specializes integer arguments equal to 1 as constants and marks

@@ -31,12 +31,15 @@ __all__ = ["Provider", "Context", "get_providers", "provider_names", "grouped_mm
 
 @dataclass
 class Context:
-    """Where providers run: device, world size W, this rank, and the process group (None when W = 1)."""
+    """Where providers run: device, world size W, this rank, and the process group (None when W = 1); the
+    megamoe providers' kernel choices and EP options (``--tiles``, ``--ep-*``; None: the defaults)."""
 
     device: torch.device
     world_size: int = 1
     rank: int = 0
     group: object = None
+    kernel_config: object = None
+    ep_options: object = None
 
 
 @dataclass
@@ -141,13 +144,13 @@ def _torch_unavailable(ctx: Context, prob) -> str | None:
     return None
 
 
-def _megamoe_fn():
+def _megamoe_fn(kernel_config=None):
     """The fused single-device entry, imported lazily (it may not exist yet)."""
     mod = importlib.import_module("megamoe.functional")
     fused = mod.moe_experts
 
     def fn(x_TD, ids_TK, w_TK, w13, w2, sw13, sw2):
-        return fused(x_TD, ids_TK, w_TK, w13, w2, sw13, sw2, backend="fused")
+        return fused(x_TD, ids_TK, w_TK, w13, w2, sw13, sw2, backend="fused", kernel_config=kernel_config)
     return fn
 
 
@@ -168,7 +171,7 @@ def _build_megamoe(prob, ctx: Context):
     if ctx.world_size > 1:
         from .providers_ep import build_megamoe_ep
         return build_megamoe_ep(prob, ctx)
-    return _megamoe_fn()
+    return _megamoe_fn(ctx.kernel_config)
 
 
 def _build_reference(prob, ctx: Context):

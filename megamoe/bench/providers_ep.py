@@ -95,7 +95,7 @@ def build_megamoe_ep(prob, ctx: Context):
     fused = importlib.import_module("megamoe.functional_ep").moe_experts_ep
 
     def fn(*args):
-        return fused(*args, group=ctx.group)
+        return fused(*args, group=ctx.group, options=ctx.ep_options, kernel_config=ctx.kernel_config)
     return fn
 
 
@@ -139,7 +139,7 @@ def _build_megamoe_one_rank(prob, ctx: Context):
     fused = importlib.import_module("megamoe.functional_ep").moe_experts_ep
 
     def fn(*args):
-        return fused(*args, group=group)
+        return fused(*args, group=group, options=ctx.ep_options, kernel_config=ctx.kernel_config)
     return fn
 
 

@@ -28,7 +28,11 @@ import torch
 
 from .timing import Stats
 
-__all__ = ["Row", "flops", "dispatch_bytes", "run_metadata", "format_table", "write_outputs"]
+__all__ = ["Row", "flops", "dispatch_bytes", "run_metadata", "format_table", "write_outputs", "VARIANT_ARGS"]
+
+# command-line settings that select a variant of megamoe (megamoe.config.KernelConfig / EPOptions), recorded apart
+# in the metadata so that A/B runs can be grouped by them (megamoe.bench.ab_summary)
+VARIANT_ARGS = ("tiles", "ep_pull_programs", "ep_comm_sms", "ep_push_kernel")
 
 
 def flops(cfg, T: int) -> dict[str, int]:
@@ -102,8 +106,8 @@ def run_metadata(device: torch.device, world_size: int, args: dict) -> dict:
         triton_v = triton.__version__
     except Exception:  # noqa: BLE001
         triton_v = "n/a"
-    # MEGAMOE_COMMIT names the commit where the tree has no .git (e.g. a copied working tree on a GPU host)
-    commit = os.environ.get("MEGAMOE_COMMIT") or _sh(["git", "rev-parse", "--short=12", "HEAD"]) or "unknown"
+    # --commit names the commit where the tree has no .git (e.g. a copied working tree on a GPU host)
+    commit = args.get("commit") or _sh(["git", "rev-parse", "--short=12", "HEAD"]) or "unknown"
     if commit != "unknown" and _sh(["git", "status", "--porcelain", "--untracked-files=no"]):
         commit += "-dirty"
     cuda = device.type == "cuda"
@@ -120,13 +124,9 @@ def run_metadata(device: torch.device, world_size: int, args: dict) -> dict:
         "host": platform.node(),
         "python": platform.python_version(),
         "settings": args,
-        # the library's environment switches: tile replacements, the Gluon kernels, the permuted-dY experiment,
-        # torch's weight gradients, the EP path's result-row push, its SMs left to the exchange and its pull beside
-        # the first GEMM
-        "env": {k: os.environ[k]
-                for k in ("MEGAMOE_TILES", "MEGAMOE_GLUON", "MEGAMOE_PERMUTED_DY", "MEGAMOE_TORCH_WGRAD",
-                          "MEGAMOE_EP_PUSH", "MEGAMOE_EP_COMM_SMS", "MEGAMOE_EP_PULL_OVERLAP")
-                if k in os.environ},
+        # the variant of megamoe this run measured (what differs from the defaults): tile overrides (--tiles), the
+        # EP path's pull beside the first GEMM, SMs left to the exchange, result-row push (--ep-*)
+        "variant": {k: args[k] for k in VARIANT_ARGS if args.get(k)},
     }
 
 

@@ -17,22 +17,19 @@ import os
 import sys
 import time
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)  # NVLink multicast must stay off on the target machines
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from ..config import EPOptions, KernelConfig, get_preset
+from .ceilings import measure_ceilings
+from .check import check_provider
+from .problem import make_problem
+from .providers import DEFAULT_PROVIDERS, Context, get_providers
+from .report import Row, dispatch_bytes, finalize, flops, format_table, run_metadata, write_outputs
+from .routing_models import load_stats, make_routing
+from .timing import Timer, summarize
 
-from ..config import get_preset  # noqa: E402
-from .ceilings import measure_ceilings  # noqa: E402
-from .check import check_provider  # noqa: E402
-from .problem import make_problem  # noqa: E402
-from .providers import DEFAULT_PROVIDERS, Context, get_providers  # noqa: E402
-from .report import Row, dispatch_bytes, finalize, flops, format_table, run_metadata, write_outputs  # noqa: E402
-from .routing_models import load_stats, make_routing  # noqa: E402
-from .timing import Timer, summarize  # noqa: E402
-
-__all__ = ["run", "parse_cases", "init_distributed"]
+__all__ = ["run", "parse_cases", "init_distributed", "kernel_choices"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -53,6 +50,20 @@ def parse_cases(cases: list[str] | None, presets: list[str] | None, tokens: list
         if t <= 0:
             raise ValueError(f"tokens per rank must be > 0, got {t} for {name}")
     return out
+
+
+def kernel_choices(args) -> tuple[KernelConfig | None, EPOptions | None]:
+    """The megamoe providers' KernelConfig (``--tiles``) and EPOptions (``--ep-pull-programs``,
+    ``--ep-comm-sms``, ``--ep-push-kernel``) from parsed CLI ``args``; None where all are the defaults.
+    ValueError on a bad value."""
+    from ..ops.tile_config import parse_tiles
+
+    tiles = getattr(args, "tiles", None)
+    kernels = KernelConfig(parse_tiles(tiles)) if tiles else None
+    ep = EPOptions(pull_programs=getattr(args, "ep_pull_programs", 0) or 0,
+                   comm_sms=getattr(args, "ep_comm_sms", 0) or 0,
+                   push_kernel=bool(getattr(args, "ep_push_kernel", False)))
+    return kernels, (ep if ep != EPOptions() else None)
 
 
 def init_distributed(device_arg: str, timeout_s: int) -> Context:
@@ -112,7 +123,9 @@ def run(args) -> list[Row]:
     cases = parse_cases(args.cases, args.presets, args.tokens)
     if not cases:
         raise ValueError("nothing to run: give --cases PRESET:T ... or --presets NAME ... [--tokens T ...]")
+    kernels, ep_options = kernel_choices(args)
     ctx = init_distributed(args.device, args.dist_timeout)
+    ctx.kernel_config, ctx.ep_options = kernels, ep_options
     ep = ctx.world_size > 1
     registry = get_providers()
     names = args.providers or DEFAULT_PROVIDERS[(ctx.device.type, ep)]

@@ -4,6 +4,5 @@ Host launchers that validate, allocate, pick tile configs and grids live in :mod
 Modules: :mod:`.grouped_gemm` (m-grouped forward / dgrad GEMMs with fused SwiGLU epilogues, k-grouped
 weight-gradient GEMMs), :mod:`.combine` (fixed-order slot reductions) and :mod:`.wgrad_gluon` (``@gluon.jit``:
 the persistent Hopper weight-gradient kernel, imported only by :mod:`megamoe.ops.wgrad_gluon`, which keeps
-the package importable where Gluon is not) and :mod:`.grouped_gemm_gluon` (``@gluon.jit``: persistent and
-warp-specialized m-grouped GEMMs for the plain-epilogue GEMMs, imported only by :mod:`megamoe.ops.m_grouped_gluon`).
+the package importable where Gluon is not) and :mod:`.wgrad_ws_gluon` (its warp-specialized form).
 """

@@ -11,7 +11,8 @@ flags. Producer side: data stores, then (in a later kernel or after ``tl.debug_b
 ``atomic_xchg(flag, epoch, sem="release", scope="sys")``. Consumer side: a bounded spin of
 ``atomic_add(flag, 0, sem="acquire", scope="sys")`` (lowered to ``ld.global.sys.acquire``). A wait that
 expires writes ``stage << 24 | peer << 16 | epoch & 0xffff`` into the status word (first error wins, by
-compare-and-swap) and later waits return at once, so a dead peer never hangs the stream.
+compare-and-swap) and later waits return at once, so a dead peer never hangs the stream (the spin and
+status-word helpers live in megamoe.kernels.flags).
 
 Schedule table (int32, local), offsets in :data:`SCHED_*`: ``[0]`` R, ``[1]`` epoch, ``TOK + s`` global
 token offset of rank s (``TOK + W`` = global T), and per segment q: ``SEG_CNT`` rows, ``SEG_START``
@@ -30,46 +31,10 @@ one round, bit for bit. Two consecutive rounds (the first not the last) together
 import triton
 import triton.language as tl
 
+from .flags import fence_proxy_async_global, status_code, wait_at_least
+
 SCHED_TOK = 8
 SCHED_SEG = 80  # SEG_CNT = 80, SEG_START = 80 + E, SEG_SRC = 80 + 2E, EXP_OFF = 80 + 3E, RND = 80 + 3E + L + 1
-
-STAGE_PLAN, STAGE_COMBINE, STAGE_BAD_ID, STAGE_OVERFLOW = 1, 2, 3, 4
-STAGE_PULL: tl.constexpr = tl.constexpr(5)  # read inside kernels (megamoe.kernels.grouped_gemm)
-
-
-@triton.jit
-def _status_code(stage, peer, epoch):
-    return (stage << 24) | ((peer & 0xFF) << 16) | (epoch & 0xFFFF)
-
-
-@triton.jit
-def _spin(flag_ptr, target, status_ptr, max_iters, timeout_ns, USE_TIMER: tl.constexpr, SCOPE: tl.constexpr):
-    """Bounded acquire spin (at ``SCOPE``) until ``*flag_ptr >= target``; stops early when the status word is
-    set (an earlier wait failed). Returns True when it expired with the status word still clear."""
-    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
-    st = tl.load(status_ptr, volatile=True)
-    it = 0
-    if USE_TIMER:
-        t0 = tl.extra.cuda.globaltimer()
-    go = (v < target) & (st == 0)
-    while go:
-        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
-        st = tl.load(status_ptr, volatile=True)
-        it += 1
-        if USE_TIMER:
-            late = (tl.extra.cuda.globaltimer() - t0) > timeout_ns
-        else:
-            late = it > max_iters
-        go = (v < target) & (st == 0) & (late == 0)
-    return (v < target) & (st == 0)
-
-
-@triton.jit
-def _wait_at_least(flag_ptr, target, status_ptr, code, max_iters, timeout_ns, USE_TIMER: tl.constexpr):
-    """Bounded acquire spin at system scope until ``*flag_ptr >= target``; on expiry record ``code`` in the
-    status word. Returns immediately when the status word is already set (an earlier wait failed)."""
-    if _spin(flag_ptr, target, status_ptr, max_iters, timeout_ns, USE_TIMER, "sys"):
-        tl.atomic_cas(status_ptr, 0, code, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -83,7 +48,7 @@ def _flag_bad_ids(bad, flags_ptr, rank):
     first error wins by compare-and-swap)."""
     if bad > 0:
         epoch = tl.load(flags_ptr) + 1
-        tl.atomic_cas(flags_ptr + 1, 0, _status_code(3, rank, epoch), sem="relaxed", scope="gpu")
+        tl.atomic_cas(flags_ptr + 1, 0, status_code(3, rank, epoch), sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -186,7 +151,7 @@ def ep_schedule_kernel(ptrs_ptr, flags_ptr, sched_ptr, rank, L, C, rounds, max_i
     epoch = tl.load(flags_ptr)
     status_ptr = flags_ptr + 1
     for s in tl.static_range(W):
-        _wait_at_least(flags_ptr + READY + s, epoch, status_ptr, _status_code(1, s, epoch), max_iters,
+        wait_at_least(flags_ptr + READY + s, epoch, status_ptr, status_code(1, s, epoch), max_iters,
                        timeout_ns, USE_TIMER)
     lw = tl.arange(0, L_PAD)
     ws = tl.arange(0, W_PAD)
@@ -234,7 +199,7 @@ def ep_schedule_kernel(ptrs_ptr, flags_ptr, sched_ptr, rank, L, C, rounds, max_i
         tl.store(rnd_ptr + fill, total, mask=fill <= rounds)
         fill += FILL
     if row < total:
-        tl.atomic_cas(status_ptr, 0, _status_code(4, rank, epoch), sem="relaxed", scope="gpu")
+        tl.atomic_cas(status_ptr, 0, status_code(4, rank, epoch), sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -262,27 +227,6 @@ def ep_round_offsets_kernel(sched_ptr, roff_ptr, round_idx, C, L, E: tl.constexp
     program 0 writes), for a GEMM whose m-tile table must exist before the pull runs beside it."""
     round_start, n = _round_rows(sched_ptr, round_idx, L, C, E)
     _write_round_offsets(sched_ptr, roff_ptr, round_start, n, L, E, L_PAD)
-
-
-@triton.jit
-def wait_flag_gpu(flag_ptr, target, flags_ptr, rank, stage, max_iters, timeout_ns, USE_TIMER: tl.constexpr):
-    """Bounded acquire spin (GPU scope: the writer runs on this GPU) until ``*flag_ptr >= target``. On expiry
-    the status word ``flags_ptr[1]`` gets ``stage`` with this rank and the current epoch ``flags_ptr[0]``
-    (first error wins); a status already set returns at once. The result of the caller's work is then
-    garbage, and ``EPWorkspace.check`` raises."""
-    if tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu") < target:  # the flag mostly is already set
-        if _spin(flag_ptr, target, flags_ptr + 1, max_iters, timeout_ns, USE_TIMER, "gpu"):
-            code = _status_code(stage, rank, tl.load(flags_ptr))
-            tl.atomic_cas(flags_ptr + 1, 0, code, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def fence_proxy_async_global():
-    """``fence.proxy.async.global`` in every thread (GPU only: inline PTX): orders this thread's global memory
-    accesses through the generic proxy before it with the async proxy's (TMA) after it, and the other way
-    round (PTX ISA, memory consistency model, "proxies")."""
-    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
 
 
 @triton.jit
@@ -417,5 +361,5 @@ def ep_wait_done_kernel(flags_ptr, max_iters, timeout_ns, DONE: tl.constexpr, W:
     """One program on the owner: wait until every rank has pushed all rows of this exchange."""
     epoch = tl.load(flags_ptr)
     for s in tl.static_range(W):
-        _wait_at_least(flags_ptr + DONE + s, epoch, flags_ptr + 1, _status_code(2, s, epoch), max_iters,
+        wait_at_least(flags_ptr + DONE + s, epoch, flags_ptr + 1, status_code(2, s, epoch), max_iters,
                        timeout_ns, USE_TIMER)

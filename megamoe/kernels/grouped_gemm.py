@@ -55,7 +55,7 @@ SiLU: silu(x) = x * s, silu'(x) = s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x)) (
 import triton
 import triton.language as tl
 
-from .ep_comm import STAGE_PULL, fence_proxy_async_global, wait_flag_gpu
+from .ep_tiles import end_after_pull, first_tile, next_tile, push_rows, wait_for_rows
 
 PLAIN: tl.constexpr = tl.constexpr(0)
 SWIGLU: tl.constexpr = tl.constexpr(1)
@@ -165,11 +165,7 @@ def _m_grouped_gemm_kernel(
     out_ty = c_ptr.dtype.element_ty
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(tile_offsets_ptr + num_experts) * num_n_tiles
-    if WAIT_PULL:  # tiles in increasing order from a counter: programs that start late (their SM was the
-        # pull's) take fewer tiles instead of holding up the end; which program computes a tile never changes it
-        tile = tl.atomic_add(pull_ptr, 1, sem="relaxed", scope="gpu")
-    else:
-        tile = tl.program_id(0)
+    tile = first_tile(pull_ptr, WAIT_PULL)  # WAIT_PULL: from a counter (megamoe.kernels.ep_tiles)
     while tile < num_tiles:
         m_tile = tile // num_n_tiles
         n_tile = tile % num_n_tiles
@@ -178,27 +174,15 @@ def _m_grouped_gemm_kernel(
         offs_m = row_start + tl.arange(0, BLOCK_M)
         mask_m = offs_m < row_end
         if WAIT_PULL:  # the blocks of A rows this tile stores (and their row scales) have landed
-            blk = row_start // PULL_BM
-            while blk * PULL_BM < tl.minimum(row_end, row_start + BLOCK_M):
-                wait_flag_gpu(pull_ptr + 1 + blk, 1, pull_flags_ptr, pull_rank, STAGE_PULL, pull_max_iters,
-                              pull_timeout_ns, PULL_TIMER)
-                blk += 1
-            if TMA_A:  # the rows were written through the generic proxy, TMA reads them through the async one
-                fence_proxy_async_global()
+            wait_for_rows(pull_ptr, pull_flags_ptr, pull_rank, pull_max_iters, pull_timeout_ns, row_start, row_end,
+                          BLOCK_M, PULL_BM, PULL_TIMER, TMA_A)
         rows = tl.minimum(offs_m, num_rows - 1).to(tl.int64)  # clamped rows: computed, never stored
         if HAS_GATHER:
             a_rows = tl.load(a_idx_ptr + rows).to(tl.int64)
         else:
             a_rows = rows
-        if PUSH:  # row r goes to row (token * push_k + slot) of its source rank's buffer (N columns); loaded
-            # before the K loop so the dependent loads (row table, then the rank's offset) overlap it
-            src = tl.load(push_tab_ptr + rows, mask=mask_m, other=-1)
-            push_mask = mask_m & (src >= 0)
-            tok = tl.load(push_tab_ptr + push_c + rows, mask=push_mask, other=0).to(tl.int64)
-            slot = tl.load(push_tab_ptr + 2 * push_c + rows, mask=push_mask, other=0).to(tl.int64)
-            # multiples of 16 elements (RowPush's contract): keeps the stores 16-byte vectors
-            delta = tl.multiple_of(tl.load(push_deltas_ptr + tl.maximum(src, 0), mask=push_mask, other=0), 16)
-            push_rows = delta + (tok * push_k + slot) * N
+        if PUSH:  # each row's destination in its owner's slots, loaded before the K loop (ep_tiles)
+            push_dest, push_mask = push_rows(push_tab_ptr, push_deltas_ptr, rows, mask_m, push_c, push_k, N)
         offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
@@ -237,7 +221,7 @@ def _m_grouped_gemm_kernel(
             if HAS_SCALE:
                 acc = acc * tl.load(scale_ptr + rows).to(tl.float32)[:, None]
             if PUSH:
-                c_ptrs = c_ptr + push_rows[:, None] + offs_n[None, :]
+                c_ptrs = c_ptr + push_dest[:, None] + offs_n[None, :]
                 mask = push_mask[:, None] & mask_n[None, :]
             tl.store(c_ptrs, acc.to(out_ty), mask=mask)
         elif EPILOGUE == SWIGLU:
@@ -271,13 +255,8 @@ def _m_grouped_gemm_kernel(
                     p = 2 * n_tile
                     tl.store(dot_ptr + out_rows * num_p + p, part_a, mask=mask_m)
                     tl.store(dot_ptr + out_rows * num_p + p + 1, part_b, mask=mask_m & (out_rows * 0 + p + 1 < num_p))
-        if WAIT_PULL:
-            tile = tl.atomic_add(pull_ptr, 1, sem="relaxed", scope="gpu")
-        else:
-            tile += tl.num_programs(0)
-    if PULL_GDC:  # this grid ends after the pull's (programmatic dependent launch): what the stream runs
-        # next sees every row the pull wrote, also those of blocks no tile waited for
-        tl.extra.cuda.gdc_wait()
+        tile = next_tile(tile, pull_ptr, WAIT_PULL)
+    end_after_pull(PULL_GDC)
 
 
 @triton.jit

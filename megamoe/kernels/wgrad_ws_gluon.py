@@ -20,7 +20,7 @@ program's order: its units pid, pid + G, ..., m-tile fastest, each unit's n-tile
 zero-filled by TMA; rows of the next expert that an expert's last chunk covers are zeroed in shared memory by
 the consumer before its wgmma (both operands, so nothing of another expert, not even a NaN, reaches the sum).
 
-Handshakes (mbarriers), as in megamoe.kernels.grouped_gemm_gluon's ping-pong kernel:
+Handshakes (mbarriers):
   ready[slot]  (count 1) the step's two TMA copies landed (expect-tx);
   empty[slot]  (count 1) its consumer's wgmma of that step completed;
   turn[c]      (count 1) consumer c may start its next tile's ready-waits: the other consumer has passed every

@@ -13,18 +13,18 @@ Public pieces (the EP path calls these on rows received from peers):
                 k_grouped_wants_rows_in_order (whether a weight gradient wants its gathered rows copied)
   EP stores:    RowPush, row_push_deltas (plain-epilogue GEMMs storing rows straight into (token, slot) rows
                 of several ranks' buffers)
-  configs:      GemmConfig, m_grouped_config, k_grouped_config
+  configs:      GemmConfig, KernelConfig (megamoe.config), m_grouped_config, k_grouped_config
 """
 
 from .combine import combine_fwd, slot_sum_bwd
 from .grouped_gemm import (RowPush, down_proj, gate_up_swiglu, grouped_mm_nn, grouped_mm_nt, k_grouped_mm,
                            k_grouped_wants_rows_in_order, row_push_deltas, swiglu_dgrad)
 from .routing import PoolPlan, RoutingPlan, build_routing_plan, single_group_offsets, tile_offsets_for
-from .tile_config import GemmConfig, k_grouped_config, m_grouped_config
+from .tile_config import GemmConfig, KernelConfig, k_grouped_config, m_grouped_config
 
 __all__ = [
     "RoutingPlan", "PoolPlan", "build_routing_plan", "tile_offsets_for", "single_group_offsets",
     "gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm",
     "k_grouped_wants_rows_in_order", "RowPush", "row_push_deltas",
-    "combine_fwd", "slot_sum_bwd", "GemmConfig", "m_grouped_config", "k_grouped_config",
+    "combine_fwd", "slot_sum_bwd", "GemmConfig", "KernelConfig", "m_grouped_config", "k_grouped_config",
 ]

@@ -18,6 +18,7 @@ The interface (methods every dispatcher has; ``need`` is a :class:`Needs`):
 
 ==========================================  ===================================================================
 ``rounds``                                  rounds of the stage loop (1 for the local dispatcher)
+``kernel_config``                           tile overrides for every GEMM of the loop (megamoe.config.KernelConfig)
 ``open_forward(x, ids, F, keep, shared)``   plan the pass (local: routing plan; NVLink: publish + buffers)
 ``start_exchange()`` / ``join()``           after / around the shared expert: the exchange's first steps
 ``beside()``                                context the shared expert runs in (inline, or a side stream)
@@ -42,13 +43,13 @@ the stage loop's kernels, in the order it fixes.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
 
 from .grouped_gemm import RowPull, RowPush, k_grouped_wants_rows_in_order
 from .routing import build_routing_plan, single_group_offsets
+from .tile_config import DEFAULT_KERNELS, KernelConfig
 
 __all__ = ["RoundRows", "Needs", "LocalDispatcher"]
 
@@ -105,14 +106,15 @@ class LocalDispatcher:
     stay in (N, D) rows in expert-sorted order, and the slot reductions read them through ``row_of_TK``.
 
     Saved between the passes: the plan's offsets_E1, row_token_N, row_src_N and row_of_TK (3 int32 per
-    (token, slot) plus E + 1), and the m-tile tables of both passes' GEMMs (``tiles``)."""
+    (token, slot) plus E + 1), and the m-tile tables of both passes' GEMMs (``tiles``). ``kernel_config``: tile
+    overrides of every GEMM (never changes bits)."""
 
     rounds = 1
     keeps_shared_preact = True
     side = None
 
-    def __init__(self, num_experts: int):
-        self.num_experts = num_experts
+    def __init__(self, num_experts: int, kernel_config: KernelConfig = DEFAULT_KERNELS):
+        self.num_experts, self.kernel_config = num_experts, kernel_config
         self.tiles: dict = {}  # the m-tile offsets of each group-offset table, shared by the GEMMs of both passes
         self.one_2: torch.Tensor | None = None
 
@@ -171,13 +173,14 @@ class LocalDispatcher:
         D = x_TD.shape[1]
         G, F, N = w13_EGD.shape[1], w2_EDF.shape[2], self.row_token_N.shape[0]
         rows_est = N / max(w13_EGD.shape[0], 1)  # k_grouped_mm's own estimate: its kernel choice
-        self.copy_dy = need.w2 and k_grouped_wants_rows_in_order(D, F, w2_EDF.dtype, x_TD.device, rows_est)
-        self.copy_x = need.w13 and k_grouped_wants_rows_in_order(G, D, w13_EGD.dtype, x_TD.device, rows_est)
+        kc = self.kernel_config
+        self.copy_dy = need.w2 and k_grouped_wants_rows_in_order(D, F, w2_EDF.dtype, x_TD.device, rows_est, kc)
+        self.copy_x = need.w13 and k_grouped_wants_rows_in_order(G, D, w13_EGD.dtype, x_TD.device, rows_est, kc)
 
     def backward_rows(self, r: int, recompute: bool) -> RoundRows:
         # torch's weight-gradient kernel takes contiguous rows only: dout's rows copied into row order (then
-        # also read by the dgrad without a gather); MEGAMOE_PERMUTED_DY=1: the copy alone (an experiment switch)
-        if self.copy_dy or os.environ.get("MEGAMOE_PERMUTED_DY") == "1":
+        # also read by the dgrad without a gather)
+        if self.copy_dy:
             dy_ND, dy_idx_N = self.dout_TD.index_select(0, self.row_token_N), None
         else:
             dy_ND, dy_idx_N = self.dout_TD, self.row_token_N

@@ -29,6 +29,7 @@ import os
 import torch
 import triton
 
+from ..config import EPOptions
 from ..distributed import FLAG_READY, P_MAX, EPWorkspace
 from ..kernels import ep_comm as K_
 from .grouped_gemm import RowPull, RowPush
@@ -36,8 +37,7 @@ from .routing import PoolPlan, build_routing_plan
 
 __all__ = ["ExchangeBuffers", "expert_offsets", "round_starts", "publish", "routing_plan", "save_plan", "restore_plan",
            "build_schedule", "dispatch_round", "push_round", "signal_done", "wait_done", "slot_views", "sched_size",
-           "interpret_mode", "push_target", "fused_push", "comm_sms", "shared_expert_stream", "pull_overlap_programs",
-           "pull_beside"]
+           "interpret_mode", "push_target", "fused_push", "shared_expert_stream", "pull_beside", "EPOptions"]
 
 # rows per program, columns per copy step, warps of the dispatch (pull) and push kernels; combine's rows per
 # program. Copies only: these never change bits. Copy shapes from 8 to 32 rows x 256 to 1024 columns, 4 or 8
@@ -216,20 +216,6 @@ def _launch_dispatch(ws, bufs, r, backward, pull_x, ready, programs) -> None:
                                       num_warps=_NW_BESIDE if beside else _NW, enable_fp_fusion=True)
 
 
-# Programs of the pull beside the first GEMM of round 0 (MEGAMOE_EP_PULL_OVERLAP); 0 = off: the pull, then the GEMM.
-_PULL_OVERLAP_DEFAULT = 0
-
-
-def pull_overlap_programs() -> int:
-    """``MEGAMOE_EP_PULL_OVERLAP``: n > 0 runs round 0's pull as n persistent programs beside the first expert
-    GEMM that reads its rows (:func:`pull_beside`); 0 (the default, or unset) pulls first. ValueError for
-    anything but an integer in [0, 128]."""
-    text = os.environ.get("MEGAMOE_EP_PULL_OVERLAP", "").strip() or str(_PULL_OVERLAP_DEFAULT)
-    if not (text.isascii() and text.isdigit()) or int(text) > 128:
-        raise ValueError(f"MEGAMOE_EP_PULL_OVERLAP must be an integer in [0, 128], got {text!r}")
-    return int(text)
-
-
 def pull_beside(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: bool, programs: int, timeout_s: float,
                 pull_x: bool = True) -> RowPull:
     """Round r's pull (what :func:`dispatch_round` does) as a :class:`~megamoe.ops.grouped_gemm.RowPull` for
@@ -306,44 +292,29 @@ def _slot_rows(ws: EPWorkspace) -> torch.Tensor:
     return ws.slots_TKD.view(s.max_tokens * s.top_k, s.hidden)
 
 
-def fused_push(ws: EPWorkspace) -> bool:
+def fused_push(ws: EPWorkspace, options: EPOptions) -> bool:
     """Whether the EP path stores result rows from the GEMM epilogue (default) or with the separate push
-    kernel (``MEGAMOE_EP_PUSH=kernel``: the earlier path, kept for A/B runs and as a test reference; also
+    kernel (``EPOptions.push_kernel``: the earlier path, kept for A/B runs and as a test reference; also
     taken when the workspace has no aligned slot-offset table, ``EPWorkspace.slot_deltas_W``)."""
-    mode = os.environ.get("MEGAMOE_EP_PUSH", "epilogue")
-    if mode not in ("epilogue", "kernel"):
-        raise ValueError(f"MEGAMOE_EP_PUSH must be 'epilogue' or 'kernel', got {mode!r}")
-    return mode == "epilogue" and ws.slot_deltas_W is not None
+    return not options.push_kernel and ws.slot_deltas_W is not None
 
 
-# SMs left to the exchange while the shared expert runs beside it (megamoe.ops.ep_experts); DeepEP likewise
+# SMs left to the exchange while the shared expert runs beside it (megamoe.ops.ep_dispatch); DeepEP likewise
 # gives its intranode kernels a fixed number of SMs. Off by default: at W = 1 (H200, 2026-12-01, twelfth session,
 # docs/perf.md) 16 SMs gave deepseek-v3 M=8192 -0.39 / -0.24 ms and mok-bench M=4096 +0.48 / +0.65 ms on two
 # machines; 8 SMs was worse on both, 32 worse on deepseek-v3 and level on mok-bench; the pull there is a local HBM
 # copy that wants the whole GPU. At W > 1 (rows over NVLink, the wait for the peers' plans hidden too) it is not
-# measured yet: MEGAMOE_EP_COMM_SMS=16 is the A/B.
-_COMM_SMS_DEFAULT = 0
+# measured yet: EPOptions(comm_sms=16) is the A/B.
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def comm_sms() -> int:
-    """``MEGAMOE_EP_COMM_SMS``: n > 0 turns the overlap on: after publish, the shared expert runs on a side
-    stream beside the schedule build and round 0's pull, its persistent GEMMs leaving n SMs to them (n at or
-    above the GPU's SM count leaves them one program: slow, not wrong); 0 (the default, or unset) runs publish,
-    the shared expert, then the exchange on one stream. ValueError for anything but an integer in [0, 64]."""
-    text = os.environ.get("MEGAMOE_EP_COMM_SMS", "").strip() or str(_COMM_SMS_DEFAULT)
-    if not (text.isascii() and text.isdigit()) or int(text) > 64:
-        raise ValueError(f"MEGAMOE_EP_COMM_SMS must be an integer in [0, 64], got {text!r}")
-    return int(text)
-
-
-def shared_expert_stream(ws: EPWorkspace) -> tuple[torch.cuda.Stream, int] | None:
+def shared_expert_stream(ws: EPWorkspace, options: EPOptions) -> tuple[torch.cuda.Stream, int] | None:
     """(side stream, SMs to leave free) for the shared expert of an EP call, or None to run it inline (CPU /
-    interpreter, or ``MEGAMOE_EP_COMM_SMS=0``). The stream is one high-priority stream per device, so that the
+    interpreter, or ``EPOptions.comm_sms`` 0). The stream is one high-priority stream per device, so that the
     shared expert's programs are placed first when both streams have work queued and the exchange takes the
     SMs they leave. Creating it is not a sync; it is made once per device (outside any captured region when
     the first call is eager, as megamoe's graph users warm up first)."""
-    n = comm_sms()
+    n = options.comm_sms
     if n == 0 or ws.device.type != "cuda" or interpret_mode():
         return None
     idx = ws.device.index if ws.device.index is not None else torch.cuda.current_device()

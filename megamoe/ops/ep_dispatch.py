@@ -8,7 +8,7 @@ the experts split across rounds (ops/wgrad_rounds.py), Q rounds launched, n_r ro
 Forward (every rank is both owner of its tokens and host of its L experts)::
 
     open_forward: publish(x, ids)         stage x, routing plan, epoch += 1, "ready" -> all
-    shared = down(swiglu(x @ sw13))       with MEGAMOE_EP_COMM_SMS=n > 0: on a side stream, all SMs but n,
+    shared = down(swiglu(x @ sw13))       with EPOptions.comm_sms=n > 0: on a side stream, all SMs but n,
     start_exchange: build_schedule;       beside these two (wait "ready" of all, receive order (expert,
       pull round 0                        global token, slot), cut into rounds of n_r <= C rows at expert
                                           boundaries; round 0's rows); then join
@@ -17,13 +17,13 @@ Forward (every rank is both owner of its tokens and host of its L experts)::
     finish_forward: signal_done; wait_done   every owner waits for all pushes
     out = combine_fwd(slots, w, shared)   fp32, slot order, shared last, one cast
 
-With ``MEGAMOE_EP_PULL_OVERLAP=n`` (n > 0; off by default: slower at W = 1, docs/perf.md, eighteenth session)
+With ``EPOptions.pull_programs=n`` (n > 0; off by default: slower at W = 1, docs/perf.md, eighteenth session)
 round 0's pull is not run before the loop but as n programs beside round 0's first GEMM (forward gate/up;
 backward dgrad + SwiGLU when gu is kept), which waits per 32-row block (``ep_comm.pull_beside``,
 ``ops.grouped_gemm.RowPull``); the shared expert then runs beside the schedule build only.
 
 The shared expert needs only this rank's tokens, so it can run beside the exchange: with
-``MEGAMOE_EP_COMM_SMS=n`` (n > 0) on a high-priority side stream (``ep_comm.shared_expert_stream``), its
+``EPOptions.comm_sms=n`` (n > 0) on a high-priority side stream (``ep_comm.shared_expert_stream``), its
 persistent grids sized for all SMs but n (``_common.reserve_sms``), while the current stream waits for the
 peers' plans and pulls round 0 (the overlap of Megatron-core's ``moe_shared_expert_overlap``; the SM split as
 DeepEP's fixed communication SMs). The default (0), CPU and the interpreter run the same steps in this order
@@ -43,7 +43,11 @@ dx rows plus the P partial dots of each row; the owner reduces with ``slot_sum_b
 
 The result rows (forward y, backward dx) are stored by the GEMM's epilogue straight into the owners' slots
 (``ops.grouped_gemm.RowPush``, local or across NVLink): no (C, D) round buffer and no copy pass, the same
-bits. ``MEGAMOE_EP_PUSH=kernel`` keeps the earlier round buffer + ``push_round`` copy (A/B runs, tests).
+bits. ``EPOptions.push_kernel`` keeps the earlier round buffer + ``push_round`` copy (A/B runs, tests).
+
+The options (``options``, a :class:`megamoe.config.EPOptions`) and the kernel choices (``kernel_config``, a
+:class:`megamoe.config.KernelConfig`, passed to every expert GEMM by the stage loop and to the rounds' weight
+gradients here) are arguments of the dispatcher; neither changes bits.
 
 With one round (always the case for W <= 2 at the default capacity) the output, the input gradient and the
 expert weight gradients are bitwise those of the single-GPU fused path on the global batch. Several rounds are
@@ -62,6 +66,7 @@ import contextlib
 
 import torch
 
+from ..config import EPOptions, KernelConfig
 from ..distributed import EPWorkspace, max_received_rows
 from . import ep_comm as X
 from ._common import reserve_sms
@@ -97,22 +102,25 @@ class NVLinkDispatcher:
     receive buffers of ``capacity_rows`` rows per round, ``rounds`` rounds; results stored into the owners'
     (token, slot) slots. ``save_preact`` / ``save_dispatched``: keep round 0's gate/up pre-activations gu_CG
     (C x 2F) / received x rows xr_CD (C x D) from forward to backward; the routing plan (T*K + 4 + E int32) is
-    kept whenever a backward can follow and restored into the pool by the backward instead of rebuilt."""
+    kept whenever a backward can follow and restored into the pool by the backward instead of rebuilt.
+    ``options``: the exchange's variants (:class:`EPOptions`); ``kernel_config``: tile overrides of the GEMMs."""
 
     keeps_shared_preact = False
 
     def __init__(self, ws: EPWorkspace, *, capacity_rows: int, rounds: int, timeout_s: float,
-                 save_preact: bool = False, save_dispatched: bool = False):
+                 save_preact: bool = False, save_dispatched: bool = False, options: EPOptions = EPOptions(),
+                 kernel_config: KernelConfig = KernelConfig()):
         self.ws, self.C, self.rounds, self.timeout_s = ws, capacity_rows, rounds, timeout_s
+        self.options, self.kernel_config = options, kernel_config
         self.save_preact, self.save_dispatched = save_preact, save_dispatched
         self.side = None
 
     # ------------------------------------------------------------------------------------------ common
     def _options(self, has_shared: bool, pull_overlap: bool) -> None:
-        """The switches, read before publish: a bad value must not leave the peers waiting for this rank."""
-        self.fused = X.fused_push(self.ws)  # result rows stored by the GEMM epilogue into the owners' slots
-        side = X.shared_expert_stream(self.ws)
-        self.overlap = X.pull_overlap_programs() if pull_overlap else 0
+        """The exchange's variants for this pass."""
+        self.fused = X.fused_push(self.ws, self.options)  # result rows stored by the GEMM epilogue into the slots
+        side = X.shared_expert_stream(self.ws, self.options)
+        self.overlap = self.options.pull_programs if pull_overlap else 0
         self.side = side if has_shared else None
 
     def beside(self):
@@ -259,7 +267,7 @@ class NVLinkDispatcher:
         if self.rounds > 1:
             part = self.part13_JGD if which == "w13" else self.part2_JDF
             k_grouped_round(p, q, self.bufs.roff_L1, self.full_off_L1, self.round_starts_Q1, out, part,
-                            round_idx=r, capacity_rows=self.C)
+                            round_idx=r, capacity_rows=self.C, kernel_config=self.kernel_config)
 
     def backward_results(self, r: int, dx_CD, part_CP) -> None:
         self.P = part_CP.shape[1]

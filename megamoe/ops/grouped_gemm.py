@@ -32,14 +32,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
 from ._common import _sm_count, check_device, is_interpreted, persistent_programs, pow2
-from .m_grouped_gluon import gluon_m_grouped_eligible, launch_gluon_m_grouped
-from .torch_grouped_mm import (torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, torch_wgrad_mode,
-                               wgrad_shape_fits)
+from .torch_grouped_mm import torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, wgrad_shape_fits
 from .wgrad_gluon import (GLUON_AVAILABLE, gluon_device_ok, gluon_wgrad_eligible, launch_gluon_wgrad,
                           launch_gluon_wgrad_ws, ws_operands_fit)
 from .routing import tile_offsets_for
 from . import tile_config
-from .tile_config import k_grouped_config, m_grouped_config
+from .tile_config import DEFAULT_KERNELS, KernelConfig, k_grouped_config, m_grouped_config
 
 __all__ = ["gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm", "RowPush",
            "RowPull", "row_push_deltas"]
@@ -169,15 +167,17 @@ def _alloc(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, n
 
 def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows, N, K, offsets_E1, c, aux=None,
                       dot=None, scale=None, gu=None, tile_offsets_E1=None, push: RowPush | None = None,
-                      tile_cache: dict | None = None, pull: RowPull | None = None):
+                      tile_cache: dict | None = None, pull: RowPull | None = None,
+                      kernel_config: KernelConfig = DEFAULT_KERNELS):
     """Launch the persistent m-grouped kernel. stride_b = (stride_e, stride_n, stride_k) of B, in elements.
     push (plain epilogue only): store rows through ``push`` (c is then its dest). tile_cache: see
     :func:`gate_up_swiglu`. pull: A's rows (and row scales) still arriving (:class:`RowPull`; rows not
-    gathered): its pull is launched here, then this GEMM beside it."""
+    gathered): its pull is launched here, then this GEMM beside it. kernel_config: tile overrides."""
     E = b.shape[0]
     kernel = _m_grouped_gemm_kernel
     interpret = is_interpreted(kernel)
-    cfg = m_grouped_config(kind, N, K, b.dtype, interpret=interpret, gathered=a_idx is not None)
+    cfg = m_grouped_config(kind, N, K, b.dtype, interpret=interpret, gathered=a_idx is not None,
+                           kernel_config=kernel_config)
     if pull is not None:
         if a_idx is not None:
             raise ValueError(f"{where}: pull needs rows that are not gathered")
@@ -195,10 +195,6 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
                 tile_cache[key] = tile_offsets_E1
     if pull is not None:
         pull.launch()  # the GEMM below must be the next kernel on the stream (programmatic dependent launch)
-    if (cfg.gluon and epilogue == _PLAIN and not interpret and push is None and pull is None
-            and gluon_m_grouped_eligible(cfg, a, b, stride_b, K, c, gathered=a_idx is not None)):
-        launch_gluon_m_grouped(cfg, a, b, stride_b, K, N, num_rows, offsets_E1, tile_offsets_E1, c, scale)
-        return cfg
     bound = (triton.cdiv(num_rows, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
     grid = (persistent_programs(c.device, kernel, bound, cfg.programs_per_sm),)
     fp32_dot = interpret or a.dtype == torch.float32 or b.dtype == torch.float32
@@ -289,7 +285,7 @@ def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Ten
                    gather_idx_R: torch.Tensor | None = None, save_preact: bool = True,
                    out: torch.Tensor | None = None, preact_out: torch.Tensor | None = None,
                    tile_offsets_E1: torch.Tensor | None = None, tile_cache: dict | None = None,
-                   pull: RowPull | None = None):
+                   pull: RowPull | None = None, kernel_config: KernelConfig = DEFAULT_KERNELS):
     """Gate/up projection with SwiGLU fused into the epilogue (m-grouped "nt").
 
     ``gu[r] = A[row(r)] @ w13[e].T`` rounded to A's dtype, ``h[r] = cast(silu(gate) * up)`` in fp32.
@@ -308,6 +304,8 @@ def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Ten
             ``offsets_E1`` do not change (use a new dict after rewriting them).
         pull: optional :class:`RowPull`: a's rows are still being written by the pull it launches; this GEMM
             runs beside it, each tile waiting (bounded) for its rows. Rows not gathered. The same bits.
+        kernel_config: tile overrides (:class:`megamoe.config.KernelConfig`; default: the table). The other
+            m-grouped launchers and :func:`k_grouped_mm` take it too.
 
     Returns:
         h_RF: (R, F) in a's dtype.  gu_RG: (R, 2F) or None.
@@ -330,7 +328,7 @@ def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Ten
     gu = _alloc(preact_out, (R, G), a.dtype, dev, "preact_out", where) if save_preact else None
     _launch_m_grouped(where=where, kind="gate_up", epilogue=_SWIGLU, a=a, a_idx=gather_idx_R, b=w13_EGD,
                       stride_b=(G * D, D, 1), num_rows=R, N=F, K=D, offsets_E1=offsets_E1, c=h, aux=gu,
-                      tile_offsets_E1=tile_offsets_E1, tile_cache=tile_cache, pull=pull)
+                      tile_offsets_E1=tile_offsets_E1, tile_cache=tile_cache, pull=pull, kernel_config=kernel_config)
     return h, gu
 
 
@@ -338,7 +336,7 @@ def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor
                   gather_idx_R: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None, kind: str = "down",
                   tile_offsets_E1: torch.Tensor | None = None, push: RowPush | None = None,
-                  tile_cache: dict | None = None) -> torch.Tensor | None:
+                  tile_cache: dict | None = None, kernel_config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor | None:
     """m-grouped ``C[r] = cast(A[row(r)] @ B[e].T [* row_scale[r]])``, B[e] stored (N, K).
 
     a: (R, K) grouped rows or (T, K) with gather_idx_R (R,) int32. b_ENK: (E, N, K) contiguous.
@@ -355,7 +353,8 @@ def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor
     c = _plain_out(where, out, push, R, N, out_dtype or a.dtype, dev)
     _launch_m_grouped(where=where, kind=kind, epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_ENK,
                       stride_b=(N * K, K, 1), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
-                      scale=row_scale_R, tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache)
+                      scale=row_scale_R, tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache,
+                      kernel_config=kernel_config)
     return None if push is not None else c
 
 
@@ -390,7 +389,7 @@ def _plain_out(where: str, out, push: RowPush | None, R: int, N: int, dtype: tor
 def down_proj(h_RF: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor,
               row_scale_R: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
               tile_offsets_E1: torch.Tensor | None = None, push: RowPush | None = None,
-              tile_cache: dict | None = None) -> torch.Tensor | None:
+              tile_cache: dict | None = None, kernel_config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor | None:
     """Down projection ``y[r] = cast(h[r] @ w2[e].T [* row_scale[r]])``: (R, F) x (E, D, F) -> (R, D).
 
     Each (token, slot) row is written exactly once; with row_scale_R (fp32 routing weights) the scaling
@@ -398,13 +397,15 @@ def down_proj(h_RF: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor
     Sync: none. Determinism: bitwise, batch invariant (the same bits with or without push).
     """
     return grouped_mm_nt(h_RF, w2_EDF, offsets_E1, row_scale_R=row_scale_R, out=out, kind="down",
-                         tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache)
+                         tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache,
+                         kernel_config=kernel_config)
 
 
 def grouped_mm_nn(a: torch.Tensor, b_EKN: torch.Tensor, offsets_E1: torch.Tensor, *,
                   gather_idx_R: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   out: torch.Tensor | None = None, tile_offsets_E1: torch.Tensor | None = None,
-                  push: RowPush | None = None, tile_cache: dict | None = None) -> torch.Tensor | None:
+                  push: RowPush | None = None, tile_cache: dict | None = None,
+                  kernel_config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor | None:
     """m-grouped dgrad ``C[r] = cast(A[row(r)] @ B[e])``, B[e] stored (K, N): e.g. dx = dGU @ W13[e].
 
     a: (R, K) or (T, K) with gather_idx_R. b_EKN: (E, K, N) contiguous. Returns (R, N), or with ``push``
@@ -416,14 +417,14 @@ def grouped_mm_nn(a: torch.Tensor, b_EKN: torch.Tensor, offsets_E1: torch.Tensor
     c = _plain_out(where, out, push, R, N, out_dtype or a.dtype, dev)
     _launch_m_grouped(where=where, kind="dgrad", epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_EKN,
                       stride_b=(K * N, 1, N), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
-                      tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache)
+                      tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache, kernel_config=kernel_config)
     return None if push is not None else c
 
 
 def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tensor, gu_RG: torch.Tensor, *,
                  gather_idx_R: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None,
                  row_dot: bool = True, tile_offsets_E1: torch.Tensor | None = None, tile_cache: dict | None = None,
-                 pull: RowPull | None = None):
+                 pull: RowPull | None = None, kernel_config: KernelConfig = DEFAULT_KERNELS):
     """Down-projection dgrad with the SwiGLU backward fused (m-grouped "nn").
 
     With ``acc = dY[row(r)] @ w2[e]`` (fp32) and h recomputed from the saved ``gu_RG`` exactly as
@@ -460,7 +461,7 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
     dev = check_device(_m_grouped_gemm_kernel, where, dy=dy, w2_EDF=w2_EDF, offsets_E1=offsets_E1, gu_RG=gu_RG,
                        gather_idx_R=gather_idx_R, row_scale_R=row_scale_R)
     cfg = m_grouped_config("dgrad_swiglu", F, D, w2_EDF.dtype, interpret=is_interpreted(_m_grouped_gemm_kernel),
-                           gathered=gather_idx_R is not None)
+                           gathered=gather_idx_R is not None, kernel_config=kernel_config)
     num_p = triton.cdiv(F, _dot_cols(cfg))
     dgu = torch.empty((R, 2 * F), dtype=dy.dtype, device=dev)
     hs = torch.empty((R, F), dtype=dy.dtype, device=dev)
@@ -468,27 +469,28 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
     _launch_m_grouped(where=where, kind="dgrad_swiglu", epilogue=_SWIGLU_BWD, a=dy, a_idx=gather_idx_R, b=w2_EDF,
                       stride_b=(D * F, 1, F), num_rows=R, N=F, K=D, offsets_E1=offsets_E1, c=dgu, aux=hs,
                       dot=part, scale=row_scale_R, gu=gu_RG, tile_offsets_E1=tile_offsets_E1, tile_cache=tile_cache,
-                      pull=pull)
+                      pull=pull, kernel_config=kernel_config)
     return dgu, hs, part
 
 
 def k_grouped_wants_rows_in_order(m: int, n: int, dtype: torch.dtype, device: torch.device,
-                                  rows_per_group: float) -> bool:
+                                  rows_per_group: float, kernel_config: KernelConfig = DEFAULT_KERNELS) -> bool:
     """True when :func:`k_grouped_mm` would run ``torch._grouped_mm`` (or, in its window, the warp-specialized
     Gluon kernel, which also reads contiguous rows only) for an (E, m, n) weight gradient of
-    ``dtype`` with ~rows_per_group rows per expert, had it contiguous rows (the table's ``torch_mm``, or
-    ``MEGAMOE_TORCH_WGRAD=1``, on a Hopper GPU, bf16): a caller whose rows are gathered by token should then
-    copy them into row order first (megamoe.autograd). A host-side function of shapes: no sync."""
+    ``dtype`` with ~rows_per_group rows per expert, had it contiguous rows (the table's ``torch_mm``, or a
+    ``torch_mm`` "wgrad" entry of ``kernel_config``, on a Hopper GPU, bf16): a caller whose rows are gathered
+    by token should then copy them into row order first (megamoe.autograd). A host-side function of shapes:
+    no sync."""
     if (not wgrad_shape_fits(m, n, dtype) or is_interpreted(_k_grouped_gemm_kernel)
             or not torch_wgrad_device(device)):
         return False
-    return (k_grouped_config(m, n, dtype, interpret=False, rows_per_group=rows_per_group).torch_mm
-            or _torch_wgrad_forced(m, n))
+    return k_grouped_config(m, n, dtype, interpret=False, rows_per_group=rows_per_group,
+                            kernel_config=kernel_config).torch_mm
 
 
 def _ws_takes(cfg, p, q, E, M, N, out_dtype, out, gathered, *, fill_sms: bool = True) -> bool:
-    """The warp-specialized weight gradient with ``cfg`` can run here: Gluon on a Hopper device (and not
-    ``MEGAMOE_GLUON=0``), the operands of ``ws_operands_fit`` for the (E, M, N) output ``out`` (or the one
+    """The warp-specialized weight gradient with ``cfg`` can run here: Gluon on a Hopper device, the operands
+    of ``ws_operands_fit`` for the (E, M, N) output ``out`` (or the one
     about to be allocated) and, with ``fill_sms`` (the table's choice; an explicit config runs on fewer), at
     least one (expert, m-tile) unit per SM: a single large group, e.g. a shared expert's, keeps torch's kernel,
     which spreads it over every SM."""
@@ -500,16 +502,11 @@ def _ws_takes(cfg, p, q, E, M, N, out_dtype, out, gathered, *, fill_sms: bool = 
     return ws_operands_fit(cfg, p, q, c_meta, gathered)
 
 
-def _torch_wgrad_forced(m: int, n: int) -> bool:
-    """``MEGAMOE_TORCH_WGRAD=1`` and no explicit wgrad entry for (m, n) (an override in code or MEGAMOE_TILES
-    wins over the switch, so tests and sweeps of megamoe's own kernels keep them)."""
-    return torch_wgrad_mode() == "on" and tile_config.override_for("wgrad", m, n) is None
-
-
 def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
                  p_idx_R: torch.Tensor | None = None, q_idx_R: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-                 rows_per_group: float | None = None) -> torch.Tensor:
+                 rows_per_group: float | None = None,
+                 kernel_config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """k-grouped weight gradient ``C[e] = cast(sum_{r in group e} P[prow(r)]^T Q[qrow(r)])``: [E, M, N].
 
     Args:
@@ -518,6 +515,9 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         offsets_E1: (E+1,) int32 group offsets into the R rows; E = offsets_E1.numel() - 1.
         rows_per_group: host-side estimate of the rows per group (default R / E) that picks the kernel
             (few rows: the P rows stay on chip while a program walks the n-tiles); never changes bits.
+        kernel_config: tile overrides (:class:`megamoe.config.KernelConfig`); an explicit "wgrad" entry
+            with ``torch_mm`` runs torch's kernel wherever the operands allow, any other explicit entry
+            megamoe's kernels.
     Returns:
         (E, M, N) in out_dtype (default p's dtype).
     Determinism: each output element reduces its expert's rows from the expert's first row, in row order,
@@ -527,9 +527,7 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     (:mod:`megamoe.ops.torch_grouped_mm`). For contiguous bf16 rows of more than ~154 per expert the table
     picks the warp-specialized kernel up to ~384 rows (with one (expert, m-tile) unit per SM at least) and
     torch's kernel above. The launcher falls back to the Triton kernels wherever the Gluon or torch kernel
-    cannot take the operands. An expert
-    with no rows gets exact zeros. Sync: none. ``MEGAMOE_TORCH_WGRAD=1`` uses torch's kernel wherever the
-    operands allow (but not over an explicit wgrad entry in code or ``MEGAMOE_TILES``), ``=0`` never.
+    cannot take the operands. An expert with no rows gets exact zeros. Sync: none.
     """
     where = "k_grouped_mm"
     _check_2d("p", p, where)
@@ -549,20 +547,22 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         rows_per_group = R / E
     interpret = is_interpreted(kernel)
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
-    cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group)
+    cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, kernel_config=kernel_config)
     gathered = p_idx_R is not None or q_idx_R is not None
-    ws_cfg = tile_config.ws_wgrad_config(rows_per_group) if cfg.torch_mm and not _torch_wgrad_forced(M, N) else None
+    explicit = kernel_config.tile("wgrad", M, N)  # asked for explicitly (A/B runs, sweeps, tests)
+    ws_cfg = tile_config.ws_wgrad_config(rows_per_group) if cfg.torch_mm and explicit is None else None
     if (ws_cfg is not None and R > 0 and E * M * N > 0 and not interpret
             and _ws_takes(ws_cfg, p, q, E, M, N, out_dtype or p.dtype, out, gathered)):
         c = _alloc(out, (E, M, N), out_dtype or p.dtype, dev, "out", where)
         launch_gluon_wgrad_ws(ws_cfg, p, q, offsets_E1, c)  # megamoe's own kernel there: the same bits
         return c
-    if ((cfg.torch_mm or _torch_wgrad_forced(M, N)) and R > 0 and E * M * N > 0
+    if (cfg.torch_mm and R > 0 and E * M * N > 0
             and torch_wgrad_eligible(p, q, out_dtype or p.dtype, has_out=out is not None,
                                      gathered=gathered)):
         return torch_wgrad(p, q, offsets_E1)  # torch._grouped_mm (megamoe.ops.torch_grouped_mm): the same bits
     if cfg.torch_mm:  # operands it cannot take: the table's own kernel for the shape (the same bits)
-        cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_torch=False)
+        cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_torch=False,
+                               kernel_config=kernel_config)
     c = _alloc(out, (E, M, N), out_dtype or p.dtype, dev, "out", where)
     if c.numel() == 0:
         return c
@@ -573,15 +573,14 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
             launch_gluon_wgrad_ws(cfg, p, q, offsets_E1, c)
             return c
         cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_gluon=False,
-                               allow_torch=False)
+                               allow_torch=False, kernel_config=kernel_config)
     if cfg.gluon:
-        forced = tile_config.override_for("wgrad", M, N) is cfg  # asked for explicitly (tests, sweeps)
-        if not interpret and gluon_wgrad_eligible(cfg, p, q, c, fill_sms=not forced):
+        if not interpret and gluon_wgrad_eligible(cfg, p, q, c, fill_sms=explicit is not cfg):
             launch_gluon_wgrad(cfg, p, p_idx_R, q, q_idx_R, offsets_E1, c)
             return c
         # the Triton kernels' own table entry (same chunk order, so the same bits)
         cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_gluon=False,
-                               allow_torch=False)
+                               allow_torch=False, kernel_config=kernel_config)
     extra = {}
     if cfg.resident_chunks:
         kernel = _k_grouped_resident_kernel

@@ -10,12 +10,13 @@ test_bits_do_not_depend_on_tile_shape), so the weight-gradient choice may also u
 estimate of rows per expert. The same token therefore gets the same bits whatever else is in the batch,
 and every EP rank gets the same bits (docs/design.md, batch invariance).
 
-Per-kind replacements without code changes (layer A/B runs, tuning on other hardware): the environment
-variable ``MEGAMOE_TILES``, ``kind:BLOCK_M,BLOCK_N,BLOCK_K,WARPS,STAGES[,field=value...]`` entries separated
-by ``;`` (kinds: the m-grouped kinds below and ``wgrad``; fields: the other GemmConfig fields), e.g.
-``MEGAMOE_TILES="dgrad_swiglu:128,256,64,8,3,tma_b=1"``. It applies to bf16/fp16 GEMMs on the GPU, at every
-shape of that kind; an entry set in code (``_OVERRIDES``, tests and sweeps) wins over it. Its BLOCK_K must be
-the table's (it fixes the K order, hence the bits), so the environment can change speed, never results.
+Replacements (layer A/B runs, sweeps, tuning on other hardware, tests) come as an argument, never from
+the environment: a :class:`megamoe.config.KernelConfig` passed down to the launchers and into the functions
+here, whose ``tiles`` entries win over the table (a kind's entry at every shape of that kind, a (kind, a, b)
+entry at one shape). :func:`parse_tiles` reads the benchmark's text form of them,
+``kind:BLOCK_M,BLOCK_N,BLOCK_K,WARPS,STAGES[,field=value...]`` entries separated by ``;``, e.g.
+``"dgrad_swiglu:128,256,64,8,3,tma_b=1"``; its BLOCK_K must be the table's (it fixes the K order, hence the
+bits), so such text can change speed, never results.
 
 Sources of the values: BLOCK_M 128 / BLOCK_K 64 / 8 warps / 3-4 stages are the usual Hopper wgmma
 shapes of the Triton matmul tutorials (03, 09); the shape-specific entries record the measurement that
@@ -25,102 +26,15 @@ chose them (docs/perf.md).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
-from dataclasses import dataclass
 
 import torch
 
-from .torch_grouped_mm import torch_wgrad_mode
+from ..config import GemmConfig, KernelConfig
 
-__all__ = ["GemmConfig", "m_grouped_config", "k_grouped_config", "ws_wgrad_config", "combine_block", "override_for",
-           "parse_tiles_env"]
+__all__ = ["GemmConfig", "KernelConfig", "m_grouped_config", "k_grouped_config", "ws_wgrad_config", "combine_block",
+           "parse_tiles", "DEFAULT_KERNELS"]
 
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """One Triton GEMM launch config. block_k is the reduction chunk (rows of an expert for k-grouped).
-
-    m-grouped only (bf16/fp16 on CUDA): ``tma_b`` loads the weight operand B through a TMA tensor
-    descriptor instead of pointer loads; ``tma_a`` (with tma_b) also A, when A's rows are not gathered
-    (gathered rows always use pointer loads); ``programs_per_sm`` sizes the persistent grid.
-
-    k-grouped only: ``resident_chunks`` > 0 runs the weight gradient with one program per (expert,
-    m-tile) that keeps an expert's P rows on chip while it walks the n-tiles, for experts of at most
-    resident_chunks * block_k rows (larger experts fall back to the per-tile reduction inside the same
-    program); 0 runs one program per (expert, m-tile, n-tile). ``gluon`` runs the persistent Gluon kernel
-    instead (megamoe/kernels/wgrad_gluon.py: one program per SM walking (expert, m-tile) units, P kept on
-    chip for experts of at most resident_chunks * block_k rows (0..6; 0: always streamed), the load ring
-    running across n-tiles with num_stages slots, TMA stores of the output tiles) where the device and
-    operands allow it (Hopper, bf16/fp16, aligned rows; ops.wgrad_gluon.gluon_wgrad_eligible), else the
-    Triton kernels with this config's tiles.
-
-    m-grouped with the plain epilogue (down projection, dgrad dx): ``gluon`` runs the persistent Gluon kernel
-    (megamoe/kernels/grouped_gemm_gluon.py: TMA loads of A and B in a ring that runs across tile boundaries)
-    where the device and operands allow it (Hopper, 16-bit, A rows not gathered, TMA-compatible rows;
-    ops.m_grouped_gluon.gluon_m_grouped_eligible), else the Triton kernel with this config. ``warp_specialized``
-    (with gluon) runs its warp-specialized form instead: a TMA load warp and two MMA
-    warpgroups that either take a program's 128x128 tiles in turn (ping-pong: one tile's epilogue overlaps the
-    next tile's wgmmas) or, at 128x256, both take 64 rows of every tile (cooperative); num_warps 8 = the two
-    MMA warpgroups, the load warp comes on top. Neither m-grouped Gluon kernel is in the table (measured not
-    faster, docs/perf.md sixth and seventh sessions). For the weight gradient (k-grouped, contiguous rows only,
-    128x128) ``warp_specialized`` runs megamoe/kernels/wgrad_ws_gluon.py, ping-pong, with the P chunks of an
-    expert of at most resident_chunks chunks kept on chip (ops.wgrad_gluon.ws_operands_fit); the table takes
-    it (:func:`ws_wgrad_config`) in place of a ``torch_mm`` choice for contiguous rows of at most ~384 per expert.
-
-    k-grouped only: ``torch_mm`` runs ``torch._grouped_mm`` (megamoe.ops.torch_grouped_mm; bitwise the Triton
-    kernels' result) where the operands allow it (contiguous bf16 rows on Hopper), else the table's own entry
-    for the shape (``k_grouped_config(..., allow_torch=False)``); its tiles are then not used.
-
-    Bits: only block_k (the K order) can change results. block_m, block_n, the stage count, the load path
-    and the grid were verified to give bitwise the same outputs and gradients on H200
-    (tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape), as expected from wgmma: every
-    64-row x N slab accumulates the same K sequence whatever the tile around it.
-    """
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    tma_b: bool = False
-    tma_a: bool = False
-    programs_per_sm: int = 1
-    resident_chunks: int = 0
-    gluon: bool = False
-    warp_specialized: bool = False
-    torch_mm: bool = False
-
-    def __post_init__(self) -> None:
-        for v in (self.block_m, self.block_n, self.block_k):
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"GemmConfig: block sizes must be powers of two >= 16, got {self}")
-        if self.torch_mm and (self.gluon or self.resident_chunks or self.tma_a or self.tma_b):
-            raise ValueError(f"GemmConfig: torch_mm (weight gradients through torch._grouped_mm) takes no Gluon, "
-                             f"resident or TMA fields, got {self}")
-        if self.resident_chunks not in range(0, 7 if self.gluon else 5):
-            raise ValueError(f"GemmConfig: resident_chunks must be 0..4 (0..6 with gluon), got {self}")
-        if self.warp_specialized:
-            # the ring (P slots: max(resident chunks, stages) for the weight gradient) plus one layout-change
-            # scratch per MMA warpgroup (64 x block_n bytes, compiler-placed)
-            p_slots = max(self.resident_chunks, self.num_stages)
-            smem = (2 * self.block_k * (p_slots * self.block_m + self.num_stages * self.block_n)
-                    + 2 * 64 * self.block_n + 256)
-            if (not self.gluon or (self.block_m, self.block_k, self.num_warps) != (128, 64, 8)
-                    or self.block_n not in (128, 256) or self.num_stages < 2
-                    or (self.resident_chunks and self.block_n != 128) or smem > 227 * 1024):
-                raise ValueError(f"GemmConfig: the warp-specialized Gluon kernels run gluon=True, 128x128x64 "
-                                 f"(ping-pong; resident chunks 0..6 for the weight gradient) or 128x256x64 "
-                                 f"(cooperative, m-grouped) tiles, num_warps 8 (two MMA warpgroups), 2 or more "
-                                 f"stages within 227 KiB ({smem // 1024} KiB asked), got {self}")
-        elif self.gluon:
-            smem = 2 * self.block_k * (max(self.resident_chunks, self.num_stages) * self.block_m
-                                       + self.num_stages * self.block_n) + 2 * self.block_m * self.block_n
-            if (self.num_stages < 3 or self.block_m != 128 or self.block_n not in (128, 256) or self.block_k != 64
-                    or self.num_warps != 8 or smem > 227 * 1024):
-                raise ValueError(f"GemmConfig: the Gluon kernels run 128x128 or 128x256 tiles, "
-                                 f"BLOCK_K 64, 8 warps, num_stages >= 3, within 227 KiB of shared memory "
-                                 f"({smem // 1024} KiB asked), got {self}")
+DEFAULT_KERNELS = KernelConfig()  # no overrides: the table below
 
 
 # CPU interpreter (TRITON_INTERPRET=1): tiny tiles so that tiny test shapes still span several tiles.
@@ -136,10 +50,6 @@ _FP32 = GemmConfig(64, 64, 32, 4, 3)
 #   down     tma_a+tma_b  3.03 vs 3.17 (3.02 vs 2.95 b) | 0.97 vs 0.91 (within run-to-run spread)
 #   dgrad    128x256 tma  5.70 vs 6.18                  | 1.55 vs 1.73
 #   dgrad_swiglu with tma_b: 1-4% slower alone (its epilogue, not the loads, limits it); see its entry.
-# The persistent Gluon kernel for down / dgrad (gluon=True: the TMA ring runs across tiles) is bitwise equal and
-# was not faster (H200 2026-12-01, session 6, same tiles; deepseek-v3 T=4096 / qwen3 T=16384, ms): down 2.76
-# vs 2.65 / 1.14 vs 1.16, dgrad 5.28 vs 5.58 / 1.60 vs 1.56; layer fwd+bwd 31.08 vs 31.25 / 8.85 vs 8.64.
-# Not in the table; kept for sweeps and as the base of a warp-specialized version (docs/perf.md).
 _M_GROUPED_BF16 = {
     "gate_up": GemmConfig(128, 128, 64, 8, 3, tma_b=True),  # 2 x (128x128) accumulators, 48 KiB smem / stage
     # 128x256x64/3 stages beat 128x128x64/4 on H200 (2026-11-30): qwen3 1.00 vs 1.04 ms, deepseek-v3 2.88 vs 3.25 ms
@@ -164,17 +74,13 @@ _K_GROUPED_RESIDENT = GemmConfig(128, 128, 64, 8, 3)
 _RESIDENT_MAX_CHUNKS = 3
 _RESIDENT_STAGES = {1: 4, 2: 4, 3: 3}
 
-# (kind, N, K) -> config (for "wgrad": (M, N) of the [E, M, N] output): explicit entries, they win.
-_OVERRIDES: dict[tuple[str, int, int], GemmConfig] = {}
-
-
 _BOOL_FIELDS = ("tma_b", "tma_a", "gluon", "warp_specialized", "torch_mm")
 _INT_FIELDS = ("programs_per_sm", "resident_chunks")
 
 
-@functools.lru_cache(maxsize=8)
-def parse_tiles_env(text: str) -> dict[str, GemmConfig]:
-    """``MEGAMOE_TILES`` text -> {kind: GemmConfig} (see the module docstring for the format).
+def parse_tiles(text: str) -> dict[str, GemmConfig]:
+    """Tile text -> {kind: GemmConfig}, the ``tiles`` of a :class:`KernelConfig` (see the module docstring for
+    the format; the benchmark's ``--tiles``).
 
     Raises ValueError naming the bad entry: an unknown kind or field, a malformed number, a BLOCK_K other
     than the table's for that kind, or a config GemmConfig itself rejects."""
@@ -184,7 +90,7 @@ def parse_tiles_env(text: str) -> dict[str, GemmConfig]:
         kind, sep, spec = entry.partition(":")
         kind = kind.strip()
         if not sep or kind not in table:
-            raise ValueError(f"MEGAMOE_TILES: entry {entry!r} must be 'kind:BM,BN,BK,WARPS,STAGES[,field=value]' "
+            raise ValueError(f"tiles: entry {entry!r} must be 'kind:BM,BN,BK,WARPS,STAGES[,field=value]' "
                              f"with kind one of {sorted(table)}")
         parts = [x.strip() for x in spec.split(",")]
         try:
@@ -201,27 +107,18 @@ def parse_tiles_env(text: str) -> dict[str, GemmConfig]:
                 else:
                     raise ValueError
         except ValueError:
-            raise ValueError(f"MEGAMOE_TILES: entry {entry!r}: expected five integers BM,BN,BK,WARPS,STAGES, then "
+            raise ValueError(f"tiles: entry {entry!r}: expected five integers BM,BN,BK,WARPS,STAGES, then "
                              f"field=value with fields {_BOOL_FIELDS} (0/1) or {_INT_FIELDS} (integers)") from None
         cfg = GemmConfig(*sizes, **fields)
         if cfg.block_k != table[kind].block_k:
-            raise ValueError(f"MEGAMOE_TILES: entry {entry!r}: BLOCK_K must stay {table[kind].block_k} for {kind} "
+            raise ValueError(f"tiles: entry {entry!r}: BLOCK_K must stay {table[kind].block_k} for {kind} "
                              f"(it fixes the reduction order, so another value would change the bits)")
         if cfg.torch_mm and kind != "wgrad":
-            raise ValueError(f"MEGAMOE_TILES: entry {entry!r}: torch_mm is a weight-gradient (wgrad) field")
+            raise ValueError(f"tiles: entry {entry!r}: torch_mm is a weight-gradient (wgrad) field")
         if kind in out:
-            raise ValueError(f"MEGAMOE_TILES: {kind} is given twice")
+            raise ValueError(f"tiles: {kind} is given twice")
         out[kind] = cfg
     return out
-
-
-def override_for(kind: str, a: int, b: int) -> GemmConfig | None:
-    """The explicit entry for (kind, a, b) (m-grouped: (N, K); "wgrad": (M, N)), or None: launchers use it to
-    tell a config asked for explicitly (tests, sweeps, ``MEGAMOE_TILES``) from the table's own choice."""
-    entry = _OVERRIDES.get((kind, a, b))
-    if entry is None:
-        entry = parse_tiles_env(os.environ.get("MEGAMOE_TILES", "")).get(kind)
-    return entry
 
 
 # per-tile weight-gradient kernel at shapes where it was measured (docs/perf.md): deepseek-v3 (D 7168, F 2048),
@@ -255,12 +152,12 @@ _GLUON_MAX_ROWS = 256
 # 7.91; deepseek-v3 T=8192 / 16384 (256 / 512 rows) 48.73 vs 46.81, 88.91 vs 79.58; at ~128 rows (deepseek-v3
 # T=4096, the resident kernel) 30.74 vs 31.58, so the resident window keeps the Triton kernel. It precedes the
 # Gluon kernel's window (beaten at 256 rows on deepseek-v3, and at 192 rows: deepseek-v3 T=6144 39.41 vs 40.34
-# ms with MEGAMOE_TORCH_WGRAD=0, session 10; between ~155 and 192 rows not measured). The EP path's receive
+# ms with torch's kernel off, session 10; between ~155 and 192 rows not measured). The EP path's receive
 # buffers are contiguous (no copies): its layer at W = 1 (provider megamoe-ep), deepseek-v3 M=8192 (256 rows
 # per local expert) 52.01 -> 49.66 ms with torch's kernel forced, 52.59 -> 51.00 ms table vs
-# MEGAMOE_TORCH_WGRAD=0 once adopted; mok-bench M=4096 (64 rows, resident window) 52.47 -> 54.87 when forced
-# (session 10). k_grouped_config(..., allow_torch=False) gives the kernel that runs where torch's cannot;
-# MEGAMOE_TORCH_WGRAD=0 / 1 turns it off / on everywhere.
+# torch's kernel off once adopted; mok-bench M=4096 (64 rows, resident window) 52.47 -> 54.87 when forced
+# (session 10). k_grouped_config(..., allow_torch=False) gives the kernel that runs where torch's cannot; a
+# KernelConfig "wgrad" entry replaces the choice (with torch_mm: torch's kernel wherever the operands allow).
 _K_GROUPED_TORCH = GemmConfig(128, 128, 64, 8, 3, torch_mm=True)
 
 # Contiguous rows (the EP receive buffers, and W = 1's rows after the copies) inside torch's window but at most
@@ -277,8 +174,8 @@ _WS_MAX_ROWS = 384
 def ws_wgrad_config(rows_per_group: float | None) -> GemmConfig | None:
     """The warp-specialized config that replaces a ``torch_mm`` choice of :func:`k_grouped_config` for
     contiguous 16-bit rows at this rows-per-expert estimate, or None (a pure function; the launcher checks
-    the operands, the device and ``MEGAMOE_GLUON``). It only replaces torch's kernel, so
-    ``MEGAMOE_TORCH_WGRAD=0`` (no ``torch_mm``) gives the table of before both, and ``=1`` torch's kernel."""
+    the operands and the device). It only replaces the table's own ``torch_mm`` choice, never an explicit
+    "wgrad" entry of a :class:`KernelConfig`."""
     if rows_per_group is not None and 0 < rows_per_group <= _WS_MAX_ROWS:
         return _K_GROUPED_WS
     return None
@@ -289,9 +186,10 @@ def _is_half(dtype: torch.dtype) -> bool:
 
 
 def m_grouped_config(kind: str, n: int, k: int, dtype: torch.dtype, *, interpret: bool,
-                     gathered: bool = False) -> GemmConfig:
+                     gathered: bool = False, kernel_config: KernelConfig = DEFAULT_KERNELS) -> GemmConfig:
     """Config of an m-grouped GEMM of ``kind`` with N output columns and reduction size K (pure function);
-    ``gathered``: A's rows are gathered from a token matrix (only dgrad + SwiGLU has its own entry for it)."""
+    ``gathered``: A's rows are gathered from a token matrix (only dgrad + SwiGLU has its own entry for it);
+    ``kernel_config``'s entry for (kind, N, K) or kind wins over the table (16-bit GEMMs on the GPU)."""
     if kind not in _M_GROUPED_BF16:
         raise ValueError(f"m_grouped_config: unknown kind {kind!r}; valid: {sorted(_M_GROUPED_BF16)}")
     if interpret:
@@ -299,8 +197,8 @@ def m_grouped_config(kind: str, n: int, k: int, dtype: torch.dtype, *, interpret
     if not _is_half(dtype):
         return _FP32
     if gathered and kind == "dgrad_swiglu":
-        return override_for(kind, n, k) or _DGRAD_SWIGLU_GATHERED
-    return override_for(kind, n, k) or _M_GROUPED_BF16[kind]
+        return kernel_config.tile(kind, n, k) or _DGRAD_SWIGLU_GATHERED
+    return kernel_config.tile(kind, n, k) or _M_GROUPED_BF16[kind]
 
 
 def _resident_chunks(rows_per_group: float | None, block_k: int) -> int:
@@ -316,23 +214,24 @@ def _resident_chunks(rows_per_group: float | None, block_k: int) -> int:
 
 def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool,
                      rows_per_group: float | None = None, allow_gluon: bool = True,
-                     allow_torch: bool = True) -> GemmConfig:
+                     allow_torch: bool = True, kernel_config: KernelConfig = DEFAULT_KERNELS) -> GemmConfig:
     """Config of a k-grouped (weight-gradient) GEMM producing [E, M, N].
 
     A pure function of (M, N, dtype, rows_per_group), where rows_per_group is a host-known static
     estimate (buffer rows / groups; never read from the device). The estimate only picks the kernel
     structure and tile shape, which do not change bits (block_k, hence the reduction order, is fixed per
-    dtype), so ranks or batches that estimate differently still agree bitwise. An ``_OVERRIDES`` entry
-    for ("wgrad", M, N) wins (sweeps, tests), then a ``MEGAMOE_TILES`` "wgrad" entry; ``allow_gluon=False`` asks for the Triton kernels' entry (the
-    launcher's fallback where the Gluon kernel cannot run; a Gluon override is then skipped); likewise
-    ``allow_torch=False`` for torch._grouped_mm (``torch_mm``), which ``MEGAMOE_TORCH_WGRAD=0`` also turns off."""
+    dtype), so ranks or batches that estimate differently still agree bitwise. ``kernel_config``'s entry for
+    ("wgrad", M, N), else its "wgrad" entry, wins (A/B runs, sweeps, tests); ``allow_gluon=False`` asks for the
+    Triton kernels' entry (the launcher's fallback where the Gluon kernel cannot run; a Gluon entry is then
+    skipped); likewise ``allow_torch=False`` for torch._grouped_mm (``torch_mm``), which a torch without
+    ``torch._grouped_mm`` also turns off."""
     if interpret:
         chunks = _resident_chunks(rows_per_group, _INTERPRET.block_k)
         return dataclasses.replace(_INTERPRET, resident_chunks=chunks)
     if not _is_half(dtype):
         return _FP32
-    allow_torch = allow_torch and dtype == torch.bfloat16 and torch_wgrad_mode() != "off"
-    override = override_for("wgrad", m, n)
+    allow_torch = allow_torch and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    override = kernel_config.tile("wgrad", m, n)
     if override is not None and (allow_gluon or not override.gluon) and (allow_torch or not override.torch_mm):
         return override
     chunks = _resident_chunks(rows_per_group, _K_GROUPED_RESIDENT.block_k)

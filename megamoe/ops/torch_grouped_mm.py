@@ -18,10 +18,10 @@ gives contiguous rows of ~154-384 per expert to megamoe's warp-specialized Gluon
 (``tile_config.ws_wgrad_config``, megamoe/kernels/wgrad_ws_gluon.py; the same bits, faster there); torch's
 kernel keeps larger experts and single large groups (a shared expert's).
 
-Switch ``MEGAMOE_TORCH_WGRAD``: unset (or empty) lets the table decide; ``0`` never uses torch's kernel; ``1``
-uses it wherever the operands allow, whatever the table says, except where a wgrad entry is set explicitly
-(code or ``MEGAMOE_TILES``). The EP path takes the table's choice on its contiguous receive buffers, with
-no copies (its layer at W = 1, deepseek-v3 M=8192, tenth session: 52.59 -> 51.00 ms, table vs ``=0``).
+A :class:`megamoe.config.KernelConfig` "wgrad" entry replaces the table's choice: with ``torch_mm``, torch's
+kernel wherever the operands allow; without, megamoe's own kernels. The EP path takes the table's choice on its
+contiguous receive buffers, with no copies (its layer at W = 1, deepseek-v3 M=8192, tenth session: 52.59 ->
+51.00 ms, table vs torch's kernel off).
 Operand conditions (:func:`torch_wgrad_eligible`): a CUDA device of compute capability 9.x, bf16 P, Q and C,
 rows of P and Q not gathered, no preallocated output, unit column strides, 16-byte aligned rows and base
 pointers, M and N multiples of 8; anything else runs the Triton kernels. Sync: none (device offsets, no host
@@ -30,22 +30,9 @@ read); CUDA-graph capturable (GPU test).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-__all__ = ["torch_wgrad_mode", "torch_wgrad_device", "wgrad_shape_fits", "wgrad_operands_fit", "torch_wgrad_eligible", "torch_wgrad"]
-
-
-def torch_wgrad_mode() -> str:
-    """``MEGAMOE_TORCH_WGRAD`` as "table" (unset or empty), "off" ("0", or no ``torch._grouped_mm`` in this
-    torch) or "on" ("1"). Raises ValueError for any other value."""
-    value = os.environ.get("MEGAMOE_TORCH_WGRAD", "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"MEGAMOE_TORCH_WGRAD must be unset, 0 or 1, got {value!r}")
-    if value == "0" or not hasattr(torch, "_grouped_mm"):
-        return "off"
-    return "on" if value == "1" else "table"
+__all__ = ["torch_wgrad_device", "wgrad_shape_fits", "wgrad_operands_fit", "torch_wgrad_eligible", "torch_wgrad"]
 
 
 def torch_wgrad_device(device: torch.device) -> bool:
@@ -74,7 +61,7 @@ def wgrad_operands_fit(p: torch.Tensor, q: torch.Tensor, out_dtype: torch.dtype)
 def torch_wgrad_eligible(p: torch.Tensor, q: torch.Tensor, out_dtype: torch.dtype, *, gathered: bool,
                          has_out: bool) -> bool:
     """True when ``torch._grouped_mm`` can take these operands: rows not gathered, no preallocated output, a
-    device of :func:`torch_wgrad_device`, and :func:`wgrad_operands_fit` (the switch is the caller's)."""
+    device of :func:`torch_wgrad_device`, and :func:`wgrad_operands_fit` (the choice is the caller's)."""
     if gathered or has_out or not hasattr(torch, "_grouped_mm"):
         return False
     if not (p.is_cuda and q.is_cuda) or not torch_wgrad_device(p.device):

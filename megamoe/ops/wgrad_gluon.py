@@ -5,16 +5,14 @@ Legend: R rows of an expert-grouped row buffer, E experts, C[e] = P[rows_e]^T @ 
 Used by ``ops.grouped_gemm.k_grouped_mm`` when the tile table asks for it (``GemmConfig.gluon``) and
 :func:`gluon_wgrad_eligible` holds; otherwise the Triton kernels run with the same tiles and chunk order.
 Gluon is Triton's experimental lower-level language, whose builtins are renamed between releases
-(megamoe.kernels.gluon_compat resolves them): if it is missing, fails to import or lacks a builtin the kernels
-call (another Triton version), or ``MEGAMOE_GLUON=0`` is set, every weight gradient takes the Triton kernels
-(the same bits). Nothing here reads device values on the host (no sync, CUDA-graph capturable); the grid is
-sized from E, M and N alone.
+(megamoe.kernels.gluon_compat resolves them): if it is missing, fails to import or lacks a builtin the kernels call
+(another Triton version), every weight gradient takes the Triton kernels (the same bits). Nothing here reads device
+values on the host (no sync, CUDA-graph capturable); the grid is sized from E, M and N alone.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -48,10 +46,7 @@ def _is_hopper(index: int) -> bool:
 
 
 def gluon_device_ok(t: torch.Tensor) -> bool:
-    """The conditions every Gluon kernel of megamoe shares: not disabled by ``MEGAMOE_GLUON=0``, and ``t`` on
-    a Hopper (sm_90) CUDA device."""
-    if os.environ.get("MEGAMOE_GLUON", "1") == "0":
-        return False
+    """The condition every Gluon kernel of megamoe shares: ``t`` on a Hopper (sm_90) CUDA device."""
     return t.device.type == "cuda" and _is_hopper(t.device.index or 0)
 
 
@@ -102,10 +97,10 @@ def ws_operands_fit(cfg, p: torch.Tensor, q: torch.Tensor, c: torch.Tensor, gath
 
 
 def gluon_wgrad_eligible(cfg, p: torch.Tensor, q: torch.Tensor, c: torch.Tensor, *, fill_sms: bool = True) -> bool:
-    """True when the Gluon kernel can compute ``c = P^T Q`` per group with config ``cfg``: Gluon importable
-    and not disabled by ``MEGAMOE_GLUON=0``; a Hopper (sm_90) CUDA device; and :func:`operands_fit`, with at
-    least one unit per SM when ``fill_sms`` (an explicitly requested config, e.g. in tests and sweeps, may
-    run on fewer). Otherwise the caller runs the Triton kernels (the same bits)."""
+    """True when the Gluon kernel can compute ``c = P^T Q`` per group with config ``cfg``: Gluon importable;
+    a Hopper (sm_90) CUDA device; and :func:`operands_fit`, with at least one unit per SM when ``fill_sms``
+    (an explicitly requested config, e.g. in tests and sweeps, may run on fewer). Otherwise the caller runs the
+    Triton kernels (the same bits)."""
     if not GLUON_AVAILABLE or not gluon_device_ok(p):
         return False
     return operands_fit(cfg, p, q, c, _sm_count(p.device.index or 0) if fill_sms else 1)

@@ -26,7 +26,7 @@ import triton
 
 from ..kernels.wgrad_rounds import _k_grouped_round_kernel, _split_finalize_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
-from .tile_config import k_grouped_config
+from .tile_config import DEFAULT_KERNELS, KernelConfig, k_grouped_config
 
 __all__ = ["split_slots", "k_grouped_round", "finalize_split"]
 
@@ -61,7 +61,7 @@ def _check_out(out: torch.Tensor, scratch: torch.Tensor, M: int, N: int, where: 
 
 def k_grouped_round(p: torch.Tensor, q: torch.Tensor, roff_L1: torch.Tensor, full_off_L1: torch.Tensor,
                     round_starts: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, *, round_idx: int,
-                    capacity_rows: int) -> None:
+                    capacity_rows: int, kernel_config: KernelConfig = DEFAULT_KERNELS) -> None:
     """Round ``round_idx``'s part of ``out[e] = cast(sum over e's rows of P^T Q)``, in place.
 
     Args:
@@ -78,6 +78,7 @@ def k_grouped_round(p: torch.Tensor, q: torch.Tensor, roff_L1: torch.Tensor, ful
             overflow the launched rounds (the schedule reports that as an error) split experts past S slots
             are skipped, so nothing is written outside ``scratch``.
         capacity_rows: C, the most rows of a round.
+        kernel_config: tile overrides (a Triton "wgrad" entry; Gluon and torch entries do not apply here).
     Raises ValueError on shapes, dtypes or devices. Sync: none.
     """
     where = "k_grouped_round"
@@ -100,7 +101,8 @@ def k_grouped_round(p: torch.Tensor, q: torch.Tensor, roff_L1: torch.Tensor, ful
         return
     interpret = is_interpreted(_k_grouped_round_kernel)
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
-    cfg = k_grouped_config(M, N, dtype, interpret=interpret, allow_gluon=False, allow_torch=False)
+    cfg = k_grouped_config(M, N, dtype, interpret=interpret, allow_gluon=False, allow_torch=False,
+                           kernel_config=kernel_config)
     grid = (persistent_programs(p.device, _k_grouped_round_kernel, L * triton.cdiv(M, cfg.block_m)
                                 * triton.cdiv(N, cfg.block_n), per_sm=_PROGRAMS_PER_SM),)
     _k_grouped_round_kernel[grid](
