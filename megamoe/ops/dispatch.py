@@ -14,36 +14,21 @@ compute on (:class:`RoundRows`) and takes the results back. Two dispatchers, bot
 * :class:`megamoe.ops.ep_dispatch.NVLinkDispatcher` (W > 1): rows pulled from the owners over NVLink into
   capacity-sized receive buffers, round by round, results stored into the owners' (token, slot) slots.
 
-The interface (methods every dispatcher has; ``need`` is a :class:`Needs`):
-
-==========================================  ===================================================================
-``rounds``                                  rounds of the stage loop (1 for the local dispatcher)
-``kernel_config``                           tile overrides for every GEMM of the loop (megamoe.config.KernelConfig)
-``open_forward(x, ids, F, keep, shared)``   plan the pass (local: routing plan; NVLink: publish + buffers)
-``start_exchange()`` / ``join()``           after / around the shared expert: the exchange's first steps
-``beside()``                                context the shared expert runs in (inline, or a side stream)
-``shared_offsets(T, dev)``, ``shared_tiles()``  group offsets and m-tile cache of the shared expert's GEMMs
-``keeps_shared_preact``                     the forward keeps the shared gate/up pre-activations
-``shared_out(x_TD)``                        preallocated shared-expert output (or None)
-``forward_rows(r)`` -> RoundRows            round r's rows (after the pull of round r is enqueued)
-``forward_results(r, y_RD)``                the down projection's rows of round r (None when pushed)
-``finish_forward()`` -> (rows, row_of_TK)   the rows the combine reads, in (token, slot) order through row_of
-``saved()`` / ``open_backward(...)``        tensors kept for the backward / the backward's start
-``backward_rows(r, recompute)``             round r's rows, with gate/up buffers when ``recompute``
-``wgrad_x_rows(rows)`` -> (q, q_idx_R)      the x rows the w13 gradient reads
-``accumulate_round(r, which, p, q, out)``   rounds' weight-gradient parts (NVLink, several rounds)
-``backward_results(r, dx_RD, part_RP)``     the dgrad's rows of round r
-``finish_backward(dw13, dw2)``              -> (rows, row_of_TK, dots) for the slot sums
-==========================================  ===================================================================
+The interface is :class:`Dispatcher`; the stage loop calls, per pass: ``open_forward`` / ``open_backward``, the
+shared expert inside ``beside()``, ``start_exchange()``, ``join()``, then per round ``forward_rows`` /
+``backward_rows``, the GEMMs, ``forward_results`` / ``backward_results``, and ``finish_forward`` /
+``finish_backward`` for the rows the fixed-order reductions read.
 
 Determinism: dispatchers only move rows and build integer tables; every floating-point reduction is one of
-the stage loop's kernels, in the order it fixes.
+the stage loop's kernels, in the order it fixes (the NVLink dispatcher's one exception: an expert of more than
+C rows, split across rounds, sums fp32 partials in round order, ops/wgrad_rounds.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -51,7 +36,7 @@ from .grouped_gemm import RowPull, RowPush, k_grouped_wants_rows_in_order
 from .routing import build_routing_plan, single_group_offsets
 from .tile_config import DEFAULT_KERNELS, KernelConfig
 
-__all__ = ["RoundRows", "Needs", "LocalDispatcher"]
+__all__ = ["Dispatcher", "RoundRows", "Needs", "LocalDispatcher"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +83,70 @@ class RoundRows:
     row_dot: bool = True
     need_dx: bool = True
     rows_per_group: float | None = None
+
+
+class Dispatcher(Protocol):
+    """Where the routed experts' rows come from and where the results go (one object per layer call)."""
+
+    rounds: int  # rounds of the stage loop (1 for the local dispatcher)
+    kernel_config: KernelConfig  # tile overrides of every GEMM of the loop (never changes bits)
+    keeps_shared_preact: bool  # the forward keeps the shared expert's gate/up pre-activations
+    side: object  # the side stream the shared expert runs on, or None (inline)
+
+    def open_forward(self, x_TD, topk_ids_TK, F: int, keep: bool, has_shared: bool) -> None:
+        """Plan the forward (local: the routing plan; NVLink: publish rows and plan, allocate buffers)."""
+
+    def beside(self):
+        """Context the shared expert runs in: inline, or on a side stream beside the exchange's start."""
+
+    def start_exchange(self) -> None:
+        """The exchange's first steps after the shared expert was enqueued (NVLink: schedule, round 0's pull)."""
+
+    def join(self) -> None:
+        """The current stream waits for the side stream (also on an error)."""
+
+    def shared_offsets(self, T: int, dev) -> torch.Tensor:
+        """(2,) int32 group offsets of the shared expert's one group of T rows."""
+
+    def shared_tiles(self) -> dict:
+        """The m-tile cache of the shared expert's GEMMs."""
+
+    def shared_out(self, x_TD) -> torch.Tensor | None:
+        """A preallocated (T, D) shared-expert output, or None."""
+
+    def hand_over(self, *tensors) -> None:
+        """Tensors made inside ``beside()`` that the current stream uses after the join."""
+
+    def forward_rows(self, r: int) -> RoundRows:
+        """Round r's rows for gate/up and the down projection (round r's pull enqueued first)."""
+
+    def forward_results(self, r: int, y_RD) -> None:
+        """The down projection's rows of round r (None when the GEMM pushed them)."""
+
+    def finish_forward(self) -> tuple:
+        """(rows_RD, row_of_TK): the result rows the combine reads, (token, slot) -> row."""
+
+    def saved(self) -> tuple:
+        """Tensors the backward needs (saved with ``ctx.save_for_backward``), given back to ``open_backward``."""
+
+    def open_backward(self, saved: tuple, x_TD, topk_ids_TK, topk_weights_TK, dout_TD, w13_EGD, w2_EDF,
+                      saved_gu: bool, need: Needs, has_shared: bool) -> None:
+        """Plan the backward (NVLink: publish x, dout and weights, the forward's plan restored)."""
+
+    def backward_rows(self, r: int, recompute: bool) -> RoundRows:
+        """Round r's rows for the backward GEMMs (with gate/up buffers when gu is ``recompute``d)."""
+
+    def wgrad_x_rows(self, rows: RoundRows) -> tuple:
+        """(q, q_idx_R): the x rows the w13 gradient reads (rows or a gather)."""
+
+    def accumulate_round(self, r: int, which: str, p, q, out) -> None:
+        """Round r's share of the weight gradient ``out`` ("w13" / "w2") when several rounds run."""
+
+    def backward_results(self, r: int, dx_RD, part_RP) -> None:
+        """The dgrad's dx rows (None when pushed or not needed) and routing-weight partial dots of round r."""
+
+    def finish_backward(self, dw13, dw2) -> tuple:
+        """(rows_RD, row_of_TK, dots_RP) for the slot sums; the weight gradients completed."""
 
 
 class LocalDispatcher:
