@@ -1,32 +1,43 @@
-"""The autograd Functions of the fused single-GPU path: what is saved, what is recomputed.
+"""The autograd Functions of the fused path: the stage order of the routed experts, what is saved, what is
+recomputed.
 
-Legend: T tokens, D hidden size, F expert FFN size, G = 2F ([gate | up]), E experts, K top-k,
-N = T*K (token, slot) rows in expert-grouped order, S shared-expert FFN size, H = 2S, P row-dot partials.
+Legend: T tokens (of this rank), D hidden size, F expert FFN size, G = 2F ([gate | up]), E experts of the GEMMs
+(all of them on one GPU, the L local ones under EP), K top-k, N = T*K (token, slot) rows, R rows of one round
+(N on one GPU, at most the capacity C under EP), S shared-expert FFN size, H = 2S, P row-dot partials.
 
-``MoEExpertsFunction`` (routed + shared SwiGLU experts and the combine, for precomputed top-k):
+``MoEExpertsFunction`` (routed + shared SwiGLU experts and the combine, for precomputed top-k) owns the stage
+order of both passes, for one GPU and for expert parallelism alike; a *dispatcher* (megamoe.ops.dispatch:
+``LocalDispatcher`` for W = 1, megamoe.ops.ep_dispatch ``NVLinkDispatcher`` for W > 1) says where each round's
+rows come from and where the results go::
 
-  forward   plan  = build_routing_plan(topk_ids)                     (sort by (expert, token, slot))
-            h, gu = gate_up_swiglu(x[row_token], w13)                (rows gathered straight from x)
-            y     = down_proj(h, w2)                                 (one row per (token, slot))
-            hs, gus = gate_up_swiglu(x, shared_w13); ys = down_proj(hs, shared_w2)   (one group)
-            out   = combine_fwd(y, w, ys)                            (fp32, slot order, shared last, one cast)
-  backward  dgu, hw, part = swiglu_dgrad(dout[row_token], w2, gu, scale=w)   (dh, SwiGLU bwd, row dots)
-            dw2  = k_grouped_mm(dout[row_token], hw)                 (sum over the expert's rows, fixed order)
-            dw13 = k_grouped_mm(dgu, x[row_token])
-            (where the table sends a weight gradient to torch._grouped_mm, which takes contiguous rows
-            only: dout[row_token] and / or x[row_token] are first copied into row order, see below)
-            dx_rows = grouped_mm_nn(dgu, w13)
-            (shared expert: the same four launchers with one group)
-            dx, dw = slot_sum_bwd(dx_rows, dx_shared, part)          (fp32, slot order, one cast)
+  forward   open_forward                        (local: routing plan; NVLink: publish rows + plan)
+            hs, gus = gate_up_swiglu(x, shared_w13); ys = down_proj(hs, shared_w2)   (one group; NVLink: may
+                                                 run on a side stream beside the exchange's start)
+            start_exchange, join                (NVLink: schedule, pull round 0)
+            per round r: rows = forward_rows(r)
+              h, gu = gate_up_swiglu(rows.x, w13)        (local: gathered from x through row_token)
+              y = down_proj(h, w2)                       (local: (N, D) rows; NVLink: stored into owner slots)
+            out = combine_fwd(y, w, ys)         (fp32, slot order, shared last, one cast)
+  backward  open_backward
+            shared: gus (kept, or recomputed), dgus, hs = swiglu_dgrad(dout, shared_w2, gus),
+                    dxs = grouped_mm_nn(dgus, shared_w13), dW_shared (after the join when on a side stream)
+            start_exchange, join
+            per round r: rows = backward_rows(r); gu = kept (round 0) or recomputed by gate_up_swiglu
+              dgu, hw, part = swiglu_dgrad(rows.dy, w2, gu, scale=w)   (dh, SwiGLU bwd, row dots)
+              dw2  = k_grouped_mm(rows.dy, hw)       (sum over the expert's rows, fixed order)
+              dw13 = k_grouped_mm(dgu, x rows)
+              dx_rows = grouped_mm_nn(dgu, w13)
+            dx, dw = slot_sum_bwd(dx_rows, dxs, part)   (fp32, slot order, one cast)
 
-Saved for backward (activation memory per token, besides the layer input x which the caller keeps
+Saved for backward on one GPU (activation memory per token, besides the layer input x which the caller keeps
 anyway): the routed pre-activations gu (K * 2F elements of x's dtype), the shared pre-activations gus
 (2S elements), and the plan (3 int32 per (token, slot): row_token, row_src, row_of, plus E + 1 offsets).
 In bf16 that is 4KF + 4S + 12K bytes per token: qwen3-30b-a3b (F 768, K 8, S 0) 24.7 KB,
 deepseek-v3 (F 2048, K 8, S 2048) 73.8 KB. h (K*F) and y (K*D) are not kept: h is recomputed bitwise
 from gu in the dgrad epilogue; y is only needed through <dout, y>, which the dgrad epilogue gets as
 <dout @ w2, h>. Transient peak in backward: dgu (N x 2F), hw (N x F), dx_rows (N x D) in x's dtype, and
-with torch's weight-gradient kernel the row-order copies of dout and x (N x D each, below).
+with torch's weight-gradient kernel the row-order copies of dout and x (N x D each, below). Under EP: what
+megamoe.ops.ep_dispatch keeps (bounded by the capacity C, whatever the routing).
 
 Numerics: h and y are rounded to x's dtype exactly where megamoe.reference rounds them; the combine and
 the slot sums are fp32 in slot order. dh is computed as cast(w * (dout @ w2)) (reference:
@@ -35,16 +46,17 @@ the same function, one rounding placed differently, within the tested bf16 error
 
 Weight gradients through ``torch._grouped_mm`` (megamoe.ops.torch_grouped_mm; the tile table's ``torch_mm``
 for bf16 experts of more than ~154 expected rows, on Hopper, or a ``torch_mm`` "wgrad" entry of the KernelConfig):
-its kernel takes contiguous rows only, so the backward copies dout's rows (``dy = dout[row_token]``, then
-also read by swiglu_dgrad without a gather) and x's rows (``x[row_token]``) into row order first: N x D more
-transient memory each (qwen3-30b-a3b T=16384: 0.54 GB each), bitwise the same gradients (the same rows in
+its kernel takes contiguous rows only, so on one GPU the backward copies dout's rows (``dy = dout[row_token]``,
+then also read by swiglu_dgrad without a gather) and x's rows (``x[row_token]``) into row order first: N x D
+more transient memory each (qwen3-30b-a3b T=16384: 0.54 GB each), bitwise the same gradients (the same rows in
 the same order; tests/test_torch_wgrad_gpu.py). Measured -0.68 ms of 8.59 at qwen3-30b-a3b T=16384
 (docs/perf.md).
 
-Kernel choices: ``kernel_config`` (a :class:`megamoe.config.KernelConfig`, the last argument of ``apply``;
-default: the tile table) goes to every GEMM launcher of both passes. It never changes bits.
+Kernel choices: the dispatcher's ``kernel_config`` (a :class:`megamoe.config.KernelConfig`; default: the tile
+table) goes to every GEMM launcher of both passes. It never changes bits.
 
-Determinism: no atomics, no split-K, configs a pure function of shape: bitwise reproducible.
+Determinism: no atomics, no split-K, configs a pure function of shape: bitwise reproducible; the order in which
+independent GEMMs (shared and routed experts) are launched does not change any bits.
 Sync: none (no .item(), no shapes from routing); CUDA-graph capturable.
 """
 
@@ -52,101 +64,177 @@ from __future__ import annotations
 
 import torch
 
-from .config import KernelConfig
 from .ops import (
-    build_routing_plan,
     combine_fwd,
     down_proj,
     gate_up_swiglu,
     grouped_mm_nn,
     grouped_mm_nt,
     k_grouped_mm,
-    k_grouped_wants_rows_in_order,
     single_group_offsets,
     slot_sum_bwd,
     swiglu_dgrad,
 )
+from .ops.dispatch import Needs
 
 __all__ = ["MoEExpertsFunction", "RouterLogitsFunction"]
 
 
+def _shared_forward(d, x_TD, shared_w13_HD, shared_w2_DS):
+    """The shared expert's forward, in the dispatcher's ``beside`` block: (shared_TD, gus_TH or None)."""
+    kc = d.kernel_config
+    one_2 = d.shared_offsets(x_TD.shape[0], x_TD.device)
+    out_TD = d.shared_out(x_TD)
+    with d.beside():
+        st = d.shared_tiles()
+        hs_TS, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=d.keeps_shared_preact,
+                                       tile_cache=st, kernel_config=kc)
+        shared_TD = down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, out=out_TD, tile_cache=st, kernel_config=kc)
+        del hs_TS
+    return shared_TD, gus_TH
+
+
+def _routed_forward(d, w13_EGD, w2_EDF):
+    """Every round's gate/up + SwiGLU and down projection; returns round 0's pre-activations (kept ones)."""
+    kc = d.kernel_config
+    gu0_RG = None
+    for r in range(d.rounds):
+        rows = d.forward_rows(r)
+        h_RF, gu_RG = gate_up_swiglu(rows.x_RD, w13_EGD, rows.offsets_E1, gather_idx_R=rows.x_idx_R,
+                                     save_preact=rows.keep_preact, out=rows.h_out, preact_out=rows.gu_out,
+                                     tile_cache=rows.tiles, pull=rows.pull, kernel_config=kc)
+        y_RD = down_proj(h_RF, w2_EDF, rows.offsets_E1, out=rows.y_out, push=rows.push, tile_cache=rows.tiles,
+                         kernel_config=kc)
+        del h_RF
+        if r == 0:
+            gu0_RG = gu_RG
+        d.forward_results(r, y_RD)
+    return gu0_RG
+
+
+def _shared_backward(d, x_TD, dout_TD, shared_w13_HD, shared_w2_DS, gus_TH, need: Needs):
+    """The shared expert's backward in the dispatcher's ``beside`` block: (dxs_TD, weight-gradient thunk). The
+    weight gradients run at once when inline, after the join when on a side stream (the thunk then runs them)."""
+    kc = d.kernel_config
+    one_2 = d.shared_offsets(x_TD.shape[0], x_TD.device)
+    with d.beside():
+        st = d.shared_tiles()
+        if gus_TH is None:  # not kept by the forward: recomputed
+            _, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, save_preact=True, tile_cache=st,
+                                       kernel_config=kc)
+        dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False,
+                                         tile_cache=st, kernel_config=kc)
+        del gus_TH
+        dxs_TD = (grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2, tile_cache=st, kernel_config=kc)
+                  if need.x else None)
+        d.hand_over(dgus_TH, hs_TS, dxs_TD)
+
+    def wgrads():  # on the whole GPU (torch._grouped_mm where the table says so)
+        ds13 = (k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype, kernel_config=kc)[0]
+                if need.shared_w13 else None)
+        ds2 = (k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype, kernel_config=kc)[0]
+               if need.shared_w2 else None)
+        return ds13, ds2
+
+    if d.side is None:  # inline: the weight gradients now
+        done = wgrads()
+        return dxs_TD, lambda: done
+    return dxs_TD, wgrads
+
+
+def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs):
+    """Every round's dgrad + SwiGLU backward, weight gradients and dx rows; returns (dw13, dw2)."""
+    kc = d.kernel_config
+    dw13 = dw2 = None
+    for r in range(d.rounds):
+        recompute = not (r == 0 and gu0_RG is not None)
+        rows = d.backward_rows(r, recompute)
+        gu_RG = gu0_RG
+        if recompute:
+            _, gu_RG = gate_up_swiglu(rows.x_RD, w13_EGD, rows.offsets_E1, gather_idx_R=rows.x_idx_R, save_preact=True,
+                                      out=rows.h_out, preact_out=rows.gu_out, tile_cache=rows.tiles, kernel_config=kc)
+        dgu_RG, hw_RF, part_RP = swiglu_dgrad(rows.dy_RD, w2_EDF, rows.offsets_E1, gu_RG, gather_idx_R=rows.dy_idx_R,
+                                              row_scale_R=rows.scale_R, row_dot=rows.row_dot, tile_cache=rows.tiles,
+                                              pull=rows.pull, kernel_config=kc)
+        del gu_RG
+        if need.w2:
+            if r == 0:
+                dw2 = k_grouped_mm(rows.dy_RD, hw_RF, rows.offsets_E1, p_idx_R=rows.dy_idx_R, out_dtype=w2_EDF.dtype,
+                                   rows_per_group=rows.rows_per_group, kernel_config=kc)
+            d.accumulate_round(r, "w2", rows.dy_RD, hw_RF, dw2)
+        del hw_RF
+        rows.dy_RD = rows.dy_idx_R = None  # a row-order copy of dout is freed before the one of x is made
+        if need.w13:
+            q_RD, q_idx_R = d.wgrad_x_rows(rows)
+            if r == 0:
+                dw13 = k_grouped_mm(dgu_RG, q_RD, rows.offsets_E1, q_idx_R=q_idx_R, out_dtype=w13_EGD.dtype,
+                                    rows_per_group=rows.rows_per_group, kernel_config=kc)
+            d.accumulate_round(r, "w13", dgu_RG, q_RD, dw13)
+            del q_RD
+        dx_RD = (grouped_mm_nn(dgu_RG, w13_EGD, rows.offsets_E1, push=rows.push, tile_cache=rows.tiles,
+                               kernel_config=kc) if rows.need_dx else None)
+        del dgu_RG
+        d.backward_results(r, dx_RD, part_RP)
+        del dx_RD, part_RP
+    return dw13, dw2
+
+
 class MoEExpertsFunction(torch.autograd.Function):
-    """Routed + shared experts and combine. Inputs must already be validated and contiguous
-    (megamoe.functional.moe_experts does that); gradients flow to x, topk_weights and all weights."""
+    """Routed + shared experts and combine, in the stage order above. Inputs must already be validated and
+    contiguous (megamoe.functional.moe_experts, megamoe.functional_ep); ``dispatcher`` is a fresh
+    :class:`megamoe.ops.dispatch.LocalDispatcher` or :class:`megamoe.ops.ep_dispatch.NVLinkDispatcher` per call.
+    Gradients flow to x, topk_weights and all weights (under EP: this rank's experts, and a per-rank partial
+    gradient of the shared expert)."""
 
     @staticmethod
-    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS,
-                kernel_config: KernelConfig):
-        T = x_TD.shape[0]
-        kc = kernel_config
-        plan = build_routing_plan(topk_ids_TK, w13_EGD.shape[0])
-        # the m-tile offsets of each group-offset table, computed once and shared by the GEMMs of both passes
-        # (the backward's offsets are the same saved tensors)
-        tiles = {}
-        h_NF, gu_NG = gate_up_swiglu(x_TD, w13_EGD, plan.offsets_E1, gather_idx_R=plan.row_token_N, tile_cache=tiles,
-                                     kernel_config=kc)
-        y_ND = down_proj(h_NF, w2_EDF, plan.offsets_E1, tile_cache=tiles, kernel_config=kc)
-        del h_NF
-        shared_TD = gus_TH = one_2 = None
-        if shared_w13_HD is not None:
-            one_2 = single_group_offsets(T, x_TD.device)
-            hs_TS, gus_TH = gate_up_swiglu(x_TD, shared_w13_HD.unsqueeze(0), one_2, tile_cache=tiles, kernel_config=kc)
-            shared_TD = down_proj(hs_TS, shared_w2_DS.unsqueeze(0), one_2, tile_cache=tiles, kernel_config=kc)
-            del hs_TS
-        ctx.tiles, ctx.one_2, ctx.kernel_config = tiles, one_2, kc
-        out_TD = combine_fwd(y_ND, plan.row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype)
-        ctx.save_for_backward(x_TD, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, gu_NG, gus_TH,
-                              plan.offsets_E1, plan.row_token_N, plan.row_src_N, plan.row_of_TK)
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, dispatcher):
+        d = dispatcher
+        has_shared = shared_w13_HD is not None and x_TD.shape[0] > 0
+        d.open_forward(x_TD, topk_ids_TK, w2_EDF.shape[2], any(ctx.needs_input_grad), has_shared)
+        shared_TD = gus_TH = None
+        try:  # the join also on an error, so that nothing the side stream still reads is freed under it
+            if has_shared:
+                shared_TD, gus_TH = _shared_forward(d, x_TD, shared_w13_HD, shared_w2_DS)
+            d.start_exchange()
+        finally:
+            d.join()
+        gu0_RG = _routed_forward(d, w13_EGD, w2_EDF)
+        rows_RD, row_of_TK = d.finish_forward()
+        out_TD = combine_fwd(rows_RD, row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype)
+        ctx.dispatcher = d
+        ctx.save_for_backward(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS,
+                              gu0_RG, gus_TH, *d.saved())
         return out_TD
 
     @staticmethod
     def backward(ctx, dout_TD):
-        (x_TD, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, gu_NG, gus_TH,
-         offsets_E1, row_token_N, row_src_N, row_of_TK) = ctx.saved_tensors
-        need_x, _, need_w, need_w13, need_w2, need_s13, need_s2 = ctx.needs_input_grad[:7]
-        kc = ctx.kernel_config
+        x_TD, ids_TK, w_TK, w13_EGD, w2_EDF, sw13_HD, sw2_DS, gu0_RG, gus_TH, *saved = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        need = Needs(x=n[0], weights=n[2], w13=n[3], w2=n[4], shared_w13=n[5], shared_w2=n[6])
+        d = ctx.dispatcher
         T, D = x_TD.shape
         dout_TD = dout_TD.contiguous()
         if dout_TD.dtype != x_TD.dtype:
             dout_TD = dout_TD.to(x_TD.dtype)
-        scale_N = topk_weights_TK.reshape(-1).index_select(0, row_src_N).float()
-        G, F, N = gu_NG.shape[1], w2_EDF.shape[2], row_token_N.shape[0]
-        rows_est = N / max(w13_EGD.shape[0], 1)  # k_grouped_mm's own estimate: its kernel choice
-        copy_dy = need_w2 and k_grouped_wants_rows_in_order(D, F, w2_EDF.dtype, x_TD.device, rows_est, kc)
-        copy_x = need_w13 and k_grouped_wants_rows_in_order(G, D, w13_EGD.dtype, x_TD.device, rows_est, kc)
-        if copy_dy:  # (module docstring)
-            dy_ND, dy_idx_N = dout_TD.index_select(0, row_token_N), None
-        else:
-            dy_ND, dy_idx_N = dout_TD, row_token_N
-        tiles = ctx.tiles
-        dgu_NG, hw_NF, part_NP = swiglu_dgrad(dy_ND, w2_EDF, offsets_E1, gu_NG, gather_idx_R=dy_idx_N,
-                                              row_scale_R=scale_N, row_dot=need_w, tile_cache=tiles, kernel_config=kc)
-        dw2 = (k_grouped_mm(dy_ND, hw_NF, offsets_E1, p_idx_R=dy_idx_N, out_dtype=w2_EDF.dtype, kernel_config=kc)
-               if need_w2 else None)
-        del hw_NF, dy_ND
-        dw13 = None
-        if copy_x:
-            dw13 = k_grouped_mm(dgu_NG, x_TD.index_select(0, row_token_N), offsets_E1, out_dtype=w13_EGD.dtype,
-                                kernel_config=kc)
-        elif need_w13:
-            dw13 = k_grouped_mm(dgu_NG, x_TD, offsets_E1, q_idx_R=row_token_N, out_dtype=w13_EGD.dtype,
-                                kernel_config=kc)
-        dx_ND = grouped_mm_nn(dgu_NG, w13_EGD, offsets_E1, tile_cache=tiles, kernel_config=kc) if need_x else None
-        del dgu_NG
-        ds13 = ds2 = dxs_TD = None
-        if shared_w13_HD is not None and (need_x or need_s13 or need_s2):
-            one_2 = ctx.one_2
-            dgus_TH, hs_TS, _ = swiglu_dgrad(dout_TD, shared_w2_DS.unsqueeze(0), one_2, gus_TH, row_dot=False,
-                                             tile_cache=tiles, kernel_config=kc)
-            if need_s2:
-                ds2 = k_grouped_mm(dout_TD, hs_TS, one_2, out_dtype=shared_w2_DS.dtype, kernel_config=kc)[0]
-            if need_s13:
-                ds13 = k_grouped_mm(dgus_TH, x_TD, one_2, out_dtype=shared_w13_HD.dtype, kernel_config=kc)[0]
-            if need_x:
-                dxs_TD = grouped_mm_nn(dgus_TH, shared_w13_HD.unsqueeze(0), one_2, tile_cache=tiles, kernel_config=kc)
-        dx_TD, dw_TK = slot_sum_bwd(dx_ND, row_of_TK, dxs_TD, part_NP if need_w else None, num_cols=D,
-                                    dx_dtype=x_TD.dtype, dw_dtype=topk_weights_TK.dtype)
-        return dx_TD, None, dw_TK, dw13, dw2, ds13, ds2, None
+        has_shared = sw13_HD is not None and T > 0 and (need.x or need.shared_w13 or need.shared_w2)
+        d.open_backward(tuple(saved), x_TD, ids_TK, w_TK, dout_TD, w13_EGD, w2_EDF, gu0_RG is not None, need,
+                        has_shared)
+        dxs_TD = shared_wgrads = None
+        try:  # the join also on an error (as in the forward)
+            if has_shared:
+                dxs_TD, shared_wgrads = _shared_backward(d, x_TD, dout_TD, sw13_HD, sw2_DS, gus_TH, need)
+            d.start_exchange()
+        finally:
+            d.join()
+        ds13, ds2 = shared_wgrads() if shared_wgrads is not None else (None, None)
+        if sw13_HD is not None and T == 0:  # no rows: exact zeros
+            ds13 = torch.zeros_like(sw13_HD) if need.shared_w13 else None
+            ds2 = torch.zeros_like(sw2_DS) if need.shared_w2 else None
+        dw13, dw2 = _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need)
+        rows_RD, row_of_TK, dots_RP = d.finish_backward(dw13, dw2)
+        dx_TD, dw_TK = slot_sum_bwd(rows_RD, row_of_TK, dxs_TD, dots_RP if need.weights else None, num_cols=D,
+                                    dx_dtype=x_TD.dtype, dw_dtype=w_TK.dtype)
+        return dx_TD if need.x else None, None, dw_TK if need.weights else None, dw13, dw2, ds13, ds2, None
 
 
 class RouterLogitsFunction(torch.autograd.Function):

@@ -320,7 +320,7 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class EPOptions:
-    """Variants of the NVLink (symmetric-memory) expert-parallel exchange (megamoe.ops.ep_experts), passed
+    """Variants of the NVLink (symmetric-memory) expert-parallel exchange (megamoe.ops.ep_dispatch), passed
     as ``MoE(..., ep_options=)`` or ``moe_experts_ep(..., options=)``. All off by default: measured only at
     W = 1 (docs/perf.md), where there is no NVLink traffic to hide; to measure over NVLink (docs/ep.md).
     None of them changes bits: the same kernels see the same rows.

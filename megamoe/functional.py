@@ -15,7 +15,6 @@ import os
 
 import torch
 
-from . import reference
 from .config import KernelConfig
 from .validation import check_expert_inputs
 
@@ -63,6 +62,8 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
                         f"{type(kernel_config).__name__}")
     check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
     if backend == "reference":
+        from . import reference  # the plain-PyTorch specification, imported only when asked for
+
         return reference.moe_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
     if x_TD.dtype not in FUSED_DTYPES:
         raise TypeError(f"moe_experts: the fused backend supports bf16, fp16 and fp32, got x_TD dtype {x_TD.dtype}")
@@ -70,11 +71,12 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
         raise ValueError(f"moe_experts: the fused backend runs on CUDA tensors (or CPU tensors under "
                          f"TRITON_INTERPRET=1), got x_TD on {x_TD.device}; backend='reference' runs on any device")
     from .autograd import MoEExpertsFunction  # lazy: importing megamoe.functional does not import triton
+    from .ops.dispatch import LocalDispatcher
 
     c = torch.Tensor.contiguous
     shared = (None, None) if shared_w13_HD is None else (c(shared_w13_HD), c(shared_w2_DS))
     return MoEExpertsFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_EGD), c(w2_EDF), *shared,
-                                    kernel_config or KernelConfig())
+                                    LocalDispatcher(w13_EGD.shape[0], kernel_config or KernelConfig()))
 
 
 def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:

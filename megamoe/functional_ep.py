@@ -4,7 +4,8 @@ Legend: T tokens of this rank, D hidden, F expert FFN, G = 2F, W EP world size, 
 E = W * L global experts, K top-k, S shared FFN, H = 2S, C receive capacity (rows per round).
 
 Protocol, buffer sizes in bytes and guarantees: docs/ep.md. Layering: this module validates and resolves
-the workspace, megamoe.autograd_ep wires forward/backward, megamoe.ops.ep_* launch the kernels.
+the workspace, megamoe.autograd.MoEExpertsFunction runs the stages of both passes with the NVLink dispatcher
+(megamoe.ops.ep_dispatch), megamoe.ops.ep_comm launches the exchange's kernels.
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF
                              validated: bool = False) -> torch.Tensor:
     """:func:`moe_experts_ep` on an explicit :class:`megamoe.distributed.EPWorkspace` (also a CPU
     workspace of shared-memory buffers under TRITON_INTERPRET=1, for tests). Same contract."""
-    from .autograd_ep import MoEExpertsEPFunction
+    from .autograd import MoEExpertsFunction
     from .distributed import default_capacity_rows, max_rounds
+    from .ops.ep_dispatch import NVLinkDispatcher
 
     ws = workspace
     s = ws.spec
@@ -141,9 +143,11 @@ def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad
         for t in (x_TD, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS))
-    out = MoEExpertsEPFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_LGD), c(w2_LDF), *shared,
-                                     ws, capacity_rows, rounds, float(timeout_s), save_preact and grad,
-                                     save_dispatched and grad, options or EPOptions(), kernel_config or KernelConfig())
+    dispatcher = NVLinkDispatcher(ws, capacity_rows=capacity_rows, rounds=rounds, timeout_s=float(timeout_s),
+                                  save_preact=save_preact and grad, save_dispatched=save_dispatched and grad,
+                                  options=options or EPOptions(), kernel_config=kernel_config or KernelConfig())
+    out = MoEExpertsFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_LGD), c(w2_LDF), *shared,
+                                   dispatcher)
     if not out.is_cuda:
         ws.check()  # CPU simulation: errors surface at once
     return out

@@ -3,8 +3,10 @@
 Legend: T tokens, D hidden, F expert FFN, G = 2F (gate rows then up rows), E routed experts, L = E / W
 local experts of this EP rank, W EP world size, K top-k, S shared FFN, H = 2S.
 
-The module only owns parameters and chooses a backend; the math lives in ``reference`` (plain PyTorch),
-``functional`` (fused single-GPU Triton path) and ``functional_ep`` (fused expert parallelism).
+The module only owns parameters and chooses a backend; the math lives in ``router`` (routing, counts, balance
+loss, bias update: plain PyTorch on every backend), ``functional`` (fused single-GPU Triton path),
+``functional_ep`` (fused expert parallelism) and, for ``backend="reference"`` only, ``reference`` /
+``reference_ep`` (the plain-PyTorch specification, imported when that backend runs).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import reference as ref
 from .config import EPOptions, KernelConfig, MoEConfig
 from .functional import FUSED_DTYPES
+from .router import route, router_logits, seq_balance_loss, tokens_per_expert, update_expert_bias_
 from .validation import check_same_across_ranks
 
 __all__ = ["MoE", "RoutedExperts", "Router", "RouterStats", "SharedExpert"]
@@ -65,7 +67,7 @@ class Router(nn.Module):
     """The router of :class:`MoE` (``moe.router``): weight ``w_ED`` (fp32 [E, D]).
 
     forward(x_TD) -> fp32 logits [T, E]: megamoe's batch-invariant Triton GEMM on the fused backend
-    (:func:`megamoe.functional.router_logits`), ``reference.router_logits`` otherwise. A submodule of its
+    (:func:`megamoe.functional.router_logits`), :func:`megamoe.router.router_logits` otherwise. A submodule of its
     own because its weight is fp32 while the rest of the layer is in the config's dtype, and FSDP2 wants
     one dtype per wrapped module (``fully_shard(moe.router, mesh=...)``; see :class:`MoE`).
     """
@@ -82,9 +84,9 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.backend == "fused":
-            from .functional import router_logits
-            return router_logits(x_TD, self.w_ED)
-        return ref.router_logits(x_TD, self.w_ED)
+            from .functional import router_logits as fused_router_logits
+            return fused_router_logits(x_TD, self.w_ED)
+        return router_logits(x_TD, self.w_ED)
 
 
 class SharedExpert(nn.Module):
@@ -137,7 +139,8 @@ class RoutedExperts(nn.Module):
                                   save_dispatched=self.ep_save_dispatched, options=self.ep_options,
                                   kernel_config=self.kernel_config)
         if self.backend == "reference":
-            return ref.moe_experts(*args)
+            from .reference import moe_experts as reference_moe_experts
+            return reference_moe_experts(*args)
         from .functional import moe_experts
         return moe_experts(*args, backend="fused", kernel_config=self.kernel_config)
 
@@ -438,15 +441,15 @@ class MoE(nn.Module):
         seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
 
         logits_TE = self.router(x_TD)
-        r = ref.route(x_TD, self.router_w_ED, self.expert_bias_E, c, logits_TE=logits_TE)
+        r = route(x_TD, self.router_w_ED, self.expert_bias_E, c, logits_TE=logits_TE)
         out_TD = self.experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, *self._shared())
 
         if c.seq_aux_loss_coef > 0 and x_TD.shape[0] > 0:
-            aux = ref.seq_balance_loss(r.scores_TE, r.topk_ids_TK, seq_len, c.top_k, c.seq_aux_loss_coef)
+            aux = seq_balance_loss(r.scores_TE, r.topk_ids_TK, seq_len, c.top_k, c.seq_aux_loss_coef)
         else:  # a tensor all the same, so that `loss + moe.last_stats.aux_loss` works as written
             aux = torch.zeros((), dtype=torch.float32, device=x.device)
         if not recompute:
-            counts_E = ref.tokens_per_expert(r.topk_ids_TK, c.num_experts)
+            counts_E = tokens_per_expert(r.topk_ids_TK, c.num_experts)
             if self.training:  # eval forwards do not steer the aux-loss-free bias
                 with torch.no_grad():
                     self.counts_since_update_E += counts_E
@@ -468,5 +471,5 @@ class MoE(nn.Module):
                 counts_E = counts_E.clone()
             for g in groups:
                 dist.all_reduce(counts_E, group=g)
-            ref.update_expert_bias_(self.expert_bias_E, counts_E, self.config.bias_update_rate)
+            update_expert_bias_(self.expert_bias_E, counts_E, self.config.bias_update_rate)
         self.counts_since_update_E.zero_()

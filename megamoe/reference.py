@@ -1,120 +1,60 @@
 """The executable specification of a DeepSeek-V3-style MoE layer, in plain PyTorch.
 
-Every megamoe kernel is tested against these functions; read them as the spec.
+Every megamoe kernel is tested against these functions; read them as the spec. Tests and benchmarks import
+this module; the package's fused paths do not. The router (routing, counts, balance losses, bias update) is
+plain PyTorch in production too: it lives in megamoe.router and is re-exported here, so its code is its spec.
 
 Legend: T tokens, D hidden size, F routed-expert FFN size, G = 2F (gate rows then up rows),
 E routed experts, K top-k, S shared-expert FFN size, H = 2S, N groups (n_group), B sequences.
 
 Numerics (what every backend must match up to GEMM accumulation order):
-  * Router: fp32 logits ``x.float() @ router_w_ED.float().T``; scores sigmoid or softmax in fp32
-    (fp64 throughout for fp64 inputs, so that gradchecks are meaningful).
+  * Router (megamoe.router): fp32 logits ``x.float() @ router_w_ED.float().T``; scores sigmoid or softmax
+    in fp32 (fp64 throughout for fp64 inputs, so that gradchecks are meaningful).
   * Expert e on rows X: ``h = silu(X @ W13[e, :F].T) * (X @ W13[e, F:].T)`` rounded to the
     activation dtype; ``y = h @ W2[e].T`` rounded to the activation dtype (one row per (token, slot)).
   * Combine: ``out[t] = cast(sum_{k=0..K-1} w[t,k] * float(y[t,k]) + float(shared[t]))`` with fp32
     accumulation in slot order k = 0, 1, ..., K-1, the shared expert added last, one cast.
 
-Sources: DeepSeek-V3 technical report (arXiv 2412.19437) §2.1.2 (sigmoid gating, normalised top-k,
-aux-loss-free bias that affects selection only, bias update rule, sequence-wise balance loss eq. 17-20);
-the group-limited routing and the 1e-20 in the normaliser follow the public DeepSeek-V3 modelling code
-(``MoEGate`` in the Hugging Face ``deepseek-ai/DeepSeek-V3`` repository): a group is scored by the sum of
-its top-2 biased scores (sigmoid) or its max score (softmax, DeepSeek-V2). The global load-balance loss
-is the Switch/GShard form ``E * sum_i f_i P_i`` (Fedus et al., arXiv 2101.03961, eq. 4).
+Sources of the router: megamoe.router.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F_
 
 from .config import MoEConfig
+from .router import (
+    RouterOutput,
+    load_balance_loss,
+    route,
+    router_logits,
+    seq_balance_loss,
+    tokens_per_expert,
+    update_expert_bias_,
+)
 
 __all__ = [
-    "RouterOutput", "router_logits", "route", "swiglu", "expert_ffn", "routed_experts", "shared_expert", "combine",
-    "moe_experts", "moe_layer", "tokens_per_expert", "seq_balance_loss", "load_balance_loss",
+    "RouterOutput",
+    "combine",
+    "expert_ffn",
+    "load_balance_loss",
+    "moe_experts",
+    "moe_layer",
+    "route",
+    "routed_experts",
+    "router_logits",
+    "seq_balance_loss",
+    "shared_expert",
+    "swiglu",
+    "tokens_per_expert",
     "update_expert_bias_",
 ]
-
-
-@dataclass
-class RouterOutput:
-    """Result of :func:`route`.
-
-    topk_ids_TK: int64 [T, K], selected expert ids, in descending order of biased score (ties: lower id).
-    topk_weights_TK: fp32 [T, K], combine weights (unbiased scores, normalised, scaled once).
-    scores_TE: fp32 [T, E], unbiased sigmoid/softmax scores (input of the balance losses).
-    """
-
-    topk_ids_TK: torch.Tensor
-    topk_weights_TK: torch.Tensor
-    scores_TE: torch.Tensor
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 accumulation, except fp64 stays fp64 (so float64 gradchecks are meaningful)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _stable_topk(v: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest entries of the last dim; equal values go to the lower index."""
-    return torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :k]
-
-
-def _check_finite(logits_TE: torch.Tensor) -> None:
-    msg = "megamoe: router logits contain NaN/Inf (MoEConfig.nan_policy='raise')"
-    if logits_TE.is_cuda:
-        torch._assert_async(torch.isfinite(logits_TE).all(), msg)  # no host sync
-    elif not bool(torch.isfinite(logits_TE).all()):
-        raise FloatingPointError(msg)
-
-
-def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:
-    """Router logits ``x @ router_w.T`` in fp32 (fp64 for fp64 inputs): (T, D) x (E, D) -> (T, E)."""
-    acc = _acc_dtype(x_TD.dtype)
-    return x_TD.to(acc) @ router_w_ED.to(acc).t()
-
-
-def route(x_TD: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Tensor | None,
-          cfg: MoEConfig, logits_TE: torch.Tensor | None = None) -> RouterOutput:
-    """Top-k routing (DeepSeek-V3 / Qwen3 style). Differentiable w.r.t. x and router_w.
-
-    The correction bias ``expert_bias_E`` (no gradient) only changes *which* experts are selected; the
-    combine weights come from the unbiased scores. Group-limited routing keeps the ``topk_group`` best
-    groups (non-kept experts are masked with -inf) before the expert top-k. No host sync on CUDA.
-    ``logits_TE`` (fp32 [T, E]) may be passed precomputed (e.g. by a batch-invariant kernel).
-    """
-    E, K = cfg.num_experts, cfg.top_k
-    if logits_TE is None:
-        logits_TE = router_logits(x_TD, router_w_ED)
-    if cfg.nan_policy == "raise":
-        _check_finite(logits_TE)
-    scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, dim=-1)
-    sel_TE = scores_TE.detach()
-    if expert_bias_E is not None:
-        sel_TE = sel_TE + expert_bias_E.detach().to(sel_TE.dtype)
-    sel_TE = torch.where(torch.isnan(sel_TE), float("-inf"), sel_TE)  # NaN never wins, ids stay in range
-    if cfg.n_group > 1:
-        T = sel_TE.shape[0]
-        sel_TNx = sel_TE.view(T, cfg.n_group, E // cfg.n_group)
-        if cfg.score_func == "sigmoid":
-            group_TN = sel_TNx.topk(2, dim=-1).values.sum(-1)
-        else:
-            group_TN = sel_TNx.amax(dim=-1)
-        group_TN = torch.where(torch.isnan(group_TN), float("-inf"), group_TN)
-        keep_TN = torch.zeros_like(group_TN, dtype=torch.bool)
-        keep_TN.scatter_(1, _stable_topk(group_TN, cfg.topk_group), True)
-        sel_TE = sel_TNx.masked_fill(~keep_TN.unsqueeze(-1), float("-inf")).view(T, E)
-    topk_ids_TK = _stable_topk(sel_TE, K)
-    w_TK = scores_TE.gather(1, topk_ids_TK)
-    if cfg.norm_topk_prob and K > 1:
-        w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + 1e-20)
-    elif cfg.norm_topk_prob:
-        w_TK = w_TK / (w_TK + 1e-20)
-    w_TK = w_TK * cfg.routed_scaling_factor
-    if cfg.nan_policy == "propagate":  # a token with any non-finite logit must not look healthy
-        w_TK = torch.where(torch.isfinite(logits_TE).all(-1, keepdim=True), w_TK, float("nan"))
-    return RouterOutput(topk_ids_TK, w_TK, scores_TE)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -185,55 +125,3 @@ def moe_layer(x_TD, router_w_ED, expert_bias_E, w13_EGD, w2_EDF, shared_w13_HD, 
     r = route(x_TD, router_w_ED, expert_bias_E, cfg)
     out_TD = moe_experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
     return out_TD, r
-
-
-def tokens_per_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 [E] count of (token, slot) pairs per expert; a device tensor, no host sync, exact."""
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=topk_ids_TK.device)
-    return counts_E.scatter_add_(0, topk_ids_TK.reshape(-1), torch.ones_like(topk_ids_TK.reshape(-1)))
-
-
-def _normalised_scores(scores_TE: torch.Tensor) -> torch.Tensor:
-    return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
-
-
-def seq_balance_loss(scores_TE: torch.Tensor, topk_ids_TK: torch.Tensor, seq_len: int, top_k: int,
-                     coef: float) -> torch.Tensor:
-    """DeepSeek-V3 sequence-wise balance loss (eq. 17-20), averaged over the B = T / seq_len sequences.
-
-    f_i = E / (K * T_s) * #{t : i in topk(t)},  P_i = mean_t s_{i,t} / sum_j s_{j,t},  L = coef * sum_i f_i P_i.
-    """
-    T, E = scores_TE.shape
-    if seq_len <= 0 or T % seq_len:
-        raise ValueError(f"seq_balance_loss: T={T} is not a multiple of seq_len={seq_len}")
-    B = T // seq_len
-    hits_BSE = torch.zeros(T, E, device=scores_TE.device).scatter_(1, topk_ids_TK, 1.0).view(B, seq_len, E)
-    f_BE = hits_BSE.sum(1) * (E / (top_k * seq_len))
-    P_BE = _normalised_scores(scores_TE).view(B, seq_len, E).mean(1)
-    return coef * (f_BE * P_BE).sum(-1).mean()
-
-
-def load_balance_loss(scores_TE: torch.Tensor, topk_ids_TK: torch.Tensor,
-                      counts_E: torch.Tensor | None = None) -> torch.Tensor:
-    """Global load-balance loss E * sum_i f_i P_i, f_i = counts_i / sum(counts), P_i = mean_t s'_{i,t}.
-
-    Pass ``counts_E`` summed over a data-parallel group (e.g. all-reduced :func:`tokens_per_expert`)
-    to balance over the global batch instead of the local micro-batch. Gradient flows through P only.
-    """
-    E = scores_TE.shape[1]
-    if counts_E is None:
-        counts_E = tokens_per_expert(topk_ids_TK, E)
-    f_E = counts_E.float() / counts_E.sum().clamp_min(1).float()
-    P_E = _normalised_scores(scores_TE).mean(0)
-    return E * (f_E * P_E).sum()
-
-
-@torch.no_grad()
-def update_expert_bias_(expert_bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float) -> torch.Tensor:
-    """Aux-loss-free bias update (DeepSeek-V3 §2.1.2), in place, on the device, no host sync.
-
-    b_i += rate * sign(mean(counts) - counts_i): overloaded experts go down, underloaded ones up.
-    """
-    load_E = counts_E.float()
-    expert_bias_E.add_(rate * torch.sign(load_E.mean() - load_E))
-    return expert_bias_E

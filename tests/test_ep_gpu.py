@@ -76,7 +76,7 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, options=None
     repeated EP runs) and in the EP=1 fused run it is compared with ("fused_torch_calls"), so a case can check
     which kernel ran where."""
     import megamoe.ops.ep_comm as ec
-    import megamoe.ops.ep_experts as ee
+    import megamoe.ops.ep_dispatch as ee
     import megamoe.ops.grouped_gemm as gg
     from megamoe.ops import _common
     real, calls = gg.torch_wgrad, []

@@ -341,18 +341,18 @@ def test_second_backward_of_a_retained_graph_keeps_the_bits():
 
 
 def _keep_flags_worker(rank, W, buffers, spec_args, Ts, K, E, F):
-    """What the forward is asked to keep, per call: (save_preact, save_dispatched) as ep_moe_forward receives
+    """What the forward is asked to keep, per call: (save_preact, save_dispatched) as the NVLink dispatcher receives
     them, under no_grad, with grad mode on but nothing requiring grad, and with x requiring grad."""
-    import megamoe.autograd_ep as autograd_ep
+    import megamoe.ops.ep_dispatch as ep_dispatch
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
     from megamoe.functional_ep import moe_experts_ep_workspace
 
-    real, seen = autograd_ep.ep_moe_forward, []
+    real, seen = ep_dispatch.NVLinkDispatcher.__init__, []
 
-    def recorded(*a, save_preact, save_dispatched, **kw):
+    def recorded(self, *a, save_preact, save_dispatched, **kw):
         seen.append((save_preact, save_dispatched))
-        return real(*a, save_preact=save_preact, save_dispatched=save_dispatched, **kw)
-    autograd_ep.ep_moe_forward = recorded
+        real(self, *a, save_preact=save_preact, save_dispatched=save_dispatched, **kw)
+    ep_dispatch.NVLinkDispatcher.__init__ = recorded
     spec = WorkspaceSpec(*spec_args)
     ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)
     p = _draw(5, Ts, K, E, F, spec.hidden)

@@ -50,7 +50,8 @@ def _protocol_worker(rank, W, buffers, spec_args, ids_all, w_all, C, rounds, rep
     from megamoe.ops.combine import combine_fwd
 
     if plan_by_sort:  # the owner's plan through the device sort (large T*K*E) instead of the per-expert scan
-        ops._SCAN_MAX = -1
+        import megamoe.ops.routing as routing
+        routing.SCAN_MAX = -1
 
     spec = WorkspaceSpec(*spec_args)
     ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)

@@ -136,3 +136,26 @@ def test_nan_in_one_router_row_propagates_to_every_token():
     r = route(torch.randn(6, cfg.hidden_size), w, torch.zeros(cfg.num_experts), cfg)
     assert (r.topk_ids_TK != 5).all() and ((r.topk_ids_TK >= 0) & (r.topk_ids_TK < cfg.num_experts)).all()
     assert torch.isnan(r.topk_weights_TK).all()
+
+
+def test_router_module_is_the_spec_and_production_paths_do_not_import_the_reference():
+    """megamoe.reference re-exports the router (one code for both), and importing the layer, the fused paths or
+    the transformers integration does not import the specification module."""
+    import subprocess
+    import sys
+
+    import megamoe.reference as ref
+    import megamoe.router as router
+    for name in router.__all__:
+        assert getattr(ref, name) is getattr(router, name), name
+    modules = ["megamoe.layer", "megamoe.functional", "megamoe.functional_ep", "megamoe.autograd",
+               "megamoe.ops.ep_dispatch", "megamoe.router"]
+    code = ("import importlib, importlib.util, sys\n"
+            f"mods = {modules!r}\n"
+            "if importlib.util.find_spec('transformers') is not None:\n"
+            "    mods.append('megamoe.integrations.transformers')\n"
+            "for m in mods:\n"
+            "    importlib.import_module(m)\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('megamoe.reference'))\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import reference as ref
+from .. import router as ref  # routing math: megamoe.router (the spec module re-exports it)
 from ..config import MoEConfig
 from ..functional import FUSED_DTYPES, moe_experts, router_logits
 from ..layer import RouterStats, in_backward

@@ -5,7 +5,8 @@ launcher is sync-free and CUDA-graph capturable; CPU tensors work when TRITON_IN
 before triton was imported.
 
 Public pieces (the EP path calls these on rows received from peers):
-  routing:      build_routing_plan, RoutingPlan, tile_offsets_for, single_group_offsets
+  routing:      build_routing_plan (the one plan builder: single-GPU plan, or an EP owner's plan into its
+                pool through PoolPlan), RoutingPlan, PoolPlan, tile_offsets_for, single_group_offsets
   forward:      gate_up_swiglu, down_proj, grouped_mm_nt, combine_fwd
   backward:     swiglu_dgrad (m-grouped dgrad + SwiGLU backward + routing-weight row dots),
                 grouped_mm_nn (m-grouped dgrad), k_grouped_mm (weight gradients), slot_sum_bwd,
@@ -26,11 +27,11 @@ from .grouped_gemm import (
                            k_grouped_wants_rows_in_order,
                            swiglu_dgrad,
 )
-from .routing import RoutingPlan, build_routing_plan, single_group_offsets, tile_offsets_for
+from .routing import PoolPlan, RoutingPlan, build_routing_plan, single_group_offsets, tile_offsets_for
 from .tile_config import GemmConfig, KernelConfig, k_grouped_config, m_grouped_config
 
 __all__ = [
-    "RoutingPlan", "build_routing_plan", "tile_offsets_for", "single_group_offsets",
+    "RoutingPlan", "PoolPlan", "build_routing_plan", "tile_offsets_for", "single_group_offsets",
     "gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm",
     "k_grouped_wants_rows_in_order", "RowPush", "row_push_deltas",
     "combine_fwd", "slot_sum_bwd", "GemmConfig", "KernelConfig", "m_grouped_config", "k_grouped_config",

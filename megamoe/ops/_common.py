@@ -46,7 +46,7 @@ _RESERVED = threading.local()  # per thread: the autograd engine runs the backwa
 @contextlib.contextmanager
 def reserve_sms(n: int):
     """Within the block, persistent kernels launched from this thread size their grids for all SMs but ``n``
-    (at least one), leaving those SMs to work on another stream (megamoe.ops.ep_experts: the exchange beside
+    (at least one), leaving those SMs to work on another stream (megamoe.ops.ep_dispatch: the exchange beside
     the shared expert). Grids never change bits (tile_config), so neither does this. Nests: the largest
     reservation holds. Only megamoe's persistent launchers follow it: a GEMM inside the block that goes to
     torch / cuBLAS (``torch._grouped_mm``) or a non-persistent grid does not."""

@@ -33,7 +33,7 @@ from ..config import EPOptions
 from ..distributed import FLAG_READY, P_MAX, EPWorkspace
 from ..kernels import ep_comm as K_
 from .ep_tiles import RowPull, RowPush
-from .routing import expert_sort
+from .routing import PoolPlan, build_routing_plan
 
 __all__ = ["ExchangeBuffers", "expert_offsets", "round_starts", "publish", "routing_plan", "save_plan", "restore_plan",
            "build_schedule", "dispatch_round", "push_round", "signal_done", "wait_done", "slot_views", "sched_size",
@@ -50,12 +50,6 @@ _BM, _BD, _NW, _BT = 32, 256, 4, 16
 # in flight than the full grid's: 32 x 256 with 4 warps moved ~15 GB/s per program (H200, W = 1, deepseek-v3
 # M = 8192: 8 programs took ~8 ms per pass), latency-bound
 _BD_BESIDE, _NW_BESIDE = 1024, 16
-# routing plans with N * E above this take the device sort (routing_plan); module-level so tests can force it.
-# Inside the exchange the sort path took 0.18 ms (mok-bench, N = 24576, E = 384, in
-# benchmarks/results/comm-ep2/comm.txt, where this bound was 8M) against 0.08 ms for the scan
-# at the same size in earlier runs, so the bound sits where the scan reaches ~0.2 ms (16M; chosen from those
-# numbers, not re-measured at 16M).
-_SCAN_MAX = 16 << 20
 
 
 def interpret_mode() -> bool:
@@ -159,31 +153,12 @@ def routing_plan(ws: EPWorkspace, topk_ids_TK: torch.Tensor) -> None:
 
     topk_ids_TK: (T, K) int32 / int64 expert ids, T <= the workspace's max_tokens (ValueError otherwise).
     Writes ``ws.sorted_N[:T*K]`` (int32 flat rows ``t*K + k`` in (expert, token, slot) order) and
-    ``ws.plan`` (``[0]`` = T, ``[4 + e]`` = rows with id e); an id outside [0, E) sets the bad-id status
-    (stage 3), which ``EPWorkspace.check`` raises. No host sync.
-
-    Two ways to the same list, chosen per call from N*E (N = T*K, host-known; ranks with different T may
-    take different ways, the lists are exact either way): up to ``_SCAN_MAX`` one program per expert
-    scans every id (no sort); above it, a stable device sort plus a header kernel. H200, one GPU, each
-    step alone (2026-11-30; scan vs sort): N = 16384, E = 256: 48 vs 83 us; N = 32768, E = 256: 97 vs
-    92 us; N = 131072, E = 512: 357 vs 86 us; N = 524288, E = 256: 1253 vs 113 us (the two lists compared
-    equal in each case). Inside an exchange the sort path measured 0.18-0.26 ms, hence the bound.
+    ``ws.plan`` (``[0]`` = T, ``[4 + e]`` = rows with id e) through the one routing-plan builder
+    (:func:`megamoe.ops.routing.build_routing_plan` with the pool's views); an id outside [0, E) sets the
+    bad-id status (stage 3), which ``EPWorkspace.check`` raises. No host sync.
     """
-    s = ws.spec
-    T, K = topk_ids_TK.shape
-    _check_tokens(ws, T)
-    N = T * K
-    ids_N = topk_ids_TK.reshape(-1)
-    block = 1024 if not interpret_mode() else 64
-    if N * s.num_experts <= _SCAN_MAX:
-        K_.ep_plan_scan_kernel[(s.num_experts,)](ids_N, ws.plan, ws.sorted_N, ws.flags, N, T, s.num_experts,
-                                                 ws.rank, BLOCK=block, enable_fp_fusion=True)
-        return
-    offsets_E1, order_N = expert_sort(topk_ids_TK, s.num_experts)
-    ws.sorted_N[:N].copy_(order_N)
-    K_.ep_plan_kernel[(max(1, triton.cdiv(N, block)),)](ids_N, offsets_E1, ws.plan, ws.flags, N, T,
-                                                         s.num_experts, ws.rank, BLOCK=block,
-                                                         E_PAD=_pow2(s.num_experts), enable_fp_fusion=True)
+    _check_tokens(ws, topk_ids_TK.shape[0])
+    build_routing_plan(topk_ids_TK, ws.spec.num_experts, pool=PoolPlan(ws.plan, ws.sorted_N, ws.flags, ws.rank))
 
 
 def save_plan(ws: EPWorkspace, T: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,7 +299,7 @@ def fused_push(ws: EPWorkspace, options: EPOptions) -> bool:
     return not options.push_kernel and ws.slot_deltas_W is not None
 
 
-# SMs left to the exchange while the shared expert runs beside it (megamoe.ops.ep_experts); DeepEP likewise
+# SMs left to the exchange while the shared expert runs beside it (megamoe.ops.ep_dispatch); DeepEP likewise
 # gives its intranode kernels a fixed number of SMs. Off by default: at W = 1 (H200, 2026-12-01,
 # docs/perf.md) 16 SMs gave deepseek-v3 M=8192 -0.39 / -0.24 ms and mok-bench M=4096 +0.48 / +0.65 ms on two
 # machines; 8 SMs was worse on both, 32 worse on deepseek-v3 and level on mok-bench; the pull there is a local HBM

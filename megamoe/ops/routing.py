@@ -1,6 +1,11 @@
 """Device-side routing plan: per-expert counts and offsets, expert-grouped row order, inverse map.
 
-Legend: T tokens, K slots (top-k), E experts, N = T*K (token, slot) rows, E1 = E + 1 (offsets).
+Legend: T tokens, K slots (top-k), E experts, N = T*K (token, slot) rows, E1 = E + 1 (offsets),
+H = 4 + E words of an EP owner's plan header.
+
+One builder, :func:`build_routing_plan`, for both paths: the single-GPU path takes the whole
+:class:`RoutingPlan`; an expert-parallel owner passes ``pool`` (:class:`PoolPlan`, views of its symmetric
+pool) and gets the same expert-sorted row list and per-expert counts written there for its peers.
 
 The plan is built with a handful of PyTorch device ops (a stable sort, a binary search, a scatter); no
 value is ever read back to the host, so it is CUDA-graph capturable and clean under
@@ -13,11 +18,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import triton
 
+from ..kernels import ep_comm as ep_kernels
 from ..kernels.grouped_gemm import _tile_offsets_kernel
 from ._common import is_interpreted, pow2
 
-__all__ = ["RoutingPlan", "build_routing_plan", "expert_sort", "tile_offsets_for", "single_group_offsets"]
+__all__ = ["RoutingPlan", "PoolPlan", "build_routing_plan", "expert_sort", "tile_offsets_for", "single_group_offsets",
+           "SCAN_MAX"]
+
+# EP owner plans with N * E up to this take the per-expert scan kernel, larger ones the device sort (the same
+# list either way); module-level so tests can force the sort. Inside the exchange the sort path took 0.18 ms
+# (mok-bench, N = 24576, E = 384, in benchmarks/results/2026-11-30-s4/final_9b42ded/comm.log, where this bound
+# was 8M) against 0.08 ms for the scan at the same size in earlier runs, so the bound sits where the scan
+# reaches ~0.2 ms (16M; chosen from those numbers, not re-measured at 16M).
+SCAN_MAX = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,26 @@ class RoutingPlan:
         if block_m not in self._tiles:
             self._tiles[block_m] = tile_offsets_for(self.offsets_E1, block_m)
         return self._tiles[block_m]
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Where an expert-parallel owner's plan goes: views of its symmetric pool (megamoe.distributed), which the
+    peers read to build their receive schedules.
+
+    Fields:
+        header_H: int32 (4 + E,) ``[0]`` = T, ``[4 + e]`` = rows routed to expert e.
+        sorted_rows: int32 (>= N,) ``sorted_rows[:N]`` = the flat rows ``t*K + k`` in (expert, token, slot)
+            order (the single-GPU plan's ``row_src_N``).
+        flags: int32 flag words of the workspace: an id outside [0, E) writes the bad-id status (stage 3)
+            into ``flags[1]``, which ``EPWorkspace.check`` raises.
+        rank: this rank, named in that status.
+    """
+
+    header_H: torch.Tensor
+    sorted_rows: torch.Tensor
+    flags: torch.Tensor
+    rank: int
 
 
 def tile_offsets_for(offsets_E1: torch.Tensor, block_m: int) -> torch.Tensor:
@@ -97,18 +132,27 @@ def expert_sort(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return torch.searchsorted(sorted_ids_N, bounds, out_int32=True), order_N
 
 
-def build_routing_plan(topk_ids_TK: torch.Tensor, num_experts: int, *, token_offset: int = 0) -> RoutingPlan:
+def build_routing_plan(topk_ids_TK: torch.Tensor, num_experts: int, *, token_offset: int = 0,
+                       pool: PoolPlan | None = None) -> RoutingPlan | None:
     """Build the routing plan of ``topk_ids_TK`` on its device, without a host sync.
 
     Args:
         topk_ids_TK: (T, K) int32 or int64 expert ids, each in [0, E) (not checked here: the functional
-            entry checks it with a sync-free device assert).
+            entry checks it with a sync-free device assert; with ``pool`` the device also flags bad ids).
         num_experts: E.
         token_offset: added to the token index in ``row_token_N`` (a global token index for EP callers).
+        pool: an EP owner's pool views (:class:`PoolPlan`): write the plan's counts and expert-sorted rows
+            there instead of returning a plan. Up to ``SCAN_MAX`` of N*E (N = T*K, host-known, so ranks with
+            different T may take different ways; the lists are exact either way) one program per expert scans
+            every id (no sort); above it, the device sort of the single-GPU plan plus a header kernel. H200,
+            one GPU, each step alone (2026-11-30; scan vs sort): N = 16384, E = 256: 48 vs 83 us; N = 32768,
+            E = 256: 97 vs 92 us; N = 131072, E = 512: 357 vs 86 us; N = 524288, E = 256: 1253 vs 113 us (the
+            two lists compared equal in each case). Inside an exchange the sort path measured 0.18-0.26 ms,
+            hence the bound.
 
     Returns:
-        RoutingPlan. Rows are ordered by (expert, token, slot): a stable sort of the flat ids, whose flat
-        index t*K + k already orders (token, slot).
+        RoutingPlan (None with ``pool``). Rows are ordered by (expert, token, slot): a stable sort of the flat
+        ids, whose flat index t*K + k already orders (token, slot).
 
     Determinism: exact integer outputs, independent of run and device.
     """
@@ -116,6 +160,9 @@ def build_routing_plan(topk_ids_TK: torch.Tensor, num_experts: int, *, token_off
         raise ValueError(f"build_routing_plan: topk_ids_TK must be 2-D (T, K), got shape {tuple(topk_ids_TK.shape)}")
     if topk_ids_TK.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"build_routing_plan: topk_ids_TK must be int32/int64, got {topk_ids_TK.dtype}")
+    if pool is not None:
+        _write_pool_plan(topk_ids_TK, num_experts, pool)
+        return None
     T, K = topk_ids_TK.shape
     N = T * K
     dev = topk_ids_TK.device
@@ -130,3 +177,20 @@ def build_routing_plan(topk_ids_TK: torch.Tensor, num_experts: int, *, token_off
     row_of_N.scatter_(0, order_N, torch.arange(N, dtype=torch.int32, device=dev))
     return RoutingPlan(counts_E, offsets_E1, row_src_N, row_token_N.to(torch.int32), row_slot_N,
                        row_of_N.view(T, K), num_experts, K)
+
+
+def _write_pool_plan(topk_ids_TK: torch.Tensor, num_experts: int, pool: PoolPlan) -> None:
+    """:func:`build_routing_plan` into an EP owner's pool: the scan kernel, or the sort plus the header kernel."""
+    T, K = topk_ids_TK.shape
+    N = T * K
+    ids_N = topk_ids_TK.reshape(-1)
+    block = 1024 if not is_interpreted(ep_kernels.ep_plan_scan_kernel) else 64
+    if N * num_experts <= SCAN_MAX:
+        ep_kernels.ep_plan_scan_kernel[(num_experts,)](ids_N, pool.header_H, pool.sorted_rows, pool.flags, N, T,
+                                                       num_experts, pool.rank, BLOCK=block, enable_fp_fusion=True)
+        return
+    offsets_E1, order_N = expert_sort(topk_ids_TK, num_experts)
+    pool.sorted_rows[:N].copy_(order_N)
+    ep_kernels.ep_plan_kernel[(max(1, triton.cdiv(N, block)),)](ids_N, offsets_E1, pool.header_H, pool.flags, N, T,
+                                                                num_experts, pool.rank, BLOCK=block,
+                                                                E_PAD=pow2(num_experts), enable_fp_fusion=True)
