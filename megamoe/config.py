@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 
@@ -259,7 +259,7 @@ class GemmConfig:
 # K = F), "dgrad_swiglu" (dY @ W2 with the SwiGLU backward, N = F, K = D), "dgrad" (dGU @ W13, N = D, K = 2F),
 # and the k-grouped "wgrad" (weight gradients, an [E, M, N] output).
 GEMM_KINDS = ("gate_up", "down", "dgrad_swiglu", "dgrad", "wgrad")
-TileKey = Union[str, tuple[str, int, int]]
+TileKey = str | tuple[str, int, int]
 
 
 @dataclass(frozen=True)

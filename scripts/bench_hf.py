@@ -364,8 +364,9 @@ def profile_part(label: str, block, x, out_dir: str, steps: int = 3) -> dict:
     names = set(per["megamoe"]) | set(per["swap"])
     rows = sorted(((per["swap"][n][1] - per["megamoe"][n][1], n) for n in names), key=lambda r: -abs(r[0]))
     totals = {k: sum(v[1] for v in per[k].values()) for k in per}
-    head = (f"{label}: {'CUDA kernel' if cuda else 'CPU op'} time per fwd+bwd step, ms (mean of {steps} profiled steps): megamoe experts "
-            f"implementation in transformers' block {totals['megamoe']:.3f}, swap {totals['swap']:.3f}, "
+    head = (f"{label}: {'CUDA kernel' if cuda else 'CPU op'} time per fwd+bwd step, ms (mean of {steps} profiled "
+            f"steps): megamoe experts implementation in transformers' block {totals['megamoe']:.3f}, "
+            f"swap {totals['swap']:.3f}, "
             f"difference {totals['swap'] - totals['megamoe']:+.3f}; back to back, wall / host enqueue ms per step: "
             + ", ".join(f"{k} {wall[k]:.3f} / {host[k]:.3f}" for k in paths))
     lines = [head, f"{'swap - megamoe':>15} {'megamoe':>9} {'swap':>9} {'calls':>11}  {'kernel' if cuda else 'op'}"]
@@ -483,7 +484,8 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if not args.no_train_step:
-        results["train_step_tokens_per_s"] = model_part(shapes["model_tokens"], shapes["model"], timer, device, iters, 2)
+        results["train_step_tokens_per_s"] = model_part(shapes["model_tokens"], shapes["model"], timer, device,
+                                                        iters, 2)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -125,7 +125,7 @@ def sweep(name, T, balanced, log, only=None):
                     ref, same = out, True
                 else:
                     same = all(torch.equal(a, b) for a, b in zip(ref, out))
-                ms = timeit(lambda: fn(kc))
+                ms = timeit(lambda fn=fn, kc=kc: fn(kc))
                 r = dict(case=tag, gemm=label, config=shown, ms=ms, tflops=flop / ms / 1e9,
                          weight_gbs=wbytes / ms / 1e6, bitwise_equal=same)
                 rows.append(r)
@@ -152,14 +152,15 @@ def layer(name, T, rows, log):
     s2 = (torch.randn(D, S, generator=g, device=dev) / S ** 0.5).bfloat16().requires_grad_() if S else None
     params = [p for p in (x, w, w13, w2, s13, s2) if p is not None]
     dout = torch.randn_like(x)
-    fb = lambda kc=None: [t.clone() for t in torch.autograd.grad(
-        moe_experts(x, ids, w, w13, w2, s13, s2, backend="fused", kernel_config=kc), params, dout)]
+    def fb(kc=None):
+        return [t.clone() for t in torch.autograd.grad(
+            moe_experts(x, ids, w, w13, w2, s13, s2, backend="fused", kernel_config=kc), params, dout)]
     keys = {"gate_up": ("gate_up", F, D), "down": ("down", D, F), "dgrad_swiglu": ("dgrad_swiglu", F, D),
             "dgrad": ("dgrad", D, 2 * F), "wgrad13": ("wgrad", 2 * F, D), "wgrad2": ("wgrad", D, F)}
     base_out = fb()
     t0 = timeit(fb, iters=6)
     best = {}
-    for label, key in keys.items():
+    for label in keys:
         ok = [r for r in rows if r["case"] == f"{name} T={T}" and r.get("gemm") == label and r["bitwise_equal"]]
         if ok:
             best[label] = min(ok, key=lambda r: r["ms"])["config"]
@@ -197,7 +198,8 @@ def main():
         if not (balanced or nolayer):
             rows.append(layer(name, int(T), rows, log))
             torch.cuda.empty_cache()
-        json.dump(rows, open(f"{out_dir}/gemm_sweep.json", "w"), indent=1)
+        with open(f"{out_dir}/gemm_sweep.json", "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -205,10 +205,8 @@ class _RankHost:
         return {}, [error], []
 
     def stop(self):
-        try:
+        with contextlib.suppress(OSError):
             self.conn.send(None)
-        except OSError:
-            pass
         self.proc.join(timeout=5)
         if self.proc.is_alive():
             self.proc.kill()
@@ -269,7 +267,8 @@ def spawn_ranks(fn, world: int, *args, cuda: bool = False, backend: str | None =
     if errors:
         raise AssertionError("\n".join(errors))
     if bad_exit:
-        warnings.warn(f"ranks reported results, then exited with codes {bad_exit} (process group teardown)")
+        warnings.warn(f"ranks reported results, then exited with codes {bad_exit} (process group teardown)",
+                      stacklevel=2)
     return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world)]
 
 

@@ -66,7 +66,8 @@ def _check(case, *, x_view=None, seed=7):
         err = (a.double() - b64).abs().max().item()
         err_pt = (bpt.double() - b64).abs().max().item()
         scale = b64.abs().max().item()
-        assert err <= 2 * err_pt + 1e-3 * scale + 1e-6, f"{name}: err {err:.3g} vs torch bf16 {err_pt:.3g} (max {scale:.3g})"
+        assert err <= 2 * err_pt + 1e-3 * scale + 1e-6, \
+            f"{name}: err {err:.3g} vs torch bf16 {err_pt:.3g} (max {scale:.3g})"
         rel = (a.double() - b64).norm() / b64.norm().clamp_min(1e-30)
         rel_pt = (bpt.double() - b64).norm() / b64.norm().clamp_min(1e-30)
         assert rel <= 2 * rel_pt + 1e-4, f"{name}: rel rms {rel:.3g} vs torch {rel_pt:.3g}"
@@ -279,7 +280,8 @@ def test_bits_do_not_depend_on_tile_shape():
     variants = [
         {k: G(64, 128, 64, 4, 3, programs_per_sm=2) for k in ("gate_up", "down", "dgrad_swiglu", "dgrad")}
         | {"wgrad": G(64, 128, 64, 4, 3)},
-        {k: G(128, 256, 64, 8, 4) for k in ("down", "dgrad")} | {k: G(128, 128, 64, 8, 4) for k in ("gate_up", "dgrad_swiglu")}
+        {k: G(128, 256, 64, 8, 4) for k in ("down", "dgrad")}
+        | {k: G(128, 128, 64, 8, 4) for k in ("gate_up", "dgrad_swiglu")}
         | {"wgrad": G(128, 256, 64, 8, 2)},
         {k: G(128, 128, 64, 8, 3, tma_b=True, tma_a=True) for k in ("gate_up", "down", "dgrad_swiglu", "dgrad")}
         | {"wgrad": G(128, 128, 64, 8, 2, resident_chunks=3)},  # ~150 rows per expert: all on chip

@@ -10,8 +10,9 @@ what a lost unit-stride or divisibility specialization turns a gathered load int
 the 227 KiB a block can have; and register spills no larger than recorded for the installed Triton release
 (tests/triton_versions.py; with 3.6: gate/up 28-40 bytes, dgrad + SwiGLU backward 4 bytes with gathered dY rows
 (deepseek-v3), none at qwen3, where the backward reads a row-order copy of dY by TMA; none elsewhere), so that an
-epilogue change that spills more is seen here before it is timed. At qwen3 the weight gradients run in torch._grouped_mm; the kernels compiled for them are the Triton
-fallback (gathered rows, where torch's kernel cannot run). Speed itself is measured on the GPU (docs/perf.md).
+epilogue change that spills more is seen here before it is timed. At qwen3 the weight gradients run in
+torch._grouped_mm; the kernels compiled for them are the Triton fallback (gathered rows, where torch's kernel
+cannot run). Speed itself is measured on the GPU (docs/perf.md).
 """
 
 import dataclasses

@@ -72,8 +72,9 @@ def test_table_rule():
     kernel; fewer rows, fp16 / fp32, the interpreter, allow_torch=False and a Triton "wgrad" entry keep the
     Triton / Gluon kernels; an explicit torch_mm entry wins unless torch is not allowed."""
     from megamoe.ops import k_grouped_config, tile_config
-    cfg = lambda rows, **kw: k_grouped_config(1536, 2048, kw.pop("dtype", BF16), interpret=kw.pop("interpret", False),
-                                              rows_per_group=rows, **kw)
+    def cfg(rows, **kw):
+        return k_grouped_config(1536, 2048, kw.pop("dtype", BF16), interpret=kw.pop("interpret", False),
+                                rows_per_group=rows, **kw)
     assert cfg(1024).torch_mm and cfg(155).torch_mm and cfg(512).torch_mm
     assert not cfg(154).torch_mm and cfg(154).resident_chunks == 3  # 1.25 x 154 = 192 rows: 3 chunks of 64
     assert not cfg(128).torch_mm and not cfg(None).torch_mm and not cfg(0).torch_mm
@@ -106,8 +107,8 @@ def test_rows_in_order_follows_the_table_on_hopper(monkeypatch):
     from megamoe.ops import grouped_gemm, k_grouped_wants_rows_in_order
     monkeypatch.setattr(grouped_gemm, "torch_wgrad_device", lambda device: True)
     monkeypatch.setattr(grouped_gemm, "is_interpreted", lambda kernel: False)
-    want = lambda rows, kc=KernelConfig(): k_grouped_wants_rows_in_order(1536, 2048, BF16, torch.device("cuda"),
-                                                                        rows, kc)
+    def want(rows, kc=None):
+        return k_grouped_wants_rows_in_order(1536, 2048, BF16, torch.device("cuda"), rows, kc or KernelConfig())
     assert want(1024.0) and want(155.0) and not want(154.0) and not want(128.0)
     for dtype in (torch.float16, torch.float32):
         assert not k_grouped_wants_rows_in_order(1536, 2048, dtype, torch.device("cuda"), 1024.0)

@@ -148,7 +148,8 @@ def _platform() -> dict:
 def test_golden_losses(corpus):
     losses = _golden_run(corpus)
     if os.environ.get("MEGAMOE_REGEN_GOLDEN") == "1":
-        GOLDEN.write_text(json.dumps({"what": "per-step train losses, lm-tiny preset, 10 steps, tests/golden/corpus.txt, "
+        GOLDEN.write_text(json.dumps({"what": "per-step train losses, lm-tiny preset, 10 steps, "
+                                              "tests/golden/corpus.txt, "
                                               "reference backend, 1 CPU thread, seed 0",
                                       **_platform(), "losses_hex": [v.hex() for v in losses], "losses": losses},
                                      indent=1) + "\n")

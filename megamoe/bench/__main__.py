@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
             "examples:\n"
             "  python -m megamoe.bench --cases qwen3-30b-a3b:16384 deepseek-v3:4096 mok-bench:2048 --out out/1gpu\n"
             "  torchrun --nproc-per-node 2 -m megamoe.bench --cases deepseek-v3:4096 --routing uniform zipf:1.2\n"
-            "  python -m megamoe.bench --presets small --tokens 512 2048 --routing trace:runs/lm-small-ep1/routing_trace.pt"))
+            "  python -m megamoe.bench --presets small --tokens 512 2048 "
+            "--routing trace:runs/lm-small-ep1/routing_trace.pt"))
     a = p.add_argument
     a("--cases", nargs="+", metavar="PRESET:T", help="cases as preset:tokens-per-rank, e.g. deepseek-v3:4096")
     a("--presets", nargs="+", metavar="NAME", help="presets, crossed with --tokens (alternative to --cases)")

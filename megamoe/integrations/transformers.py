@@ -243,16 +243,17 @@ class MegaMoEBlock(nn.Module):
     experts): fp32 router logits (megamoe's batch-invariant Triton GEMM on the fused backend),
     :func:`megamoe.reference.route` (softmax or sigmoid scores, group-limited top-k with the selection bias,
     normalised, scaled once), then routed + shared experts and their fp32 sum in one
-    :func:`megamoe.functional.moe_experts` call. :meth:`route` runs the router part alone. The shared expert's gate and up weights stay two
-    parameters; each forward concatenates them into megamoe's [gate; up] layout (one copy of 2 * S * D
-    elements, kept for the backward; gradients reach both parameters).
+    :func:`megamoe.functional.moe_experts` call. :meth:`route` runs the router part alone. The shared
+    expert's gate and up weights stay two parameters; each forward concatenates them into megamoe's [gate; up]
+    layout (one copy of 2 * S * D elements, kept for the backward; gradients reach both parameters).
 
     Forward hooks on ``gate`` (transformers records ``router_logits`` through them, e.g. for Qwen3-MoE's
     and Mixtral's load-balancing loss) are called with ``(logits [T, E] fp32, weights [T, K], ids [T, K])``
-    as if the router had run. ``last_stats`` (:class:`megamoe.layer.RouterStats`, ``aux_loss`` a zero tensor: the model computes its own load-balancing loss) holds
-    the last forward's expert counts and ids; :meth:`update_expert_bias` applies megamoe's aux-loss-free
-    update to ``e_score_correction_bias`` (transformers never changes it; nothing does unless called). A
-    forward run again inside a backward (an activation-checkpoint recompute) leaves both alone.
+    as if the router had run. ``last_stats`` (:class:`megamoe.layer.RouterStats`; ``aux_loss`` is a zero tensor:
+    the model computes its own load-balancing loss) holds the last forward's expert counts and ids;
+    :meth:`update_expert_bias` applies megamoe's aux-loss-free update to ``e_score_correction_bias``
+    (transformers never changes it; nothing does unless called). A forward run again inside a backward (an
+    activation-checkpoint recompute) leaves both alone.
 
     Not a :class:`megamoe.MoE`: that module owns its parameters under its own names (an fp32 ``router.w_ED``,
     one [gate; up] shared weight), which would change the model's parameters and checkpoint keys. This one

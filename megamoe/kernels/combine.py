@@ -60,7 +60,8 @@ def _slot_sum_bwd_kernel(
         acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         for k in tl.static_range(K):
             row = tl.load(row_of_ptr + tk + k, mask=mask_t, other=0).to(tl.int64)
-            acc = acc + tl.load(dxr_ptr + row[:, None] * stride_r + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc = acc + tl.load(dxr_ptr + row[:, None] * stride_r + offs_d[None, :], mask=mask,
+                                other=0.0).to(tl.float32)
         if HAS_SHARED:
             s_ptrs = dxs_ptr + offs_t.to(tl.int64)[:, None] * stride_s + offs_d[None, :]
             acc = acc + tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)

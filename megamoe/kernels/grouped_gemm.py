@@ -48,9 +48,10 @@ Two kernel families (GEMM naming after DeepGEMM: which dimension is grouped):
   expert's rows is skipped, not added as zeros), so the bits equal ``_k_grouped_gemm_kernel``'s.
 
 Every output row of the m-grouped kernel depends only on its own input row (clamped rows past a group
-are computed and dropped, never mixed in; columns past N are zero-filled), and the K loop order is fixed by the tile config, so
-a token's result is independent of the rest of the batch (batch invariance, docs/design.md).
-SiLU: silu(x) = x * s, silu'(x) = s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x)) (PyTorch's backward formula) (Shazeer, arXiv 2002.05202 for SwiGLU).
+are computed and dropped, never mixed in; columns past N are zero-filled), and the K loop order is fixed by the
+tile config, so a token's result is independent of the rest of the batch (batch invariance, docs/design.md).
+SiLU: silu(x) = x * s, silu'(x) = s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x)) (PyTorch's backward formula)
+(Shazeer, arXiv 2002.05202 for SwiGLU).
 """
 
 import triton

@@ -158,7 +158,7 @@ def _k_grouped_wgrad_kernel(
         kn = gl.to_tensor(0)
         p_src, pmask, q_src, qmask = _step_src(p_idx_ptr, q_idx_ptr, kc, kn, tiles_n, row_start, row_end, P_GATHER,
                                                Q_GATHER, BLOCK_K, LOAD_P, LOAD_Q)
-        for i in gl.static_range(STAGES - 2):
+        for _i in gl.static_range(STAGES - 2):
             _issue_step(p_ptr, q_ptr, p_buf, q_ring, k, kn, m0, M, N, stride_pr, stride_qr, p_src, pmask, q_src,
                         qmask, resident, STAGES, BLOCK_M, BLOCK_N, LOAD_P, LOAD_Q)
             k, kc, kn = _next_step(k, kc, kn, nch)

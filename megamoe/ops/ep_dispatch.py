@@ -72,7 +72,10 @@ from . import ep_comm as X
 from ._common import reserve_sms
 from .dispatch import Needs, RoundRows
 from .routing import single_group_offsets
+from .tile_config import DEFAULT_KERNELS
 from .wgrad_rounds import finalize_split, k_grouped_round, split_slots
+
+_NO_OPTIONS = EPOptions()  # every variant off
 
 __all__ = ["NVLinkDispatcher"]
 
@@ -108,8 +111,8 @@ class NVLinkDispatcher:
     keeps_shared_preact = False
 
     def __init__(self, ws: EPWorkspace, *, capacity_rows: int, rounds: int, timeout_s: float,
-                 save_preact: bool = False, save_dispatched: bool = False, options: EPOptions = EPOptions(),
-                 kernel_config: KernelConfig = KernelConfig()):
+                 save_preact: bool = False, save_dispatched: bool = False, options: EPOptions = _NO_OPTIONS,
+                 kernel_config: KernelConfig = DEFAULT_KERNELS):
         self.ws, self.C, self.rounds, self.timeout_s = ws, capacity_rows, rounds, timeout_s
         self.options, self.kernel_config = options, kernel_config
         self.save_preact, self.save_dispatched = save_preact, save_dispatched

@@ -241,7 +241,8 @@ def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Ten
         raise ValueError(f"{where}: need a (., D) and w13 (E, 2F, D) of one dtype, got a {tuple(a.shape)} {a.dtype}, "
                          f"w13 {tuple(w13_EGD.shape)} {w13_EGD.dtype}")
     _check_offsets(offsets_E1, E, where)
-    dev = check_device(_m_grouped_gemm_kernel, where, a=a, w13_EGD=w13_EGD, offsets_E1=offsets_E1, gather_idx_R=gather_idx_R)
+    dev = check_device(_m_grouped_gemm_kernel, where, a=a, w13_EGD=w13_EGD, offsets_E1=offsets_E1,
+                       gather_idx_R=gather_idx_R)
     F = G // 2
     R = _rows_of(a, gather_idx_R)
     h = _alloc(out, (R, F), a.dtype, dev, "out", where)
@@ -269,7 +270,8 @@ def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor
     dev, R = _check_plain_operands(where, a, "b_ENK", b_ENK, 2, offsets_E1, gather_idx_R, row_scale_R=row_scale_R)
     E, N, K = b_ENK.shape
     if row_scale_R is not None and (row_scale_R.shape != (R,) or row_scale_R.dtype != torch.float32):
-        raise ValueError(f"{where}: row_scale_R must be fp32 of shape ({R},), got {row_scale_R.dtype} {tuple(row_scale_R.shape)}")
+        raise ValueError(f"{where}: row_scale_R must be fp32 of shape ({R},), got {row_scale_R.dtype} "
+                         f"{tuple(row_scale_R.shape)}")
     c = _plain_out(where, out, push, R, N, out_dtype or a.dtype, dev)
     _launch_m_grouped(where=where, kind=kind, epilogue=_PLAIN, a=a, a_idx=gather_idx_R, b=b_ENK,
                       stride_b=(N * K, K, 1), num_rows=R, N=N, K=K, offsets_E1=offsets_E1, c=c,

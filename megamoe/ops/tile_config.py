@@ -5,10 +5,10 @@ Legend: D hidden size, F expert FFN size, G = 2F, E experts, N output columns, K
 Determinism: the only part of a config that can change bits is BLOCK_K (the K-loop order); it is fixed
 by (GEMM kind, dtype, interpreter or not), never by the number of tokens, the routing, or timing (no
 run-time autotuning). The rest (BLOCK_M, BLOCK_N, stages, load path, grid, and for the weight gradients
-the kernel structure, Triton, Gluon or torch._grouped_mm) was verified on H200 not to change bits (tests/test_fused_gpu.py::
-test_bits_do_not_depend_on_tile_shape), so the weight-gradient choice may also use a host-known static
-estimate of rows per expert. The same token therefore gets the same bits whatever else is in the batch,
-and every EP rank gets the same bits (docs/design.md, batch invariance).
+the kernel structure, Triton, Gluon or torch._grouped_mm) was verified on H200 not to change bits
+(tests/test_fused_gpu.py::test_bits_do_not_depend_on_tile_shape), so the weight-gradient choice may also use a
+host-known static estimate of rows per expert. The same token therefore gets the same bits whatever else is in
+the batch, and every EP rank gets the same bits (docs/design.md, batch invariance).
 
 Replacements (layer A/B runs, sweeps, tuning on other hardware, tests) come as an argument, never from
 the environment: a :class:`megamoe.config.KernelConfig` passed down to the launchers and into the functions
@@ -173,10 +173,11 @@ _K_GROUPED_TORCH = GemmConfig(128, 128, 64, 8, 3, torch_mm=True)
 # Contiguous rows (the EP receive buffers, and W = 1's rows after the copies) inside torch's window but at most
 # ~384 per expert: megamoe's warp-specialized Gluon kernel (megamoe/kernels/wgrad_ws_gluon.py: ping-pong, P
 # streamed, 5 ring slots, TMA-stored tiles) instead of torch._grouped_mm, the same bits from megamoe's own
-# reduction order. An A/B of the weight-gradient kernels (git history: scripts/ab_wgrad.py), H200 2026-12-02, an EP=2 rank of deepseek-v3 at
-# 4096 tokens (128 experts, ~256 rows): dW13 4.18 vs torch 4.35 ms, dW2 2.02 vs 2.29; at ~1024 rows (qwen3) level
-# (1.35 / 0.712 vs 1.33 / 0.706), so the window ends at 384 (only ~256 measured). Gathered rows, fp32 outputs and
-# fewer (expert, m-tile) units than SMs (a shared expert's single group) keep torch's kernel.
+# reduction order. An A/B of the weight-gradient kernels (scripts/ab_wgrad.py in git history), H200 2026-12-02,
+# an EP=2 rank of deepseek-v3 at 4096 tokens (128 experts, ~256 rows): dW13 4.18 vs torch 4.35 ms, dW2 2.02 vs
+# 2.29; at ~1024 rows (qwen3) level (1.35 / 0.712 vs 1.33 / 0.706), so the window ends at 384 (only ~256
+# measured). Gathered rows, fp32 outputs and fewer (expert, m-tile) units than SMs (a shared expert's single
+# group) keep torch's kernel.
 _K_GROUPED_WS = GemmConfig(128, 128, 64, 8, 5, gluon=True, warp_specialized=True)
 _WS_MAX_ROWS = 384
 
