@@ -154,7 +154,7 @@ class EPWorkspace:
         self.rows_2TD = view("rows", spec.dtype, (2, T, D))
         self.slots_TKD = view("slots", spec.dtype, (T, K, D))
         self.dots_NP = view("dots", torch.float32, (T * K * P_MAX,))
-        # every rank's slot buffer as an element offset from this rank's (ops.grouped_gemm.RowPush: the GEMM
+        # every rank's slot buffer as an element offset from this rank's (ops.ep_tiles.RowPush: the GEMM
         # epilogue stores result rows straight into their owners' slots); built here, outside any captured
         # or sync-checked region. The regions sit at one offset in every pool, so these are base differences.
         es = torch.empty(0, dtype=spec.dtype).element_size()

@@ -247,7 +247,7 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr
     False (backward only): no x rows, the destination already holds them (the forward's, kept) or does not
     need them. Blocks of an unused round only mark their rows unused. ``READY``: after a used block's stores,
     ``ready[1 + block] = 1`` (release, GPU scope), for an m-grouped GEMM running beside the pull
-    (megamoe.ops.grouped_gemm.RowPull; ``ready[0]`` is that GEMM's tile counter). ``PDL``: first let the next
+    (megamoe.ops.ep_tiles.RowPull; ``ready[0]`` is that GEMM's tile counter). ``PDL``: first let the next
     kernel of the stream launch (programmatic dependent launch: it starts once every program of this grid is
     resident, so its spins can never keep this pull from an SM). ``ALIGNED``: every pool base is 16-byte
     aligned (``EPWorkspace.aligned``; the region offsets are multiples of 256 and D of 16), which lets the row

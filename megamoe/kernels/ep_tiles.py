@@ -2,7 +2,7 @@
 
 Legend: R rows of the GEMM's expert-grouped row buffer, BLOCK_M rows of an m-tile, N output columns, W EP ranks.
 
-Prologue, a GEMM beside the pull of its own rows (``WAIT_PULL``; host side megamoe.ops.grouped_gemm.RowPull):
+Prologue, a GEMM beside the pull of its own rows (``WAIT_PULL``; host side megamoe.ops.ep_tiles.RowPull):
 the tiles come from an int32 counter ``pull_ptr[0]`` in increasing order (programs that start late, their SM
 being the pull's, take fewer tiles instead of holding up the end; which program computes a tile never changes
 it), each tile first waits (bounded, GPU scope) for the ready flags ``pull_ptr[1 + b]`` of the PULL_BM-row
@@ -10,7 +10,7 @@ blocks b its rows lie in, and at its end the grid waits for the pull's grid (pro
 the stream's next kernel sees every pulled row. A flag that never comes writes STAGE_PULL into the EP
 workspace's status word (megamoe.kernels.flags).
 
-Epilogue, result rows into the owners' slots (``PUSH``; host side megamoe.ops.grouped_gemm.RowPush): row r of
+Epilogue, result rows into the owners' slots (``PUSH``; host side megamoe.ops.ep_tiles.RowPush): row r of
 the GEMM is stored at row ``token * push_k + slot`` of the buffer ``push_deltas[src]`` elements from C, with
 (src, token, slot) the columns r of the row table ``push_tab`` [3, push_c] (src < 0: not stored).
 """

@@ -11,7 +11,8 @@ Two kernel families (GEMM naming after DeepGEMM: which dimension is grouped):
   nn.Linear layout) and the "nn" dgrad GEMMs (B[e] stored [K, N]). ``row(r)`` is r, or
   ``a_idx[r]`` when HAS_GATHER (rows are gathered straight from the token matrix, no permuted copy).
   Persistent grid: program p walks the tiles p, p + num_programs, ... (WAIT_PULL: tiles from an int32
-  counter in increasing order, each tile first waiting for its rows' ready flags); a tile is (m-tile, n-tile)
+  counter in increasing order, each tile first waiting for its rows' ready flags; these expert-parallel pieces,
+  and PUSH's destinations below, are helpers of megamoe.kernels.ep_tiles); a tile is (m-tile, n-tile)
   with the n-tile fastest. M-tiles never straddle two experts: expert e owns ``ceil(count_e / BLOCK_M)``
   m-tiles starting at ``tile_offsets[e]`` (exclusive prefix sum on the device), so the grid is sized
   from a static bound on rows and programs past the real work exit. Operand loads: pointer loads, or
@@ -139,6 +140,92 @@ def _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_
 
 
 @triton.jit
+def _k_loop(a_ptr, a_desc, b_ptr, b_desc, a_rows, expert, row_start, n_tile, mask_m, offs_n, mask_n, N,
+            stride_am, stride_ak, stride_be, stride_bn, stride_bk, K: tl.constexpr, EPILOGUE: tl.constexpr,
+            FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TMA_A: tl.constexpr,
+            TMA_B: tl.constexpr, B_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """One tile's K loop: ``acc = A[a_rows] @ B[expert]`` over columns ``offs_n`` in BLOCK_K steps, fp32; with
+    the SWIGLU epilogue also ``acc_up`` over the up columns N + offs_n of B (else ``acc_up`` is ``acc``'s
+    initial zeros, unused)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    b_row = expert * B_ROWS + n_tile * BLOCK_N  # TMA_B == 1: row of B viewed as (E * B_ROWS, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if EPILOGUE == SWIGLU:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc_up = acc
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        if TMA_A:  # rows [row_start, row_start + BLOCK_M) of A (R, K); rows past R zero-filled
+            a = a_desc.load([row_start, k0])
+        else:
+            a = _load_2d(a_ptrs, mask_m, mask_k, True, EVEN_K)  # clamped rows are in bounds
+        if TMA_B == 1:  # B[e] stored (N, K): tile (BLOCK_N, BLOCK_K) of the (E * B_ROWS, K) view
+            b = tl.trans(b_desc.load([b_row, k0]))
+        elif TMA_B == 2:  # B[e] stored (K, N): tile (BLOCK_K, BLOCK_N) of the (E * K, N) view (EVEN_K)
+            b = b_desc.load([expert * K + k0, n_tile * BLOCK_N])
+        else:
+            b = _load_2d(b_ptrs, mask_k, mask_n, EVEN_K, EVEN_N)
+        acc = _mma(a, b, acc, FP32_DOT)
+        if EPILOGUE == SWIGLU:
+            if TMA_B == 1:
+                b_up = tl.trans(b_desc.load([b_row + N, k0]))
+            else:
+                b_up = _load_2d(b_ptrs + N * stride_bn, mask_k, mask_n, EVEN_K, EVEN_N)
+            acc_up = _mma(a, b_up, acc_up, FP32_DOT)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc, acc_up
+
+
+@triton.jit
+def _swiglu_epilogue(acc, acc_up, c_ptrs, aux_ptr, out_rows, offs_n, mask, N, stride_xm, SAVE_AUX: tl.constexpr):
+    """SwiGLU forward on a tile: g, u rounded to the output dtype, optionally stored as [g | u] in AUX, and
+    ``h = cast(silu(g) * u)`` stored through ``c_ptrs``."""
+    out_ty = c_ptrs.dtype.element_ty
+    gate = acc.to(out_ty).to(tl.float32)
+    up = acc_up.to(out_ty).to(tl.float32)
+    if SAVE_AUX:
+        x_ptrs = aux_ptr + out_rows[:, None] * stride_xm + offs_n[None, :]
+        tl.store(x_ptrs, gate.to(out_ty), mask=mask)
+        tl.store(x_ptrs + N, up.to(out_ty), mask=mask)
+    h = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
+    tl.store(c_ptrs, h.to(out_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_epilogue(acc, n_tile, rows, out_rows, mask_m, scale_ptr, gu_ptr, c_ptr, aux_ptr, dot_ptr, N,
+                         stride_gm, stride_cm, stride_xm, HAS_SCALE: tl.constexpr, HAS_DOT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_N: tl.constexpr):
+    """SwiGLU backward on a tile (acc = dY @ W2[e], N = F): [dg | du] into C (R x 2F), h * scale into AUX (R x F)
+    and, with HAS_DOT, one row-dot partial per DOT_N columns into ``dot`` (R x cdiv(N, DOT_N))."""
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + rows).to(tl.float32)
+    else:
+        scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+    n0 = n_tile * BLOCK_N
+    num_p = tl.cdiv(N, DOT_N)
+    if BLOCK_N == DOT_N:
+        part = _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
+                                stride_gm, stride_cm, stride_xm, HAS_SCALE, BLOCK_M, DOT_N)
+        if HAS_DOT:
+            tl.store(dot_ptr + out_rows * num_p + n_tile, part, mask=mask_m)
+    else:  # BLOCK_N == 2 * DOT_N: two partials per tile, the same sums as two DOT_N-wide tiles
+        acc_a, acc_b = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, DOT_N)), (0, 2, 1)))
+        part_a = _swiglu_bwd_cols(acc_a, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
+                                  stride_gm, stride_cm, stride_xm, HAS_SCALE, BLOCK_M, DOT_N)
+        part_b = _swiglu_bwd_cols(acc_b, n0 + DOT_N, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr,
+                                  N, stride_gm, stride_cm, stride_xm, HAS_SCALE, BLOCK_M, DOT_N)
+        if HAS_DOT:
+            p = 2 * n_tile
+            tl.store(dot_ptr + out_rows * num_p + p, part_a, mask=mask_m)
+            tl.store(dot_ptr + out_rows * num_p + p + 1, part_b, mask=mask_m & (out_rows * 0 + p + 1 < num_p))
+
+
+@triton.jit
 def _m_grouped_gemm_kernel(
     # inputs
     a_ptr, a_desc, a_idx_ptr, b_ptr, b_desc, row_offsets_ptr, tile_offsets_ptr, scale_ptr, gu_ptr,
@@ -185,34 +272,9 @@ def _m_grouped_gemm_kernel(
             push_dest, push_mask = push_rows(push_tab_ptr, push_deltas_ptr, rows, mask_m, push_c, push_k, N)
         offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-        b_row = expert * B_ROWS + n_tile * BLOCK_N  # TMA_B == 1: row of B viewed as (E * B_ROWS, K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if EPILOGUE == SWIGLU:
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            mask_k = offs_k < K - k0
-            if TMA_A:  # rows [row_start, row_start + BLOCK_M) of A (R, K); rows past R zero-filled
-                a = a_desc.load([row_start, k0])
-            else:
-                a = _load_2d(a_ptrs, mask_m, mask_k, True, EVEN_K)  # clamped rows are in bounds
-            if TMA_B == 1:  # B[e] stored (N, K): tile (BLOCK_N, BLOCK_K) of the (E * B_ROWS, K) view
-                b = tl.trans(b_desc.load([b_row, k0]))
-            elif TMA_B == 2:  # B[e] stored (K, N): tile (BLOCK_K, BLOCK_N) of the (E * K, N) view (EVEN_K)
-                b = b_desc.load([expert * K + k0, n_tile * BLOCK_N])
-            else:
-                b = _load_2d(b_ptrs, mask_k, mask_n, EVEN_K, EVEN_N)
-            acc = _mma(a, b, acc, FP32_DOT)
-            if EPILOGUE == SWIGLU:
-                if TMA_B == 1:
-                    b_up = tl.trans(b_desc.load([b_row + N, k0]))
-                else:
-                    b_up = _load_2d(b_ptrs + N * stride_bn, mask_k, mask_n, EVEN_K, EVEN_N)
-                acc_up = _mma(a, b_up, acc_up, FP32_DOT)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+        acc, acc_up = _k_loop(a_ptr, a_desc, b_ptr, b_desc, a_rows, expert, row_start, n_tile, mask_m, offs_n, mask_n,
+                              N, stride_am, stride_ak, stride_be, stride_bn, stride_bk, K, EPILOGUE, FP32_DOT, EVEN_K,
+                              EVEN_N, TMA_A, TMA_B, B_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
 
         mask = mask_m[:, None] & mask_n[None, :]
         out_rows = offs_m.to(tl.int64)
@@ -225,36 +287,10 @@ def _m_grouped_gemm_kernel(
                 mask = push_mask[:, None] & mask_n[None, :]
             tl.store(c_ptrs, acc.to(out_ty), mask=mask)
         elif EPILOGUE == SWIGLU:
-            gate = acc.to(out_ty).to(tl.float32)
-            up = acc_up.to(out_ty).to(tl.float32)
-            if SAVE_AUX:
-                x_ptrs = aux_ptr + out_rows[:, None] * stride_xm + offs_n[None, :]
-                tl.store(x_ptrs, gate.to(out_ty), mask=mask)
-                tl.store(x_ptrs + N, up.to(out_ty), mask=mask)
-            h = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
-            tl.store(c_ptrs, h.to(out_ty), mask=mask)
+            _swiglu_epilogue(acc, acc_up, c_ptrs, aux_ptr, out_rows, offs_n, mask, N, stride_xm, SAVE_AUX)
         else:  # SWIGLU_BWD: acc = dY @ W2[e], N = F, C = [dg | du] (R x 2F), AUX = h * scale (R x F)
-            if HAS_SCALE:
-                scale = tl.load(scale_ptr + rows).to(tl.float32)
-            else:
-                scale = tl.full((BLOCK_M,), 1.0, tl.float32)
-            n0 = n_tile * BLOCK_N
-            num_p = tl.cdiv(N, DOT_N)
-            if BLOCK_N == DOT_N:
-                part = _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
-                                        stride_gm, stride_cm, stride_xm, HAS_SCALE, BLOCK_M, DOT_N)
-                if HAS_DOT:
-                    tl.store(dot_ptr + out_rows * num_p + n_tile, part, mask=mask_m)
-            else:  # BLOCK_N == 2 * DOT_N: two partials per tile, the same sums as two DOT_N-wide tiles
-                acc_a, acc_b = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, DOT_N)), (0, 2, 1)))
-                part_a = _swiglu_bwd_cols(acc_a, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
-                                          stride_gm, stride_cm, stride_xm, HAS_SCALE, BLOCK_M, DOT_N)
-                part_b = _swiglu_bwd_cols(acc_b, n0 + DOT_N, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr,
-                                          N, stride_gm, stride_cm, stride_xm, HAS_SCALE, BLOCK_M, DOT_N)
-                if HAS_DOT:
-                    p = 2 * n_tile
-                    tl.store(dot_ptr + out_rows * num_p + p, part_a, mask=mask_m)
-                    tl.store(dot_ptr + out_rows * num_p + p + 1, part_b, mask=mask_m & (out_rows * 0 + p + 1 < num_p))
+            _swiglu_bwd_epilogue(acc, n_tile, rows, out_rows, mask_m, scale_ptr, gu_ptr, c_ptr, aux_ptr, dot_ptr, N,
+                                 stride_gm, stride_cm, stride_xm, HAS_SCALE, HAS_DOT, BLOCK_M, BLOCK_N, DOT_N)
         tile = next_tile(tile, pull_ptr, WAIT_PULL)
     end_after_pull(PULL_GDC)
 

@@ -17,8 +17,9 @@ Public pieces (the EP path calls these on rows received from peers):
 """
 
 from .combine import combine_fwd, slot_sum_bwd
-from .grouped_gemm import (RowPush, down_proj, gate_up_swiglu, grouped_mm_nn, grouped_mm_nt, k_grouped_mm,
-                           k_grouped_wants_rows_in_order, row_push_deltas, swiglu_dgrad)
+from .ep_tiles import RowPush, row_push_deltas
+from .grouped_gemm import (down_proj, gate_up_swiglu, grouped_mm_nn, grouped_mm_nt, k_grouped_mm,
+                           k_grouped_wants_rows_in_order, swiglu_dgrad)
 from .routing import PoolPlan, RoutingPlan, build_routing_plan, single_group_offsets, tile_offsets_for
 from .tile_config import GemmConfig, KernelConfig, k_grouped_config, m_grouped_config
 

@@ -32,7 +32,8 @@ from typing import Protocol
 
 import torch
 
-from .grouped_gemm import RowPull, RowPush, k_grouped_wants_rows_in_order
+from .ep_tiles import RowPull, RowPush
+from .grouped_gemm import k_grouped_wants_rows_in_order
 from .routing import build_routing_plan, single_group_offsets
 from .tile_config import DEFAULT_KERNELS, KernelConfig
 

@@ -32,7 +32,7 @@ import triton
 from ..config import EPOptions
 from ..distributed import FLAG_READY, P_MAX, EPWorkspace
 from ..kernels import ep_comm as K_
-from .grouped_gemm import RowPull, RowPush
+from .ep_tiles import RowPull, RowPush
 from .routing import PoolPlan, build_routing_plan
 
 __all__ = ["ExchangeBuffers", "expert_offsets", "round_starts", "publish", "routing_plan", "save_plan", "restore_plan",
@@ -218,7 +218,7 @@ def _launch_dispatch(ws, bufs, r, backward, pull_x, ready, programs) -> None:
 
 def pull_beside(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: bool, programs: int, timeout_s: float,
                 pull_x: bool = True) -> RowPull:
-    """Round r's pull (what :func:`dispatch_round` does) as a :class:`~megamoe.ops.grouped_gemm.RowPull` for
+    """Round r's pull (what :func:`dispatch_round` does) as a :class:`~megamoe.ops.ep_tiles.RowPull` for
     the first GEMM over its rows (``gate_up_swiglu`` forward, ``swiglu_dgrad`` backward), which launches it and
     runs beside it. Enqueues now: the round's expert offsets ``bufs.roff_L1`` (so the GEMM's m-tile table can
     be built before the pull) and the zeroed ready flags; the pull itself, ``programs`` persistent programs
@@ -279,7 +279,7 @@ def _check_round(bufs: ExchangeBuffers, r: int) -> None:
 
 
 def push_target(ws: EPWorkspace, bufs: ExchangeBuffers) -> RowPush:
-    """The current round's result rows as a :class:`~megamoe.ops.grouped_gemm.RowPush` for the plain-epilogue
+    """The current round's result rows as a :class:`~megamoe.ops.ep_tiles.RowPush` for the plain-epilogue
     GEMMs (``down_proj`` forward, ``grouped_mm_nn`` dx backward): row i goes to slot (token, slot) of its
     source rank's slot buffer, which is where :func:`push_round` would copy it; valid after
     :func:`dispatch_round` of the round wrote ``bufs.rowtab_3C``. The same bits, without the (C, D) round

@@ -11,19 +11,18 @@ GEMM grammar (DeepGEMM style): "m-grouped" = rows grouped by expert, one weight 
 "nt": ``C = A @ B[e].T`` with B[e] stored [N, K] (nn.Linear layout); "nn": ``C = A @ B[e]`` with B[e]
 stored [K, N].
 
-For the EP engineer: every launcher works on any expert-grouped buffer (for example rows received from
-peers) given device offsets; rows may be gathered from a token matrix through ``gather_idx_R``
-(int32, one token index per row) instead of being copied first. Nothing here reads device values on the
-host: no sync, CUDA-graph capturable. Determinism: no float atomics (with a :class:`RowPull` an int32 tile counter
-decides which program computes a tile, never what it computes); tile configs are a pure function of
-(kind, N, K, dtype) (megamoe.ops.tile_config), so results are bitwise reproducible and each row's
-result is independent of the other rows (batch invariance).
+For the EP engineer: every launcher works on any expert-grouped buffer (for example rows received from peers) given
+device offsets; rows may be gathered from a token matrix through ``gather_idx_R`` (int32, one token index per row)
+instead of being copied first; the plain-epilogue GEMMs store rows through a
+:class:`~megamoe.ops.ep_tiles.RowPush`, and the first GEMM of a round can run beside its pull
+(:class:`~megamoe.ops.ep_tiles.RowPull`). Nothing here reads device values on the host: no sync, CUDA-graph
+capturable. Determinism: no float atomics (with a :class:`RowPull` an int32 tile counter decides which program
+computes a tile, never what it computes); tile configs are a pure function of (kind, N, K, dtype)
+(megamoe.ops.tile_config), so results are bitwise reproducible and each row's result is independent of the other
+rows (batch invariance).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import triton
@@ -32,6 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
 from ._common import _sm_count, check_device, is_interpreted, persistent_programs, pow2
+from .ep_tiles import RowPull, RowPush, pull_args, pull_constexprs, pull_launch, push_args, row_push_deltas
 from .torch_grouped_mm import torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, wgrad_shape_fits
 from .wgrad_gluon import (GLUON_AVAILABLE, gluon_device_ok, gluon_wgrad_eligible, launch_gluon_wgrad,
                           launch_gluon_wgrad_ws, ws_operands_fit)
@@ -44,82 +44,6 @@ __all__ = ["gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swi
 
 _PLAIN, _SWIGLU, _SWIGLU_BWD = 0, 1, 2
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True)
-class RowPush:
-    """Where a plain-epilogue m-grouped GEMM stores its rows instead of an (R, N) output (expert parallelism:
-    result rows go straight into their owners' slot buffers, megamoe.ops.ep_comm.push_target).
-
-    dest: this rank's (rows, N) contiguous destination buffer (gives the dtype and the base); deltas_W:
-    (W,) int64 device tensor, the element offset of rank s's buffer from ``dest`` (0 for this rank; a
-    peer's mapping elsewhere in the address space), each a multiple of 16. The kernel relies on that for
-    16-byte stores and the table is not read on the host, so build it with :func:`row_push_deltas` (or
-    ``EPWorkspace.slot_deltas_W``), which check it: a misaligned entry faults on the GPU. rowtab_3C:
-    (3, C) int32 device tensor, C >= R, columns r = (source rank, token, slot) of row r, source < 0 for a
-    row that is not stored; top_k: slots per token. Row r is written to row ``token * top_k + slot`` of
-    rank ``source``'s buffer. The caller guarantees those rows exist and that no two rows share one (the
-    EP schedule gives each slot one row).
-    """
-
-    dest: torch.Tensor
-    deltas_W: torch.Tensor
-    rowtab_3C: torch.Tensor
-    top_k: int
-
-    def check(self, where: str, num_rows: int, N: int, dtype: torch.dtype, dev) -> None:
-        d = self.dest
-        if d.dim() != 2 or d.shape[1] != N or d.dtype != dtype or not d.is_contiguous():
-            raise ValueError(f"{where}: push.dest must be a contiguous {dtype} (rows, {N}) tensor, got {d.dtype} "
-                             f"{tuple(d.shape)}")
-        if self.deltas_W.dtype != torch.int64 or self.deltas_W.dim() != 1:
-            raise TypeError(f"{where}: push.deltas_W must be a 1-D int64 tensor, got {self.deltas_W.dtype} "
-                            f"{tuple(self.deltas_W.shape)}")
-        t = self.rowtab_3C
-        if t.dtype != torch.int32 or t.dim() != 2 or t.shape[0] != 3 or t.shape[1] < num_rows or not t.is_contiguous():
-            raise ValueError(f"{where}: push.rowtab_3C must be a contiguous int32 (3, C >= {num_rows}) tensor, got "
-                             f"{t.dtype} {tuple(t.shape)}")
-        if self.top_k < 1:
-            raise ValueError(f"{where}: push needs top_k >= 1, got {self.top_k}")
-        if any(x.device != dev for x in (d, self.deltas_W, t)):
-            raise ValueError(f"{where}: push tensors must be on {dev}")
-
-
-@dataclass(frozen=True)
-class RowPull:
-    """The rows of A still arriving while an m-grouped GEMM runs (expert parallelism: the pull of a round's rows
-    beside the GEMM that consumes them, megamoe.ops.ep_comm.pull_beside).
-
-    ready_B1: int32 (1 + B,) device tensor (B blocks of ``block_rows`` rows), zero before ``launch`` runs:
-    ``[0]`` the GEMM's tile counter, ``[1 + b]`` set to 1 by the pull (release, GPU scope) once rows
-    ``[b * block_rows, (b + 1) * block_rows)`` of A (and of the row scales) are written. launch: enqueues the pull kernel; the GEMM launcher calls it right
-    after its own small kernels (the m-tile table), so that the GEMM is the next kernel of the stream, launched
-    as its programmatic dependent (``pdl``) on the GPU: it starts once every program of the pull is resident,
-    takes tiles from the counter in increasing order and spins (bounded, ``max_iters`` / ``timeout_ns``,
-    ``use_timer``) on the flags covering a tile's rows before it loads them; a spin that expires writes stage 5
-    with ``rank`` into the EP workspace's status word ``flags`` (``EPWorkspace.check`` raises). At its end the
-    GEMM waits for the pull's grid (``griddepcontrol.wait``), so the stream's next kernel sees all its rows.
-    No bits change: the same tiles see the same rows.
-    """
-
-    ready_B1: torch.Tensor
-    block_rows: int
-    flags: torch.Tensor
-    rank: int
-    max_iters: int
-    timeout_ns: int
-    use_timer: bool
-    pdl: bool
-    launch: Callable[[], None]
-
-    def check(self, where: str, num_rows: int, dev) -> None:
-        r = self.ready_B1
-        need = 1 + triton.cdiv(num_rows, self.block_rows)
-        if r.dtype != torch.int32 or r.dim() != 1 or r.shape[0] < need or r.device != dev:
-            raise ValueError(f"{where}: pull.ready_B1 must be an int32 (>= {need},) tensor on {dev}, got {r.dtype} "
-                             f"{tuple(r.shape)} on {r.device}")
-        if self.flags.dtype != torch.int32 or self.flags.device != dev:
-            raise ValueError(f"{where}: pull.flags must be the EP workspace's int32 flags on {dev}")
 
 
 def _check_2d(name: str, t: torch.Tensor, where: str, cols: int | None = None) -> None:
@@ -208,13 +132,7 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         a, a_desc, a_idx if a_idx is not None else offsets_E1, b, b_desc, offsets_E1, tile_offsets_E1,
         scale if scale is not None else dummy, gu if gu is not None else dummy,
         c, aux if aux is not None else dummy, dot if dot is not None else dummy,
-        # without push: integer 1s (a launch makes them compile-time constants; unused runtime ints moved the
-        # register allocation of dgrad + SwiGLU to 16 spilled bytes in the sm_90a compile test)
-        push.deltas_W if push is not None else offsets_E1, push.rowtab_3C if push is not None else offsets_E1,
-        push.rowtab_3C.shape[1] if push is not None else 1, push.top_k if push is not None else 1,
-        pull.ready_B1 if pull is not None else offsets_E1, pull.flags if pull is not None else offsets_E1,
-        pull.rank if pull is not None else 1, pull.max_iters if pull is not None else 1,
-        pull.timeout_ns if pull is not None else 1,
+        *push_args(push, offsets_E1), *pull_args(pull, offsets_E1),  # EP pieces (ops.ep_tiles); else 1s
         num_rows, N, E, K,
         a.stride(0), a.stride(1), stride_b[0], stride_b[1], stride_b[2], c.stride(0),
         gu.stride(0) if gu is not None else 0, aux.stride(0) if aux is not None else 0,
@@ -222,12 +140,9 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         SAVE_AUX=aux is not None, HAS_DOT=dot is not None, PUSH=push is not None, FP32_DOT=fp32_dot,
         EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows,
-        WAIT_PULL=pull is not None, PULL_BM=pull.block_rows if pull is not None else 1,
-        PULL_TIMER=pull is not None and pull.use_timer, PULL_GDC=pull is not None and pull.pdl,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        **pull_constexprs(pull), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_N=_dot_cols(cfg) if epilogue == _SWIGLU_BWD else cfg.block_n,
-        num_warps=cfg.num_warps, enable_fp_fusion=True, num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if pull is not None and pull.pdl else {}),
+        num_warps=cfg.num_warps, enable_fp_fusion=True, num_stages=cfg.num_stages, **pull_launch(pull),
     )
     return cfg
 
@@ -356,23 +271,6 @@ def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor
                       scale=row_scale_R, tile_offsets_E1=tile_offsets_E1, push=push, tile_cache=tile_cache,
                       kernel_config=kernel_config)
     return None if push is not None else c
-
-
-def row_push_deltas(dest: torch.Tensor, addresses: list[int]) -> torch.Tensor:
-    """The ``RowPush.deltas_W`` table for destination buffers at the given host-known byte ``addresses``
-    (``addresses[s]``: rank s's buffer as mapped in this process; one of them is ``dest``'s own). Raises
-    ValueError when an offset is not a multiple of 16 elements. A host-to-device copy: build it once, outside
-    captured regions (``EPWorkspace`` builds its own ``slot_deltas_W`` the same way, as ``megamoe.distributed``
-    may not import ops)."""
-    es = dest.element_size()
-    out = []
-    for a in addresses:
-        d = a - dest.data_ptr()
-        if d % (16 * es):
-            raise ValueError(f"row_push_deltas: buffer at {a:#x} is {d} bytes from dest, not a multiple of "
-                             f"16 elements ({16 * es} bytes)")
-        out.append(d // es)
-    return torch.tensor(out, dtype=torch.int64, device=dest.device)
 
 
 def _plain_out(where: str, out, push: RowPush | None, R: int, N: int, dtype: torch.dtype, dev) -> torch.Tensor:
@@ -581,6 +479,15 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         # the Triton kernels' own table entry (same chunk order, so the same bits)
         cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_gluon=False,
                                allow_torch=False, kernel_config=kernel_config)
+    _launch_k_grouped(cfg, p, p_idx_R, q, q_idx_R, offsets_E1, c, dtype, interpret)
+    return c
+
+
+def _launch_k_grouped(cfg, p, p_idx_R, q, q_idx_R, offsets_E1, c, dtype, interpret) -> None:
+    """Launch megamoe's Triton weight-gradient kernel with ``cfg`` into ``c`` (E, M, N): the resident kernel
+    (one program per (expert, m-tile)) when cfg.resident_chunks, else the per-tile kernel."""
+    E, M, N = c.shape
+    kernel = _k_grouped_gemm_kernel
     extra = {}
     if cfg.resident_chunks:
         kernel = _k_grouped_resident_kernel
@@ -597,4 +504,3 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, enable_fp_fusion=True, num_stages=cfg.num_stages, **extra,
     )
-    return c
