@@ -20,7 +20,7 @@ Forward (every rank is both owner of its tokens and host of its L experts)::
 With ``EPOptions.pull_programs=n`` (n > 0; off by default: slower at W = 1, docs/perf.md, eighteenth session)
 round 0's pull is not run before the loop but as n programs beside round 0's first GEMM (forward gate/up;
 backward dgrad + SwiGLU when gu is kept), which waits per 32-row block (``ep_comm.pull_beside``,
-``ops.grouped_gemm.RowPull``); the shared expert then runs beside the schedule build only.
+``ops.ep_tiles.RowPull``); the shared expert then runs beside the schedule build only.
 
 The shared expert needs only this rank's tokens, so it can run beside the exchange: with
 ``EPOptions.comm_sms=n`` (n > 0) on a high-priority side stream (``ep_comm.shared_expert_stream``), its
@@ -42,7 +42,7 @@ gu of round 0 (kept when ``save_preact``: C x 2F elements) or recomputes it from
 dx rows plus the P partial dots of each row; the owner reduces with ``slot_sum_bwd``.
 
 The result rows (forward y, backward dx) are stored by the GEMM's epilogue straight into the owners' slots
-(``ops.grouped_gemm.RowPush``, local or across NVLink): no (C, D) round buffer and no copy pass, the same
+(``ops.ep_tiles.RowPush``, local or across NVLink): no (C, D) round buffer and no copy pass, the same
 bits. ``EPOptions.push_kernel`` keeps the earlier round buffer + ``push_round`` copy (A/B runs, tests).
 
 The options (``options``, a :class:`megamoe.config.EPOptions`) and the kernel choices (``kernel_config``, a
