@@ -17,7 +17,7 @@ Forward (every rank is both owner of its tokens and host of its L experts)::
     finish_forward: signal_done; wait_done   every owner waits for all pushes
     out = combine_fwd(slots, w, shared)   fp32, slot order, shared last, one cast
 
-With ``EPOptions.pull_programs=n`` (n > 0; off by default: slower at W = 1, docs/perf.md, eighteenth session)
+With ``EPOptions.pull_programs=n`` (n > 0; off by default: slower at W = 1, docs/perf.md)
 round 0's pull is not run before the loop but as n programs beside round 0's first GEMM (forward gate/up;
 backward dgrad + SwiGLU when gu is kept), which waits per 32-row block (``ep_comm.pull_beside``,
 ``ops.ep_tiles.RowPull``); the shared expert then runs beside the schedule build only.
@@ -27,7 +27,7 @@ The shared expert needs only this rank's tokens, so it can run beside the exchan
 persistent grids sized for all SMs but n (``_common.reserve_sms``), while the current stream waits for the
 peers' plans and pulls round 0 (the overlap of Megatron-core's ``moe_shared_expert_overlap``; the SM split as
 DeepEP's fixed communication SMs). The default (0), CPU and the interpreter run the same steps in this order
-on one stream: at W = 1 the overlap measured level to worse (docs/perf.md, twelfth session), at W > 1 it is
+on one stream: at W = 1 the overlap measured level to worse (docs/perf.md), at W > 1 it is
 not measured yet. Either way the same kernels see the same rows: the bits do not depend on it. Memory: what
 outlives the block is allocated on the current stream (forward) or marked with ``record_stream`` for it
 (backward: the side stream comes from torch's stream pool, which other code may share); the join also runs
@@ -256,7 +256,7 @@ class NVLinkDispatcher:
                               pull_x=self.pull_x0) if r == 0 and self.overlap else None)
         b = self.bufs
         # the receive buffers' rows are contiguous, so the table's torch._grouped_mm (more than ~154 rows per
-        # expert) needs no row copies here (docs/perf.md, tenth session); round 0 is the one-round GEMM
+        # expert) needs no row copies here (docs/perf.md); round 0 is the one-round GEMM
         return RoundRows(b.xr_CD, None, b.roff_L1, {}, pull=pull, push=self._push(), h_out=self.h_CF,
                          gu_out=self.gu_CG, dy_RD=b.gr_CD, scale_R=b.wr_C, row_dot=True, need_dx=True,
                          rows_per_group=self.rows_est)
