@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import router as ref  # routing math: megamoe.router (the spec module re-exports it)
+from .. import router as routing  # routing math (megamoe.router)
 from ..config import MoEConfig
 from ..functional import FUSED_DTYPES, moe_experts, router_logits
 from ..layer import RouterStats, in_backward
@@ -291,14 +291,14 @@ class MegaMoEBlock(nn.Module):
     def _backend_of(self, x_TD: torch.Tensor) -> str:
         return _backend_for(x_TD) if self.backend == "auto" else self.backend
 
-    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, ref.RouterOutput]:
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, routing.RouterOutput]:
         """The router alone, as :meth:`forward` runs it: ``x_TD`` [T, D] in the experts' dtype -> (fp32 logits
         [T, E], :class:`megamoe.reference.RouterOutput`), the top-k ids made contiguous once (the experts'
         call, the counts and ``last_stats`` all read them; the values are the router's)."""
         router_w_ED = self.gate.weight
         fused = self._backend_of(x_TD) == "fused"
-        logits_TE = router_logits(x_TD, router_w_ED) if fused else ref.router_logits(x_TD, router_w_ED)
-        r = ref.route(x_TD, router_w_ED, getattr(self.gate, "e_score_correction_bias", None), self.moe_config,
+        logits_TE = router_logits(x_TD, router_w_ED) if fused else routing.router_logits(x_TD, router_w_ED)
+        r = routing.route(x_TD, router_w_ED, getattr(self.gate, "e_score_correction_bias", None), self.moe_config,
                       logits_TE=logits_TE)
         r.topk_ids_TK = r.topk_ids_TK.contiguous()
         return logits_TE, r
@@ -312,7 +312,7 @@ class MegaMoEBlock(nn.Module):
         out_TD = moe_experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, w13_EGD, w2_EDF, *self._shared_weights(),
                              backend=self._backend_of(x_TD))
         if not in_backward():  # an activation-checkpoint recompute counts nothing twice
-            counts_E = ref.tokens_per_expert(r.topk_ids_TK, c.num_experts)
+            counts_E = routing.tokens_per_expert(r.topk_ids_TK, c.num_experts)
             if self.training:
                 with torch.no_grad():
                     self.counts_since_update_E += counts_E
@@ -344,7 +344,7 @@ class MegaMoEBlock(nn.Module):
             if group is not None:
                 counts_E = counts_E.clone()
                 dist.all_reduce(counts_E, group=group)
-            ref.update_expert_bias_(bias_E, counts_E, self.moe_config.bias_update_rate)
+            routing.update_expert_bias_(bias_E, counts_E, self.moe_config.bias_update_rate)
         self.counts_since_update_E.zero_()
 
 
