@@ -49,7 +49,8 @@ def _make(T, D, F, E, K, S, *, seed=0, ids=None, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, D, generator=g, dtype=dtype)
     if ids is None:
-        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
+        ids = (torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T
+               else torch.zeros(0, K, dtype=torch.int64))
     w = torch.rand(T, K, generator=g, dtype=torch.float32) + 0.1
     w13 = torch.randn(E, 2 * F, D, generator=g, dtype=dtype) / D ** 0.5
     w2 = torch.randn(E, D, F, generator=g, dtype=dtype) / F ** 0.5
@@ -214,7 +215,8 @@ def test_poisoned_outputs_overwritten():
     for t in (h, gu, y, dw, dgu, hs, part, dx):
         assert torch.isfinite(t).all()
     xs = x[plan.row_token_N.long()]
-    gu_ref = torch.cat([xs[a:b] @ w13[e].t() for e, (a, b) in enumerate(zip(plan.offsets_E1[:-1].tolist(), plan.offsets_E1[1:].tolist()))])
+    bounds = zip(plan.offsets_E1[:-1].tolist(), plan.offsets_E1[1:].tolist())
+    gu_ref = torch.cat([xs[a:b] @ w13[e].t() for e, (a, b) in enumerate(bounds)])
     torch.testing.assert_close(gu, gu_ref, rtol=1e-5, atol=1e-5)
 
 
@@ -340,7 +342,8 @@ def test_weight_gradient_kernels_agree_bitwise():
     for p, q, kw in ((p_rows, q_rows, {}), (p_tok, q_rows, dict(p_idx_R=idx)), (p_rows, q_tok, dict(q_idx_R=idx))):
         pr = p[idx.long()] if "p_idx_R" in kw else p
         qr = q[idx.long()] if "q_idx_R" in kw else q
-        want = torch.stack([pr[a:b].double().t() @ qr[a:b].double() for a, b in zip(off[:-1].tolist(), off[1:].tolist())])
+        want = torch.stack([pr[a:b].double().t() @ qr[a:b].double()
+                            for a, b in zip(off[:-1].tolist(), off[1:].tolist())])
         per_tile = k_grouped_mm(p, q, off, rows_per_group=1e9, **kw)
         torch.testing.assert_close(per_tile.double(), want, rtol=1e-5, atol=1e-5)
         assert torch.equal(per_tile[0], torch.zeros(M, N))
