@@ -2,9 +2,11 @@
 
 Legend: W ranks, T tokens of a rank, K top-k, D hidden, E global experts, L = E / W, C capacity rows.
 
-* :func:`spawn_ranks` runs ``fn(rank, world, *args)`` in W spawned processes and returns their results
-  (a failure in any rank is re-raised with that rank's traceback). ``backend="gloo"`` initialises a
-  gloo process group first; ``cuda=True`` initialises NCCL on GPU ``rank``; both use a free port.
+* :func:`spawn_ranks` runs ``fn(rank, world, *args)`` in W fresh processes and returns their results
+  (a failure in any rank is re-raised with that rank's traceback; a rank that dies or hangs is named within
+  a bounded time). ``backend="gloo"`` initialises a gloo process group first; ``cuda=True`` initialises NCCL
+  on GPU ``rank``; both use a free port. CPU ranks are forked from a rank host (one spawned process per
+  environment, kept for the session: torch and the test module are imported once); CUDA ranks are spawned.
 * Ranks sharing GPUs (``MEGAMOE_TEST_EP_SHARED_GPU=1``, :func:`shared_gpu`): ``cuda=True`` puts rank r on
   GPU ``r mod n`` (:func:`rank_device`) over gloo instead of NCCL (NCCL refuses two ranks on one GPU), with
   ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` so symmetric memory maps the peers' pools. The contexts
