@@ -338,6 +338,120 @@ def run_config_dict(rc: RunConfig) -> dict:
     return d
 
 
+def _open_metrics(run_dir: Path | None, writes: bool, resume: bool, start: int) -> Path | None:
+    """The run's metrics.jsonl (rank 0 with a run folder), truncated to the records before ``start``."""
+    metrics_path = run_dir / "metrics.jsonl" if writes else None
+    if metrics_path is not None:
+        kept = []
+        if resume and metrics_path.exists():  # drop records past the checkpoint: they are replayed exactly
+            def before(rec):  # train record "step" = step index; validation "step" = steps completed
+                return rec["step"] <= start if "val_loss" in rec else rec["step"] < start
+            kept = [ln for ln in metrics_path.read_text().splitlines() if ln and before(json.loads(ln))]
+        metrics_path.write_text("".join(ln + "\n" for ln in kept))
+    return metrics_path
+
+
+class _Metrics:
+    """Per-step values kept on the device until a log flush moves them to the host in one transfer, then
+    into ``result`` and metrics.jsonl; validation records; the throughput clock."""
+
+    def __init__(self, rc: RunConfig, dctx: Dist, result: RunResult, metrics_path: Path | None, timer: StepTimer,
+                 on_log):
+        self.rc, self.dctx, self.result, self.metrics_path, self.timer, self.on_log = (
+            rc, dctx, result, metrics_path, timer, on_log)
+        self.tokens_per_step = rc.model.batch_size * rc.model.seq_len * dctx.world * rc.virtual_ranks
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.t_log = time.perf_counter()
+
+    def flush(self, step: int) -> None:  # one host transfer for all steps since the last flush
+        pending, dctx, C, result, cfg = self.pending, self.dctx, self.rc.virtual_ranks, self.result, self.rc.model
+        if not pending:
+            return
+        # The logged loss of a step is the mean of all W*C rank/chunk losses, summed in fp64 (exact for
+        # fp32 inputs of similar size, so any order gives the same bits) and rounded once to fp32: an
+        # EP=W run and its EP=1 emulation log bitwise-equal losses whenever their chunk losses are equal.
+        loss_P = torch.stack([p[0] for p in pending]).double().sum(1)
+        aux_P = torch.stack([p[1] for p in pending]).double()
+        load_PLE = torch.stack([p[2] for p in pending])
+        if dctx.world > 1:
+            packed = torch.cat([loss_P, aux_P])
+            dist.all_reduce(packed, group=dctx.group)
+            dist.all_reduce(load_PLE, group=dctx.group)
+            loss_P, aux_P = packed.chunk(2)
+        loss_P = (loss_P / (dctx.world * C)).float()
+        aux_P = (aux_P / dctx.world).float()
+        losses, auxes, loads = loss_P.tolist(), aux_P.tolist(), load_PLE.tolist()
+        now = time.perf_counter()
+        step_ms, moe_ms = self.timer.collect()
+        tps = self.tokens_per_step * len(pending) / max(now - self.t_log, 1e-9)
+        share = moe_ms / step_ms if step_ms > 0 else float("nan")
+        first = step + 1 - len(pending)
+        result.losses += losses
+        result.aux_losses += auxes
+        result.loads += loads
+        result.tokens_per_s.append(tps)
+        result.moe_share.append(share)
+        if self.metrics_path is not None:
+            with self.metrics_path.open("a") as f:
+                for i, (lo, au, ld) in enumerate(zip(losses, auxes, loads)):
+                    s = first + i
+                    f.write(json.dumps({"step": s, "loss": lo, "aux_loss": au, "lr": lr_at(s, cfg),
+                                        "tokens_per_s": tps, "moe_share": share, "expert_counts": ld}) + "\n")
+        pending.clear()
+        if dctx.main and self.on_log is not None:
+            self.on_log(result, step)
+        self.t_log = time.perf_counter()
+
+    def log_val(self, step: int, model: GPT, vbatches, device: torch.device) -> None:
+        marker = self.timer.checkpoint()
+        v = evaluate(model, vbatches, device, self.rc, self.dctx)
+        self.timer.discard_since(marker)
+        self.result.val.append((step, v))
+        if self.metrics_path is not None:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps({"step": step, "val_loss": v}) + "\n")
+        self.t_log = time.perf_counter()  # evaluation time does not count as training throughput
+
+
+def _train_step(model: GPT, opt, corpus: Corpus, rc: RunConfig, dctx: Dist, step: int, device: torch.device,
+                fsdp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimizer step; returns (chunk losses [C], aux loss, expert counts [L_, E]) on the device."""
+    cfg, C = rc.model, rc.virtual_ranks
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step, cfg)
+    x_BS, y_BS = _batch(corpus, rc, dctx, step, device)
+    with _autocast(device):
+        logits_BSV = model(x_BS, chunks=C)
+    loss, chunk_losses_C = _loss(logits_BSV, y_BS, C)
+    auxes = [m.last_stats.aux_loss for m in model.moe_layers()]
+    aux = torch.stack(auxes).sum() if auxes else torch.zeros((), device=device)
+    opt.zero_grad(set_to_none=True)
+    (loss + aux).backward()
+    if fsdp:  # FSDP2 reduced the gradients in the backward
+        from .fsdp import scale_expert_grads
+        scale_expert_grads(model, dctx)
+    elif dctx.world > 1:
+        _allreduce_grads(model, dctx)
+    opt.step()
+    counts_LE = torch.stack([m.last_stats.tokens_per_expert_E for m in model.moe_layers()])
+    for m in model.moe_layers():
+        m.update_expert_bias()
+    return chunk_losses_C, aux.detach(), counts_LE
+
+
+def _finish(rc: RunConfig, dctx: Dist, run_dir: Path | None, writes: bool, model: GPT, opt, start: int, stop: int,
+            device: torch.device, fsdp: bool, last_ids_TK) -> None:
+    """The end-of-run checkpoint and routing trace."""
+    if run_dir is not None and stop > start:
+        if dctx.main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        if dctx.world > 1:
+            dist.barrier(group=dctx.group)
+        save_checkpoint(run_dir, dctx, model, opt, stop, device, fsdp=fsdp)
+        if writes and rc.save_trace and last_ids_TK is not None:
+            save_routing_trace(run_dir / "routing_trace.pt", last_ids_TK, rc.model.moe, rc.model.name)
+
+
 def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corpus: Corpus | None = None,
           on_log=None) -> RunResult:
     """Run (or resume) training; writes metrics / checkpoint / trace / plot under ``rc.out_dir`` if set.
@@ -364,132 +478,41 @@ def train(rc: RunConfig, dctx: Dist | None = None, *, resume: bool = False, corp
     if writes:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_json(run_dir / "config.json", {**run_config_dict(rc), "world": dctx.world, "ep_size": dctx.ep_size})
-    metrics_path = run_dir / "metrics.jsonl" if writes else None
-    if metrics_path is not None:
-        kept = []
-        if resume and metrics_path.exists():  # drop records past the checkpoint: they are replayed exactly
-            def before(rec):  # train record "step" = step index; validation "step" = steps completed
-                return rec["step"] <= start if "val_loss" in rec else rec["step"] < start
-            kept = [ln for ln in metrics_path.read_text().splitlines() if ln and before(json.loads(ln))]
-        metrics_path.write_text("".join(ln + "\n" for ln in kept))
+    metrics_path = _open_metrics(run_dir, writes, resume, start)
 
     result = RunResult(first_step=start, run_dir=run_dir)
     vbatches = val_batches(corpus, num_batches=cfg.eval_batches, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
     timer = StepTimer(device)
     timer.attach(model.moe_layers())
     interrupt = _Interrupt(enabled=dctx.world == 1 and (rc.progress or rc.catch_interrupt))
-    C = rc.virtual_ranks
-    tokens_per_step = cfg.batch_size * cfg.seq_len * dctx.world * C
-    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    t_log, t0 = time.perf_counter(), time.perf_counter()
+    log = _Metrics(rc, dctx, result, metrics_path, timer, on_log)
+    t0 = time.perf_counter()
     last_ids_TK = None
     stop = cfg.steps if rc.stop_after is None else min(cfg.steps, rc.stop_after)
-
-    def flush(step: int) -> None:  # one host transfer for all steps since the last flush
-        nonlocal t_log
-        if not pending:
-            return
-        # The logged loss of a step is the mean of all W*C rank/chunk losses, summed in fp64 (exact for
-        # fp32 inputs of similar size, so any order gives the same bits) and rounded once to fp32: an
-        # EP=W run and its EP=1 emulation log bitwise-equal losses whenever their chunk losses are equal.
-        loss_P = torch.stack([p[0] for p in pending]).double().sum(1)
-        aux_P = torch.stack([p[1] for p in pending]).double()
-        load_PLE = torch.stack([p[2] for p in pending])
-        if dctx.world > 1:
-            packed = torch.cat([loss_P, aux_P])
-            dist.all_reduce(packed, group=dctx.group)
-            dist.all_reduce(load_PLE, group=dctx.group)
-            loss_P, aux_P = packed.chunk(2)
-        loss_P = (loss_P / (dctx.world * C)).float()
-        aux_P = (aux_P / dctx.world).float()
-        losses, auxes, loads = loss_P.tolist(), aux_P.tolist(), load_PLE.tolist()
-        now = time.perf_counter()
-        step_ms, moe_ms = timer.collect()
-        tps = tokens_per_step * len(pending) / max(now - t_log, 1e-9)
-        share = moe_ms / step_ms if step_ms > 0 else float("nan")
-        first = step + 1 - len(pending)
-        result.losses += losses
-        result.aux_losses += auxes
-        result.loads += loads
-        result.tokens_per_s.append(tps)
-        result.moe_share.append(share)
-        if metrics_path is not None:
-            with metrics_path.open("a") as f:
-                for i, (lo, au, ld) in enumerate(zip(losses, auxes, loads)):
-                    s = first + i
-                    f.write(json.dumps({"step": s, "loss": lo, "aux_loss": au, "lr": lr_at(s, cfg),
-                                        "tokens_per_s": tps, "moe_share": share, "expert_counts": ld}) + "\n")
-        pending.clear()
-        if dctx.main and on_log is not None:
-            on_log(result, step)
-        t_log = time.perf_counter()
-
-    def log_val(step: int) -> None:
-        nonlocal t_log
-        marker = timer.checkpoint()
-        v = evaluate(model, vbatches, device, rc, dctx)
-        timer.discard_since(marker)
-        result.val.append((step, v))
-        if metrics_path is not None:
-            with metrics_path.open("a") as f:
-                f.write(json.dumps({"step": step, "val_loss": v}) + "\n")
-        t_log = time.perf_counter()  # evaluation time does not count as training throughput
-
-    def _steps() -> None:
-        nonlocal stop, last_ids_TK
-        for step in range(start, stop):
-            timer.step_begin()
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, cfg)
-            x_BS, y_BS = _batch(corpus, rc, dctx, step, device)
-            with _autocast(device):
-                logits_BSV = model(x_BS, chunks=C)
-            loss, chunk_losses_C = _loss(logits_BSV, y_BS, C)
-            auxes = [m.last_stats.aux_loss for m in model.moe_layers()]
-            aux = torch.stack(auxes).sum() if auxes else torch.zeros((), device=device)
-            opt.zero_grad(set_to_none=True)
-            (loss + aux).backward()
-            if fsdp:  # FSDP2 reduced the gradients in the backward
-                from .fsdp import scale_expert_grads
-                scale_expert_grads(model, dctx)
-            elif dctx.world > 1:
-                _allreduce_grads(model, dctx)
-            opt.step()
-            counts_LE = torch.stack([m.last_stats.tokens_per_expert_E for m in model.moe_layers()])
-            for m in model.moe_layers():
-                m.update_expert_bias()
-            timer.step_end()
-            pending.append((chunk_losses_C, aux.detach(), counts_LE))
-            if step == stop - 1:
-                last_ids_TK = model.moe_layers()[-1].last_stats.topk_ids_TK
-            done = step + 1
-            if done % rc.log_every == 0 or done == stop or interrupt.hit:
-                flush(step)
-            if done % cfg.eval_every == 0 or done == cfg.steps:
-                log_val(done)
-            if rc.ckpt_every and done % rc.ckpt_every == 0 and run_dir is not None and done != stop:
-                save_checkpoint(run_dir, dctx, model, opt, done, device, fsdp=fsdp)
-            if interrupt.hit:
-                stop = done
-                break
-
     try:
         with deterministic_algorithms(device):
-            _steps()
+            for step in range(start, stop):
+                timer.step_begin()
+                log.pending.append(_train_step(model, opt, corpus, rc, dctx, step, device, fsdp))
+                timer.step_end()
+                if step == stop - 1:
+                    last_ids_TK = model.moe_layers()[-1].last_stats.topk_ids_TK
+                done = step + 1
+                if done % rc.log_every == 0 or done == stop or interrupt.hit:
+                    log.flush(step)
+                if done % cfg.eval_every == 0 or done == cfg.steps:
+                    log.log_val(done, model, vbatches, device)
+                if rc.ckpt_every and done % rc.ckpt_every == 0 and run_dir is not None and done != stop:
+                    save_checkpoint(run_dir, dctx, model, opt, done, device, fsdp=fsdp)
+                if interrupt.hit:
+                    stop = done
+                    break
     finally:
         interrupt.restore()
         timer.detach()
-    flush(stop - 1)
+    log.flush(stop - 1)
     result.seconds = time.perf_counter() - t0
-
-    if run_dir is not None and stop > start:
-        if dctx.main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        if dctx.world > 1:
-            dist.barrier(group=dctx.group)
-        save_checkpoint(run_dir, dctx, model, opt, stop, device, fsdp=fsdp)
-        if writes and rc.save_trace and last_ids_TK is not None:
-            save_routing_trace(run_dir / "routing_trace.pt", last_ids_TK, cfg.moe, cfg.name)
+    _finish(rc, dctx, run_dir, writes, model, opt, start, stop, device, fsdp, last_ids_TK)
     result.model = model  # for summaries (parameter counts, expert bias)
     result.stopped_at = stop
     return result
