@@ -53,7 +53,8 @@ the same order; tests/test_torch_wgrad_gpu.py). Measured -0.68 ms of 8.59 at qwe
 (docs/perf.md).
 
 Kernel choices: the dispatcher's ``kernel_config`` (a :class:`megamoe.config.KernelConfig`; default: the tile
-table) goes to every GEMM launcher of both passes. It never changes bits.
+table) goes to every GEMM launcher of both passes. Only a BLOCK_K other than the table's changes bits
+(``ops.tile_config.parse_tiles`` refuses one).
 
 Determinism: no atomics, no split-K, configs a pure function of shape: bitwise reproducible; the order in which
 independent GEMMs (shared and routed experts) are launched does not change any bits.

@@ -241,7 +241,7 @@ class MegaMoEBlock(nn.Module):
 
     forward(hidden_states [..., D]) -> [..., D] in hidden_states' dtype (cast to the experts' dtype for the
     experts): fp32 router logits (megamoe's batch-invariant Triton GEMM on the fused backend),
-    :func:`megamoe.reference.route` (softmax or sigmoid scores, group-limited top-k with the selection bias,
+    :func:`megamoe.router.route` (softmax or sigmoid scores, group-limited top-k with the selection bias,
     normalised, scaled once), then routed + shared experts and their fp32 sum in one
     :func:`megamoe.functional.moe_experts` call. :meth:`route` runs the router part alone. The shared
     expert's gate and up weights stay two parameters; each forward concatenates them into megamoe's [gate; up]
@@ -257,7 +257,7 @@ class MegaMoEBlock(nn.Module):
 
     Not a :class:`megamoe.MoE`: that module owns its parameters under its own names (an fp32 ``router.w_ED``,
     one [gate; up] shared weight), which would change the model's parameters and checkpoint keys. This one
-    computes the same function (:func:`megamoe.reference.route`, :func:`megamoe.functional.moe_experts`) on
+    computes the same function (:func:`megamoe.router.route`, :func:`megamoe.functional.moe_experts`) on
     the model's tensors.
     """
 
@@ -293,7 +293,7 @@ class MegaMoEBlock(nn.Module):
 
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, routing.RouterOutput]:
         """The router alone, as :meth:`forward` runs it: ``x_TD`` [T, D] in the experts' dtype -> (fp32 logits
-        [T, E], :class:`megamoe.reference.RouterOutput`), the top-k ids made contiguous once (the experts'
+        [T, E], :class:`megamoe.router.RouterOutput`), the top-k ids made contiguous once (the experts'
         call, the counts and ``last_stats`` all read them; the values are the router's)."""
         router_w_ED = self.gate.weight
         fused = self._backend_of(x_TD) == "fused"

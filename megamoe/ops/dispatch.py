@@ -90,7 +90,7 @@ class Dispatcher(Protocol):
     """Where the routed experts' rows come from and where the results go (one object per layer call)."""
 
     rounds: int  # rounds of the stage loop (1 for the local dispatcher)
-    kernel_config: KernelConfig  # tile overrides of every GEMM of the loop (never changes bits)
+    kernel_config: KernelConfig  # tile overrides of every GEMM of the loop (only BLOCK_K can change bits)
     keeps_shared_preact: bool  # the forward keeps the shared expert's gate/up pre-activations
     side: object  # the side stream the shared expert runs on, or None (inline)
 
@@ -157,7 +157,7 @@ class LocalDispatcher:
 
     Saved between the passes: the plan's offsets_E1, row_token_N, row_src_N and row_of_TK (3 int32 per
     (token, slot) plus E + 1), and the m-tile tables of both passes' GEMMs (``tiles``). ``kernel_config``: tile
-    overrides of every GEMM (never changes bits)."""
+    overrides of every GEMM (only a BLOCK_K other than the table's changes bits)."""
 
     rounds = 1
     keeps_shared_preact = True

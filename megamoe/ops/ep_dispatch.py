@@ -30,7 +30,8 @@ DeepEP's fixed communication SMs). The default (0), CPU and the interpreter run 
 on one stream: at W = 1 the overlap measured level to worse (docs/perf.md), at W > 1 it is
 not measured yet. Either way the same kernels see the same rows: the bits do not depend on it. Memory: what
 outlives the block is allocated on the current stream (forward) or marked with ``record_stream`` for it
-(backward: the side stream comes from torch's stream pool, which other code may share); the join also runs
+(backward: the side stream is a high-priority stream cached per device by ``ep_comm.shared_expert_stream``,
+whose freed blocks must not be reused before the current stream's uses are done); the join also runs
 when an error is raised in between.
 
 Backward: the same exchange with x and the output gradient staged (the shared expert's gate/up recompute,
@@ -144,9 +145,9 @@ class NVLinkDispatcher:
         return {}  # m-tile offsets of one_2, computed once for the pass's shared GEMMs (ops.grouped_gemm tile_cache)
 
     def hand_over(self, *tensors) -> None:
-        """Tensors made on the side stream and used on the current one after the join: the side stream is one of
-        torch's pooled streams, which other code may also use, so their blocks must not be reused before the
-        current stream's uses are done."""
+        """Tensors made on the side stream and used on the current one after the join: the side stream (a
+        high-priority stream cached per device) runs ahead of the current one, so their blocks must not be
+        reused before the current stream's uses are done."""
         if self.side is not None:
             cur = torch.cuda.current_stream(self.side[0].device)
             for t in tensors:

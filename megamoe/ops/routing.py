@@ -29,7 +29,7 @@ __all__ = ["RoutingPlan", "PoolPlan", "build_routing_plan", "expert_sort", "tile
 
 # EP owner plans with N * E up to this take the per-expert scan kernel, larger ones the device sort (the same
 # list either way); module-level so tests can force the sort. Inside the exchange the sort path took 0.18 ms
-# (mok-bench, N = 24576, E = 384, in benchmarks/results/2026-11-30-s4/final_9b42ded/comm.log, where this bound
+# (mok-bench, N = 24576, E = 384, EP=2 on two H200s, 2026-11-30, where this bound
 # was 8M) against 0.08 ms for the scan at the same size in earlier runs, so the bound sits where the scan
 # reaches ~0.2 ms (16M; chosen from those numbers, not re-measured at 16M).
 SCAN_MAX = 16 << 20

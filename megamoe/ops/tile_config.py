@@ -145,10 +145,10 @@ _K_GROUPED_PER_TILE: dict[tuple[int, int], GemmConfig] = {
 
 # ~256 rows per expert (EP=2's deepseek-v3 at T=4096 per rank; W=1 at T=8192): the persistent Gluon kernel with
 # every expert's P^T on chip (up to 5 chunks) beat the Triton per-tile kernel (H200 2026-12-01,
-# gathered operands, deepseek-v3 T=8192: dW13 12.35 vs 13.41 ms, dW2 5.73 vs 7.04 ms; after dd53f33 11.51-11.86
+# gathered operands, deepseek-v3 T=8192: dW13 12.35 vs 13.41 ms, dW2 5.73 vs 7.04 ms; after a later tuning 11.51-11.86
 # vs 12.90 and 5.57-5.64 vs 6.92), while at ~128 rows the Triton resident kernel (dW13 6.35-6.60 vs 8.79-8.94)
 # and at ~1024 rows (qwen3) the Triton per-tile kernel (1.96-2.07 vs 2.27-2.59) stayed faster
-# (benchmarks/results/2026-12-01-s5/, docs/perf.md). Only measured at ~256 rows, where its streamed path (an
+# (docs/perf.md). Only measured at ~256 rows, where its streamed path (an
 # expert over 5 chunks) was not faster than the Triton per-tile kernel, so the window ends where experts of up
 # to 1.25x the estimate still fit on chip (5 x 64 = 320 rows); the launcher also falls back to the Triton
 # kernels when there are fewer (expert, m-tile) units than SMs (ops.wgrad_gluon.operands_fit).
