@@ -103,7 +103,7 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, options=None
         r["row_copies"] = sum(row_copies)
         r["pulls_beside"] = pulls
         r["shared_blocks"] = shared_blocks
-        r["sms"] = _common._sm_count(rank_device(rank).index)
+        r["sms"] = _common.sm_count(rank_device(rank).index)
         return r
     finally:
         gg.torch_wgrad = real

@@ -12,7 +12,7 @@ import torch
 
 from megamoe.config import KernelConfig
 from megamoe.ops import GemmConfig, k_grouped_config, m_grouped_config, tile_config
-from megamoe.ops.grouped_gemm import _weight_descriptor
+from megamoe.ops.grouped_gemm import weight_descriptor
 
 BF16 = torch.bfloat16
 
@@ -105,21 +105,21 @@ def test_weight_descriptor_choice():
     tma = GemmConfig(128, 128, 64, 8, 3, tma_b=True)
     E, F, D = 3, 192, 256
     w13 = torch.zeros(E, 2 * F, D, dtype=BF16)  # "nt": B[e] stored (N, K) = (2F, D)
-    mode, desc, rows = _weight_descriptor(tma, w13, (2 * F * D, D, 1), D, fp32_dot=False)
+    mode, desc, rows = weight_descriptor(tma, w13, (2 * F * D, D, 1), D, fp32_dot=False)
     assert mode == 1 and rows == 2 * F and list(desc.shape) == [E * 2 * F, D]
     assert list(desc.block_shape) == [128, 64]
     # "nn": B[e] stored (K, N); K = 2F = 384 is a multiple of BLOCK_K 64 -> TMA, tiles (BLOCK_K, BLOCK_N)
-    mode, desc, rows = _weight_descriptor(tma, w13, (2 * F * D, 1, D), 2 * F, fp32_dot=False)
+    mode, desc, rows = weight_descriptor(tma, w13, (2 * F * D, 1, D), 2 * F, fp32_dot=False)
     assert mode == 2 and list(desc.shape) == [E * 2 * F, D] and list(desc.block_shape) == [64, 128]
     # "nn" with K not a multiple of BLOCK_K: a tile would read the next expert's rows -> pointer loads
     odd = torch.zeros(E, 200, D, dtype=BF16)
-    assert _weight_descriptor(tma, odd, (200 * D, 1, D), 200, fp32_dot=False)[0] == 0
+    assert weight_descriptor(tma, odd, (200 * D, 1, D), 200, fp32_dot=False)[0] == 0
     # fp32 dots, fp32 weights, rows that are not 16-byte multiples, or a config without tma_b -> pointer loads
-    assert _weight_descriptor(tma, w13, (2 * F * D, D, 1), D, fp32_dot=True)[0] == 0
-    assert _weight_descriptor(tma, w13.float(), (2 * F * D, D, 1), D, fp32_dot=False)[0] == 0
+    assert weight_descriptor(tma, w13, (2 * F * D, D, 1), D, fp32_dot=True)[0] == 0
+    assert weight_descriptor(tma, w13.float(), (2 * F * D, D, 1), D, fp32_dot=False)[0] == 0
     narrow = torch.zeros(E, 2 * F, 36, dtype=BF16)  # 72-byte rows
-    assert _weight_descriptor(tma, narrow, (2 * F * 36, 36, 1), 36, fp32_dot=False)[0] == 0
-    assert _weight_descriptor(GemmConfig(128, 128, 64, 8, 3), w13, (2 * F * D, D, 1), D, fp32_dot=False)[0] == 0
+    assert weight_descriptor(tma, narrow, (2 * F * 36, 36, 1), 36, fp32_dot=False)[0] == 0
+    assert weight_descriptor(GemmConfig(128, 128, 64, 8, 3), w13, (2 * F * D, D, 1), D, fp32_dot=False)[0] == 0
 
 
 def test_gluon_operand_conditions():
@@ -253,7 +253,7 @@ def test_reserve_sms_shrinks_persistent_grids_in_this_thread_only(monkeypatch):
 
     from megamoe.ops import _common
 
-    monkeypatch.setattr(_common, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(_common, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
     kernel = object()  # not an interpreted kernel: the grid follows the SM budget
 

@@ -37,7 +37,7 @@ def _compile(tma_c, p_gather, q_gather, block_n, stages, res, dt="bf16", out="bf
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from megamoe.kernels.wgrad_gluon import _k_grouped_wgrad_kernel as kernel
+    from megamoe.kernels.wgrad_gluon import k_grouped_wgrad_kernel as kernel
 
     out_gl = {"bf16": gl.bfloat16, "fp16": gl.float16}.get(out, gl.float32)
     layout = gl.NVMMASharedLayout.get_default_for([128, block_n], out_gl)
@@ -98,7 +98,7 @@ def _compile_ws(stages, dt="bf16", res=0, tma_c=False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from megamoe.kernels.wgrad_ws_gluon import _k_grouped_wgrad_ws_kernel as kernel
+    from megamoe.kernels.wgrad_ws_gluon import k_grouped_wgrad_ws_kernel as kernel
 
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
     layout = gl.NVMMASharedLayout.get_default_for([64, 128], gdt)

@@ -22,7 +22,7 @@ def _compile(kernel, sig: dict, const: dict, num_warps: int, num_stages: int = 1
 def test_round_kernel_compiles_with_wgmma():
     import torch
 
-    from megamoe.kernels.wgrad_rounds import _k_grouped_round_kernel
+    from megamoe.kernels.wgrad_rounds import k_grouped_round_kernel
     from megamoe.ops.tile_config import k_grouped_config
 
     cfg = k_grouped_config(4096, 7168, torch.bfloat16, interpret=False, allow_gluon=False, allow_torch=False)
@@ -33,7 +33,7 @@ def test_round_kernel_compiles_with_wgmma():
            "s_ptr": "*fp32", **dict.fromkeys(ints, "i32")}
     const = dict(FP32_DOT=False, INTERPRET=False, EVEN_M=True, EVEN_N=True, L_PAD=32, BLOCK_M=cfg.block_m,
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
-    c = _compile(_k_grouped_round_kernel, sig, const, cfg.num_warps, cfg.num_stages)
+    c = _compile(k_grouped_round_kernel, sig, const, cfg.num_warps, cfg.num_stages)
     ptx = c.asm["ptx"]
     assert "wgmma.mma_async" in ptx
     assert re.search(r"st\.global[\.\w]*\.b16|st\.global\.v\d\.b32", ptx)  # bf16 stores (whole experts)
@@ -41,8 +41,8 @@ def test_round_kernel_compiles_with_wgmma():
 
 
 def test_finalize_kernel_compiles():
-    from megamoe.kernels.wgrad_rounds import _split_finalize_kernel
+    from megamoe.kernels.wgrad_rounds import split_finalize_kernel
 
     sig = {"s_ptr": "*fp32", "full_off_ptr": "*i32", "c_ptr": "*bf16", "MN": "i64", "L": "i32", "C": "i32"}
-    c = _compile(_split_finalize_kernel, sig, dict(L_PAD=32, BLOCK=4096), 4)
+    c = _compile(split_finalize_kernel, sig, dict(L_PAD=32, BLOCK=4096), 4)
     assert "cvt.rn.bf16" in c.asm["ptx"]

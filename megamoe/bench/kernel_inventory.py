@@ -2,8 +2,8 @@
 
 For each grouped GEMM of the layer at W = 1 (m-grouped: gate/up + SwiGLU, down, dgrad + SwiGLU backward,
 dgrad dx; k-grouped: the dW13 and dW2 weight gradients) at a preset's shapes and its tile config (the table),
-compiles the Triton kernel the launcher would pick (``_m_grouped_gemm_kernel``;
-``_k_grouped_gemm_kernel`` or ``_k_grouped_resident_kernel``) for sm_90a with Triton's bundled ptxas, on the
+compiles the Triton kernel the launcher would pick (``m_grouped_gemm_kernel``;
+``k_grouped_gemm_kernel`` or ``k_grouped_resident_kernel``) for sm_90a with Triton's bundled ptxas, on the
 CPU, and reports registers per thread, spill bytes, shared memory, the blocks that fit per SM, the wgmma
 instruction shape and how each operand reaches shared memory in the loop that holds the MMA (TMA, cp.async,
 or a synchronous load through registers). Weight gradients the table sends to the persistent Gluon kernel
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..config import get_preset
-from ..ops.grouped_gemm import _dot_cols, _weight_descriptor
+from ..ops.grouped_gemm import dot_cols, weight_descriptor
 from ..ops.tile_config import GemmConfig, k_grouped_config, m_grouped_config
 
 __all__ = ["GemmShape", "WgradShape", "torch_wgrad_in_layer", "layer_gemms", "layer_wgrads", "wgrad_config",
@@ -121,7 +121,7 @@ def _launch_args(g: GemmShape, cfg: GemmConfig, push: bool = False, pull: bool =
         stride_b, shape_b = (g.K * g.N, 1, g.N), (g.E, g.K, g.N)
     # TMA_B and B_ROWS from the launcher's own choice, on a bf16 weight of that shape (meta: aligned, no memory)
     weight = torch.empty(shape_b, dtype=torch.bfloat16, device="meta")
-    tma_b, _, b_rows = _weight_descriptor(cfg, weight, stride_b, g.K, False)
+    tma_b, _, b_rows = weight_descriptor(cfg, weight, stride_b, g.K, False)
     tma_a = cfg.tma_a and tma_b != 0 and not g.gathered
     c_cols = {"gate_up": g.N, "down": g.N, "dgrad_swiglu": 2 * g.N, "dgrad": g.N}[g.kind]
     ints = dict(num_rows=g.R, N=g.N, num_experts=g.E, stride_am=g.K, stride_ak=1, stride_be=stride_b[0],
@@ -153,7 +153,7 @@ def _launch_args(g: GemmShape, cfg: GemmConfig, push: bool = False, pull: bool =
                  EVEN_K=g.K % bk == 0, EVEN_N=g.N % bn == 0, E_POW2=1 << max(0, (g.E - 1).bit_length()),
                  TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows, WAIT_PULL=pull, PULL_BM=32 if pull else 1,
                  PULL_TIMER=pull, PULL_GDC=pull, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk,
-                 DOT_N=_dot_cols(cfg) if epilogue == 2 else bn)
+                 DOT_N=dot_cols(cfg) if epilogue == 2 else bn)
     for name in const:
         sig[name] = "constexpr"
     return sig, const, divisible
@@ -187,7 +187,7 @@ def compile_m_grouped(g: GemmShape, cfg: GemmConfig, push: bool = False, pull: b
     """The sm_90a compilation of the m-grouped kernel for ``g`` with ``cfg`` (CPU only; no launch); ``push``:
     the plain epilogue storing through a RowPush (the EP path's down projection and dx GEMM); ``pull``: waiting
     on a RowPull (the EP path's gate/up forward, dgrad + SwiGLU backward)."""
-    from ..kernels.grouped_gemm import _m_grouped_gemm_kernel as kernel
+    from ..kernels.grouped_gemm import m_grouped_gemm_kernel as kernel
 
     return _compile(kernel, *_launch_args(g, cfg, push, pull), cfg)
 
@@ -201,9 +201,9 @@ def wgrad_config(g: WgradShape) -> GemmConfig:
 def compile_k_grouped(g: WgradShape, cfg: GemmConfig):
     """The sm_90a compilation of the k-grouped kernel ``k_grouped_mm`` launches for ``g`` with ``cfg``: the
     resident kernel when cfg.resident_chunks, else the per-tile kernel (CPU only; no launch)."""
-    from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel
+    from ..kernels.grouped_gemm import k_grouped_gemm_kernel, k_grouped_resident_kernel
 
-    kernel = _k_grouped_resident_kernel if cfg.resident_chunks else _k_grouped_gemm_kernel
+    kernel = k_grouped_resident_kernel if cfg.resident_chunks else k_grouped_gemm_kernel
     sig = dict(p_ptr="*bf16", p_idx_ptr="*i32", q_ptr="*bf16", q_idx_ptr="*i32", row_offsets_ptr="*i32",
                c_ptr="*bf16")
     divisible = set(sig)

@@ -3,10 +3,10 @@
 Legend: T tokens, K slots (top-k), D hidden size, R rows of the expert-grouped buffer,
 P row-dot partials per row (N-tiles of the dgrad GEMM).
 
-* ``_combine_fwd_kernel``: ``out[t] = cast(sum_{k=0..K-1} w[t,k] * float(y[row_of[t,k]]) + float(shared[t]))``,
+* ``combine_fwd_kernel``: ``out[t] = cast(sum_{k=0..K-1} w[t,k] * float(y[row_of[t,k]]) + float(shared[t]))``,
   fp32, slots in order 0..K-1, shared expert added last, one cast: the formula of
   ``megamoe.reference.combine``. Grid: (token blocks, D blocks).
-* ``_slot_sum_bwd_kernel``: ``dx[t] = cast(sum_k float(dx_rows[row_of[t,k]]) + float(dx_shared[t]))`` in
+* ``slot_sum_bwd_kernel``: ``dx[t] = cast(sum_k float(dx_rows[row_of[t,k]]) + float(dx_shared[t]))`` in
   the same fixed order, and (programs of the first D block) the routing-weight gradient
   ``dw[t,k] = sum_p part[row_of[t,k], p]``.
 
@@ -19,7 +19,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _combine_fwd_kernel(
+def combine_fwd_kernel(
     y_ptr, row_of_ptr, w_ptr, shared_ptr,  # inputs: y [R, D], row_of [T, K], w [T, K], shared [T, D]
     out_ptr,                               # output [T, D]
     T, D, stride_y, stride_s, stride_o,
@@ -44,7 +44,7 @@ def _combine_fwd_kernel(
 
 
 @triton.jit
-def _slot_sum_bwd_kernel(
+def slot_sum_bwd_kernel(
     dxr_ptr, row_of_ptr, dxs_ptr, part_ptr,  # inputs: dx rows [R, D], row_of [T, K], dx shared [T, D], part [R, P]
     dx_ptr, dw_ptr,                           # outputs: dx [T, D], dw [T, K]
     T, D, P, stride_r, stride_s, stride_o,

@@ -6,7 +6,7 @@ G = 2F (gate columns [0, F), then up columns [F, 2F)); P number of N-tiles of a 
 
 Two kernel families (GEMM naming after DeepGEMM: which dimension is grouped):
 
-* ``_m_grouped_gemm_kernel``: ``C[r] = A[row(r)] @ B[e(r)]`` for every row r of the buffer, where B[e] is
+* ``m_grouped_gemm_kernel``: ``C[r] = A[row(r)] @ B[e(r)]`` for every row r of the buffer, where B[e] is
   addressed through strides, so the same kernel runs the "nt" forward GEMMs (B[e] stored [N, K], the
   nn.Linear layout) and the "nn" dgrad GEMMs (B[e] stored [K, N]). ``row(r)`` is r, or
   ``a_idx[r]`` when HAS_GATHER (rows are gathered straight from the token matrix, no permuted copy).
@@ -35,17 +35,17 @@ Two kernel families (GEMM naming after DeepGEMM: which dimension is grouped):
                   partial per DOT_N = min(BLOCK_N, 128) columns (a 256-wide tile writes two), so on the
                   GPU's tiles (BLOCK_N 128 or 256) the partials, and the routing-weight gradient summed
                   from them, do not depend on the tile width.
-* ``_k_grouped_gemm_kernel``: ``C[e] = P[rows_e]^T @ Q[rows_e]`` (weight gradients). One program per
+* ``k_grouped_gemm_kernel``: ``C[e] = P[rows_e]^T @ Q[rows_e]`` (weight gradients). One program per
   (expert, m-tile, n-tile); its reduction walks the expert's rows from the expert's first row in
   BLOCK_K chunks, in row order, fp32 accumulation, one cast. No atomics, no split-K: bitwise
   deterministic and independent of how many other experts / rows the buffer holds. An expert with no
   rows stores exact zeros.
-* ``_k_grouped_resident_kernel``: the same sums, for experts with few rows. One program per (expert,
+* ``k_grouped_resident_kernel``: the same sums, for experts with few rows. One program per (expert,
   m-tile) walks all n-tiles; when the expert has at most CHUNKS * BLOCK_K rows, its P chunks are loaded
   once and stay on chip while Q's n-tiles stream past, so each output byte costs ~rows / BLOCK_M bytes of
   loads instead of ~rows * (1 / BLOCK_M + 1 / BLOCK_N). Larger experts take the per-tile reduction above
   inside the same program. Both paths add the same BLOCK_K chunks in the same order (a chunk past the
-  expert's rows is skipped, not added as zeros), so the bits equal ``_k_grouped_gemm_kernel``'s.
+  expert's rows is skipped, not added as zeros), so the bits equal ``k_grouped_gemm_kernel``'s.
 
 Every output row of the m-grouped kernel depends only on its own input row (clamped rows past a group
 are computed and dropped, never mixed in; columns past N are zero-filled), and the K loop order is fixed by the
@@ -227,7 +227,7 @@ def _swiglu_bwd_epilogue(acc, n_tile, rows, out_rows, mask_m, scale_ptr, gu_ptr,
 
 
 @triton.jit
-def _m_grouped_gemm_kernel(
+def m_grouped_gemm_kernel(
     # inputs
     a_ptr, a_desc, a_idx_ptr, b_ptr, b_desc, row_offsets_ptr, tile_offsets_ptr, scale_ptr, gu_ptr,
     # outputs
@@ -297,7 +297,7 @@ def _m_grouped_gemm_kernel(
 
 
 @triton.jit
-def _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m, mask_n,
+def k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m, mask_n,
             stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr,
             FP32_DOT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = row_start + it * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -323,7 +323,7 @@ def _per_tile_reduction(n_tile, num_iters, row_start, row_end, p_ptr, p_idx_ptr,
                         EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     """One (expert, m-tile, n-tile) output tile: the expert's rows in BLOCK_K chunks, P and Q chunks both
-    loaded per step, fp32 accumulation, one cast and store (the whole of _k_grouped_gemm_kernel's work, and
+    loaded per step, fp32 accumulation, one cast and store (the whole of k_grouped_gemm_kernel's work, and
     the resident kernel's fallback for experts with more rows than it keeps on chip)."""
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -331,20 +331,20 @@ def _per_tile_reduction(n_tile, num_iters, row_start, row_end, p_ptr, p_idx_ptr,
     if INTERPRET:  # the interpreter cannot range() over a loaded bound
         it = 0
         while it < num_iters:
-            acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
+            acc = k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
                           mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, EVEN_M,
                           EVEN_N, BLOCK_K)
             it += 1
     else:
         for it in range(0, num_iters):
-            acc = _k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
+            acc = k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs_m, offs_n, mask_m,
                           mask_n, stride_pr, stride_pm, stride_qr, stride_qn, P_GATHER, Q_GATHER, FP32_DOT, EVEN_M,
                           EVEN_N, BLOCK_K)
     tl.store(c_rows + offs_n[None, :], acc.to(c_rows.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _k_grouped_gemm_kernel(
+def k_grouped_gemm_kernel(
     # inputs
     p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, row_offsets_ptr,
     # output [E, M, N], last dimension contiguous
@@ -459,7 +459,7 @@ def _resident_n_loop(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, c_rows, row_start, row_
 
 
 @triton.jit
-def _k_grouped_resident_kernel(
+def k_grouped_resident_kernel(
     # inputs
     p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, row_offsets_ptr,
     # output [E, M, N], last dimension contiguous
@@ -518,7 +518,7 @@ def _k_grouped_resident_kernel(
 
 
 @triton.jit
-def _tile_offsets_kernel(offsets_ptr, tiles_ptr, num_groups, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+def tile_offsets_kernel(offsets_ptr, tiles_ptr, num_groups, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
     """One program: ``tiles[0] = 0``, ``tiles[e + 1] = sum over j <= e of ceil(count_j / BLOCK_M)`` with
     ``count_j = offsets[j + 1] - offsets[j]`` (>= 0): the first m-tile of each group (exact integers)."""
     e = tl.arange(0, E_POW2)

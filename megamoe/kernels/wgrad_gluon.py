@@ -6,7 +6,7 @@ E experts; C[e] = P[rows_e]^T @ Q[rows_e] is (M, N); BLOCK_K rows of an expert p
 chunks per expert); a unit is one (expert, m-tile) with all its n-tiles; STAGES slots of the load ring;
 RES chunks of P that can stay in shared memory.
 
-Same sums as ``megamoe.kernels.grouped_gemm._k_grouped_gemm_kernel`` (one output tile reduces its expert's
+Same sums as ``megamoe.kernels.grouped_gemm.k_grouped_gemm_kernel`` (one output tile reduces its expert's
 rows from the expert's first row, in BLOCK_K chunks, in row order, fp32, one cast; rows past the expert
 are zero-filled, never another expert's), so the bits are the Triton kernels' (tests/test_wgrad_gluon_gpu.py
 on H200). What differs is the structure:
@@ -103,7 +103,7 @@ def _issue_step(p_ptr, q_ptr, p_buf, q_ring, k, kn, m0, M, N, stride_pr, stride_
 
 
 @gluon.jit
-def _k_grouped_wgrad_kernel(
+def k_grouped_wgrad_kernel(
     # inputs
     p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, row_offsets_ptr,
     # output [E, M, N] (last dimension contiguous); c_desc: TMA descriptor over its (E * M, N) view (TMA_C)

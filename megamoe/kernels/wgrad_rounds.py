@@ -9,10 +9,10 @@ round-local offsets ``roff``. Rounds are cut at expert boundaries, so only an ex
 *split* across rounds (``off[e+1] - off[e] > C``): at most ``R // (C + 1)`` and at most L of them, and split
 expert number j (in expert order) owns fp32 slot j.
 Round 0's weight gradient is the ordinary one-round GEMM (any kernel of the table) into the bf16 output;
-:func:`_k_grouped_round_kernel` then, in round 0, starts the split experts' fp32 partial sums, and in
+:func:`k_grouped_round_kernel` then, in round 0, starts the split experts' fp32 partial sums, and in
 rounds r >= 1 stores the experts wholly in round r straight into the output (the rows from the expert's
 first row in BLOCK_K chunks, as every k-grouped kernel: the same bits as one round) and continues the
-split experts' partial sums; :func:`_split_finalize_kernel` casts the split slots into the output. Experts
+split experts' partial sums; :func:`split_finalize_kernel` casts the split slots into the output. Experts
 without rows in a round are not touched, so a round the routing did not need costs a launch whose
 programs exit at once.
 """
@@ -20,7 +20,7 @@ programs exit at once.
 import triton
 import triton.language as tl
 
-from .grouped_gemm import _k_step
+from .grouped_gemm import k_step
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def _pick(idx, vec, i):
 
 
 @triton.jit
-def _k_grouped_round_kernel(
+def k_grouped_round_kernel(
     # inputs: this round's rows, its local expert offsets [L + 1], the whole receive order's [L + 1], the
     # round table [rounds + 1]
     p_ptr, q_ptr, roff_ptr, full_off_ptr, rstart_ptr,
@@ -100,13 +100,13 @@ def _k_grouped_round_kernel(
         if INTERPRET:  # the interpreter cannot range() over a loaded bound
             it = 0
             while it < num_iters:
-                acc = _k_step(acc, it, row_start, row_end, p_ptr, roff_ptr, q_ptr, roff_ptr, offs_m, offs_n,
+                acc = k_step(acc, it, row_start, row_end, p_ptr, roff_ptr, q_ptr, roff_ptr, offs_m, offs_n,
                               mask_m, mask_n, stride_pr, stride_pm, stride_qr, stride_qn, False, False, FP32_DOT,
                               EVEN_M, EVEN_N, BLOCK_K)
                 it += 1
         else:
             for it in range(0, num_iters):
-                acc = _k_step(acc, it, row_start, row_end, p_ptr, roff_ptr, q_ptr, roff_ptr, offs_m, offs_n,
+                acc = k_step(acc, it, row_start, row_end, p_ptr, roff_ptr, q_ptr, roff_ptr, offs_m, offs_n,
                               mask_m, mask_n, stride_pr, stride_pm, stride_qr, stride_qn, False, False, FP32_DOT,
                               EVEN_M, EVEN_N, BLOCK_K)
         if split:
@@ -119,7 +119,7 @@ def _k_grouped_round_kernel(
 
 
 @triton.jit
-def _split_finalize_kernel(s_ptr, full_off_ptr, c_ptr, MN, L, C, L_PAD: tl.constexpr, BLOCK: tl.constexpr):
+def split_finalize_kernel(s_ptr, full_off_ptr, c_ptr, MN, L, C, L_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (cdiv(M*N, BLOCK), S): cast split slot j into the output of the j-th split expert (if any)."""
     slot = tl.program_id(1)
     idx, split, _ = _split_of(full_off_ptr, L, C, L_PAD)

@@ -38,7 +38,7 @@ Epilogue: with TMA_C (M % BLOCK_M == 0 and room beside the ring) each MMA warpgr
 staging buffer of its own and a TMA store writes it out, overlapping that warpgroup's next tile; otherwise a
 layout change through shared memory and masked stores.
 
-Bits: the sums of megamoe.kernels.grouped_gemm._k_grouped_gemm_kernel (each output tile reduces its expert's
+Bits: the sums of megamoe.kernels.grouped_gemm.k_grouped_gemm_kernel (each output tile reduces its expert's
 rows from the expert's first row in BLOCK_K chunks in row order, fp32 from zeros, one cast; zero rows past the
 expert), so the result equals the Triton kernels' bit for bit (tests/test_wgrad_gluon_gpu.py).
 
@@ -208,7 +208,7 @@ def _ws_wgrad_mma(p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, 
 
 
 @gluon.jit
-def _k_grouped_wgrad_ws_kernel(
+def k_grouped_wgrad_ws_kernel(
     # inputs: TMA descriptors of P (R, M) and Q (R, N), blocks (BLOCK_K, BLOCK_M) and (BLOCK_K, BLOCK_N)
     p_desc, q_desc, row_offsets_ptr,
     # output [E, M, N], last dimension contiguous; c_desc: TMA descriptor over its (E * M, N) view (TMA_C)

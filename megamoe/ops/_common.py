@@ -36,7 +36,7 @@ def check_device(kernel, where: str, **tensors) -> torch.device:
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -62,7 +62,7 @@ def reserve_sms(n: int):
 
 def sm_budget(device: torch.device) -> int:
     """SMs a persistent kernel may fill on ``device``: all of them minus the current :func:`reserve_sms`."""
-    return max(1, _sm_count(device.index or 0) - getattr(_RESERVED, "n", 0))
+    return max(1, sm_count(device.index or 0) - getattr(_RESERVED, "n", 0))
 
 
 def persistent_programs(device: torch.device, kernel, bound: int, per_sm: int = 1) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..kernels.combine import _combine_fwd_kernel, _slot_sum_bwd_kernel
+from ..kernels.combine import combine_fwd_kernel, slot_sum_bwd_kernel
 from ._common import check_device, is_interpreted, pow2
 from .tile_config import combine_block
 
@@ -38,15 +38,15 @@ def combine_fwd(y_RD: torch.Tensor, row_of_TK: torch.Tensor, topk_weights_TK: to
         raise ValueError(f"{where}: topk_weights_TK must have shape {(T, K)}, got {tuple(topk_weights_TK.shape)}")
     if shared_TD is not None and shared_TD.shape != (T, D):
         raise ValueError(f"{where}: shared_TD must have shape {(T, D)}, got {tuple(shared_TD.shape)}")
-    dev = check_device(_combine_fwd_kernel, where, y_RD=y_RD, row_of_TK=row_of_TK, topk_weights_TK=topk_weights_TK,
+    dev = check_device(combine_fwd_kernel, where, y_RD=y_RD, row_of_TK=row_of_TK, topk_weights_TK=topk_weights_TK,
                        shared_TD=shared_TD)
     out = torch.empty((T, D), dtype=out_dtype or y_RD.dtype, device=dev) if out is None else out
     if T == 0 or D == 0:
         return out
     w = topk_weights_TK.contiguous()
-    bt, bd = combine_block(D, interpret=is_interpreted(_combine_fwd_kernel))
+    bt, bd = combine_block(D, interpret=is_interpreted(combine_fwd_kernel))
     grid = (triton.cdiv(T, bt), triton.cdiv(D, bd))
-    _combine_fwd_kernel[grid](
+    combine_fwd_kernel[grid](
         y_RD, row_of_TK, w, shared_TD if shared_TD is not None else y_RD, out,
         T, D, y_RD.stride(0), shared_TD.stride(0) if shared_TD is not None else 0, out.stride(0),
         K=K, HAS_SHARED=shared_TD is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=4, enable_fp_fusion=True,
@@ -66,18 +66,18 @@ def slot_sum_bwd(dx_rows_RD: torch.Tensor | None, row_of_TK: torch.Tensor, dx_sh
     where = "slot_sum_bwd"
     T, K = row_of_TK.shape
     D = num_cols
-    dev = check_device(_slot_sum_bwd_kernel, where, dx_rows_RD=dx_rows_RD, row_of_TK=row_of_TK,
+    dev = check_device(slot_sum_bwd_kernel, where, dx_rows_RD=dx_rows_RD, row_of_TK=row_of_TK,
                        dx_shared_TD=dx_shared_TD, row_dot_RP=row_dot_RP)
     has_dx, has_dw = dx_rows_RD is not None, row_dot_RP is not None
     dx = torch.empty((T, D), dtype=dx_dtype, device=dev) if has_dx else None
     dw = torch.empty((T, K), dtype=dw_dtype, device=dev) if has_dw else None
     if T == 0 or not (has_dx or has_dw):
         return dx, dw
-    bt, bd = combine_block(D, interpret=is_interpreted(_slot_sum_bwd_kernel))
+    bt, bd = combine_block(D, interpret=is_interpreted(slot_sum_bwd_kernel))
     num_p = row_dot_RP.shape[1] if has_dw else 1
     grid = (triton.cdiv(T, bt), triton.cdiv(D, bd) if has_dx else 1)
     anyt = dx_rows_RD if has_dx else row_dot_RP
-    _slot_sum_bwd_kernel[grid](
+    slot_sum_bwd_kernel[grid](
         dx_rows_RD if has_dx else anyt, row_of_TK, dx_shared_TD if dx_shared_TD is not None else anyt,
         row_dot_RP if has_dw else anyt, dx if has_dx else anyt, dw if has_dw else anyt,
         T, D, num_p, dx_rows_RD.stride(0) if has_dx else 0,

@@ -28,9 +28,9 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..kernels.grouped_gemm import _k_grouped_gemm_kernel, _k_grouped_resident_kernel, _m_grouped_gemm_kernel
+from ..kernels.grouped_gemm import k_grouped_gemm_kernel, k_grouped_resident_kernel, m_grouped_gemm_kernel
 from . import tile_config
-from ._common import _sm_count, check_device, is_interpreted, persistent_programs, pow2
+from ._common import check_device, is_interpreted, persistent_programs, pow2, sm_count
 from .ep_tiles import RowPull, RowPush, pull_args, pull_constexprs, pull_launch, push_args, row_push_deltas
 from .routing import tile_offsets_for
 from .tile_config import DEFAULT_KERNELS, KernelConfig, k_grouped_config, m_grouped_config
@@ -103,7 +103,7 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
     :func:`gate_up_swiglu`. pull: A's rows (and row scales) still arriving (:class:`RowPull`; rows not
     gathered): its pull is launched here, then this GEMM beside it. kernel_config: tile overrides."""
     E = b.shape[0]
-    kernel = _m_grouped_gemm_kernel
+    kernel = m_grouped_gemm_kernel
     interpret = is_interpreted(kernel)
     cfg = m_grouped_config(kind, N, K, b.dtype, interpret=interpret, gathered=a_idx is not None,
                            kernel_config=kernel_config)
@@ -127,7 +127,7 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
     bound = (triton.cdiv(num_rows, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
     grid = (persistent_programs(c.device, kernel, bound, cfg.programs_per_sm),)
     fp32_dot = interpret or a.dtype == torch.float32 or b.dtype == torch.float32
-    tma_b, b_desc, b_rows = _weight_descriptor(cfg, b, stride_b, K, fp32_dot)
+    tma_b, b_desc, b_rows = weight_descriptor(cfg, b, stride_b, K, fp32_dot)
     # with pull and TMA for A, the kernel adds a proxy fence after its waits (the pull writes through the generic proxy)
     tma_a = (cfg.tma_a and tma_b != 0 and a_idx is None and a.stride(1) == 1 and a.data_ptr() % 16 == 0
              and (a.stride(0) * a.element_size()) % 16 == 0)
@@ -146,13 +146,13 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
         EVEN_K=K % cfg.block_k == 0,
         EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows,
         **pull_constexprs(pull), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_N=_dot_cols(cfg) if epilogue == _SWIGLU_BWD else cfg.block_n,
+        DOT_N=dot_cols(cfg) if epilogue == _SWIGLU_BWD else cfg.block_n,
         num_warps=cfg.num_warps, enable_fp_fusion=True, num_stages=cfg.num_stages, **pull_launch(pull),
     )
     return cfg
 
 
-def _dot_cols(cfg) -> int:
+def dot_cols(cfg) -> int:
     """Columns per row-dot partial of the SwiGLU-backward epilogue: block_n up to 128, else 128 (a 256-wide
     tile writes two partials), so 128- and 256-wide tiles add the same partials in the same order."""
     if cfg.block_n > 256:
@@ -160,7 +160,7 @@ def _dot_cols(cfg) -> int:
     return min(cfg.block_n, 128)
 
 
-def _weight_descriptor(cfg, b: torch.Tensor, stride_b, K: int, fp32_dot: bool):
+def weight_descriptor(cfg, b: torch.Tensor, stride_b, K: int, fp32_dot: bool):
     """(TMA_B, B argument, rows per expert of the 2-D view) for the m-grouped kernel.
 
     TMA_B 1: B[e] stored (N, K) ("nt"), descriptor over the (E * b.shape[1], K) view, tiles (BLOCK_N, BLOCK_K);
@@ -196,7 +196,7 @@ def _check_plain_operands(where: str, a, b_name: str, b, k_dim: int, offsets_E1,
     if a.shape[1] != K:
         raise ValueError(f"{where}: a has {a.shape[1]} columns, B[e] needs K={K}")
     _check_offsets(offsets_E1, b.shape[0], where)
-    dev = check_device(_m_grouped_gemm_kernel, where, a=a, **{b_name: b}, offsets_E1=offsets_E1,
+    dev = check_device(m_grouped_gemm_kernel, where, a=a, **{b_name: b}, offsets_E1=offsets_E1,
                        gather_idx_R=gather_idx_R, **more)
     return dev, _rows_of(a, gather_idx_R)
 
@@ -241,7 +241,7 @@ def gate_up_swiglu(a: torch.Tensor, w13_EGD: torch.Tensor, offsets_E1: torch.Ten
         raise ValueError(f"{where}: need a (., D) and w13 (E, 2F, D) of one dtype, got a {tuple(a.shape)} {a.dtype}, "
                          f"w13 {tuple(w13_EGD.shape)} {w13_EGD.dtype}")
     _check_offsets(offsets_E1, E, where)
-    dev = check_device(_m_grouped_gemm_kernel, where, a=a, w13_EGD=w13_EGD, offsets_E1=offsets_E1,
+    dev = check_device(m_grouped_gemm_kernel, where, a=a, w13_EGD=w13_EGD, offsets_E1=offsets_E1,
                        gather_idx_R=gather_idx_R)
     F = G // 2
     R = _rows_of(a, gather_idx_R)
@@ -363,11 +363,11 @@ def swiglu_dgrad(dy: torch.Tensor, w2_EDF: torch.Tensor, offsets_E1: torch.Tenso
         raise ValueError(f"{where}: gu_RG must have {R} rows, got {gu_RG.shape[0]}")
     if row_scale_R is not None and (row_scale_R.shape != (R,) or row_scale_R.dtype != torch.float32):
         raise ValueError(f"{where}: row_scale_R must be fp32 of shape ({R},)")
-    dev = check_device(_m_grouped_gemm_kernel, where, dy=dy, w2_EDF=w2_EDF, offsets_E1=offsets_E1, gu_RG=gu_RG,
+    dev = check_device(m_grouped_gemm_kernel, where, dy=dy, w2_EDF=w2_EDF, offsets_E1=offsets_E1, gu_RG=gu_RG,
                        gather_idx_R=gather_idx_R, row_scale_R=row_scale_R)
-    cfg = m_grouped_config("dgrad_swiglu", F, D, w2_EDF.dtype, interpret=is_interpreted(_m_grouped_gemm_kernel),
+    cfg = m_grouped_config("dgrad_swiglu", F, D, w2_EDF.dtype, interpret=is_interpreted(m_grouped_gemm_kernel),
                            gathered=gather_idx_R is not None, kernel_config=kernel_config)
-    num_p = triton.cdiv(F, _dot_cols(cfg))
+    num_p = triton.cdiv(F, dot_cols(cfg))
     dgu = torch.empty((R, 2 * F), dtype=dy.dtype, device=dev)
     hs = torch.empty((R, F), dtype=dy.dtype, device=dev)
     part = torch.empty((R, num_p), dtype=torch.float32, device=dev) if row_dot else None
@@ -386,7 +386,7 @@ def k_grouped_wants_rows_in_order(m: int, n: int, dtype: torch.dtype, device: to
     ``torch_mm`` "wgrad" entry of ``kernel_config``, on a Hopper GPU, bf16): a caller whose rows are gathered
     by token should then copy them into row order first (megamoe.autograd). A host-side function of shapes:
     no sync."""
-    if (not wgrad_shape_fits(m, n, dtype) or is_interpreted(_k_grouped_gemm_kernel)
+    if (not wgrad_shape_fits(m, n, dtype) or is_interpreted(k_grouped_gemm_kernel)
             or not torch_wgrad_device(device)):
         return False
     return k_grouped_config(m, n, dtype, interpret=False, rows_per_group=rows_per_group,
@@ -401,7 +401,7 @@ def _ws_takes(cfg, p, q, E, M, N, out_dtype, out, gathered, *, fill_sms: bool = 
     which spreads it over every SM."""
     if not (GLUON_AVAILABLE and gluon_device_ok(p)):
         return False
-    if fill_sms and E * triton.cdiv(M, cfg.block_m) < _sm_count(p.device.index or 0):
+    if fill_sms and E * triton.cdiv(M, cfg.block_m) < sm_count(p.device.index or 0):
         return False
     c_meta = out if out is not None else torch.empty((E, M, N), dtype=out_dtype, device="meta")
     return ws_operands_fit(cfg, p, q, c_meta, gathered)
@@ -446,7 +446,7 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
         raise ValueError(f"{where}: offsets_E1 must be a 1-D int32 tensor of E+1 >= 2 entries")
     E = offsets_E1.numel() - 1
     M, N = p.shape[1], q.shape[1]
-    kernel = _k_grouped_gemm_kernel
+    kernel = k_grouped_gemm_kernel
     dev = check_device(kernel, where, p=p, q=q, offsets_E1=offsets_E1, p_idx_R=p_idx_R, q_idx_R=q_idx_R)
     if rows_per_group is None:
         rows_per_group = R / E
@@ -494,10 +494,10 @@ def _launch_k_grouped(cfg, p, p_idx_R, q, q_idx_R, offsets_E1, c, dtype, interpr
     """Launch megamoe's Triton weight-gradient kernel with ``cfg`` into ``c`` (E, M, N): the resident kernel
     (one program per (expert, m-tile)) when cfg.resident_chunks, else the per-tile kernel."""
     E, M, N = c.shape
-    kernel = _k_grouped_gemm_kernel
+    kernel = k_grouped_gemm_kernel
     extra = {}
     if cfg.resident_chunks:
-        kernel = _k_grouped_resident_kernel
+        kernel = k_grouped_resident_kernel
         grid = (E * triton.cdiv(M, cfg.block_m),)
         extra = dict(CHUNKS=cfg.resident_chunks)
     else:

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from ..kernels import ep_comm as ep_kernels
-from ..kernels.grouped_gemm import _tile_offsets_kernel
+from ..kernels.grouped_gemm import tile_offsets_kernel
 from ._common import is_interpreted, pow2
 
 __all__ = ["RoutingPlan", "PoolPlan", "build_routing_plan", "expert_sort", "tile_offsets_for", "single_group_offsets",
@@ -97,9 +97,9 @@ def tile_offsets_for(offsets_E1: torch.Tensor, block_m: int) -> torch.Tensor:
     offsets; the kernel launches on the current CUDA device, like the GEMMs that use it."""
     E = offsets_E1.shape[0] - 1
     if offsets_E1.dtype == torch.int32 and offsets_E1.is_contiguous() and (
-            offsets_E1.is_cuda or is_interpreted(_tile_offsets_kernel)):
+            offsets_E1.is_cuda or is_interpreted(tile_offsets_kernel)):
         tiles_E1 = torch.empty_like(offsets_E1)
-        _tile_offsets_kernel[(1,)](offsets_E1, tiles_E1, E, BLOCK_M=block_m, E_POW2=pow2(E), num_warps=4,
+        tile_offsets_kernel[(1,)](offsets_E1, tiles_E1, E, BLOCK_M=block_m, E_POW2=pow2(E), num_warps=4,
                                    enable_fp_fusion=True)
         return tiles_E1
     counts_E = offsets_E1[1:] - offsets_E1[:-1]

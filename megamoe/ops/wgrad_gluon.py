@@ -17,25 +17,25 @@ import functools
 import torch
 import triton
 
-from ._common import _sm_count
+from ._common import sm_count
 
 try:  # Gluon is experimental: keep the library importable without it
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.gluon_compat import MISSING as _GLUON_MISSING
-    from ..kernels.wgrad_gluon import _k_grouped_wgrad_kernel
-    from ..kernels.wgrad_ws_gluon import _k_grouped_wgrad_ws_kernel
+    from ..kernels.wgrad_gluon import k_grouped_wgrad_kernel
+    from ..kernels.wgrad_ws_gluon import k_grouped_wgrad_ws_kernel
 
     if _GLUON_MISSING:  # this Triton lacks a builtin the kernels call: they would fail to compile at run time
-        _k_grouped_wgrad_kernel = _k_grouped_wgrad_ws_kernel = None
+        k_grouped_wgrad_kernel = k_grouped_wgrad_ws_kernel = None
 except Exception:  # noqa: BLE001 - any import problem means: no Gluon path
-    _k_grouped_wgrad_kernel = _k_grouped_wgrad_ws_kernel = None
+    k_grouped_wgrad_kernel = k_grouped_wgrad_ws_kernel = None
 
 __all__ = ["gluon_wgrad_eligible", "operands_fit", "launch_gluon_wgrad", "ws_operands_fit", "launch_gluon_wgrad_ws",
            "GLUON_AVAILABLE"]
 
-GLUON_AVAILABLE = _k_grouped_wgrad_kernel is not None and _k_grouped_wgrad_ws_kernel is not None
+GLUON_AVAILABLE = k_grouped_wgrad_kernel is not None and k_grouped_wgrad_ws_kernel is not None
 _HALF = (torch.bfloat16, torch.float16)
 _BLOCK_M = 128
 
@@ -103,7 +103,7 @@ def gluon_wgrad_eligible(cfg, p: torch.Tensor, q: torch.Tensor, c: torch.Tensor,
     Triton kernels (the same bits)."""
     if not GLUON_AVAILABLE or not gluon_device_ok(p):
         return False
-    return operands_fit(cfg, p, q, c, _sm_count(p.device.index or 0) if fill_sms else 1)
+    return operands_fit(cfg, p, q, c, sm_count(p.device.index or 0) if fill_sms else 1)
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -121,14 +121,14 @@ def launch_gluon_wgrad(cfg, p: torch.Tensor, p_idx_R: torch.Tensor | None, q: to
     E, M, N = c.shape
     bm, bn = _BLOCK_M, cfg.block_n
     num_units = E * triton.cdiv(M, bm)  # (expert, m-tile) units, each with all its n-tiles
-    sms = _sm_count(c.device.index or 0)
+    sms = sm_count(c.device.index or 0)
     tma_c = M % bm == 0 and c.dtype in _HALF and c.data_ptr() % 16 == 0 and (N * c.element_size()) % 16 == 0
     if tma_c:
         layout = gl.NVMMASharedLayout.get_default_for([bm, bn], _gl_dtype(c.dtype))
         c_desc = TensorDescriptor(c.view(E * M, N), [E * M, N], [N, 1], [bm, bn], layout)
     else:
         c_desc = None
-    _k_grouped_wgrad_kernel[(min(sms, num_units),)](
+    k_grouped_wgrad_kernel[(min(sms, num_units),)](
         p, p_idx_R if p_idx_R is not None else offsets_E1, q, q_idx_R if q_idx_R is not None else offsets_E1,
         offsets_E1, c, c_desc, E, M, N, p.stride(0), q.stride(0), c.stride(0), c.stride(1),
         P_GATHER=p_idx_R is not None, Q_GATHER=q_idx_R is not None, TMA_C=tma_c,
@@ -160,7 +160,7 @@ def launch_gluon_wgrad_ws(cfg, p: torch.Tensor, q: torch.Tensor, offsets_E1: tor
              and ring + 2 * bm * bn * c.element_size() + 1024 <= 227 * 1024)
     c_desc = (TensorDescriptor(c.view(E * M, N), [E * M, N], [N, 1], [bm, bn],
                                gl.NVMMASharedLayout.get_default_for([bm, bn], _gl_dtype(c.dtype))) if tma_c else None)
-    _k_grouped_wgrad_ws_kernel[(min(_sm_count(c.device.index or 0), num_units),)](
+    k_grouped_wgrad_ws_kernel[(min(sm_count(c.device.index or 0), num_units),)](
         p_desc, q_desc, offsets_E1, c, c_desc, E, M, N, c.stride(0), c.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg.num_stages, RES=cfg.resident_chunks, TMA_C=tma_c, num_warps=4,
         enable_fp_fusion=True,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..kernels.wgrad_rounds import _k_grouped_round_kernel, _split_finalize_kernel
+from ..kernels.wgrad_rounds import k_grouped_round_kernel, split_finalize_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .tile_config import DEFAULT_KERNELS, KernelConfig, k_grouped_config
 
@@ -95,17 +95,17 @@ def k_grouped_round(p: torch.Tensor, q: torch.Tensor, roff_L1: torch.Tensor, ful
     if round_starts.dtype != torch.int32 or round_starts.dim() != 1 or round_starts.numel() < round_idx + 2:
         raise ValueError(f"{where}: round_starts must be a 1-D int32 tensor of more than round_idx + 1 = "
                          f"{round_idx + 1} entries, got {tuple(round_starts.shape)} {round_starts.dtype}")
-    check_device(_k_grouped_round_kernel, where, p=p, q=q, roff_L1=roff_L1, full_off_L1=full_off_L1,
+    check_device(k_grouped_round_kernel, where, p=p, q=q, roff_L1=roff_L1, full_off_L1=full_off_L1,
                  round_starts=round_starts, out=out, scratch=scratch)
     if out.numel() == 0:
         return
-    interpret = is_interpreted(_k_grouped_round_kernel)
+    interpret = is_interpreted(k_grouped_round_kernel)
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
     cfg = k_grouped_config(M, N, dtype, interpret=interpret, allow_gluon=False, allow_torch=False,
                            kernel_config=kernel_config)
-    grid = (persistent_programs(p.device, _k_grouped_round_kernel, L * triton.cdiv(M, cfg.block_m)
+    grid = (persistent_programs(p.device, k_grouped_round_kernel, L * triton.cdiv(M, cfg.block_m)
                                 * triton.cdiv(N, cfg.block_n), per_sm=_PROGRAMS_PER_SM),)
-    _k_grouped_round_kernel[grid](
+    k_grouped_round_kernel[grid](
         p, q, roff_L1, full_off_L1, round_starts, out, scratch, M, N, L, capacity_rows, round_idx, scratch.shape[0],
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scratch.stride(0), scratch.stride(1),
@@ -124,11 +124,11 @@ def finalize_split(scratch: torch.Tensor, full_off_L1: torch.Tensor, out: torch.
     M, N = out.shape[1:] if out.dim() == 3 else (-1, -1)
     L = _check_out(out, scratch, M, N, where)
     _check_offsets("full_off_L1", full_off_L1, L, where)
-    check_device(_split_finalize_kernel, where, scratch=scratch, full_off_L1=full_off_L1, out=out)
+    check_device(split_finalize_kernel, where, scratch=scratch, full_off_L1=full_off_L1, out=out)
     S = scratch.shape[0]
     if S == 0 or out.numel() == 0:
         return
-    block = _FIN_BLOCK_INTERPRET if is_interpreted(_split_finalize_kernel) else _FIN_BLOCK
-    _split_finalize_kernel[(triton.cdiv(M * N, block), S)](scratch, full_off_L1, out, M * N, L, capacity_rows,
+    block = _FIN_BLOCK_INTERPRET if is_interpreted(split_finalize_kernel) else _FIN_BLOCK
+    split_finalize_kernel[(triton.cdiv(M * N, block), S)](scratch, full_off_L1, out, M * N, L, capacity_rows,
                                                            L_PAD=pow2(L), BLOCK=block, num_warps=4,
                                                            enable_fp_fusion=True)
