@@ -11,12 +11,10 @@ S shared-expert FFN size, H = 2S.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .config import KernelConfig
-from .validation import check_expert_inputs
+from .validation import check_expert_inputs, interpreter_active
 
 __all__ = ["moe_experts", "router_logits"]
 
@@ -67,7 +65,7 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
         return reference.moe_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
     if x_TD.dtype not in FUSED_DTYPES:
         raise TypeError(f"moe_experts: the fused backend supports bf16, fp16 and fp32, got x_TD dtype {x_TD.dtype}")
-    if x_TD.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if x_TD.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"moe_experts: the fused backend runs on CUDA tensors (or CPU tensors under "
                          f"TRITON_INTERPRET=1), got x_TD on {x_TD.device}; backend='reference' runs on any device")
     from .autograd import MoEExpertsFunction  # lazy: importing megamoe.functional does not import triton

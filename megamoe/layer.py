@@ -11,7 +11,6 @@ loss, bias update: plain PyTorch on every backend), ``functional`` (fused single
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ from torch import nn
 from .config import EPOptions, KernelConfig, MoEConfig
 from .functional import FUSED_DTYPES
 from .router import route, router_logits, seq_balance_loss, tokens_per_expert, update_expert_bias_
-from .validation import check_same_across_ranks
+from .validation import check_same_across_ranks, interpreter_active
 
 __all__ = ["MoE", "RoutedExperts", "Router", "RouterStats", "SharedExpert"]
 
@@ -422,7 +421,7 @@ class MoE(nn.Module):
             raise ValueError(f"megamoe.MoE: input last dim must be D={c.hidden_size}, got shape {tuple(x.shape)}")
         if x.device != self.w13_LGD.device:
             raise ValueError(f"megamoe.MoE: input on {x.device}, parameters on {self.w13_LGD.device}")
-        if self.backend == "fused" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if self.backend == "fused" and not x.is_cuda and not interpreter_active():
             raise ValueError(f"megamoe.MoE: backend='fused' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), "
                              f"got an input on {x.device}; use backend='reference' on CPU")
         # A forward inside the backward is an activation-checkpoint recompute: it computes what the original

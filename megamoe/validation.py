@@ -10,11 +10,19 @@ no host sync happens (a failing id becomes a device-side assertion naming megamo
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-__all__ = ["check_expert_inputs", "check_expert_ids"]
+__all__ = ["interpreter_active", "check_expert_inputs", "check_expert_ids"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def interpreter_active() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, Triton's own variable; the
+    one place megamoe reads it): the fused backend then also runs on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _need(cond: bool, msg: str, exc: type[Exception] = ValueError) -> None:

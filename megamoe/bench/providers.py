@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .. import reference as ref
+from ..validation import interpreter_active
 
 __all__ = ["Provider", "Context", "get_providers", "provider_names", "grouped_mm", "torch_moe_experts",
            "DEFAULT_PROVIDERS"]
@@ -155,7 +155,7 @@ def _megamoe_fn(kernel_config=None):
 
 
 def _megamoe_unavailable(ctx: Context, prob) -> str | None:
-    if ctx.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if ctx.device.type != "cuda" and not interpreter_active():
         return "the fused Triton path needs CUDA (or TRITON_INTERPRET=1 on CPU)"
     try:
         if ctx.world_size > 1:

@@ -24,14 +24,13 @@ Tile sizes are constants (not autotuned), so results do not depend on timing.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
 from ..config import EPOptions
 from ..distributed import FLAG_READY, P_MAX, EPWorkspace
 from ..kernels import ep_comm as K_
+from ..validation import interpreter_active
 from .ep_tiles import RowPull, RowPush
 from .routing import PoolPlan, build_routing_plan
 
@@ -53,7 +52,7 @@ _BD_BESIDE, _NW_BESIDE = 1024, 16
 
 
 def interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return interpreter_active()
 
 
 def _pow2(n: int, lo: int = 2) -> int:

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..validation import interpreter_active
 from .data import load_corpus
 from .loop import Dist, ResumeError, RunConfig, layout, train
 from .model import ATTENTION_MODES, MODEL_PRESETS, get_model_preset
@@ -107,7 +108,7 @@ def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
     """CLI arguments -> RunConfig (device-dependent defaults). Raises SystemExit with a clear message."""
     on_gpu = device.startswith("cuda")
     backend = args.backend if args.backend != "auto" else ("fused" if on_gpu else "reference")
-    if backend == "fused" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "fused" and not on_gpu and not interpreter_active():
         raise SystemExit("error: --backend fused needs a CUDA GPU (use --backend reference on CPU, or set "
                          "TRITON_INTERPRET=1 to run the Triton kernels in the interpreter: slow, for debugging)")
     try:
