@@ -185,14 +185,24 @@ def main(argv: list[str] | None = None) -> int:
             steps = args.steps or 20
             rc = dataclasses.replace(rc, model=rc.model.replace(steps=steps, eval_every=10**9, warmup=min(
                 rc.model.warmup, steps)))
-            return 0 if run_check(rc, dctx, corpus, atol=args.check_atol, strict=args.check_strict, say=say) else 1
+            ok = run_check(rc, dctx, corpus, atol=args.check_atol, strict=args.check_strict, say=say)
+            return _all_ranks_done(0 if ok else 1)
         try:
-            return _train_and_report(rc, dctx, corpus, resume=args.resume, say=say)
+            return _all_ranks_done(_train_and_report(rc, dctx, corpus, resume=args.resume, say=say))
         except ResumeError as e:
             raise SystemExit(f"error: {e}") from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _all_ranks_done(code: int) -> int:
+    """After a run that ended normally on this rank: wait until every rank has, so that no rank tears the process
+    group down while another still uses it (a gloo rank could abort at exit otherwise). Not on an error path,
+    where the other ranks may never arrive (their own errors, or the process group's timeout, end them)."""
+    if dist.is_initialized():
+        dist.barrier()
+    return code
 
 
 def _train_and_report(rc: RunConfig, dctx: Dist, corpus, *, resume: bool, say) -> int:
