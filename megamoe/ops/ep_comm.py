@@ -36,7 +36,7 @@ from .routing import PoolPlan, build_routing_plan
 
 __all__ = ["ExchangeBuffers", "expert_offsets", "round_starts", "publish", "routing_plan", "save_plan", "restore_plan",
            "build_schedule", "dispatch_round", "push_round", "signal_done", "wait_done", "slot_views", "sched_size",
-           "interpret_mode", "push_target", "fused_push", "shared_expert_stream", "pull_beside", "EPOptions"]
+           "push_target", "fused_push", "shared_expert_stream", "pull_beside"]
 
 # rows per program, columns per copy step, warps of the dispatch (pull) and push kernels; combine's rows per
 # program. Copies only: these never change bits. Copy shapes from 8 to 32 rows x 256 to 1024 columns, 4 or 8
@@ -51,10 +51,6 @@ _BM, _BD, _NW, _BT = 32, 256, 4, 16
 _BD_BESIDE, _NW_BESIDE = 1024, 16
 
 
-def interpret_mode() -> bool:
-    return interpreter_active()
-
-
 def _pow2(n: int, lo: int = 2) -> int:
     return max(lo, triton.next_power_of_2(max(int(n), 1)))
 
@@ -63,7 +59,7 @@ def _wait_args(timeout_s: float, device: torch.device) -> tuple[int, int, bool]:
     """(max_iters, timeout_ns, use_timer): GPU waits read %globaltimer; the interpreter counts spins."""
     if not (timeout_s > 0):
         raise ValueError(f"megamoe EP: timeout_s must be > 0, got {timeout_s!r}")
-    use_timer = device.type == "cuda" and not interpret_mode()
+    use_timer = device.type == "cuda" and not interpreter_active()
     max_iters = min(2**31 - 1, int(timeout_s * 3_000)) if not use_timer else 2**31 - 1
     return max_iters, int(timeout_s * 1e9), use_timer
 
@@ -246,7 +242,7 @@ def pull_beside(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, backward: bool, 
 def _pdl_device(dev: torch.device) -> bool:
     """Programmatic dependent launch (``griddepcontrol``): compiled GPU kernels on sm_90 and later. Elsewhere
     (the interpreter, an older GPU) the GEMM starts after the pull has finished: the same bits, no overlap."""
-    return dev.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(dev)[0] >= 9
+    return dev.type == "cuda" and not interpreter_active() and torch.cuda.get_device_capability(dev)[0] >= 9
 
 
 def push_round(ws: EPWorkspace, bufs: ExchangeBuffers, r: int, y_CD: torch.Tensor | None,
@@ -314,7 +310,7 @@ def shared_expert_stream(ws: EPWorkspace, options: EPOptions) -> tuple[torch.cud
     SMs they leave. Creating it is not a sync; it is made once per device (outside any captured region when
     the first call is eager, as megamoe's graph users warm up first)."""
     n = options.comm_sms
-    if n == 0 or ws.device.type != "cuda" or interpret_mode():
+    if n == 0 or ws.device.type != "cuda" or interpreter_active():
         return None
     idx = ws.device.index if ws.device.index is not None else torch.cuda.current_device()
     st = _SIDE_STREAMS.get(idx)
