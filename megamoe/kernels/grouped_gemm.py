@@ -58,46 +58,11 @@ import triton
 import triton.language as tl
 
 from .ep_tiles import end_after_pull, first_tile, next_tile, push_rows, wait_for_rows
+from .tiles import expert_of_tile, load_2d, mma
 
 PLAIN: tl.constexpr = tl.constexpr(0)
 SWIGLU: tl.constexpr = tl.constexpr(1)
 SWIGLU_BWD: tl.constexpr = tl.constexpr(2)
-
-
-@triton.jit
-def _expert_of_tile(tile_offsets_ptr, row_offsets_ptr, m_tile, num_experts,
-                    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(expert, first row, end row) of global m-tile ``m_tile``; empty experts own no tiles."""
-    offs_e = tl.arange(0, E_POW2)
-    tile_ends = tl.load(tile_offsets_ptr + 1 + offs_e, mask=offs_e < num_experts, other=2147483647)
-    expert = tl.sum((tile_ends <= m_tile).to(tl.int32), axis=0)
-    first_tile = tl.load(tile_offsets_ptr + expert)
-    row_start = tl.load(row_offsets_ptr + expert) + (m_tile - first_tile) * BLOCK_M
-    row_end = tl.load(row_offsets_ptr + expert + 1)
-    return expert, row_start, row_end
-
-
-@triton.jit
-def _load_2d(ptrs, mask_r, mask_c, FULL_R: tl.constexpr, FULL_C: tl.constexpr):
-    """Load a tile, masking (zero fill) only the dimensions that are not known to be full."""
-    if FULL_R and FULL_C:
-        tile = tl.load(ptrs)
-    elif FULL_R:
-        tile = tl.load(ptrs, mask=mask_c[None, :], other=0.0)
-    elif FULL_C:
-        tile = tl.load(ptrs, mask=mask_r[:, None], other=0.0)
-    else:
-        tile = tl.load(ptrs, mask=mask_r[:, None] & mask_c[None, :], other=0.0)
-    return tile
-
-
-@triton.jit
-def _mma(a, b, acc, FP32_DOT: tl.constexpr):
-    if FP32_DOT:  # fp32 operands (and every dtype under the interpreter, whose bf16 dot is wrong)
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
 
 
 @triton.jit
@@ -163,20 +128,20 @@ def _k_loop(a_ptr, a_desc, b_ptr, b_desc, a_rows, expert, row_start, n_tile, mas
         if TMA_A:  # rows [row_start, row_start + BLOCK_M) of A (R, K); rows past R zero-filled
             a = a_desc.load([row_start, k0])
         else:
-            a = _load_2d(a_ptrs, mask_m, mask_k, True, EVEN_K)  # clamped rows are in bounds
+            a = load_2d(a_ptrs, mask_m, mask_k, True, EVEN_K)  # clamped rows are in bounds
         if TMA_B == 1:  # B[e] stored (N, K): tile (BLOCK_N, BLOCK_K) of the (E * B_ROWS, K) view
             b = tl.trans(b_desc.load([b_row, k0]))
         elif TMA_B == 2:  # B[e] stored (K, N): tile (BLOCK_K, BLOCK_N) of the (E * K, N) view (EVEN_K)
             b = b_desc.load([expert * K + k0, n_tile * BLOCK_N])
         else:
-            b = _load_2d(b_ptrs, mask_k, mask_n, EVEN_K, EVEN_N)
-        acc = _mma(a, b, acc, FP32_DOT)
+            b = load_2d(b_ptrs, mask_k, mask_n, EVEN_K, EVEN_N)
+        acc = mma(a, b, acc, FP32_DOT)
         if EPILOGUE == SWIGLU:
             if TMA_B == 1:
                 b_up = tl.trans(b_desc.load([b_row + N, k0]))
             else:
-                b_up = _load_2d(b_ptrs + N * stride_bn, mask_k, mask_n, EVEN_K, EVEN_N)
-            acc_up = _mma(a, b_up, acc_up, FP32_DOT)
+                b_up = load_2d(b_ptrs + N * stride_bn, mask_k, mask_n, EVEN_K, EVEN_N)
+            acc_up = mma(a, b_up, acc_up, FP32_DOT)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     return acc, acc_up
@@ -257,7 +222,7 @@ def m_grouped_gemm_kernel(
     while tile < num_tiles:
         m_tile = tile // num_n_tiles
         n_tile = tile % num_n_tiles
-        expert, row_start, row_end = _expert_of_tile(tile_offsets_ptr, row_offsets_ptr, m_tile, num_experts,
+        expert, row_start, row_end = expert_of_tile(tile_offsets_ptr, row_offsets_ptr, m_tile, num_experts,
                                                      E_POW2, BLOCK_M)
         offs_m = row_start + tl.arange(0, BLOCK_M)
         mask_m = offs_m < row_end
@@ -311,9 +276,9 @@ def k_step(acc, it, row_start, row_end, p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, offs
         q_rows = tl.load(q_idx_ptr + rows).to(tl.int64)
     else:
         q_rows = rows
-    p = _load_2d(p_ptr + p_rows[:, None] * stride_pr + offs_m[None, :] * stride_pm, mask_r, mask_m, False, EVEN_M)
-    q = _load_2d(q_ptr + q_rows[:, None] * stride_qr + offs_n[None, :] * stride_qn, mask_r, mask_n, False, EVEN_N)
-    return _mma(tl.trans(p), q, acc, FP32_DOT)
+    p = load_2d(p_ptr + p_rows[:, None] * stride_pr + offs_m[None, :] * stride_pm, mask_r, mask_m, False, EVEN_M)
+    q = load_2d(q_ptr + q_rows[:, None] * stride_qr + offs_n[None, :] * stride_qn, mask_r, mask_n, False, EVEN_N)
+    return mma(tl.trans(p), q, acc, FP32_DOT)
 
 
 @triton.jit
@@ -392,13 +357,13 @@ def _p_chunk(p_ptr, p_idx_ptr, row_start, row_end, chunk, offs_m, mask_m, stride
              P_GATHER: tl.constexpr, EVEN_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """P^T chunk (BLOCK_M, BLOCK_K) of an expert (zeros past its rows)."""
     src, mask_r = _chunk_rows(p_idx_ptr, row_start, row_end, chunk, P_GATHER, BLOCK_K)
-    return tl.trans(_load_2d(p_ptr + src[:, None] * stride_pr + offs_m[None, :] * stride_pm, mask_r, mask_m,
+    return tl.trans(load_2d(p_ptr + src[:, None] * stride_pr + offs_m[None, :] * stride_pm, mask_r, mask_m,
                              False, EVEN_M))
 
 
 @triton.jit
 def _q_chunk(q_ptr, q_src, mask_r, offs_n, mask_n, stride_qr, stride_qn, EVEN_N: tl.constexpr):
-    return _load_2d(q_ptr + q_src[:, None] * stride_qr + offs_n[None, :] * stride_qn, mask_r, mask_n, False, EVEN_N)
+    return load_2d(q_ptr + q_src[:, None] * stride_qr + offs_n[None, :] * stride_qn, mask_r, mask_n, False, EVEN_N)
 
 
 @triton.jit
@@ -409,13 +374,13 @@ def _resident_tile(n_tile, p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, q_ptr
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _mma(p0, _q_chunk(q_ptr, q0, r0, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
+    acc = mma(p0, _q_chunk(q_ptr, q0, r0, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
     if NUM > 1:
-        acc = _mma(p1, _q_chunk(q_ptr, q1, r1, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
+        acc = mma(p1, _q_chunk(q_ptr, q1, r1, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
     if NUM > 2:
-        acc = _mma(p2, _q_chunk(q_ptr, q2, r2, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
+        acc = mma(p2, _q_chunk(q_ptr, q2, r2, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
     if NUM > 3:
-        acc = _mma(p3, _q_chunk(q_ptr, q3, r3, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
+        acc = mma(p3, _q_chunk(q_ptr, q3, r3, offs_n, mask_n, stride_qr, stride_qn, EVEN_N), acc, FP32_DOT)
     tl.store(c_rows + offs_n[None, :], acc.to(c_rows.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
