@@ -2,7 +2,8 @@
 
 For each grouped GEMM of the layer at W = 1 (m-grouped: gate/up + SwiGLU, down, dgrad + SwiGLU backward,
 dgrad dx; k-grouped: the dW13 and dW2 weight gradients) at a preset's shapes and its tile config (the table),
-compiles the Triton kernel the launcher would pick (``m_grouped_gemm_kernel``;
+compiles the Triton kernel the launcher would pick (``m_grouped_gemm_kernel``, or with a RowPush / RowPull
+``m_grouped_push_kernel`` / ``m_grouped_pull_kernel``;
 ``k_grouped_gemm_kernel`` or ``k_grouped_resident_kernel``) for sm_90a with Triton's bundled ptxas, on the
 CPU, and reports registers per thread, spill bytes, shared memory, the blocks that fit per SM, the wgmma
 instruction shape and how each operand reaches shared memory in the loop that holds the MMA (TMA, cp.async,
@@ -124,36 +125,35 @@ def _launch_args(g: GemmShape, cfg: GemmConfig, push: bool = False, pull: bool =
     tma_b, _, b_rows = weight_descriptor(cfg, weight, stride_b, g.K, False)
     tma_a = cfg.tma_a and tma_b != 0 and not g.gathered
     c_cols = {"gate_up": g.N, "down": g.N, "dgrad_swiglu": 2 * g.N, "dgrad": g.N}[g.kind]
+    epilogue = {"gate_up": 1, "down": 0, "dgrad_swiglu": 2, "dgrad": 0}[g.kind]
     ints = dict(num_rows=g.R, N=g.N, num_experts=g.E, stride_am=g.K, stride_ak=1, stride_be=stride_b[0],
-                stride_bn=stride_b[1], stride_bk=stride_b[2], stride_cm=c_cols,
-                stride_gm=2 * g.N if g.kind == "dgrad_swiglu" else 0,
-                stride_xm={"gate_up": 2 * g.N, "dgrad_swiglu": g.N}.get(g.kind, 0),
-                # ops.grouped_gemm passes 1s without push; with it the row-table width and top-k
-                push_c=g.R if push else 1, push_k=8 if push else 1,
-                # 1s without pull; with it a rank, a spin bound (the GPU's: 2**31 - 1) and a timeout in ns
-                pull_rank=3 if pull else 1, pull_max_iters=2**31 - 1 if pull else 1)
+                stride_bn=stride_b[1], stride_bk=stride_b[2])
     bn, bk = cfg.block_n, cfg.block_k
     b_block = [bn, bk] if tma_b == 1 else [bk, bn]
     sig = dict(a_ptr="*bf16", a_desc=f"tensordesc<bf16[{cfg.block_m}, {bk}]>" if tma_a else "*bf16",
-               a_idx_ptr="*i32", b_ptr="*bf16",
-               b_desc=f"tensordesc<bf16[{b_block[0]}, {b_block[1]}]>" if tma_b else "*bf16",
-               row_offsets_ptr="*i32", tile_offsets_ptr="*i32", scale_ptr="*fp32", gu_ptr="*bf16", c_ptr="*bf16",
-               aux_ptr="*bf16", dot_ptr="*fp32", push_deltas_ptr="*i64" if push else "*i32", push_tab_ptr="*i32",
-               pull_ptr="*i32", pull_flags_ptr="*i32")
-    divisible = {n for n, t in sig.items() if t.startswith("*")}
-    const: dict = {}
-    _with_ints(sig, const, divisible, ints)
-    if pull:
-        sig["pull_timeout_ns"] = "i64"
+               b_ptr="*bf16", b_desc=f"tensordesc<bf16[{b_block[0]}, {b_block[1]}]>" if tma_b else "*bf16",
+               row_offsets_ptr="*i32", tile_offsets_ptr="*i32", scale_ptr="*fp32", c_ptr="*bf16")
+    const: dict = dict(K=g.K, HAS_SCALE=g.kind == "dgrad_swiglu", FP32_DOT=False, EVEN_K=g.K % bk == 0,
+                       EVEN_N=g.N % bn == 0, E_POW2=1 << max(0, (g.E - 1).bit_length()), TMA_A=tma_a, TMA_B=tma_b,
+                       B_ROWS=b_rows, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk)
+    if not pull:  # the pull kernel reads its receive buffer's rows, never gathered
+        sig["a_idx_ptr"] = "*i32"
+        const["HAS_GATHER"] = g.gathered
+    if push:  # ops.ep_tiles.push_launch: the row-table width, top-k; the plain epilogue into the slots
+        sig.update(push_deltas_ptr="*i64", push_tab_ptr="*i32")
+        ints.update(push_c=g.R, push_k=8)
     else:
-        sig["pull_timeout_ns"], const["pull_timeout_ns"] = "constexpr", 1
-    epilogue = {"gate_up": 1, "down": 0, "dgrad_swiglu": 2, "dgrad": 0}[g.kind]
-    const.update(K=g.K, EPILOGUE=epilogue, HAS_GATHER=g.gathered, HAS_SCALE=g.kind == "dgrad_swiglu",
-                 SAVE_AUX=epilogue != 0, HAS_DOT=g.kind == "dgrad_swiglu", PUSH=push, FP32_DOT=False,
-                 EVEN_K=g.K % bk == 0, EVEN_N=g.N % bn == 0, E_POW2=1 << max(0, (g.E - 1).bit_length()),
-                 TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows, WAIT_PULL=pull, PULL_BM=32 if pull else 1,
-                 PULL_TIMER=pull, PULL_GDC=pull, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk,
-                 DOT_N=dot_cols(cfg) if epilogue == 2 else bn)
+        sig.update(gu_ptr="*bf16", aux_ptr="*bf16", dot_ptr="*fp32")
+        ints.update(stride_cm=c_cols, stride_gm=2 * g.N if g.kind == "dgrad_swiglu" else 0,
+                    stride_xm={"gate_up": 2 * g.N, "dgrad_swiglu": g.N}.get(g.kind, 0))
+        const.update(EPILOGUE=epilogue, SAVE_AUX=epilogue != 0, HAS_DOT=g.kind == "dgrad_swiglu",
+                     DOT_N=dot_cols(cfg) if epilogue == 2 else bn)
+    if pull:  # ops.ep_tiles.pull_launch: a rank, a spin bound (the GPU's: 2**31 - 1), a timeout in ns
+        sig.update(pull_ptr="*i32", pull_flags_ptr="*i32", pull_timeout_ns="i64")
+        ints.update(pull_rank=3, pull_max_iters=2**31 - 1)
+        const.update(PULL_BM=32, PULL_TIMER=True, PULL_GDC=True)
+    divisible = {n for n, t in sig.items() if t.startswith("*")}
+    _with_ints(sig, const, divisible, ints)
     for name in const:
         sig[name] = "constexpr"
     return sig, const, divisible
@@ -187,8 +187,10 @@ def compile_m_grouped(g: GemmShape, cfg: GemmConfig, push: bool = False, pull: b
     """The sm_90a compilation of the m-grouped kernel for ``g`` with ``cfg`` (CPU only; no launch); ``push``:
     the plain epilogue storing through a RowPush (the EP path's down projection and dx GEMM); ``pull``: waiting
     on a RowPull (the EP path's gate/up forward, dgrad + SwiGLU backward)."""
-    from ..kernels.grouped_gemm import m_grouped_gemm_kernel as kernel
+    from ..kernels.ep_tiles import m_grouped_pull_kernel, m_grouped_push_kernel
+    from ..kernels.grouped_gemm import m_grouped_gemm_kernel
 
+    kernel = m_grouped_push_kernel if push else m_grouped_pull_kernel if pull else m_grouped_gemm_kernel
     return _compile(kernel, *_launch_args(g, cfg, push, pull), cfg)
 
 

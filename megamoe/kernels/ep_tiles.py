@@ -1,44 +1,36 @@
-"""The expert-parallel pieces of the m-grouped GEMM (megamoe.kernels.grouped_gemm), ``@triton.jit`` code only.
+"""The expert-parallel m-grouped GEMM kernels: the local kernel's tile body (megamoe.kernels.grouped_gemm) with an
+EP prologue or epilogue around it, and those pieces; ``@triton.jit`` code only.
 
 Legend: R rows of the GEMM's expert-grouped row buffer, BLOCK_M rows of an m-tile, N output columns, W EP ranks.
 
-Prologue, a GEMM beside the pull of its own rows (``WAIT_PULL``; host side megamoe.ops.ep_tiles.RowPull):
-the tiles come from an int32 counter ``pull_ptr[0]`` in increasing order (programs that start late, their SM
-being the pull's, take fewer tiles instead of holding up the end; which program computes a tile never changes
-it), each tile first waits (bounded, GPU scope) for the ready flags ``pull_ptr[1 + b]`` of the PULL_BM-row
-blocks b its rows lie in, and at its end the grid waits for the pull's grid (programmatic dependent launch), so
-the stream's next kernel sees every pulled row. A flag that never comes writes STAGE_PULL into the EP
-workspace's status word (megamoe.kernels.flags).
+``m_grouped_pull_kernel``, a GEMM beside the pull of its own rows (host side megamoe.ops.ep_tiles.RowPull): the
+tiles come from an int32 counter ``pull_ptr[0]`` in increasing order (:func:`take_tile`; programs that start
+late, their SM being the pull's, take fewer tiles instead of holding up the end; which program computes a tile
+never changes it), each tile first waits (bounded, GPU scope) for the ready flags ``pull_ptr[1 + b]`` of the
+PULL_BM-row blocks b its rows lie in (:func:`wait_for_rows`), and at its end the grid waits for the pull's grid
+(programmatic dependent launch, :func:`end_after_pull`), so the stream's next kernel sees every pulled row. A
+flag that never comes writes STAGE_PULL into the EP workspace's status word (megamoe.kernels.flags).
 
-Epilogue, result rows into the owners' slots (``PUSH``; host side megamoe.ops.ep_tiles.RowPush): row r of
-the GEMM is stored at row ``token * push_k + slot`` of the buffer ``push_deltas[src]`` elements from C, with
-(src, token, slot) the columns r of the row table ``push_tab`` [3, push_c] (src < 0: not stored).
+``m_grouped_push_kernel``, a plain-epilogue GEMM storing its result rows into the owners' slots (host side
+megamoe.ops.ep_tiles.RowPush): row r of the GEMM is stored at row ``token * push_k + slot`` of the buffer
+``push_deltas[src]`` elements from C, with (src, token, slot) the columns r of the row table ``push_tab``
+[3, push_c] (src < 0: not stored; :func:`push_rows`).
+
+Between prologue and epilogue both run the local kernel's helpers (m_tile_rows, m_tile_product, m_tile_store /
+row_scaled), so a tile's arithmetic, and its bits, are the local kernel's.
 """
 
 import triton
 import triton.language as tl
 
 from .flags import STAGE_PULL, fence_proxy_async_global, wait_flag_gpu
+from .grouped_gemm import PLAIN, m_tile_product, m_tile_rows, m_tile_store, row_scaled
 
 
 @triton.jit
-def first_tile(pull_ptr, WAIT_PULL: tl.constexpr):
-    """This program's first tile: the next one from the counter (WAIT_PULL), else the program id."""
-    if WAIT_PULL:
-        tile = tl.atomic_add(pull_ptr, 1, sem="relaxed", scope="gpu")
-    else:
-        tile = tl.program_id(0)
-    return tile
-
-
-@triton.jit
-def next_tile(tile, pull_ptr, WAIT_PULL: tl.constexpr):
-    """This program's tile after ``tile``: the next one from the counter (WAIT_PULL), else one grid further."""
-    if WAIT_PULL:
-        tile = tl.atomic_add(pull_ptr, 1, sem="relaxed", scope="gpu")
-    else:
-        tile += tl.num_programs(0)
-    return tile
+def take_tile(pull_ptr):
+    """The next tile from the counter ``pull_ptr[0]`` (tiles in increasing order over the grid)."""
+    return tl.atomic_add(pull_ptr, 1, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -76,3 +68,84 @@ def push_rows(push_tab_ptr, push_deltas_ptr, rows, mask_m, push_c, push_k, N):
     # multiples of 16 elements (RowPush's contract): keeps the stores 16-byte vectors
     delta = tl.multiple_of(tl.load(push_deltas_ptr + tl.maximum(src, 0), mask=push_mask, other=0), 16)
     return delta + (tok * push_k + slot) * N, push_mask
+
+
+@triton.jit
+def m_grouped_pull_kernel(
+    # inputs (A's rows not gathered: they are the pull's receive buffer)
+    a_ptr, a_desc, b_ptr, b_desc, row_offsets_ptr, tile_offsets_ptr, scale_ptr, gu_ptr,
+    # outputs
+    c_ptr, aux_ptr, dot_ptr,
+    # the pull: int32 [1 + blocks] tile counter then one ready flag per PULL_BM rows of A; the EP workspace's
+    # flags (epoch, status) for a timeout; this rank; spin bounds
+    pull_ptr, pull_flags_ptr, pull_rank, pull_max_iters, pull_timeout_ns,
+    # shapes, strides (as megamoe.kernels.grouped_gemm.m_grouped_gemm_kernel)
+    num_rows, N, num_experts, K: tl.constexpr,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_gm, stride_xm,
+    # variant (as m_grouped_gemm_kernel's), then the pull's block rows, GPU-timer spins, programmatic launch
+    EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr, HAS_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, E_POW2: tl.constexpr, TMA_A: tl.constexpr,
+    TMA_B: tl.constexpr, B_ROWS: tl.constexpr, PULL_BM: tl.constexpr, PULL_TIMER: tl.constexpr,
+    PULL_GDC: tl.constexpr,
+    # tile config
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_N: tl.constexpr,
+):
+    """The m-grouped GEMM beside the pull of its rows: tiles from the counter, each first waiting for its rows
+    (:func:`wait_for_rows`), then the local kernel's tile body; the grid ends after the pull's."""
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.load(tile_offsets_ptr + num_experts) * num_n_tiles
+    tile = take_tile(pull_ptr)
+    while tile < num_tiles:
+        expert, n_tile, row_start, row_end, offs_m, mask_m = m_tile_rows(tile, num_n_tiles, tile_offsets_ptr,
+                                                                         row_offsets_ptr, num_experts, E_POW2,
+                                                                         BLOCK_M)
+        wait_for_rows(pull_ptr, pull_flags_ptr, pull_rank, pull_max_iters, pull_timeout_ns, row_start, row_end,
+                      BLOCK_M, PULL_BM, PULL_TIMER, TMA_A)
+        rows = tl.minimum(offs_m, num_rows - 1).to(tl.int64)  # clamped rows: computed, never stored
+        acc, acc_up, offs_n, mask_n = m_tile_product(
+            a_ptr, a_desc, a_ptr, b_ptr, b_desc, expert, row_start, n_tile, rows, mask_m, N, stride_am, stride_ak,
+            stride_be, stride_bn, stride_bk, K, EPILOGUE, False, FP32_DOT, EVEN_K, EVEN_N, TMA_A, TMA_B, B_ROWS,
+            BLOCK_M, BLOCK_N, BLOCK_K)
+        m_tile_store(acc, acc_up, n_tile, rows, offs_m, mask_m, offs_n, mask_n, scale_ptr, gu_ptr, c_ptr, aux_ptr,
+                     dot_ptr, N, stride_cm, stride_gm, stride_xm, EPILOGUE, HAS_SCALE, SAVE_AUX, HAS_DOT, BLOCK_M,
+                     BLOCK_N, DOT_N)
+        tile = take_tile(pull_ptr)
+    end_after_pull(PULL_GDC)
+
+
+@triton.jit
+def m_grouped_push_kernel(
+    # inputs
+    a_ptr, a_desc, a_idx_ptr, b_ptr, b_desc, row_offsets_ptr, tile_offsets_ptr, scale_ptr,
+    # output: this rank's destination buffer; the push: element offsets [W] int64 of each rank's buffer from C's,
+    # row table [3, push_c] int32, slots per token
+    c_ptr, push_deltas_ptr, push_tab_ptr, push_c, push_k,
+    # shapes, strides (as megamoe.kernels.grouped_gemm.m_grouped_gemm_kernel)
+    num_rows, N, num_experts, K: tl.constexpr,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+    # variant (as m_grouped_gemm_kernel's; the epilogue is PLAIN)
+    HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, E_POW2: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, B_ROWS: tl.constexpr,
+    # tile config
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The plain m-grouped GEMM storing its rows into their owners' slots: the local kernel's tile body, each
+    row's destination loaded before the K loop (:func:`push_rows`), the scaled accumulator stored there."""
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.load(tile_offsets_ptr + num_experts) * num_n_tiles
+    tile = tl.program_id(0)
+    while tile < num_tiles:
+        expert, n_tile, row_start, row_end, offs_m, mask_m = m_tile_rows(tile, num_n_tiles, tile_offsets_ptr,
+                                                                         row_offsets_ptr, num_experts, E_POW2,
+                                                                         BLOCK_M)
+        rows = tl.minimum(offs_m, num_rows - 1).to(tl.int64)  # clamped rows: computed, never stored
+        push_dest, push_mask = push_rows(push_tab_ptr, push_deltas_ptr, rows, mask_m, push_c, push_k, N)
+        acc, _, offs_n, mask_n = m_tile_product(
+            a_ptr, a_desc, a_idx_ptr, b_ptr, b_desc, expert, row_start, n_tile, rows, mask_m, N, stride_am,
+            stride_ak, stride_be, stride_bn, stride_bk, K, PLAIN, HAS_GATHER, FP32_DOT, EVEN_K, EVEN_N, TMA_A, TMA_B,
+            B_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = row_scaled(acc, scale_ptr, rows, HAS_SCALE)
+        c_ptrs = c_ptr + push_dest[:, None] + offs_n[None, :]
+        mask = push_mask[:, None] & mask_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        tile += tl.num_programs(0)

@@ -57,7 +57,6 @@ SiLU: silu(x) = x * s, silu'(x) = s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x)) (
 import triton
 import triton.language as tl
 
-from .ep_tiles import end_after_pull, first_tile, next_tile, push_rows, wait_for_rows
 from .tiles import expert_of_tile, load_2d, mma
 
 PLAIN: tl.constexpr = tl.constexpr(0)
@@ -192,73 +191,99 @@ def _swiglu_bwd_epilogue(acc, n_tile, rows, out_rows, mask_m, scale_ptr, gu_ptr,
 
 
 @triton.jit
+def m_tile_rows(tile, num_n_tiles, tile_offsets_ptr, row_offsets_ptr, num_experts, E_POW2: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """(expert, n-tile, first row, end row, rows ``offs_m`` and their mask) of persistent tile ``tile`` (the
+    n-tile fastest)."""
+    m_tile = tile // num_n_tiles
+    n_tile = tile % num_n_tiles
+    expert, row_start, row_end = expert_of_tile(tile_offsets_ptr, row_offsets_ptr, m_tile, num_experts, E_POW2,
+                                                 BLOCK_M)
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < row_end
+    return expert, n_tile, row_start, row_end, offs_m, mask_m
+
+
+@triton.jit
+def m_tile_product(a_ptr, a_desc, a_idx_ptr, b_ptr, b_desc, expert, row_start, n_tile, rows, mask_m, N,
+                   stride_am, stride_ak, stride_be, stride_bn, stride_bk, K: tl.constexpr, EPILOGUE: tl.constexpr,
+                   HAS_GATHER: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                   TMA_A: tl.constexpr, TMA_B: tl.constexpr, B_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile's products before its epilogue: (acc, acc_up, offs_n, mask_n), ``acc = A[row(rows)] @ B[expert]``
+    over the n-tile's columns (and with SWIGLU ``acc_up`` over the up columns; :func:`_k_loop`)."""
+    if HAS_GATHER:
+        a_rows = tl.load(a_idx_ptr + rows).to(tl.int64)
+    else:
+        a_rows = rows
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc, acc_up = _k_loop(a_ptr, a_desc, b_ptr, b_desc, a_rows, expert, row_start, n_tile, mask_m, offs_n, mask_n,
+                          N, stride_am, stride_ak, stride_be, stride_bn, stride_bk, K, EPILOGUE, FP32_DOT, EVEN_K,
+                          EVEN_N, TMA_A, TMA_B, B_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
+    return acc, acc_up, offs_n, mask_n
+
+
+@triton.jit
+def row_scaled(acc, scale_ptr, rows, HAS_SCALE: tl.constexpr):
+    """The plain epilogue's ``acc * scale[r]`` on the fp32 accumulator (HAS_SCALE), else ``acc``."""
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + rows).to(tl.float32)[:, None]
+    return acc
+
+
+@triton.jit
+def m_tile_store(acc, acc_up, n_tile, rows, offs_m, mask_m, offs_n, mask_n, scale_ptr, gu_ptr, c_ptr, aux_ptr,
+                 dot_ptr, N, stride_cm, stride_gm, stride_xm, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 SAVE_AUX: tl.constexpr, HAS_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DOT_N: tl.constexpr):
+    """A tile's epilogue into rows ``offs_m`` of C (and AUX, dot): PLAIN, SWIGLU or SWIGLU_BWD."""
+    mask = mask_m[:, None] & mask_n[None, :]
+    out_rows = offs_m.to(tl.int64)
+    c_ptrs = c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :]
+    if EPILOGUE == PLAIN:
+        acc = row_scaled(acc, scale_ptr, rows, HAS_SCALE)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    elif EPILOGUE == SWIGLU:
+        _swiglu_epilogue(acc, acc_up, c_ptrs, aux_ptr, out_rows, offs_n, mask, N, stride_xm, SAVE_AUX)
+    else:  # SWIGLU_BWD: acc = dY @ W2[e], N = F, C = [dg | du] (R x 2F), AUX = h * scale (R x F)
+        _swiglu_bwd_epilogue(acc, n_tile, rows, out_rows, mask_m, scale_ptr, gu_ptr, c_ptr, aux_ptr, dot_ptr, N,
+                             stride_gm, stride_cm, stride_xm, HAS_SCALE, HAS_DOT, BLOCK_M, BLOCK_N, DOT_N)
+
+
+@triton.jit
 def m_grouped_gemm_kernel(
     # inputs
     a_ptr, a_desc, a_idx_ptr, b_ptr, b_desc, row_offsets_ptr, tile_offsets_ptr, scale_ptr, gu_ptr,
     # outputs
     c_ptr, aux_ptr, dot_ptr,
-    # PUSH: per-row destinations (EP): element offsets [W] int64 of each rank's buffer from C's, row table
-    # [3, push_c] int32
-    push_deltas_ptr, push_tab_ptr, push_c, push_k,
-    # WAIT_PULL (expert parallelism, the pull beside this GEMM): int32 [1 + blocks] tile counter then one ready
-    # flag per PULL_BM rows of A; the EP workspace's flags (epoch, status) for a timeout; this rank; spin bounds
-    pull_ptr, pull_flags_ptr, pull_rank, pull_max_iters, pull_timeout_ns,
     # shapes (K is a compile-time constant: a weight dimension, D or F)
     num_rows, N, num_experts, K: tl.constexpr,
     # strides, in elements (the last dimension of C, AUX, GU is contiguous)
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_gm, stride_xm,
     # variant
     EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr,
-    HAS_DOT: tl.constexpr, PUSH: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_DOT: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     E_POW2: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, B_ROWS: tl.constexpr,
-    WAIT_PULL: tl.constexpr, PULL_BM: tl.constexpr, PULL_TIMER: tl.constexpr, PULL_GDC: tl.constexpr,
     # tile config; DOT_N: columns per row-dot partial of SWIGLU_BWD (BLOCK_N or BLOCK_N / 2)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_N: tl.constexpr,
 ):
-    out_ty = c_ptr.dtype.element_ty
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(tile_offsets_ptr + num_experts) * num_n_tiles
-    tile = first_tile(pull_ptr, WAIT_PULL)  # WAIT_PULL: from a counter (megamoe.kernels.ep_tiles)
+    tile = tl.program_id(0)
     while tile < num_tiles:
-        m_tile = tile // num_n_tiles
-        n_tile = tile % num_n_tiles
-        expert, row_start, row_end = expert_of_tile(tile_offsets_ptr, row_offsets_ptr, m_tile, num_experts,
-                                                     E_POW2, BLOCK_M)
-        offs_m = row_start + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < row_end
-        if WAIT_PULL:  # the blocks of A rows this tile stores (and their row scales) have landed
-            wait_for_rows(pull_ptr, pull_flags_ptr, pull_rank, pull_max_iters, pull_timeout_ns, row_start, row_end,
-                          BLOCK_M, PULL_BM, PULL_TIMER, TMA_A)
+        expert, n_tile, row_start, row_end, offs_m, mask_m = m_tile_rows(tile, num_n_tiles, tile_offsets_ptr,
+                                                                         row_offsets_ptr, num_experts, E_POW2,
+                                                                         BLOCK_M)
         rows = tl.minimum(offs_m, num_rows - 1).to(tl.int64)  # clamped rows: computed, never stored
-        if HAS_GATHER:
-            a_rows = tl.load(a_idx_ptr + rows).to(tl.int64)
-        else:
-            a_rows = rows
-        if PUSH:  # each row's destination in its owner's slots, loaded before the K loop (ep_tiles)
-            push_dest, push_mask = push_rows(push_tab_ptr, push_deltas_ptr, rows, mask_m, push_c, push_k, N)
-        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        acc, acc_up = _k_loop(a_ptr, a_desc, b_ptr, b_desc, a_rows, expert, row_start, n_tile, mask_m, offs_n, mask_n,
-                              N, stride_am, stride_ak, stride_be, stride_bn, stride_bk, K, EPILOGUE, FP32_DOT, EVEN_K,
-                              EVEN_N, TMA_A, TMA_B, B_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
-
-        mask = mask_m[:, None] & mask_n[None, :]
-        out_rows = offs_m.to(tl.int64)
-        c_ptrs = c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :]
-        if EPILOGUE == PLAIN:
-            if HAS_SCALE:
-                acc = acc * tl.load(scale_ptr + rows).to(tl.float32)[:, None]
-            if PUSH:
-                c_ptrs = c_ptr + push_dest[:, None] + offs_n[None, :]
-                mask = push_mask[:, None] & mask_n[None, :]
-            tl.store(c_ptrs, acc.to(out_ty), mask=mask)
-        elif EPILOGUE == SWIGLU:
-            _swiglu_epilogue(acc, acc_up, c_ptrs, aux_ptr, out_rows, offs_n, mask, N, stride_xm, SAVE_AUX)
-        else:  # SWIGLU_BWD: acc = dY @ W2[e], N = F, C = [dg | du] (R x 2F), AUX = h * scale (R x F)
-            _swiglu_bwd_epilogue(acc, n_tile, rows, out_rows, mask_m, scale_ptr, gu_ptr, c_ptr, aux_ptr, dot_ptr, N,
-                                 stride_gm, stride_cm, stride_xm, HAS_SCALE, HAS_DOT, BLOCK_M, BLOCK_N, DOT_N)
-        tile = next_tile(tile, pull_ptr, WAIT_PULL)
-    end_after_pull(PULL_GDC)
+        acc, acc_up, offs_n, mask_n = m_tile_product(
+            a_ptr, a_desc, a_idx_ptr, b_ptr, b_desc, expert, row_start, n_tile, rows, mask_m, N, stride_am,
+            stride_ak, stride_be, stride_bn, stride_bk, K, EPILOGUE, HAS_GATHER, FP32_DOT, EVEN_K, EVEN_N, TMA_A,
+            TMA_B, B_ROWS, BLOCK_M, BLOCK_N, BLOCK_K)
+        m_tile_store(acc, acc_up, n_tile, rows, offs_m, mask_m, offs_n, mask_n, scale_ptr, gu_ptr, c_ptr, aux_ptr,
+                     dot_ptr, N, stride_cm, stride_gm, stride_xm, EPILOGUE, HAS_SCALE, SAVE_AUX, HAS_DOT, BLOCK_M,
+                     BLOCK_N, DOT_N)
+        tile += tl.num_programs(0)
 
 
 @triton.jit

@@ -1,6 +1,7 @@
-"""Host side of the m-grouped GEMM's expert-parallel pieces (megamoe.kernels.ep_tiles): where a GEMM stores its
-result rows (:class:`RowPush`, the owners' slots across ranks) and the rows of A still arriving while it runs
-(:class:`RowPull`, the pull beside the GEMM), and the kernel arguments each becomes.
+"""Host side of the expert-parallel m-grouped GEMMs (megamoe.kernels.ep_tiles): where a GEMM stores its result rows
+(:class:`RowPush`, the owners' slots across ranks) and the rows of A still arriving while it runs (:class:`RowPull`,
+the pull beside the GEMM), and the kernel and kernel arguments each becomes (:func:`push_launch`,
+:func:`pull_launch`; megamoe.ops.grouped_gemm launches them).
 
 Legend: R rows of the GEMM's expert-grouped row buffer, C >= R columns of the row table, W EP ranks, B blocks of
 ``block_rows`` rows. Nothing here launches a kernel or reads device values on the host.
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-__all__ = ["RowPush", "RowPull", "row_push_deltas", "push_args", "pull_args", "pull_constexprs", "pull_launch"]
+from ..kernels.ep_tiles import m_grouped_pull_kernel, m_grouped_push_kernel
+
+__all__ = ["RowPush", "RowPull", "row_push_deltas", "push_launch", "pull_launch"]
 
 
 @dataclass(frozen=True)
@@ -110,29 +113,18 @@ def row_push_deltas(dest: torch.Tensor, addresses: list[int]) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int64, device=dest.device)
 
 
-def push_args(push: RowPush | None, dummy: torch.Tensor) -> tuple:
-    """The kernel's (push_deltas_ptr, push_tab_ptr, push_c, push_k). Without push: ``dummy`` pointers and integer
-    1s (a launch makes them compile-time constants; unused runtime ints moved the register allocation of dgrad +
-    SwiGLU to 16 spilled bytes in the sm_90a compile test)."""
-    if push is None:
-        return dummy, dummy, 1, 1
-    return push.deltas_W, push.rowtab_3C, push.rowtab_3C.shape[1], push.top_k
+def push_launch(push: RowPush) -> tuple:
+    """(kernel, its expert-parallel arguments) of a plain m-grouped GEMM that stores through ``push``."""
+    return m_grouped_push_kernel, dict(push_deltas_ptr=push.deltas_W, push_tab_ptr=push.rowtab_3C,
+                                       push_c=push.rowtab_3C.shape[1], push_k=push.top_k)
 
 
-def pull_args(pull: RowPull | None, dummy: torch.Tensor) -> tuple:
-    """The kernel's (pull_ptr, pull_flags_ptr, pull_rank, pull_max_iters, pull_timeout_ns); without pull,
-    ``dummy`` pointers and integer 1s (as :func:`push_args`)."""
-    if pull is None:
-        return dummy, dummy, 1, 1, 1
-    return pull.ready_B1, pull.flags, pull.rank, pull.max_iters, pull.timeout_ns
-
-
-def pull_constexprs(pull: RowPull | None) -> dict:
-    """The kernel's WAIT_PULL, PULL_BM, PULL_TIMER and PULL_GDC."""
-    return dict(WAIT_PULL=pull is not None, PULL_BM=pull.block_rows if pull is not None else 1,
-                PULL_TIMER=pull is not None and pull.use_timer, PULL_GDC=pull is not None and pull.pdl)
-
-
-def pull_launch(pull: RowPull | None) -> dict:
-    """Launch options: a programmatic dependent launch (``launch_pdl``) beside a pull that asks for it."""
-    return {"launch_pdl": True} if pull is not None and pull.pdl else {}
+def pull_launch(pull: RowPull) -> tuple:
+    """(kernel, its expert-parallel arguments and launch options) of an m-grouped GEMM beside ``pull``: a
+    programmatic dependent launch (``launch_pdl``) where the pull asks for it."""
+    args = dict(pull_ptr=pull.ready_B1, pull_flags_ptr=pull.flags, pull_rank=pull.rank, pull_max_iters=pull.max_iters,
+                pull_timeout_ns=pull.timeout_ns, PULL_BM=pull.block_rows, PULL_TIMER=pull.use_timer,
+                PULL_GDC=pull.pdl)
+    if pull.pdl:
+        args["launch_pdl"] = True
+    return m_grouped_pull_kernel, args

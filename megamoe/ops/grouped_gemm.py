@@ -31,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernels.grouped_gemm import k_grouped_gemm_kernel, k_grouped_resident_kernel, m_grouped_gemm_kernel
 from . import tile_config
 from ._common import check_device, is_interpreted, persistent_programs, pow2, sm_count
-from .ep_tiles import RowPull, RowPush, pull_args, pull_constexprs, pull_launch, push_args, row_push_deltas
+from .ep_tiles import RowPull, RowPush, pull_launch, push_launch, row_push_deltas
 from .routing import tile_offsets_for
 from .tile_config import DEFAULT_KERNELS, KernelConfig, k_grouped_config, m_grouped_config
 from .torch_grouped_mm import torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, wgrad_shape_fits
@@ -101,15 +101,14 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
     """Launch the persistent m-grouped kernel. stride_b = (stride_e, stride_n, stride_k) of B, in elements.
     push (plain epilogue only): store rows through ``push`` (c is then its dest). tile_cache: see
     :func:`gate_up_swiglu`. pull: A's rows (and row scales) still arriving (:class:`RowPull`; rows not
-    gathered): its pull is launched here, then this GEMM beside it. kernel_config: tile overrides."""
+    gathered): its pull is launched here, then this GEMM beside it. kernel_config: tile overrides.
+    The kernel: ``m_grouped_gemm_kernel``, or with push / pull its expert-parallel form (ops.ep_tiles)."""
     E = b.shape[0]
-    kernel = m_grouped_gemm_kernel
+    kernel, ep_args = _m_grouped_kernel(where, epilogue, a_idx, push, pull)
     interpret = is_interpreted(kernel)
     cfg = m_grouped_config(kind, N, K, b.dtype, interpret=interpret, gathered=a_idx is not None,
                            kernel_config=kernel_config)
     if pull is not None:
-        if a_idx is not None:
-            raise ValueError(f"{where}: pull needs rows that are not gathered")
         pull.check(where, num_rows, c.device)
     if num_rows == 0 or N == 0:
         if pull is not None:
@@ -133,23 +132,39 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
              and (a.stride(0) * a.element_size()) % 16 == 0)
     a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [cfg.block_m, cfg.block_k]) if tma_a else a
     dummy = c
-    kernel[grid](
-        a, a_desc, a_idx if a_idx is not None else offsets_E1, b, b_desc, offsets_E1, tile_offsets_E1,
-        scale if scale is not None else dummy, gu if gu is not None else dummy,
-        c, aux if aux is not None else dummy, dot if dot is not None else dummy,
-        *push_args(push, offsets_E1), *pull_args(pull, offsets_E1),  # EP pieces (ops.ep_tiles); else 1s
-        num_rows, N, E, K,
-        a.stride(0), a.stride(1), stride_b[0], stride_b[1], stride_b[2], c.stride(0),
-        gu.stride(0) if gu is not None else 0, aux.stride(0) if aux is not None else 0,
-        EPILOGUE=epilogue, HAS_GATHER=a_idx is not None, HAS_SCALE=scale is not None,
-        SAVE_AUX=aux is not None, HAS_DOT=dot is not None, PUSH=push is not None, FP32_DOT=fp32_dot,
-        EVEN_K=K % cfg.block_k == 0,
-        EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows,
-        **pull_constexprs(pull), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_N=dot_cols(cfg) if epilogue == _SWIGLU_BWD else cfg.block_n,
-        num_warps=cfg.num_warps, enable_fp_fusion=True, num_stages=cfg.num_stages, **pull_launch(pull),
-    )
+    args = dict(a_ptr=a, a_desc=a_desc, b_ptr=b, b_desc=b_desc, row_offsets_ptr=offsets_E1,
+                tile_offsets_ptr=tile_offsets_E1, scale_ptr=scale if scale is not None else dummy, c_ptr=c,
+                num_rows=num_rows, N=N, num_experts=E, K=K, stride_am=a.stride(0), stride_ak=a.stride(1),
+                stride_be=stride_b[0], stride_bn=stride_b[1], stride_bk=stride_b[2], HAS_SCALE=scale is not None,
+                FP32_DOT=fp32_dot, EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E),
+                TMA_A=tma_a, TMA_B=tma_b, B_ROWS=b_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k)
+    if pull is None:  # gathered rows: from the token matrix through a_idx
+        args.update(a_idx_ptr=a_idx if a_idx is not None else offsets_E1, HAS_GATHER=a_idx is not None)
+    if push is None:  # the epilogue's outputs (push: the plain one, into the owners' slots)
+        args.update(gu_ptr=gu if gu is not None else dummy, aux_ptr=aux if aux is not None else dummy,
+                    dot_ptr=dot if dot is not None else dummy, stride_cm=c.stride(0),
+                    stride_gm=gu.stride(0) if gu is not None else 0, stride_xm=aux.stride(0) if aux is not None else 0,
+                    EPILOGUE=epilogue, SAVE_AUX=aux is not None, HAS_DOT=dot is not None,
+                    DOT_N=dot_cols(cfg) if epilogue == _SWIGLU_BWD else cfg.block_n)
+    kernel[grid](**args, **ep_args, num_warps=cfg.num_warps, enable_fp_fusion=True, num_stages=cfg.num_stages)
     return cfg
+
+
+def _m_grouped_kernel(where: str, epilogue: int, a_idx, push: RowPush | None, pull: RowPull | None) -> tuple:
+    """(kernel, its expert-parallel arguments): the local m-grouped kernel, or the push / pull kernel of
+    megamoe.ops.ep_tiles."""
+    if push is not None and pull is not None:
+        raise ValueError(f"{where}: a GEMM takes either push or pull, not both")
+    if push is not None:
+        if epilogue != _PLAIN:
+            raise ValueError(f"{where}: push needs the plain epilogue")
+        return push_launch(push)
+    if pull is not None:
+        if a_idx is not None:
+            raise ValueError(f"{where}: pull needs rows that are not gathered")
+        return pull_launch(pull)
+    return m_grouped_gemm_kernel, {}
 
 
 def dot_cols(cfg) -> int:
