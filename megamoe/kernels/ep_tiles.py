@@ -14,7 +14,9 @@ flag that never comes writes STAGE_PULL into the EP workspace's status word (meg
 ``m_grouped_push_kernel``, a plain-epilogue GEMM storing its result rows into the owners' slots (host side
 megamoe.ops.ep_tiles.RowPush): row r of the GEMM is stored at row ``token * push_k + slot`` of the buffer
 ``push_deltas[src]`` elements from C, with (src, token, slot) the columns r of the row table ``push_tab``
-[3, push_c] (src < 0: not stored; :func:`push_rows`).
+[3, push_c] (src < 0: not stored; :func:`push_rows`), so the result rows go straight into their owners' slots,
+local or a peer's (NVLink). The offsets are multiples of 16 elements, so the stores stay 16-byte vectors
+(without that promise the compile held one address per element and spilled ~9 KB per thread).
 
 Between prologue and epilogue both run the local kernel's helpers (m_tile_rows, m_tile_product, m_tile_store /
 row_scaled), so a tile's arithmetic, and its bits, are the local kernel's.

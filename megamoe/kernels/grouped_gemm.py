@@ -10,22 +10,20 @@ Two kernel families (GEMM naming after DeepGEMM: which dimension is grouped):
   addressed through strides, so the same kernel runs the "nt" forward GEMMs (B[e] stored [N, K], the
   nn.Linear layout) and the "nn" dgrad GEMMs (B[e] stored [K, N]). ``row(r)`` is r, or
   ``a_idx[r]`` when HAS_GATHER (rows are gathered straight from the token matrix, no permuted copy).
-  Persistent grid: program p walks the tiles p, p + num_programs, ... (WAIT_PULL: tiles from an int32
-  counter in increasing order, each tile first waiting for its rows' ready flags; these expert-parallel pieces,
-  and PUSH's destinations below, are helpers of megamoe.kernels.ep_tiles); a tile is (m-tile, n-tile)
-  with the n-tile fastest. M-tiles never straddle two experts: expert e owns ``ceil(count_e / BLOCK_M)``
-  m-tiles starting at ``tile_offsets[e]`` (exclusive prefix sum on the device), so the grid is sized
-  from a static bound on rows and programs past the real work exit. Operand loads: pointer loads, or
+  Persistent grid: program p walks the tiles p, p + num_programs, ...; a tile is (m-tile, n-tile) with the
+  n-tile fastest. The tile body is four helpers (``m_tile_rows``: the tile's expert and rows;
+  ``m_tile_product``: the K loop; ``m_tile_store``: the epilogues below; ``row_scaled``), which the
+  expert-parallel kernels of megamoe.kernels.ep_tiles wrap with a pull-wait prologue (tiles from a counter,
+  each waiting for its rows) or a push epilogue (rows stored into their owners' slots): the same arithmetic.
+  M-tiles never straddle two experts: expert e owns ``ceil(count_e / BLOCK_M)`` m-tiles starting at
+  ``tile_offsets[e]`` (exclusive prefix sum on the device), so the grid is sized from a static bound on rows
+  and programs past the real work exit. Operand loads: pointer loads, or
   (TMA_B) the weight tile through a TMA tensor descriptor over the 2-D view of B, (TMA_A) also the A tile
   when A's rows are not gathered; the hardware zero-fills past the view's edges, and rows of a
   neighbouring expert or token only ever reach output rows / columns that are masked at the store.
   Epilogues:
-    0 PLAIN:      C = cast(acc [* scale[r]]); with PUSH (expert parallelism) row r is stored instead at row
-                  ``token * push_k + slot`` of the buffer that starts ``push_deltas[src]`` elements from C
-                  (src, token, slot = the row table's columns r; src < 0: not stored), so the result rows
-                  go straight into their owners' slots, local or a peer's (NVLink). The offsets are
-                  multiples of 16 elements, so the stores stay 16-byte vectors (without that promise the
-                  compile held one address per element and spilled ~9 KB per thread).
+    0 PLAIN:      C = cast(acc [* scale[r]]) (``m_grouped_push_kernel`` stores the same values into the
+                  owners' slots instead).
     1 SWIGLU:     two accumulators (gate columns n, up columns N + n of B[e]); g, u rounded to the output
                   dtype, ``h = cast(silu(g) * u)``; optionally stores [g | u] (the pre-activations) in AUX.
     2 SWIGLU_BWD: acc = dY @ W2[e] (dh before scaling); reads the saved [g | u], recomputes h exactly as
