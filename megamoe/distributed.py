@@ -36,10 +36,17 @@ Every wait is bounded; a timeout writes a packed status word that :meth:`EPWorks
 Two ways to build a workspace: :func:`get_workspace` (CUDA, symmetric memory over a process group) and
 :meth:`EPWorkspace.from_shared_buffers` (CPU tensors in shared memory, one process per simulated rank,
 for the Triton interpreter tests).
+
+Ranks on one machine: :func:`run_ranks` runs a function in W spawned processes (the training CLI's
+reproducibility check, scripts/bits_digest.py), :func:`free_port` gives their rendezvous port.
 """
 
 from __future__ import annotations
 
+import queue
+import socket
+import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +56,7 @@ from .validation import check_same_across_ranks
 
 __all__ = ["WorkspaceSpec", "EPWorkspace", "EPTimeoutError", "get_workspace", "reserve_workspace",
            "STAGE_NAMES", "P_MAX", "FLAG_READY", "FLAG_EPOCH", "FLAG_STATUS",
-           "default_capacity_rows", "max_rounds", "max_received_rows"]
+           "default_capacity_rows", "max_rounds", "max_received_rows", "free_port", "run_ranks"]
 
 FLAG_EPOCH, FLAG_STATUS, FLAG_READY = 0, 1, 16
 _ALIGN = 256
@@ -354,3 +361,57 @@ def get_workspace(group, *, num_tokens: int, hidden: int, top_k: int, num_expert
     dist.barrier(group=group)  # every rank zeroed its flags before anyone signals
     _WORKSPACES[key] = ws
     return ws
+
+
+# ------------------------------------------------------------------------------- spawned ranks
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that is free now: the rendezvous (``tcp://127.0.0.1:port``) of ranks started on
+    this machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(target, rank: int, world: int, port: int, args: tuple, q) -> None:
+    try:
+        q.put((rank, "ok", target(rank, world, port, *args)))
+    except BaseException:  # reported to the parent, then re-raised
+        q.put((rank, "err", traceback.format_exc()))
+        raise
+
+
+def run_ranks(target, world: int, *args, timeout_s: float = 1800.0, what: str = "run_ranks") -> list:
+    """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes of this machine (``port``: one
+    :func:`free_port` for their process group's rendezvous) and return what each returned, in rank order.
+
+    ``target`` and ``args`` must be picklable (a module-level function), the results too. Raises RuntimeError,
+    prefixed by ``what``, naming a rank that raised (with its traceback), exited without a result, or did not
+    finish within ``timeout_s``; the ranks left are then killed."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(target, r, world, port, args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + timeout_s
+    try:
+        while len(results) < world:
+            try:
+                rank, status, payload = q.get(timeout=5.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"{what}: rank {dead[0] if dead else '?'} of {world} "
+                                       f"{'exited without a result' if dead else 'timed out'}") from None
+                continue
+            if status != "ok":
+                raise RuntimeError(f"{what}: rank {rank} of {world} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=60 if len(results) == world else 1)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import queue
-import traceback
 from datetime import timedelta
 
 import torch
@@ -29,6 +27,7 @@ from megamoe.bench.problem import make_problem
 from megamoe.bench.providers_ep import close_one_rank_group, one_rank_group
 from megamoe.bench.routing_models import make_routing
 from megamoe.config import get_preset
+from megamoe.distributed import run_ranks
 from megamoe.functional import moe_experts
 from megamoe.functional_ep import moe_experts_ep
 
@@ -54,7 +53,7 @@ def digests(case: str, path: str, device: torch.device, *, world: int = 1, rank:
     return [f"{case} {path} out {_sha(out)}"] + [f"{case} {path} d{n} {_sha(g)}" for n, g in zip(names, grads)]
 
 
-def _rank(rank: int, world: int, port: int, cases: list[str], q) -> None:
+def _rank(rank: int, world: int, port: int, cases: list[str]) -> list[str]:
     import torch.distributed as dist
 
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
@@ -67,48 +66,16 @@ def _rank(rank: int, world: int, port: int, cases: list[str], q) -> None:
         for case in cases:
             lines += digests(case, f"ep{world}.r{rank}", device, world=world, rank=rank, group=dist.group.WORLD)
             torch.cuda.empty_cache()
-        q.put((rank, lines))
         dist.barrier()
-    except BaseException:
-        q.put((rank, traceback.format_exc()))
-        raise
+        return lines
     finally:
         dist.destroy_process_group()
 
 
 def shared_gpu_digests(cases: list[str], world: int) -> list[str]:
     """Digests of the EP path at ``world`` ranks sharing the visible GPU (see the module doc)."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, cases, q)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    got, failed = {}, None
-    while len(got) < world and failed is None:
-        try:
-            rank, res = q.get(timeout=5)
-        except queue.Empty:
-            dead = [r for r, proc in enumerate(procs) if r not in got and proc.exitcode is not None]
-            if dead:
-                failed = f"bits_digest --world {world}: ranks {dead} exited before reporting"
-            continue
-        if isinstance(res, str):
-            failed = f"bits_digest --world {world}: rank {rank} failed:\n{res}"
-        got[rank] = res
-    for proc in procs:
-        proc.join(timeout=5 if failed else 120)
-        if proc.is_alive():
-            proc.kill()
-    if failed:
-        raise RuntimeError(failed)
-    return [ln for r in range(world) for ln in got[r]]
+    per_rank = run_ranks(_rank, world, cases, what=f"bits_digest --world {world}")
+    return [ln for lines in per_rank for ln in lines]
 
 
 def main() -> None:

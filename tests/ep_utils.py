@@ -25,7 +25,6 @@ import contextlib
 import io
 import os
 import queue
-import socket
 import time
 import traceback
 import warnings
@@ -34,13 +33,9 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
+from megamoe.distributed import free_port
+
 PG_TIMEOUT_S = 120  # process-group timeout: a lost peer fails a collective in bounded time
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shared_gpu() -> bool:

@@ -14,13 +14,14 @@ import os
 import pytest
 import torch
 
-from ep_utils import free_port, spawn_ranks
+from ep_utils import spawn_ranks
 from megamoe.bench.__main__ import build_parser, main
 from megamoe.bench.check import check_provider
 from megamoe.bench.problem import make_problem
 from megamoe.bench.providers import torch_moe_experts
 from megamoe.bench.routing_models import fit_trace, load_stats, make_routing
 from megamoe.config import get_preset
+from megamoe.distributed import free_port
 
 FAST = ["--device", "cpu", "--iters", "2", "--round-iters", "1", "--warmup", "1", "--quiet"]
 

@@ -1,4 +1,5 @@
-"""The multi-process launcher of the EP tests (``ep_utils.spawn_ranks``) reports every way a rank can fail.
+"""The multi-process launchers (the EP tests' ``ep_utils.spawn_ranks``, the package's ``megamoe.distributed.run_ranks``)
+report every way a rank can fail.
 
 A rank that dies without a Python exception (``std::terminate`` in a backend, a signal) must be named
 with its exit code at once, not after the launcher's timeout; a rank that raises must be named with its
@@ -78,3 +79,19 @@ def test_rank_that_hangs_is_named_after_the_timeout():
     with pytest.raises(AssertionError, match=r"ranks \[1\]: no report within 3"):
         spawn_ranks(_hang_on_rank_1, 2, timeout=3)
     assert time.monotonic() - t0 < 30
+
+
+def _rank_and_port(rank, world, port, fail_rank):
+    if rank == fail_rank:
+        raise RuntimeError("planted failure")
+    return rank, world, port
+
+
+def test_run_ranks_returns_in_rank_order_and_names_a_failing_rank():
+    """megamoe.distributed.run_ranks (the package's spawned ranks: the training check, bits_digest)."""
+    from megamoe.distributed import run_ranks
+
+    got = run_ranks(_rank_and_port, 2, -1, timeout_s=100, what="ok-case")
+    assert [g[:2] for g in got] == [(0, 2), (1, 2)] and got[0][2] == got[1][2] > 0
+    with pytest.raises(RuntimeError, match=r"(?s)bad-case: rank 1 of 2 failed:.*planted failure"):
+        run_ranks(_rank_and_port, 2, 1, timeout_s=100, what="bad-case")

@@ -20,12 +20,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..distributed import run_ranks
 from .loop import Dist, RunConfig, RunResult, train
 
 __all__ = ["compare", "fingerprint", "repeat_spawned"]
@@ -60,72 +60,33 @@ def compare(a: dict, b: dict) -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, rc: RunConfig, threads: int, out_q) -> None:
-    """One spawned rank: join the group, train ``rc`` twice at EP=world, report both fingerprints."""
+def _rank_main(rank: int, world: int, port: int, rc: RunConfig, threads: int) -> list[dict]:
+    """One spawned rank: join the group, train ``rc`` twice at EP=world, return both fingerprints."""
+    torch.set_num_threads(threads)  # the parent's (--threads): CPU ranks of one machine share its cores
+    backend, kw = "gloo", {}
+    if rc.device.startswith("cuda"):
+        n_gpu = torch.cuda.device_count()
+        device = torch.device("cuda", rank % n_gpu)
+        torch.cuda.set_device(device)
+        if n_gpu >= world:
+            backend, kw = "nccl", {"device_id": device}
+        else:  # ranks share a GPU: NCCL refuses that; symmetric memory must map pools of one device
+            os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        rc = dataclasses.replace(rc, device=str(device))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(minutes=5), **kw)
     try:
-        torch.set_num_threads(threads)  # the parent's (--threads): CPU ranks of one machine share its cores
-        backend, kw = "gloo", {}
-        if rc.device.startswith("cuda"):
-            n_gpu = torch.cuda.device_count()
-            device = torch.device("cuda", rank % n_gpu)
-            torch.cuda.set_device(device)
-            if n_gpu >= world:
-                backend, kw = "nccl", {"device_id": device}
-            else:  # ranks share a GPU: NCCL refuses that; symmetric memory must map pools of one device
-                os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
-            rc = dataclasses.replace(rc, device=str(device))
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(minutes=5), **kw)
-        try:
-            dctx = Dist.from_world(world, "cuda" if rc.device.startswith("cuda") else "cpu")
-            runs = [fingerprint(train(rc, dctx)) for _ in range(2)]
-        finally:
-            dist.destroy_process_group()
-        out_q.put((rank, "ok", runs))
-    except BaseException as exc:  # reported to the parent, then re-raised
-        out_q.put((rank, "err", f"{type(exc).__name__}: {exc}"))
-        raise
+        dctx = Dist.from_world(world, "cuda" if rc.device.startswith("cuda") else "cpu")
+        return [fingerprint(train(rc, dctx)) for _ in range(2)]
+    finally:
+        dist.destroy_process_group()
 
 
 def repeat_spawned(rc: RunConfig, world: int = 2, timeout_s: float = 1800.0) -> list[tuple[dict, dict]]:
     """Train ``rc`` twice at EP=``world`` in ``world`` spawned ranks; returns each rank's two fingerprints.
-    Raises RuntimeError naming the rank if one fails or exits without a report (bounded: ``timeout_s``)."""
-    import queue
-    import time
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    Raises RuntimeError naming the rank if one fails or exits without a report (bounded: ``timeout_s``;
+    megamoe.distributed.run_ranks)."""
     rc = dataclasses.replace(rc, out_dir=None, progress=False)
-    port = _free_port()
     threads = max(1, torch.get_num_threads() // world)
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, rc, threads, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, deadline = {}, time.monotonic() + timeout_s
-    try:
-        while len(results) < world:
-            try:
-                rank, status, payload = q.get(timeout=5.0)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"--check: EP={world} rank {dead[0] if dead else '?'} "
-                                       f"{'exited without a report' if dead else 'timed out'}") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"--check: EP={world} rank {rank} failed: {payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=60 if len(results) == world else 1)
-            if p.is_alive():
-                p.kill()
-    return [tuple(results[r]) for r in range(world)]
+    runs = run_ranks(_rank_main, world, rc, threads, timeout_s=timeout_s, what=f"--check: EP={world}")
+    return [tuple(r) for r in runs]
