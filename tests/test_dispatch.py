@@ -12,7 +12,7 @@ import re
 import pytest
 
 from megamoe.ops.dispatch import Dispatcher, LocalDispatcher
-from megamoe.ops.ep_dispatch import NVLinkDispatcher
+from megamoe.ops.ep_dispatch import NVLinkDispatcher, wgrad_rows_estimate
 
 
 def _names(fn):
@@ -39,3 +39,12 @@ def test_the_stage_loop_calls_only_protocol_members():
     import megamoe.autograd as autograd
     called = set(re.findall(r"\bd\.([a-z_]+)", inspect.getsource(autograd)))
     assert called and called <= set(MEMBERS), sorted(called - set(MEMBERS))
+
+
+def test_a_rank_without_tokens_estimates_rows_from_the_capacity():
+    """The weight gradients' kernel choice of a rank with T = 0 assumes the workspace's token capacity (it
+    receives the other ranks' rows), not zero rows; ranks with tokens keep min(T * K, C) / L."""
+    K, C, L, cap = 8, 65536, 128, 4096
+    assert wgrad_rows_estimate(2048, K, C, L, cap) == 2048 * K / L
+    assert wgrad_rows_estimate(0, K, C, L, cap) == wgrad_rows_estimate(cap, K, C, L, cap) == cap * K / L
+    assert wgrad_rows_estimate(10**6, K, C, L, cap) == C / L

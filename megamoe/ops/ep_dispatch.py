@@ -78,7 +78,7 @@ from .wgrad_rounds import finalize_split, k_grouped_round, split_slots
 
 _NO_OPTIONS = EPOptions()  # every variant off
 
-__all__ = ["NVLinkDispatcher"]
+__all__ = ["NVLinkDispatcher", "wgrad_rows_estimate"]
 
 
 @contextlib.contextmanager
@@ -99,6 +99,15 @@ def _join(side) -> None:
     if side is not None:
         stream = side[0]
         torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+
+def wgrad_rows_estimate(T: int, K: int, C: int, L: int, max_tokens: int) -> float:
+    """Rows per local expert that the weight gradients' kernel choice assumes (host-side, no sync): as if every
+    rank routed its T tokens like this one, ``min(T * K, C) / L``. A rank without tokens still receives the
+    others' rows; it assumes the workspace's token capacity ``max_tokens`` (at least the group's largest T)
+    instead of T = 0, which would pick the slowest kernel. The choice never changes bits: every weight-gradient
+    kernel adds the same BLOCK_K row chunks in the same order (megamoe.ops.grouped_gemm.k_grouped_mm)."""
+    return min((T if T > 0 else max_tokens) * K, C) / L
 
 
 class NVLinkDispatcher:
@@ -233,9 +242,7 @@ class NVLinkDispatcher:
         L, G, _ = w13_LGD.shape
         self.F = G // 2
         self.h_CF = self.gu_CG = None  # recompute buffers, allocated only for a round without saved pre-activations
-        # rows per local expert if every rank routes like this one (a host-side estimate for the kernel choice
-        # of the weight gradients; it never changes bits)
-        self.rows_est = min(T * topk_ids_TK.shape[1], self.C) / L
+        self.rows_est = wgrad_rows_estimate(T, topk_ids_TK.shape[1], self.C, L, ws.spec.max_tokens)
         self.P = 1
         if self.rounds > 1:  # rounds launched for the worst case: later rounds touch only experts with rows there,
             # experts of more than C rows (split across rounds) sum fp32 partials in slots (ops/wgrad_rounds.py)
