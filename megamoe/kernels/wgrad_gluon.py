@@ -103,6 +103,63 @@ def _issue_step(p_ptr, q_ptr, p_buf, q_ring, k, kn, m0, M, N, stride_pr, stride_
 
 
 @gluon.jit
+def _prime_ring(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, p_buf, q_ring, nch, tiles_n, row_start, row_end, m0, M, N,
+                stride_pr, stride_qr, resident, P_GATHER: gl.constexpr, Q_GATHER: gl.constexpr, STAGES: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LAYOUT_P: gl.constexpr,
+                LAYOUT_Q: gl.constexpr):
+    """A unit's first STAGES - 2 ring steps issued; returns the producer's next step (k, chunk kc, n-tile kn) and
+    its source rows and masks."""
+    k = gl.to_tensor(0)
+    kc = gl.to_tensor(0)
+    kn = gl.to_tensor(0)
+    p_src, pmask, q_src, qmask = _step_src(p_idx_ptr, q_idx_ptr, kc, kn, tiles_n, row_start, row_end, P_GATHER,
+                                           Q_GATHER, BLOCK_K, LAYOUT_P, LAYOUT_Q)
+    for _i in gl.static_range(STAGES - 2):
+        _issue_step(p_ptr, q_ptr, p_buf, q_ring, k, kn, m0, M, N, stride_pr, stride_qr, p_src, pmask, q_src, qmask,
+                    resident, STAGES, BLOCK_M, BLOCK_N, LAYOUT_P, LAYOUT_Q)
+        k, kc, kn = _next_step(k, kc, kn, nch)
+        p_src, pmask, q_src, qmask = _step_src(p_idx_ptr, q_idx_ptr, kc, kn, tiles_n, row_start, row_end, P_GATHER,
+                                               Q_GATHER, BLOCK_K, LAYOUT_P, LAYOUT_Q)
+    return k, kc, kn, p_src, pmask, q_src, qmask
+
+
+@gluon.jit
+def _load_resident_p(p_ptr, p_idx_ptr, p_buf, nch, row_start, row_end, m0, M, stride_pr, P_GATHER: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, LAYOUT_P: gl.constexpr):
+    """A resident unit's nch P^T chunks into p_buf slots 0 .. nch - 1, loaded once (one commit group, older than
+    every Q step)."""
+    c = gl.to_tensor(0)
+    while c < nch:
+        p_src, pmask = _chunk_src(p_idx_ptr, row_start + c * BLOCK_K, row_end, True, P_GATHER, BLOCK_K, LAYOUT_P)
+        _copy_chunk(p_ptr, p_buf.index(c), p_src, pmask, m0, M, stride_pr, BLOCK_M, LAYOUT_P)
+        c += 1
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _store_tile_tma(acc, c_desc, c_smem, row0, n0):
+    """TMA_C epilogue: the tile through the staging buffer ``c_smem`` to rows [row0, row0 + BLOCK_M) of the
+    (E * M, N) view; the store overlaps the next tile's main loop."""
+    tma.store_wait(0)  # the previous tile's store has read the staging buffer
+    cta_barrier()
+    c_smem.store(acc.to(c_smem.dtype))
+    fence_async_shared()
+    cta_barrier()
+    tma_store(c_desc, [row0, n0], c_smem)
+
+
+@gluon.jit
+def _store_tile_masked(acc, c_ptr, expert, m0, n0, M, N, stride_ce, stride_cm, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    """Masked-store epilogue: the tile at (m0, n0) of C[expert], rows and columns past (M, N) not written."""
+    out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), LAYOUT)
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LAYOUT))
+    ptrs = c_ptr + expert.to(gl.int64) * stride_ce + offs_m.to(gl.int64)[:, None] * stride_cm + offs_n[None, :]
+    gl.store(ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@gluon.jit
 def k_grouped_wgrad_kernel(
     # inputs
     p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, row_offsets_ptr,
@@ -144,26 +201,14 @@ def k_grouped_wgrad_kernel(
         # only ever added zero products
         nch = gl.maximum(gl.cdiv(row_end - row_start, BLOCK_K), 1)
         resident = nch <= RES
-        if resident:  # the unit's P^T chunks, loaded once (one commit group, older than every Q step)
-            c = gl.to_tensor(0)
-            while c < nch:
-                p_src, pmask = _chunk_src(p_idx_ptr, row_start + c * BLOCK_K, row_end, True, P_GATHER, BLOCK_K,
-                                          LOAD_P)
-                _copy_chunk(p_ptr, p_buf.index(c), p_src, pmask, m0, M, stride_pr, BLOCK_M, LOAD_P)
-                c += 1
-            async_copy.commit_group()
-        # producer: next ring step to copy (k), its chunk (kc) and n-tile (kn)
-        k = gl.to_tensor(0)
-        kc = gl.to_tensor(0)
-        kn = gl.to_tensor(0)
-        p_src, pmask, q_src, qmask = _step_src(p_idx_ptr, q_idx_ptr, kc, kn, tiles_n, row_start, row_end, P_GATHER,
-                                               Q_GATHER, BLOCK_K, LOAD_P, LOAD_Q)
-        for _i in gl.static_range(STAGES - 2):
-            _issue_step(p_ptr, q_ptr, p_buf, q_ring, k, kn, m0, M, N, stride_pr, stride_qr, p_src, pmask, q_src,
-                        qmask, resident, STAGES, BLOCK_M, BLOCK_N, LOAD_P, LOAD_Q)
-            k, kc, kn = _next_step(k, kc, kn, nch)
-            p_src, pmask, q_src, qmask = _step_src(p_idx_ptr, q_idx_ptr, kc, kn, tiles_n, row_start, row_end,
-                                                   P_GATHER, Q_GATHER, BLOCK_K, LOAD_P, LOAD_Q)
+        if resident:
+            _load_resident_p(p_ptr, p_idx_ptr, p_buf, nch, row_start, row_end, m0, M, stride_pr, P_GATHER, BLOCK_M,
+                             BLOCK_K, LOAD_P)
+        # producer: next ring step to copy (k), its chunk (kc) and n-tile (kn), and its source rows
+        k, kc, kn, p_src, pmask, q_src, qmask = _prime_ring(p_ptr, p_idx_ptr, q_ptr, q_idx_ptr, p_buf, q_ring, nch,
+                                                            tiles_n, row_start, row_end, m0, M, N, stride_pr,
+                                                            stride_qr, resident, P_GATHER, Q_GATHER, STAGES, BLOCK_M,
+                                                            BLOCK_N, BLOCK_K, LOAD_P, LOAD_Q)
         s = gl.to_tensor(0)  # consumer: ring step being multiplied
         for n_tile in range(tiles_n):
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
@@ -185,19 +230,9 @@ def k_grouped_wgrad_kernel(
             acc = warpgroup_mma_wait(0, deps=[acc])
             n0 = n_tile * BLOCK_N
             if TMA_C:
-                tma.store_wait(0)  # the previous tile's store has read the staging buffer
-                cta_barrier()
-                c_smem.store(acc.to(out_ty))
-                fence_async_shared()
-                cta_barrier()
-                tma_store(c_desc, [expert * M + m0, n0], c_smem)
+                _store_tile_tma(acc, c_desc, c_smem, expert * M + m0, n0)
             else:
-                out = gl.convert_layout(acc.to(out_ty), LOAD_Q)
-                offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD_Q))
-                offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LOAD_Q))
-                ptrs = (c_ptr + expert.to(gl.int64) * stride_ce + offs_m.to(gl.int64)[:, None] * stride_cm
-                        + offs_n[None, :])
-                gl.store(ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+                _store_tile_masked(acc, c_ptr, expert, m0, n0, M, N, stride_ce, stride_cm, BLOCK_M, BLOCK_N, LOAD_Q)
         async_copy.wait_group(0)  # the unit's trailing (all-masked) steps: nothing in flight past a unit
         cta_barrier()
     if TMA_C:

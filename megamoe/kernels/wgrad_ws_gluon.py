@@ -119,6 +119,47 @@ def _zero_rows(buf, valid, ROWS: gl.constexpr, COLS: gl.constexpr):
 
 
 @gluon.jit
+def _resident_p_ready(p_buf, p_ready, p_zeroed, owner, ur, nch, row_start, row_end, tiles_n, BLOCK_M: gl.constexpr,
+                      BLOCK_K: gl.constexpr):
+    """A resident unit's P chunks usable by this consumer: the owner (the consumer of the unit's first tile) waits
+    for them and zeroes the next expert's rows in the last chunk, once for both consumers; the other consumer,
+    if it has tiles in this unit, waits for that."""
+    if owner:
+        mbarrier.wait(p_ready, ur & 1)
+        last_valid = row_end - (row_start + (nch - 1) * BLOCK_K)
+        if last_valid < BLOCK_K:
+            _zero_rows(p_buf.index(nch - 1), last_valid, BLOCK_K, BLOCK_M)
+            fence_async_shared()
+            cta_barrier()  # the warpgroup's stores are visible to both warpgroups' wgmmas
+        mbarrier.arrive(p_zeroed)
+    elif tiles_n > 1:  # the other consumer has tiles in this unit
+        mbarrier.wait(p_zeroed, ur & 1)
+
+
+@gluon.jit
+def _store_tile(acc, c_ptr, c_desc, c_smem, expert, m0, n, M, N, stride_ce, stride_cm, CONSUMER: gl.constexpr,
+                TMA_C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A consumer's epilogue of the tile at (m0, n-tile n) of C[expert]: through its staging buffer and a TMA
+    store (TMA_C), else masked stores."""
+    out_ty: gl.constexpr = c_ptr.dtype.element_ty
+    if TMA_C:
+        buf = c_smem.index(CONSUMER)
+        tma.store_wait(0)  # this warpgroup's previous tile store has read the buffer
+        cta_barrier()
+        buf.store(acc.to(out_ty))
+        fence_async_shared()
+        cta_barrier()  # the whole tile is in shared memory before the store reads it
+        tma_store(c_desc, [expert * M + m0, n * BLOCK_N], buf)
+    else:
+        STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [4, 1], [1, 0])
+        out = gl.convert_layout(acc.to(out_ty), STORE)
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, STORE))
+        offs_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, STORE))
+        ptrs = c_ptr + expert.to(gl.int64) * stride_ce + offs_m.to(gl.int64)[:, None] * stride_cm + offs_n[None, :]
+        gl.store(ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@gluon.jit
 def _ws_wgrad_mma(p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, c_ptr, c_desc, c_smem, row_offsets_ptr,
                   num_units, tiles_m, tiles_n, M, N, stride_ce, stride_cm, CONSUMER: gl.constexpr,
                   STAGES: gl.constexpr, RES: gl.constexpr, TMA_C: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -127,8 +168,6 @@ def _ws_wgrad_mma(p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, 
     tile goes through this warpgroup's staging buffer and a TMA store, which overlaps its next tile)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
-    STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [4, 1], [1, 0])
-    out_ty: gl.constexpr = c_ptr.dtype.element_ty
     G = gl.num_programs(0)
     s = 0  # the program's step count
     j = 0  # the program's tile count
@@ -140,16 +179,7 @@ def _ws_wgrad_mma(p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, 
         resident = nch <= RES
         owner = j % 2 == CONSUMER  # this consumer takes the unit's first tile
         if resident:
-            if owner:  # zero the next expert's rows in the last resident chunk, once for both consumers
-                mbarrier.wait(p_ready, ur & 1)
-                last_valid = row_end - (row_start + (nch - 1) * BLOCK_K)
-                if last_valid < BLOCK_K:
-                    _zero_rows(p_buf.index(nch - 1), last_valid, BLOCK_K, BLOCK_M)
-                    fence_async_shared()
-                    cta_barrier()  # the warpgroup's stores are visible to both warpgroups' wgmmas
-                mbarrier.arrive(p_zeroed)
-            elif tiles_n > 1:  # the other consumer has tiles in this unit
-                mbarrier.wait(p_zeroed, ur & 1)
+            _resident_p_ready(p_buf, p_ready, p_zeroed, owner, ur, nch, row_start, row_end, tiles_n, BLOCK_M, BLOCK_K)
         if RES > 0:
             if not owner and tiles_n == 1:  # no tile of this unit: its P is not ours to hold
                 mbarrier.arrive(p_free)
@@ -181,21 +211,8 @@ def _ws_wgrad_mma(p_buf, q_ring, ready, empty, turn, p_ready, p_zeroed, p_free, 
                 if RES > 0:
                     if n + 2 >= tiles_n:  # this consumer's last tile of the unit: done with its P
                         mbarrier.arrive(p_free)
-                if TMA_C:
-                    buf = c_smem.index(CONSUMER)
-                    tma.store_wait(0)  # this warpgroup's previous tile store has read the buffer
-                    cta_barrier()
-                    buf.store(acc.to(out_ty))
-                    fence_async_shared()
-                    cta_barrier()  # the whole tile is in shared memory before the store reads it
-                    tma_store(c_desc, [expert * M + m0, n * BLOCK_N], buf)
-                else:
-                    out = gl.convert_layout(acc.to(out_ty), STORE)
-                    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, STORE))
-                    offs_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, STORE))
-                    ptrs = (c_ptr + expert.to(gl.int64) * stride_ce + offs_m.to(gl.int64)[:, None] * stride_cm
-                            + offs_n[None, :])
-                    gl.store(ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+                _store_tile(acc, c_ptr, c_desc, c_smem, expert, m0, n, M, N, stride_ce, stride_cm, CONSUMER, TMA_C,
+                            BLOCK_M, BLOCK_N)
                 i += 1
             else:
                 s += nch
