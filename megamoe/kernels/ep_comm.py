@@ -230,6 +230,60 @@ def ep_round_offsets_kernel(sched_ptr, roff_ptr, round_idx, C, L, E: tl.constexp
 
 
 @triton.jit
+def _block_sources(ptrs_ptr, sched_ptr, rowtab_ptr, i, qi, round_start, n, C, K, SORTED_OFF, W: tl.constexpr,
+                   E: tl.constexpr):
+    """Receive rows ``i`` of a round of n rows: segment q (binary search by comparison), source s = q % W,
+    the flat source row read from the source's sorted list, token = row // K, slot = row % K; writes the row table
+    ``rowtab[0/1/2, i]`` = (source, token, slot) (-1 source for unused rows). Returns (used rows, source pool
+    base, flat source row, token)."""
+    g = round_start + i
+    valid = i < n
+    starts = tl.load(sched_ptr + 80 + E + qi, mask=qi < E, other=2147483647)
+    cnts = tl.load(sched_ptr + 80 + qi, mask=qi < E, other=0)
+    hit = (starts[None, :] <= g[:, None]) & (cnts[None, :] > 0)
+    q = tl.max(tl.where(hit, qi[None, :], -1), axis=1)
+    q = tl.where(valid, q, 0)
+    j = g - tl.load(sched_ptr + 80 + E + q)
+    s = q % W
+    base = tl.load(ptrs_ptr + s)
+    srow = tl.load(_peer_i32(base, SORTED_OFF) + tl.load(sched_ptr + 80 + 2 * E + q) + j, mask=valid, other=0)
+    tok = srow // K
+    slot = srow % K
+    tl.store(rowtab_ptr + i, tl.where(valid, s, -1), mask=i < C)
+    tl.store(rowtab_ptr + C + i, tok, mask=i < C)
+    tl.store(rowtab_ptr + 2 * C + i, slot, mask=i < C)
+    return valid, base, srow, tok
+
+
+@triton.jit
+def _copy_block_rows(base, srow, tok, valid, i, xr_ptr, gr_ptr, wr_ptr, C, D, WEIGHTS_OFF, ROWS_OFF, CH1_ELEMS,
+                     BD: tl.constexpr, BWD: tl.constexpr, ALIGNED: tl.constexpr, PULL_X: tl.constexpr):
+    """Copy the used rows ``i`` of a round from their sources (token ``tok`` of the pool at ``base``): the x rows
+    (PULL_X) into ``xr``, and with BWD the output-gradient rows into ``gr`` and the routing weights (flat row
+    ``srow``) into ``wr``; BD columns at a time."""
+    DT = xr_ptr.dtype.element_ty
+    src_rows = (base + ROWS_OFF).to(tl.pointer_type(DT))
+    if ALIGNED:
+        src_rows = tl.multiple_of(src_rows, 16)
+    src_rows = src_rows + tok.to(tl.int64) * D
+    if BWD:
+        w = tl.load((base + WEIGHTS_OFF).to(tl.pointer_type(tl.float32)) + srow, mask=valid, other=0.0)
+        tl.store(wr_ptr + i, w, mask=i < C)
+    i64 = i.to(tl.int64)
+    d0 = 0
+    while d0 < D:
+        dd = d0 + tl.arange(0, BD)
+        m = valid[:, None] & (dd < D)[None, :]
+        if PULL_X:
+            x = tl.load(src_rows[:, None] + dd[None, :], mask=m, other=0.0)
+            tl.store(xr_ptr + i64[:, None] * D + dd[None, :], x, mask=m)
+        if BWD:
+            go = tl.load(src_rows[:, None] + CH1_ELEMS + dd[None, :], mask=m, other=0.0)
+            tl.store(gr_ptr + i64[:, None] * D + dd[None, :], go, mask=m)
+        d0 += BD
+
+
+@triton.jit
 def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr, wr_ptr, ready_ptr, round_idx, C, D,
                        K, L, SORTED_OFF, WEIGHTS_OFF, ROWS_OFF, CH1_ELEMS,
                        W: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr,
@@ -268,43 +322,10 @@ def ep_dispatch_kernel(ptrs_ptr, sched_ptr, rowtab_ptr, roff_ptr, xr_ptr, gr_ptr
         if blk * BM >= n:
             tl.store(rowtab_ptr + i, -1, mask=i < C)
         else:
-            g = round_start + i
-            valid = i < n
-            starts = tl.load(sched_ptr + 80 + E + qi, mask=qi < E, other=2147483647)
-            cnts = tl.load(sched_ptr + 80 + qi, mask=qi < E, other=0)
-            hit = (starts[None, :] <= g[:, None]) & (cnts[None, :] > 0)
-            q = tl.max(tl.where(hit, qi[None, :], -1), axis=1)
-            q = tl.where(valid, q, 0)
-            j = g - tl.load(sched_ptr + 80 + E + q)
-            s = q % W
-            base = tl.load(ptrs_ptr + s)
-            srow = tl.load(_peer_i32(base, SORTED_OFF) + tl.load(sched_ptr + 80 + 2 * E + q) + j, mask=valid,
-                           other=0)
-            tok = srow // K
-            slot = srow % K
-            tl.store(rowtab_ptr + i, tl.where(valid, s, -1), mask=i < C)
-            tl.store(rowtab_ptr + C + i, tok, mask=i < C)
-            tl.store(rowtab_ptr + 2 * C + i, slot, mask=i < C)
-            DT = xr_ptr.dtype.element_ty
-            src_rows = (base + ROWS_OFF).to(tl.pointer_type(DT))
-            if ALIGNED:
-                src_rows = tl.multiple_of(src_rows, 16)
-            src_rows = src_rows + tok.to(tl.int64) * D
-            if BWD:
-                w = tl.load((base + WEIGHTS_OFF).to(tl.pointer_type(tl.float32)) + srow, mask=valid, other=0.0)
-                tl.store(wr_ptr + i, w, mask=i < C)
-            i64 = i.to(tl.int64)
-            d0 = 0
-            while d0 < D:
-                dd = d0 + tl.arange(0, BD)
-                m = valid[:, None] & (dd < D)[None, :]
-                if PULL_X:
-                    x = tl.load(src_rows[:, None] + dd[None, :], mask=m, other=0.0)
-                    tl.store(xr_ptr + i64[:, None] * D + dd[None, :], x, mask=m)
-                if BWD:
-                    go = tl.load(src_rows[:, None] + CH1_ELEMS + dd[None, :], mask=m, other=0.0)
-                    tl.store(gr_ptr + i64[:, None] * D + dd[None, :], go, mask=m)
-                d0 += BD
+            valid, base, srow, tok = _block_sources(ptrs_ptr, sched_ptr, rowtab_ptr, i, qi, round_start, n, C, K,
+                                                    SORTED_OFF, W, E)
+            _copy_block_rows(base, srow, tok, valid, i, xr_ptr, gr_ptr, wr_ptr, C, D, WEIGHTS_OFF, ROWS_OFF,
+                             CH1_ELEMS, BD, BWD, ALIGNED, PULL_X)
             if READY:  # every thread's stores of the block before the one release store
                 if PDL:  # on the GPU: the GEMM may read these rows through TMA (it fences on its side too)
                     fence_proxy_async_global()
