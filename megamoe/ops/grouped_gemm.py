@@ -422,6 +422,38 @@ def _ws_takes(cfg, p, q, E, M, N, out_dtype, out, gathered, *, fill_sms: bool = 
     return ws_operands_fit(cfg, p, q, c_meta, gathered)
 
 
+def _check_k_grouped(where: str, p, q, offsets_E1, p_idx_R, q_idx_R) -> tuple:
+    """Checks of :func:`k_grouped_mm`'s operands; returns (device, R rows, E groups)."""
+    _check_2d("p", p, where)
+    _check_2d("q", q, where)
+    _check_index("p_idx_R", p_idx_R, where)
+    _check_index("q_idx_R", q_idx_R, where)
+    R = _rows_of(p, p_idx_R)
+    if _rows_of(q, q_idx_R) != R:
+        raise ValueError(f"{where}: p and q describe {R} and {_rows_of(q, q_idx_R)} rows")
+    if offsets_E1.dtype != torch.int32 or offsets_E1.dim() != 1 or offsets_E1.numel() < 2:
+        raise ValueError(f"{where}: offsets_E1 must be a 1-D int32 tensor of E+1 >= 2 entries")
+    dev = check_device(k_grouped_gemm_kernel, where, p=p, q=q, offsets_E1=offsets_E1, p_idx_R=p_idx_R,
+                       q_idx_R=q_idx_R)
+    return dev, R, offsets_E1.numel() - 1
+
+
+def _wgrad_in_place_of_torch(where, p, q, offsets_E1, out_dtype, out, dev, rows_per_group, gathered, interpret,
+                             from_table) -> torch.Tensor | None:
+    """The table chose ``torch_mm`` (rows present): within its row window (``from_table``: not an explicit
+    entry) megamoe's warp-specialized Gluon kernel, else ``torch._grouped_mm`` where it takes the operands
+    (megamoe.ops.torch_grouped_mm); both the same bits. None: neither runs here."""
+    E, M, N = offsets_E1.numel() - 1, p.shape[1], q.shape[1]
+    ws_cfg = tile_config.ws_wgrad_config(rows_per_group) if from_table else None
+    if ws_cfg is not None and not interpret and _ws_takes(ws_cfg, p, q, E, M, N, out_dtype, out, gathered):
+        c = _alloc(out, (E, M, N), out_dtype, dev, "out", where)
+        launch_gluon_wgrad_ws(ws_cfg, p, q, offsets_E1, c)  # megamoe's own kernel there: the same bits
+        return c
+    if torch_wgrad_eligible(p, q, out_dtype, has_out=out is not None, gathered=gathered):
+        return torch_wgrad(p, q, offsets_E1)  # torch._grouped_mm (megamoe.ops.torch_grouped_mm): the same bits
+    return None
+
+
 def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
                  p_idx_R: torch.Tensor | None = None, q_idx_R: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
@@ -450,36 +482,20 @@ def k_grouped_mm(p: torch.Tensor, q: torch.Tensor, offsets_E1: torch.Tensor, *,
     cannot take the operands. An expert with no rows gets exact zeros. Sync: none.
     """
     where = "k_grouped_mm"
-    _check_2d("p", p, where)
-    _check_2d("q", q, where)
-    _check_index("p_idx_R", p_idx_R, where)
-    _check_index("q_idx_R", q_idx_R, where)
-    R = _rows_of(p, p_idx_R)
-    if _rows_of(q, q_idx_R) != R:
-        raise ValueError(f"{where}: p and q describe {R} and {_rows_of(q, q_idx_R)} rows")
-    if offsets_E1.dtype != torch.int32 or offsets_E1.dim() != 1 or offsets_E1.numel() < 2:
-        raise ValueError(f"{where}: offsets_E1 must be a 1-D int32 tensor of E+1 >= 2 entries")
-    E = offsets_E1.numel() - 1
+    dev, R, E = _check_k_grouped(where, p, q, offsets_E1, p_idx_R, q_idx_R)
     M, N = p.shape[1], q.shape[1]
-    kernel = k_grouped_gemm_kernel
-    dev = check_device(kernel, where, p=p, q=q, offsets_E1=offsets_E1, p_idx_R=p_idx_R, q_idx_R=q_idx_R)
     if rows_per_group is None:
         rows_per_group = R / E
-    interpret = is_interpreted(kernel)
+    interpret = is_interpreted(k_grouped_gemm_kernel)
     dtype = torch.float32 if torch.float32 in (p.dtype, q.dtype) else p.dtype
     cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, kernel_config=kernel_config)
     gathered = p_idx_R is not None or q_idx_R is not None
     explicit = kernel_config.tile("wgrad", M, N)  # asked for explicitly (A/B runs, sweeps, tests)
-    ws_cfg = tile_config.ws_wgrad_config(rows_per_group) if cfg.torch_mm and explicit is None else None
-    if (ws_cfg is not None and R > 0 and E * M * N > 0 and not interpret
-            and _ws_takes(ws_cfg, p, q, E, M, N, out_dtype or p.dtype, out, gathered)):
-        c = _alloc(out, (E, M, N), out_dtype or p.dtype, dev, "out", where)
-        launch_gluon_wgrad_ws(ws_cfg, p, q, offsets_E1, c)  # megamoe's own kernel there: the same bits
-        return c
-    if (cfg.torch_mm and R > 0 and E * M * N > 0
-            and torch_wgrad_eligible(p, q, out_dtype or p.dtype, has_out=out is not None,
-                                     gathered=gathered)):
-        return torch_wgrad(p, q, offsets_E1)  # torch._grouped_mm (megamoe.ops.torch_grouped_mm): the same bits
+    if cfg.torch_mm and R > 0 and E * M * N > 0:
+        c = _wgrad_in_place_of_torch(where, p, q, offsets_E1, out_dtype or p.dtype, out, dev, rows_per_group,
+                                     gathered, interpret, explicit is None)
+        if c is not None:
+            return c
     if cfg.torch_mm:  # operands it cannot take: the table's own kernel for the shape (the same bits)
         cfg = k_grouped_config(M, N, dtype, interpret=interpret, rows_per_group=rows_per_group, allow_torch=False,
                                kernel_config=kernel_config)
