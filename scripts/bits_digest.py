@@ -11,7 +11,9 @@ commits (e.g. ``PYTHONPATH=<other checkout>``) and ``diff`` the files.
 
 ``--world W`` (W > 1) runs the EP path at W ranks instead, all on the one visible GPU (spawned processes over
 gloo with ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, as the shared-GPU EP tests run): the global batch
-of ``tokens`` is split over the ranks, and each rank's output and gradients are digested (path ``epW.rR``).
+of ``tokens`` is split over the ranks, and each rank's output and gradients are digested (path ``epW.rR``);
+the ranks are started by ``megamoe.distributed.run_ranks`` (for a checkout without it, run that checkout's own
+copy of this script).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from megamoe.bench.problem import make_problem
 from megamoe.bench.providers_ep import close_one_rank_group, one_rank_group
 from megamoe.bench.routing_models import make_routing
 from megamoe.config import get_preset
-from megamoe.distributed import run_ranks
 from megamoe.functional import moe_experts
 from megamoe.functional_ep import moe_experts_ep
 
@@ -74,6 +75,8 @@ def _rank(rank: int, world: int, port: int, cases: list[str]) -> list[str]:
 
 def shared_gpu_digests(cases: list[str], world: int) -> list[str]:
     """Digests of the EP path at ``world`` ranks sharing the visible GPU (see the module doc)."""
+    from megamoe.distributed import run_ranks  # here: the one-GPU digests also run on checkouts without it
+
     per_rank = run_ranks(_rank, world, cases, what=f"bits_digest --world {world}")
     return [ln for lines in per_rank for ln in lines]
 
