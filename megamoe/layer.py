@@ -129,6 +129,7 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x_TD, topk_ids_TK, topk_weights_TK, shared_w13_HD=None, shared_w2_DS=None):
         args = (x_TD, topk_ids_TK, topk_weights_TK, self.w13_LGD, self.w2_LDF, shared_w13_HD, shared_w2_DS)
+        fp8 = {"fp8": True} if self.fp8 else {}  # the 16-bit calls as they were
         if self.group is not None and self.backend == "reference":
             from .reference_ep import moe_experts_ep
             return moe_experts_ep(*args, group=self.group)
@@ -136,12 +137,12 @@ class RoutedExperts(nn.Module):
             from .functional_ep import moe_experts_ep
             return moe_experts_ep(*args, group=self.group, save_preact=self.ep_save_preact,
                                   save_dispatched=self.ep_save_dispatched, options=self.ep_options,
-                                  kernel_config=self.kernel_config, fp8=self.fp8)
+                                  kernel_config=self.kernel_config, **fp8)
         if self.backend == "reference":
             from . import reference
             return (reference.moe_experts_fp8 if self.fp8 else reference.moe_experts)(*args)
         from .functional import moe_experts
-        return moe_experts(*args, backend="fused", kernel_config=self.kernel_config, fp8=self.fp8)
+        return moe_experts(*args, backend="fused", kernel_config=self.kernel_config, **fp8)
 
 
 _MOVED_KEYS = {"router_w_ED": "router.w_ED", "w13_LGD": "experts.w13_LGD", "w2_LDF": "experts.w2_LDF",
