@@ -52,9 +52,11 @@ __all__ = [
     "E4M3_MAX",
     "SCALE_BLOCK",
     "block_offsets_for",
+    "check_fp8_sizes",
     "dequantize_128x1_grouped",
     "dequantize_128x128",
     "dequantize_1x128",
+    "moe_experts_fp8",
     "pow2_exponent",
     "quantize_128x1_grouped",
     "quantize_128x128",
@@ -215,3 +217,165 @@ def dequantize_128x1_grouped(q_RC: torch.Tensor, s_BC: torch.Tensor, offsets_E1:
         out[off[e]:off[e + 1]] = q_RC[off[e]:off[e + 1]].float() * s_rows
         b0 += nb
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The FP8 routed experts (forward and backward numerics of the recipe)
+# ---------------------------------------------------------------------------------------------------------------
+
+def check_fp8_sizes(D: int, F: int, where: str) -> None:
+    """FP8 mode needs the hidden size D and the expert FFN size F to be multiples of 128 (the scale block)."""
+    if D % SCALE_BLOCK or F % SCALE_BLOCK:
+        raise ValueError(f"{where}: FP8 mode needs the hidden size D and the expert FFN size F to be multiples of "
+                         f"{SCALE_BLOCK} (the 1x128 / 128x128 scale blocks), got D={D}, F={F}")
+
+
+def _deq_1x128(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    return dequantize_1x128(*quantize_1x128(x)).to(acc)
+
+
+def _expert_rows(topk_ids_TK: torch.Tensor, E: int):
+    """The rows of the expert-grouped buffer: (token_R int64, order_R int64 flat (t, k) index, offsets list),
+    sorted by (expert, token, slot), megamoe's routing plan order."""
+    K = topk_ids_TK.shape[1]
+    flat = topk_ids_TK.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=E)
+    off = [0] + torch.cumsum(counts, 0).tolist()
+    return torch.div(order, K, rounding_mode="floor"), order, off
+
+
+def _swiglu_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, acc: torch.dtype, out: torch.dtype):
+    """[dg | du] from dh (x's dtype) and the saved pre-activations (PyTorch's silu backward formula)."""
+    dh, g, u = dh.to(acc), g.to(acc), u.to(acc)
+    sig = torch.sigmoid(g)
+    du = dh * (g * sig)
+    dg = (dh * u) * sig * (1 + g * (1 - sig))
+    return torch.cat([dg.to(out), du.to(out)], dim=1)
+
+
+def _shared_grads(x_TD, sw13_HD, sw2_DS, dout_TD):
+    """The shared expert's (bf16 path) gradients by autograd through megamoe.reference's expert_ffn."""
+    from .reference import shared_expert
+
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (x_TD, sw13_HD, sw2_DS)]
+        out = shared_expert(*leaves)
+        return torch.autograd.grad(out, leaves, dout_TD)
+
+
+class _FP8ExpertsFunction(torch.autograd.Function):
+    """Forward and hand-written backward of :func:`moe_experts_fp8` (the recipe's numerics, module doc)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, acc):
+        from .reference import combine, shared_expert, swiglu
+
+        T, K = topk_ids_TK.shape
+        E, _, D = w13_EGD.shape
+        Fdim = w2_EDF.shape[2]
+        dt = x_TD.dtype
+        token_R, order_R, off = _expert_rows(topk_ids_TK, E)
+        w13q, w13s = quantize_128x128(w13_EGD)
+        w2q, w2s = quantize_128x128(w2_EDF)
+        w13d, w2d = dequantize_128x128(w13q, w13s).to(acc), dequantize_128x128(w2q, w2s).to(acc)
+        xd_TD = _deq_1x128(x_TD, acc)
+        gu_RG = x_TD.new_empty(T * K, 2 * Fdim)
+        y_RD = x_TD.new_zeros(T * K, D)
+        for e in range(E):
+            lo, hi = off[e], off[e + 1]
+            if lo == hi:
+                continue
+            gu_RG[lo:hi] = (xd_TD[token_R[lo:hi]] @ w13d[e].t()).to(dt)
+            h = swiglu(gu_RG[lo:hi, :Fdim], gu_RG[lo:hi, Fdim:])
+            y_RD[lo:hi] = (_deq_1x128(h, acc) @ w2d[e].t()).to(dt)
+        y_ND = torch.empty_like(y_RD)
+        y_ND[order_R] = y_RD
+        out = combine(y_ND.view(T, K, D), topk_weights_TK, shared_expert(x_TD, shared_w13_HD, shared_w2_DS), dt)
+        ctx.acc, ctx.off = acc, off
+        ctx.save_for_backward(x_TD, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, w13d, w2d,
+                              gu_RG, token_R, order_R)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout_TD):
+        from .reference import swiglu
+
+        x_TD, w_TK, w13_EGD, w2_EDF, sw13_HD, sw2_DS, w13d, w2d, gu_RG, token_R, order_R = ctx.saved_tensors
+        acc, off = ctx.acc, ctx.off
+        T, D = x_TD.shape
+        K = w_TK.shape[1]
+        Fdim = w2_EDF.shape[2]
+        dt = x_TD.dtype
+        dout_TD = dout_TD.to(dt).contiguous()
+        dd_TD = _deq_1x128(dout_TD, acc)  # dout quantized 1x128 once (T rows)
+        w_R = w_TK.reshape(-1)[order_R].to(acc)
+        dgu_RG = x_TD.new_zeros(T * K, 2 * Fdim)
+        hw_RF = x_TD.new_zeros(T * K, Fdim)
+        dx_RD = torch.zeros(T * K, D, dtype=acc, device=x_TD.device)
+        dw_R = torch.zeros(T * K, dtype=acc, device=x_TD.device)
+        for e in range(len(off) - 1):
+            lo, hi = off[e], off[e + 1]
+            if lo == hi:
+                continue
+            a = dd_TD[token_R[lo:hi]] @ w2d[e]  # (rows, F): dout @ w2, before the routing weight
+            g, u = gu_RG[lo:hi, :Fdim], gu_RG[lo:hi, Fdim:]
+            h = swiglu(g, u).to(acc)  # recomputed bitwise as the forward did
+            dw_R[lo:hi] = (a * h).sum(dim=1)
+            dgu_RG[lo:hi] = _swiglu_bwd((a * w_R[lo:hi, None]).to(dt), g, u, acc, dt)
+            hw_RF[lo:hi] = (h * w_R[lo:hi, None]).to(dt)
+            dx_RD[lo:hi] = (_deq_1x128(dgu_RG[lo:hi], acc) @ w13d[e]).to(dt).to(acc)
+        offsets = torch.tensor(off)
+        dw13 = dw2 = None
+        if ctx.needs_input_grad[4]:
+            p = dequantize_128x1_grouped(*quantize_128x1_grouped(dout_TD, offsets, token_R), offsets).to(acc)
+            q = dequantize_128x1_grouped(*quantize_128x1_grouped(hw_RF, offsets), offsets).to(acc)
+            dw2 = torch.stack([p[lo:hi].t() @ q[lo:hi] for lo, hi in zip(off[:-1], off[1:])]).to(w2_EDF.dtype)
+        if ctx.needs_input_grad[3]:
+            p = dequantize_128x1_grouped(*quantize_128x1_grouped(dgu_RG, offsets), offsets).to(acc)
+            q = dequantize_128x1_grouped(*quantize_128x1_grouped(x_TD, offsets, token_R), offsets).to(acc)
+            dw13 = torch.stack([p[lo:hi].t() @ q[lo:hi] for lo, hi in zip(off[:-1], off[1:])]).to(w13_EGD.dtype)
+        dx_ND = torch.empty_like(dx_RD)
+        dx_ND[order_R] = dx_RD
+        dw_TK = torch.empty_like(dw_R)
+        dw_TK[order_R] = dw_R
+        dxs = ds13 = ds2 = None
+        if sw13_HD is not None:
+            dxs, ds13, ds2 = _shared_grads(x_TD, sw13_HD, sw2_DS, dout_TD)
+        sum_TD = torch.zeros(T, D, dtype=acc, device=x_TD.device)
+        for k in range(K):  # slot order, the shared expert last, one cast
+            sum_TD = sum_TD + dx_ND.view(T, K, D)[:, k]
+        if dxs is not None:
+            sum_TD = sum_TD + dxs.to(acc)
+        return (sum_TD.to(dt), None, dw_TK.view(T, K).to(w_TK.dtype), dw13, dw2, ds13, ds2, None)
+
+
+def moe_experts_fp8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                    w13_EGD: torch.Tensor, w2_EDF: torch.Tensor, shared_w13_HD: torch.Tensor | None = None,
+                    shared_w2_DS: torch.Tensor | None = None, *, acc_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Routed experts in block-scaled FP8 + the bf16 shared expert + combine: (T, D) -> (T, D), x's dtype.
+
+    The numerics every FP8 backend matches (up to fp32 accumulation order; cast = round to x's dtype, deq =
+    dequantize, rows = expert e's (token, slot) rows in (token, slot) order):
+      forward:  x 1x128, w13 / w2 128x128; ``g, u = cast(deq(x)[rows] @ deq(w13)[e]^T)``,
+                ``h = cast(silu(g) * u)``, h 1x128, ``y = cast(deq(h) @ deq(w2)[e]^T)``; combine in fp32 in
+                slot order, the shared expert (megamoe.reference, unquantized) last, one cast.
+      backward: dout 1x128 (T rows, once); ``a = deq(dout)[rows] @ deq(w2)[e]``; routing-weight gradient
+                ``sum_n a * h``; ``dh = cast(a * w)``; SwiGLU backward -> ``dgu = [dg | du]`` (x's dtype),
+                ``hw = cast(h * w)``; dgu 1x128, ``dx_rows = cast(deq(dgu) @ deq(w13)[e])``, dx = fp32 slot
+                sums + the shared expert's dx, one cast; weight gradients on 128x1 grouped blocks quantized
+                from the unquantized values: ``dw2[e] = deq(dout[rows])^T @ deq(hw)``,
+                ``dw13[e] = deq(dgu)^T @ deq(x[rows])``, accumulated in acc_dtype, one cast to the weight's
+                dtype (exact zeros for an expert without rows).
+
+    Args are those of megamoe.reference.moe_experts; D and F must be multiples of 128 (ValueError otherwise).
+    acc_dtype: the dtype the GEMMs accumulate in on the dequantized values (default fp32; fp64 for fp64
+    inputs). fp64 with bf16 inputs gives this function's fp64 counterpart at the same roundings, from which a
+    backend's tolerance is derived. Host-syncing (loops over experts); runs on CPU.
+    """
+    if x_TD.dim() != 2 or w13_EGD.dim() != 3 or w2_EDF.dim() != 3:
+        raise ValueError("moe_experts_fp8: x_TD must be 2-D, w13_EGD and w2_EDF 3-D")
+    check_fp8_sizes(x_TD.shape[1], w2_EDF.shape[2], "moe_experts_fp8")
+    acc = acc_dtype or (torch.float64 if x_TD.dtype == torch.float64 else torch.float32)
+    return _FP8ExpertsFunction.apply(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD,
+                                     shared_w2_DS, acc)
