@@ -114,8 +114,8 @@ def _routed_forward(d, w13_EGD, w2_EDF, fp8=None):
             y_RD = down_proj(h_RF, w2_EDF, rows.offsets_E1, out=rows.y_out, push=rows.push, tile_cache=rows.tiles,
                              kernel_config=kc)
         else:  # h as its 1x128 FP8 blocks
-            h_RF, gu_RG = fp8.gate_up(rows, kc)
-            y_RD = fp8.down(h_RF, rows, kc)
+            h_RF, gu_RG = fp8.gate_up(rows)
+            y_RD = fp8.down(h_RF, rows)
         del h_RF
         if r == 0:
             gu0_RG = gu_RG
@@ -163,7 +163,7 @@ def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs, fp8=None):
         rows = d.backward_rows(r, recompute)
         gu_RG = gu0_RG
         if recompute and fp8 is not None:
-            _, gu_RG = fp8.gate_up(rows, kc, save_preact=True)
+            _, gu_RG = fp8.gate_up(rows, save_preact=True)
         elif recompute:
             _, gu_RG = gate_up_swiglu(rows.x_RD, w13_EGD, rows.offsets_E1, gather_idx_R=rows.x_idx_R, save_preact=True,
                                       out=rows.h_out, preact_out=rows.gu_out, tile_cache=rows.tiles, kernel_config=kc)
@@ -173,11 +173,11 @@ def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs, fp8=None):
                                                   row_dot=rows.row_dot, tile_cache=rows.tiles, pull=rows.pull,
                                                   kernel_config=kc)
         else:
-            dgu_RG, hw_RF, part_RP = fp8.dgrad_swiglu(rows, gu_RG, kc)
+            dgu_RG, hw_RF, part_RP = fp8.dgrad_swiglu(rows, gu_RG)
         del gu_RG
         if need.w2:
             if r == 0 and fp8 is not None:
-                dw2 = fp8.wgrad(rows.dy_RD, rows.dy_idx_R, hw_RF, None, rows.offsets_E1, w2_EDF.dtype, kc)
+                dw2 = fp8.wgrad(rows.dy_RD, rows.dy_idx_R, hw_RF, None, rows.offsets_E1, w2_EDF.dtype)
             elif r == 0:
                 dw2 = k_grouped_mm(rows.dy_RD, hw_RF, rows.offsets_E1, p_idx_R=rows.dy_idx_R, out_dtype=w2_EDF.dtype,
                                    rows_per_group=rows.rows_per_group, kernel_config=kc)
@@ -187,7 +187,7 @@ def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs, fp8=None):
         if need.w13:
             q_RD, q_idx_R = d.wgrad_x_rows(rows)
             if r == 0 and fp8 is not None:
-                dw13 = fp8.wgrad(dgu_RG, None, q_RD, q_idx_R, rows.offsets_E1, w13_EGD.dtype, kc)
+                dw13 = fp8.wgrad(dgu_RG, None, q_RD, q_idx_R, rows.offsets_E1, w13_EGD.dtype)
             elif r == 0:
                 dw13 = k_grouped_mm(dgu_RG, q_RD, rows.offsets_E1, q_idx_R=q_idx_R, out_dtype=w13_EGD.dtype,
                                     rows_per_group=rows.rows_per_group, kernel_config=kc)
@@ -196,7 +196,7 @@ def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs, fp8=None):
         if not rows.need_dx:
             dx_RD = None
         elif fp8 is not None:
-            dx_RD = fp8.dx(rows, kc)
+            dx_RD = fp8.dx(rows)
         else:
             dx_RD = grouped_mm_nn(dgu_RG, w13_EGD, rows.offsets_E1, push=rows.push, tile_cache=rows.tiles,
                                   kernel_config=kc)

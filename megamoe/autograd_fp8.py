@@ -21,7 +21,9 @@ fp32 accumulation promoted every 128 of K::
             16-bit values (dout rows and hw for w2, dgu and x rows for w13), fp32 sums, one cast to the weight dtype
 
 The backward reuses the forward's weight blocks (kept by the recipe between the passes), never requantizes.
-Extra memory kept between the passes: the weight blocks (shared with the cache). Sync: none.
+Extra memory kept between the passes: the weight blocks (shared with the cache). Tiles: the FP8 GEMMs' own table
+(megamoe.ops.fp8_gemm.fp8_config, BLOCK_K = 128 = the scale group); the 16-bit ``KernelConfig`` overrides apply to
+the shared expert only. Sync: none.
 """
 
 from __future__ import annotations
@@ -64,23 +66,22 @@ class Fp8Experts:
     def open_forward(self, w13_EGD: torch.Tensor, w2_EDF: torch.Tensor) -> None:
         """The weights' 128x128 blocks (cached per weight version)."""
         self.w13, self.w2 = self.cache.get(w13_EGD), self.cache.get(w2_EDF)
-        self._rows = {}
+        self.dtype, self._rows = w13_EGD.dtype, {}
 
-    def gate_up(self, rows, kernel_config, save_preact: bool | None = None):
+    def gate_up(self, rows, save_preact: bool | None = None):
         """Gate/up + SwiGLU on the round's x rows: (h as its 1x128 blocks (hq_RF, hs_RB), gu_RG or None)."""
         self._check_rows(rows, "gate/up")
         xq, xs = self._rows_1x128(rows.x_RD)
         keep = rows.keep_preact if save_preact is None else save_preact
         hq, hs, gu = fp8_gemm.fp8_gate_up_swiglu(xq, xs, *self.w13, rows.offsets_E1, gather_idx_R=rows.x_idx_R,
-                                                 save_preact=keep, preact_out=rows.gu_out if keep else None,
-                                                 tile_cache=rows.tiles, kernel_config=kernel_config)
+                                                 out_dtype=self.dtype, save_preact=keep, tile_cache=rows.tiles)
         return (hq, hs), gu
 
-    def down(self, h, rows, kernel_config) -> torch.Tensor:
-        """Down projection of the round's h blocks: y_RD in the weights' dtype (into ``rows.y_out`` if given)."""
+    def down(self, h, rows) -> torch.Tensor:
+        """Down projection of the round's h blocks: y_RD in the weights' dtype."""
         hq, hs = h
-        return fp8_gemm.fp8_down_proj(hq, hs, *self.w2, rows.offsets_E1, out=rows.y_out, tile_cache=rows.tiles,
-                                      kernel_config=kernel_config)
+        return fp8_gemm.fp8_grouped_mm_nt(hq, hs, *self.w2, rows.offsets_E1, out_dtype=self.dtype, kind="down",
+                                          tile_cache=rows.tiles)
 
     def end_forward(self) -> None:
         self._rows = {}
@@ -89,31 +90,30 @@ class Fp8Experts:
     def open_backward(self) -> None:
         self._rows, self._dgu = {}, None
 
-    def dgrad_swiglu(self, rows, gu_RG: torch.Tensor, kernel_config):
+    def dgrad_swiglu(self, rows, gu_RG: torch.Tensor):
         """dout rows @ w2 blocks with the SwiGLU backward: (dgu_RG, hw_RF, part_RP or None); dgu's 1x128 blocks
         are kept for :meth:`dx` when the round needs dx."""
         self._check_rows(rows, "dgrad")
         dq, ds = self._rows_1x128(rows.dy_RD)
         dgu, hw, part, dgq, dgs = fp8_gemm.fp8_swiglu_dgrad(
             dq, ds, *self.w2, rows.offsets_E1, gu_RG, gather_idx_R=rows.dy_idx_R, row_scale_R=rows.scale_R,
-            row_dot=rows.row_dot, quantize_dgu=rows.need_dx, tile_cache=rows.tiles, kernel_config=kernel_config)
+            row_dot=rows.row_dot, tile_cache=rows.tiles)
         self._dgu = (dgq, dgs) if rows.need_dx else None
         return dgu, hw, part
 
-    def wgrad(self, p, p_idx_R, q, q_idx_R, offsets_E1: torch.Tensor, out_dtype: torch.dtype, kernel_config):
+    def wgrad(self, p, p_idx_R, q, q_idx_R, offsets_E1: torch.Tensor, out_dtype: torch.dtype):
         """Weight gradient ``sum over each expert's rows of P^T Q`` on 128x1 blocks of both operands, quantized
         from their 16-bit rows (read through p_idx_R / q_idx_R where given): (E, M, N) in ``out_dtype``."""
         pq, ps = fp8_quant.quantize_128x1_grouped(p, offsets_E1, p_idx_R)
         qq, qs = fp8_quant.quantize_128x1_grouped(q, offsets_E1, q_idx_R)
-        return fp8_gemm.fp8_k_grouped_mm(pq, ps, qq, qs, offsets_E1, out_dtype=out_dtype,
-                                         kernel_config=kernel_config)
+        return fp8_gemm.fp8_k_grouped_mm(pq, ps, qq, qs, offsets_E1, out_dtype=out_dtype)
 
-    def dx(self, rows, kernel_config) -> torch.Tensor:
+    def dx(self, rows) -> torch.Tensor:
         """dx rows = dgu blocks (from the dgrad epilogue) @ w13 blocks (read transposed): (R, D)."""
         dgq, dgs = self._dgu
         self._dgu = None
-        return fp8_gemm.fp8_grouped_mm_nn(dgq, dgs, *self.w13, rows.offsets_E1, tile_cache=rows.tiles,
-                                          kernel_config=kernel_config)
+        return fp8_gemm.fp8_grouped_mm_nn(dgq, dgs, *self.w13, rows.offsets_E1, out_dtype=self.dtype,
+                                          tile_cache=rows.tiles)
 
     def end_backward(self) -> None:
         self._rows, self._dgu, self.w13, self.w2 = {}, None, None, None
