@@ -1,0 +1,367 @@
+"""Block-scaled FP8 (e4m3) grouped GEMM kernels of the routed experts (``@triton.jit`` only; launchers in
+megamoe.ops.fp8_gemm). The formats are DeepSeek-V3's: 1x128 row blocks for activations and gradients, 128x128
+blocks for weights, 128x1 token blocks for the weight-gradient operands, fp32 power-of-two dequantization
+scales (docs of megamoe.ops.fp8_gemm).
+
+Legend: R rows of an expert-grouped row buffer (expert e owns rows ``row_offsets[e]:row_offsets[e+1]``);
+E experts; N output columns; K reduction size (multiples of 128); F FFN width (N of the SwiGLU GEMMs);
+QB = 128, the scale group; NB scale blocks.
+
+* ``fp8_m_grouped_kernel``: ``C[r] = deq(A)[row(r)] @ deq(B[e])`` (forward "nt": B[e] stored (N, K); dgrad
+  "nn": the same bytes read (K, N) through strides, the scale grid transposed the same way). Persistent
+  grid over (m-tile, n-tile) tiles, m-tiles never straddling two experts (megamoe.kernels.tiles.
+  expert_of_tile); ``row(r)`` is r or ``a_idx[r]`` (gather: A's row scales are gathered the same way).
+  Promotion: BLOCK_K = QB, every K-block's ``p = dot(a, b)`` starts from zero (the tensor cores'
+  FP8 accumulation never spans more than 128 of K) and is added as ``acc += p * (sa[:, None] * sb[None, :])``
+  in fp32, K-blocks in increasing order: bitwise reproducible, no atomics, no split-K. Epilogues
+  (megamoe.kernels.grouped_gemm's numbering):
+    PLAIN:      C = cast(acc [* scale[r]]).
+    SWIGLU:     two accumulators (gate columns n, up columns N + n of B[e]); g, u rounded to the output
+                dtype, optionally stored as [g | u]; ``h = cast(silu(g) * u)`` quantized 1x128 into
+                (HQ e4m3, HS fp32): the bf16 path's g, u, h bits for the same accumulators.
+    SWIGLU_BWD: acc = dY @ W2[e]: row-dot partials ``sum_n acc * h`` per 128 columns (h recomputed from the
+                saved [g | u] as the forward did), ``dh = cast(acc * scale)``, ``[dg | du]`` into C (R x 2F)
+                and quantized 1x128 into (HQ, HS) (R x 2F, R x 2F/QB), ``cast(h * scale)`` into AUX.
+* ``fp8_k_grouped_kernel``: ``C[e] = sum over expert e's 128-row blocks b of
+  (P_b^T @ Q_b) * (ps[b, m] * qs[b, n])`` on 128x1-quantized operands (scales (NB, M) / (NB, N), block
+  ``block_offsets[e] + j`` = the expert's j-th block), fp32, one cast; no atomics, no split-K; an expert with
+  no rows stores exact zeros.
+
+Interpreter (TRITON_INTERPRET=1): dots run in fp32 (``mma``'s FP32_DOT) and the e4m3 cast is preceded by an
+explicit round-to-nearest-even onto the e4m3 grid (the interpreter's own fp32 -> e4m3 cast misrounds when
+the rounding carries into the exponent); on the GPU the hardware cast (RNE, saturating) is used.
+"""
+
+import triton
+import triton.language as tl
+
+from .grouped_gemm import PLAIN, SWIGLU
+from .tiles import expert_of_tile, load_2d, mma
+
+
+
+@triton.jit
+def scale_exponent(amax):
+    """The spec's exponent rule: smallest e >= -126 with ``amax * 2**-e <= 448`` (integers only; amax >= 0)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    e = tl.maximum(biased - 135 + (mant > 0x600000).to(tl.int32), -126)
+    return tl.where(biased == 0, -126, e)
+
+
+@triton.jit
+def exp2_int(e):
+    """2**e as fp32 from its bits, for integer -126 <= e <= 127."""
+    return ((127 + e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_e4m3(x, INTERPRET: tl.constexpr):
+    """Round fp32 ``x`` (|x| <= 448 or non-finite-free) to e4m3, round to nearest even."""
+    if INTERPRET:  # round onto the e4m3 grid in fp32 first, so the interpreter's cast is exact
+        bits = x.to(tl.int32, bitcast=True)
+        sign = bits & -2147483648
+        mag = bits & 0x7FFFFFFF
+        normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576  # 3 mantissa bits, RNE
+        ax = tl.abs(x)
+        sub = ((ax * 512.0 + 12582912.0) - 12582912.0) * 0.001953125  # multiples of 2**-9, RNE
+        mag = tl.where(ax < 0.015625, sub.to(tl.int32, bitcast=True), normal)
+        x = (mag | sign).to(tl.float32, bitcast=True)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_1x128(x, INTERPRET: tl.constexpr):
+    """1x128 quantization of a (BLOCK_M, 128) fp32 tile: (e4m3 tile, fp32 scale per row). A row holding a
+    NaN or +-Inf gets scale NaN and zero bytes; an all-zero row exact zeros and scale 2**-126."""
+    ax = tl.abs(x)
+    finite = ax <= 3.4028234663852886e38  # False for NaN and +-Inf (the largest finite fp32)
+    amax = tl.max(tl.where(finite, ax, 0.0), axis=1)
+    bad = tl.max(tl.where(finite, 0, 1), axis=1) > 0
+    e = scale_exponent(amax)
+    q = to_e4m3(tl.where(bad[:, None], 0.0, x * exp2_int(-e)[:, None]), INTERPRET)
+    s = tl.where(bad, float("nan"), exp2_int(e))
+    return q, s
+
+
+@triton.jit
+def swiglu_h(gate, up):
+    """silu(gate) * up in fp32, the expression of the bf16 path (megamoe.kernels.grouped_gemm)."""
+    return gate * (1.0 / (1.0 + tl.exp(-gate))) * up
+
+
+@triton.jit
+def load_vec(ptrs, mask, FULL: tl.constexpr):
+    """A masked vector load (zero fill), unmasked when known full."""
+    if FULL:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def promote(a, b, sa, sb, acc, FP32_DOT: tl.constexpr):
+    """``acc + dot(a, b) * (sa[:, None] * sb[None, :])``: one K-block of 128, its dot from zero."""
+    p = mma(a, b, tl.zeros(acc.shape, dtype=tl.float32), FP32_DOT)
+    return acc + p * (sa[:, None] * sb[None, :])
+
+
+@triton.jit
+def _k_loop(a_ptr, as_ptr, b_ptr, bs_ptr, a_rows, expert, offs_n, mask_n, N, stride_am, stride_asm, stride_be,
+            stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, K: tl.constexpr, UP: tl.constexpr,
+            FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One tile's K loop in K-blocks of 128: ``acc = deq(A[a_rows]) @ deq(B[expert])`` over columns offs_n; with
+    UP also ``acc_up`` over columns N + offs_n (else ``acc_up`` is ``acc``'s initial zeros, unused)."""
+    offs_k = tl.arange(0, 128)
+    e64 = expert.to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    as_ptrs = as_ptr + a_rows * stride_asm
+    b_ptrs = b_ptr + e64 * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    bs_ptrs = bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
+    up_cols = N // 128 * stride_bsn
+    all_k = offs_k < 128
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = acc
+    if UP:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K, 128):
+        a = tl.load(a_ptrs)  # rows clamped into the buffer, K a multiple of 128
+        sa = tl.load(as_ptrs)
+        b = load_2d(b_ptrs, all_k, mask_n, True, EVEN_N)
+        sb = load_vec(bs_ptrs, mask_n, EVEN_N)
+        acc = promote(a, b, sa, sb, acc, FP32_DOT)
+        if UP:
+            b_up = load_2d(b_ptrs + N * stride_bn, all_k, mask_n, True, EVEN_N)
+            sb_up = load_vec(bs_ptrs + up_cols, mask_n, EVEN_N)
+            acc_up = promote(a, b_up, sa, sb_up, acc_up, FP32_DOT)
+        a_ptrs += 128
+        as_ptrs += 1
+        b_ptrs += 128 * stride_bk
+        bs_ptrs += stride_bsk
+    return acc, acc_up
+
+
+@triton.jit
+def _store_quantized(x, out_rows, n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, NQ, INTERPRET: tl.constexpr):
+    """Quantize the (BLOCK_M, 128) tile x (columns [n0, n0 + 128) of an NQ-column matrix) and store bytes and
+    scales (rows of mask_m; a tile past NQ stores nothing)."""
+    q, s = quantize_1x128(x, INTERPRET)
+    offs = n0 + tl.arange(0, 128)
+    tl.store(q_ptr + out_rows[:, None] * stride_qm + offs[None, :], q,
+             mask=mask_m[:, None] & (offs < NQ)[None, :])
+    tl.store(qs_ptr + out_rows * stride_qsm + n0 // 128, s, mask=mask_m & (out_rows * 0 + n0 < NQ))
+
+
+@triton.jit
+def _swiglu_cols(acc, acc_up, n0, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, stride_xm, stride_qm, stride_qsm,
+                 SAVE_AUX: tl.constexpr, INTERPRET: tl.constexpr):
+    """SwiGLU forward on QB columns [n0, n0 + QB): [g | u] saved (SAVE_AUX), h quantized 1x128."""
+    out_ty = aux_ptr.dtype.element_ty
+    gate = acc.to(out_ty).to(tl.float32)
+    up = acc_up.to(out_ty).to(tl.float32)
+    offs_n = n0 + tl.arange(0, 128)
+    if SAVE_AUX:
+        mask = mask_m[:, None] & (offs_n < N)[None, :]
+        x_ptrs = aux_ptr + out_rows[:, None] * stride_xm + offs_n[None, :]
+        tl.store(x_ptrs, gate.to(out_ty), mask=mask)
+        tl.store(x_ptrs + N, up.to(out_ty), mask=mask)
+    h = swiglu_h(gate, up).to(out_ty).to(tl.float32)
+    _store_quantized(h, out_rows, n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, N, INTERPRET)
+
+
+@triton.jit
+def _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr, N,
+                     stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """SwiGLU backward on 128 columns [n0, n0 + 128) (the bf16 path's expressions): stores h * scale into AUX,
+    [dg | du] into C and quantized 1x128 into (HQ, HS); returns the row-dot partial ``sum_n acc * h``."""
+    out_ty = c_ptr.dtype.element_ty
+    offs_n = n0 + tl.arange(0, 128)
+    mask_n = offs_n < N
+    mask = mask_m[:, None] & mask_n[None, :]
+    g_ptrs = gu_ptr + rows[:, None] * stride_gm + offs_n[None, :]
+    gate = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
+    up = tl.load(g_ptrs + N, mask=mask_n[None, :], other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    h = (gate * sig * up).to(out_ty).to(tl.float32)  # bitwise the forward's h (swiglu_h)
+    part = tl.sum(tl.where(mask_n[None, :], acc * h, 0.0), axis=1)
+    if HAS_SCALE:
+        acc = acc * scale[:, None]
+        h = h * scale[:, None]
+    tl.store(aux_ptr + out_rows[:, None] * stride_xm + offs_n[None, :], h.to(out_ty), mask=mask)
+    dh = acc.to(out_ty).to(tl.float32)
+    c_ptrs = c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :]
+    d_up = (dh * (gate * sig)).to(out_ty)
+    tl.store(c_ptrs + N, d_up, mask=mask)
+    _store_quantized(d_up.to(tl.float32), out_rows, N + n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, 2 * N,
+                     INTERPRET)
+    d_gate = ((dh * up) * sig * (1.0 + gate * (1.0 - sig))).to(out_ty)
+    tl.store(c_ptrs, d_gate, mask=mask)
+    _store_quantized(d_gate.to(tl.float32), out_rows, n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, N,
+                     INTERPRET)
+    return part
+
+
+@triton.jit
+def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A (BLOCK_M, 2 * QB) tile as its two (BLOCK_M, QB) column halves."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _epilogue(acc, acc_up, n_tile, rows, out_rows, mask_m, offs_n, mask_n, scale_ptr, gu_ptr, c_ptr, aux_ptr,
+              dot_ptr, q_ptr, qs_ptr, N, stride_cm, stride_gm, stride_xm, stride_qm, stride_qsm,
+              EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr, HAS_DOT: tl.constexpr,
+              INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    n0 = n_tile * BLOCK_N
+    if EPILOGUE == PLAIN:
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + rows).to(tl.float32)[:, None]
+        c_ptrs = c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    elif EPILOGUE == SWIGLU:
+        if BLOCK_N == 128:
+            _swiglu_cols(acc, acc_up, n0, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, stride_xm, stride_qm,
+                         stride_qsm, SAVE_AUX, INTERPRET)
+        else:
+            acc_a, acc_b = _halves(acc, BLOCK_M, BLOCK_N)
+            up_a, up_b = _halves(acc_up, BLOCK_M, BLOCK_N)
+            _swiglu_cols(acc_a, up_a, n0, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, stride_xm, stride_qm,
+                         stride_qsm, SAVE_AUX, INTERPRET)
+            _swiglu_cols(acc_b, up_b, n0 + 128, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, stride_xm,
+                         stride_qm, stride_qsm, SAVE_AUX, INTERPRET)
+    else:  # SWIGLU_BWD: one row-dot partial per 128 columns, dot (R, N / 128)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + rows).to(tl.float32)
+        else:
+            scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+        num_p = N // 128
+        if BLOCK_N == 128:
+            part = _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr,
+                                    N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE, INTERPRET)
+            if HAS_DOT:
+                tl.store(dot_ptr + out_rows * num_p + n_tile, part, mask=mask_m)
+        else:
+            acc_a, acc_b = _halves(acc, BLOCK_M, BLOCK_N)
+            part_a = _swiglu_bwd_cols(acc_a, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr,
+                                      qs_ptr, N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE,
+                                      INTERPRET)
+            part_b = _swiglu_bwd_cols(acc_b, n0 + 128, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr,
+                                      qs_ptr, N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE,
+                                      INTERPRET)
+            if HAS_DOT:
+                p = 2 * n_tile
+                tl.store(dot_ptr + out_rows * num_p + p, part_a, mask=mask_m)
+                tl.store(dot_ptr + out_rows * num_p + p + 1, part_b, mask=mask_m & (out_rows * 0 + p + 1 < num_p))
+
+
+@triton.jit
+def fp8_m_grouped_kernel(
+    # inputs: A e4m3 (R or T, K) + row scales (., K / 128); B e4m3 + its scale grid; group tables; row scale
+    # (PLAIN, SWIGLU_BWD); saved [g | u] (SWIGLU_BWD)
+    a_ptr, as_ptr, a_idx_ptr, b_ptr, bs_ptr, row_offsets_ptr, tile_offsets_ptr, scale_ptr, gu_ptr,
+    # outputs: C (PLAIN, SWIGLU_BWD), AUX ([g | u] of SWIGLU, h * scale of SWIGLU_BWD), row-dot partials,
+    # 1x128-quantized output (h of SWIGLU, [dg | du] of SWIGLU_BWD): bytes and scales
+    c_ptr, aux_ptr, dot_ptr, q_ptr, qs_ptr,
+    # shapes (K is a compile-time constant: a weight dimension)
+    num_rows, N, num_experts, K: tl.constexpr,
+    # strides, in elements (every last dimension is contiguous except B's, whose strides are given)
+    stride_am, stride_asm, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+    stride_cm, stride_gm, stride_xm, stride_qm, stride_qsm,
+    # variant
+    EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr,
+    HAS_DOT: tl.constexpr, FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_N: tl.constexpr,
+    E_POW2: tl.constexpr,
+    # tile config (BLOCK_K is 128)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tl.static_assert(BLOCK_N % 128 == 0)
+    tl.static_assert(EPILOGUE == PLAIN or BLOCK_N <= 2 * 128)
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.load(tile_offsets_ptr + num_experts) * num_n_tiles
+    tile = tl.program_id(0)
+    while tile < num_tiles:
+        m_tile = tile // num_n_tiles
+        n_tile = tile % num_n_tiles
+        expert, row_start, row_end = expert_of_tile(tile_offsets_ptr, row_offsets_ptr, m_tile, num_experts,
+                                                     E_POW2, BLOCK_M)
+        offs_m = row_start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < row_end
+        rows = tl.minimum(offs_m, num_rows - 1).to(tl.int64)  # clamped rows: computed, never stored
+        if HAS_GATHER:
+            a_rows = tl.load(a_idx_ptr + rows).to(tl.int64)
+        else:
+            a_rows = rows
+        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        acc, acc_up = _k_loop(a_ptr, as_ptr, b_ptr, bs_ptr, a_rows, expert, offs_n, mask_n, N, stride_am,
+                              stride_asm, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, K,
+                              EPILOGUE == SWIGLU, FP32_DOT, EVEN_N, BLOCK_M, BLOCK_N)
+        _epilogue(acc, acc_up, n_tile, rows, offs_m.to(tl.int64), mask_m, offs_n, mask_n, scale_ptr, gu_ptr, c_ptr,
+                  aux_ptr, dot_ptr, q_ptr, qs_ptr, N, stride_cm, stride_gm, stride_xm, stride_qm, stride_qsm,
+                  EPILOGUE, HAS_SCALE, SAVE_AUX, HAS_DOT, INTERPRET, BLOCK_M, BLOCK_N)
+        tile += tl.num_programs(0)
+
+
+@triton.jit
+def _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n, mask_m,
+                 mask_n, stride_pr, stride_pm, stride_psb, stride_qr, stride_qn, stride_qsb, FP32_DOT: tl.constexpr,
+                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    """``acc + (P_j^T @ Q_j) * (ps[b, m] * qs[b, n])`` for the expert's j-th block of 128 rows (b its global
+    block); rows past the expert load as zeros."""
+    rows = row_start + j * 128 + tl.arange(0, 128)
+    mask_r = rows < row_end
+    rows = rows.to(tl.int64)
+    p = load_2d(p_ptr + rows[:, None] * stride_pr + offs_m[None, :] * stride_pm, mask_r, mask_m, False, EVEN_M)
+    q = load_2d(q_ptr + rows[:, None] * stride_qr + offs_n[None, :] * stride_qn, mask_r, mask_n, False, EVEN_N)
+    b = (first_block + j).to(tl.int64)
+    ps = load_vec(ps_ptr + b * stride_psb + offs_m, mask_m, EVEN_M)
+    qs = load_vec(qs_ptr + b * stride_qsb + offs_n, mask_n, EVEN_N)
+    return promote(tl.trans(p), q, ps, qs, acc, FP32_DOT)
+
+
+@triton.jit
+def fp8_k_grouped_kernel(
+    # inputs: P e4m3 (R, M) + scales (NB, M); Q e4m3 (R, N) + scales (NB, N); group offsets; block table
+    p_ptr, ps_ptr, q_ptr, qs_ptr, row_offsets_ptr, block_offsets_ptr,
+    # output (E, M, N), last dimension contiguous
+    c_ptr,
+    # shapes
+    M, N,
+    # strides, in elements (scales' last dimension contiguous)
+    stride_pr, stride_pm, stride_psb, stride_qr, stride_qn, stride_qsb, stride_ce, stride_cm,
+    # variant
+    FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    # tile config (the reduction walks blocks of 128 rows)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles_per_expert = tl.cdiv(M, BLOCK_M) * num_n_tiles
+    expert = pid // tiles_per_expert  # experts slowest: concurrent programs share the expert's rows in L2
+    pid_m = (pid % tiles_per_expert) // num_n_tiles
+    pid_n = pid % num_n_tiles
+    row_start = tl.load(row_offsets_ptr + expert)
+    row_end = tl.load(row_offsets_ptr + expert + 1)
+    first_block = tl.load(block_offsets_ptr + expert)
+    num_blocks = tl.cdiv(row_end - row_start, 128)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if INTERPRET:  # the interpreter cannot range() over a loaded bound
+        j = 0
+        while j < num_blocks:
+            acc = _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n,
+                               mask_m, mask_n, stride_pr, stride_pm, stride_psb, stride_qr, stride_qn, stride_qsb,
+                               FP32_DOT, EVEN_M, EVEN_N)
+            j += 1
+    else:
+        for j in range(0, num_blocks):
+            acc = _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n,
+                               mask_m, mask_n, stride_pr, stride_pm, stride_psb, stride_qr, stride_qn, stride_qsb,
+                               FP32_DOT, EVEN_M, EVEN_N)
+    c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
