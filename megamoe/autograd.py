@@ -177,7 +177,7 @@ def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs, fp8=None):
         del gu_RG
         if need.w2:
             if r == 0 and fp8 is not None:
-                dw2 = fp8.wgrad(rows.dy_RD, rows.dy_idx_R, hw_RF, None, rows.offsets_E1, w2_EDF.dtype)
+                dw2 = fp8.wgrad(rows, rows.dy_RD, rows.dy_idx_R, hw_RF, None, w2_EDF.dtype)
             elif r == 0:
                 dw2 = k_grouped_mm(rows.dy_RD, hw_RF, rows.offsets_E1, p_idx_R=rows.dy_idx_R, out_dtype=w2_EDF.dtype,
                                    rows_per_group=rows.rows_per_group, kernel_config=kc)
@@ -187,7 +187,7 @@ def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs, fp8=None):
         if need.w13:
             q_RD, q_idx_R = d.wgrad_x_rows(rows)
             if r == 0 and fp8 is not None:
-                dw13 = fp8.wgrad(dgu_RG, None, q_RD, q_idx_R, rows.offsets_E1, w13_EGD.dtype)
+                dw13 = fp8.wgrad(rows, dgu_RG, None, q_RD, q_idx_R, w13_EGD.dtype)
             elif r == 0:
                 dw13 = k_grouped_mm(dgu_RG, q_RD, rows.offsets_E1, q_idx_R=q_idx_R, out_dtype=w13_EGD.dtype,
                                     rows_per_group=rows.rows_per_group, kernel_config=kc)

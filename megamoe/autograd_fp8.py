@@ -101,12 +101,15 @@ class Fp8Experts:
         self._dgu = (dgq, dgs) if rows.need_dx else None
         return dgu, hw, part
 
-    def wgrad(self, p, p_idx_R, q, q_idx_R, offsets_E1: torch.Tensor, out_dtype: torch.dtype):
+    def wgrad(self, rows, p, p_idx_R, q, q_idx_R, out_dtype: torch.dtype):
         """Weight gradient ``sum over each expert's rows of P^T Q`` on 128x1 blocks of both operands, quantized
-        from their 16-bit rows (read through p_idx_R / q_idx_R where given): (E, M, N) in ``out_dtype``."""
-        pq, ps = fp8_quant.quantize_128x1_grouped(p, offsets_E1, p_idx_R)
-        qq, qs = fp8_quant.quantize_128x1_grouped(q, offsets_E1, q_idx_R)
-        return fp8_gemm.fp8_k_grouped_mm(pq, ps, qq, qs, offsets_E1, out_dtype=out_dtype)
+        from their 16-bit rows (read through p_idx_R / q_idx_R where given): (E, M, N) in ``out_dtype``. The
+        128-row block table is the round's m-tile table for BLOCK_M = 128 (made once, in ``rows.tiles``)."""
+        off = rows.offsets_E1
+        blocks = fp8_gemm.table_for(off, fp8_gemm.QB, rows.tiles)
+        pq, ps = fp8_quant.quantize_128x1_grouped(p, off, p_idx_R, blocks)
+        qq, qs = fp8_quant.quantize_128x1_grouped(q, off, q_idx_R, blocks)
+        return fp8_gemm.fp8_k_grouped_mm(pq, ps, qq, qs, off, block_offsets_E1=blocks, out_dtype=out_dtype)
 
     def dx(self, rows) -> torch.Tensor:
         """dx rows = dgu blocks (from the dgrad epilogue) @ w13 blocks (read transposed): (R, D)."""
