@@ -45,8 +45,8 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
         fp8: run the routed experts' GEMMs (forward, input gradient, weight gradients) in block-scaled FP8, the
             DeepSeek-V3 recipe (docs/fp8.md): e4m3 operands with fp32 power-of-two scales per 1x128 (activations,
             output gradients), 128x128 (weights) and 128x1 (weight-gradient operands) blocks, fp32 accumulation.
-            The shared expert, the combine and every output and gradient stay in x's dtype. Needs bf16 / fp16 / fp32, D and F
-            multiples of 128 and (on CUDA) a GPU with FP8 tensor cores. "reference":
+            The shared expert, the combine and every output and gradient stay in x's dtype. Needs x in bf16, fp16
+            or fp32, D and F multiples of 128 and (on CUDA) a GPU with FP8 tensor cores. "reference":
             megamoe.reference.moe_experts_fp8, the same numerics in plain PyTorch. Weight blocks are cached per
             weight version (megamoe.ops.fp8_weights).
 

@@ -213,10 +213,10 @@ class MoE(nn.Module):
         fp8: the routed experts' GEMMs (forward, input and weight gradients) in block-scaled FP8, the
             DeepSeek-V3 recipe (docs/fp8.md; ``backend="reference"``: megamoe.reference.moe_experts_fp8, one
             device). Parameters and their gradients stay in ``config.dtype`` (the master copy), the router and
-            the shared expert in their 16-bit path. Needs ``config.dtype`` bf16, fp16 or fp32, hidden and expert FFN sizes
-            multiples of 128 and, on CUDA, a GPU with FP8 tensor cores (checked here, ValueError / TypeError naming
-            the constraint); never a silent fallback. A layer option, not a config field: the config describes
-            the model, the same checkpoint trains in either mode.
+            the shared expert in their 16-bit path. Needs ``config.dtype`` bf16, fp16 or fp32, hidden and expert
+            FFN sizes multiples of 128 and, on CUDA, a GPU with FP8 tensor cores (checked here, ValueError /
+            TypeError naming the constraint); never a silent fallback. A layer option, not a config field: the
+            config describes the model, and the same checkpoint trains in either mode.
 
     Parameters (names carry shapes), in three submodules: ``router.w_ED`` fp32 (:class:`Router`),
     ``experts.w13_LGD`` / ``experts.w2_LDF`` (:class:`RoutedExperts`) and ``shared_expert.w13_HD`` /
