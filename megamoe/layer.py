@@ -406,7 +406,10 @@ class MoE(nn.Module):
         if to == c.dtype:
             return c
         if self.fp8:
-            check_fp8("megamoe.MoE (fp8) cast", c.hidden_size, c.moe_intermediate_size, to, None)
+            try:
+                check_fp8("megamoe.MoE", c.hidden_size, c.moe_intermediate_size, to, None)
+            except TypeError as e:
+                raise ValueError(f"megamoe.MoE: cannot cast an fp8 layer to {to}: {e}") from None
         if self.backend == "fused" and to not in FUSED_DTYPES:
             raise ValueError(f"megamoe.MoE: cannot cast a backend='fused' layer to {to}: the fused backend supports "
                              f"{FUSED_DTYPES} (backend='reference' runs float64)")
