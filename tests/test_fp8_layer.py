@@ -64,12 +64,13 @@ def _check_against_reference(inputs, dout, got):
 
 
 CASES = {  # T, D, F, E, K, S, ids
-    "shared": (21, 256, 128, 4, 2, 128, None),
+    "shared": (8, 256, 128, 4, 2, 128, None),
     "no_shared_T1": (1, 128, 256, 3, 2, 0, None),
-    "empty_expert": (19, 128, 128, 4, 2, 128, "avoid_last"),
-    "one_expert": (23, 128, 128, 4, 1, 0, "all_zero"),
-    "topk_is_E": (9, 128, 128, 3, 3, 128, None),
+    "empty_expert": (10, 128, 128, 4, 2, 128, "avoid_last"),
+    "one_expert": (17, 128, 128, 4, 1, 0, "all_zero"),
+    "topk_is_E": (5, 128, 128, 3, 3, 0, None),
     "no_tokens": (0, 128, 128, 4, 2, 128, None),
+    "small": (4, 128, 128, 3, 2, 0, None),
 }
 
 
@@ -84,7 +85,7 @@ def _case_inputs(name):
     return _make(T, D, F, E, K, S, ids=ids), E
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c for c in CASES if c != "small"])
 @interpreted
 def test_fused_fp8_matches_the_fp8_reference(case):
     """Output and every gradient (x, routing weights, w13, w2, shared weights) of the fused FP8 path within the
@@ -101,7 +102,7 @@ def test_fused_fp8_matches_the_fp8_reference(case):
 
 @interpreted
 def test_fused_fp8_is_bitwise_repeatable():
-    (inputs, dout), _ = _case_inputs("shared")
+    (inputs, dout), _ = _case_inputs("small")
     a = _run(moe_experts, inputs, dout, fp8=True)
     b = _run(moe_experts, inputs, dout, fp8=True)
     for name, u, v in zip(NAMES, a, b):
@@ -117,7 +118,7 @@ def test_weights_are_quantized_once_per_version(monkeypatch):
     calls = []
     real = fq.quantize_128x128
     monkeypatch.setattr(fq, "quantize_128x128", lambda w, **kw: calls.append(tuple(w.shape)) or real(w, **kw))
-    (inputs, dout), _ = _case_inputs("shared")
+    (inputs, dout), _ = _case_inputs("small")
     x, ids, w, w13, w2, s13, s2 = inputs
     w13, w2 = w13.clone().requires_grad_(), w2.clone().requires_grad_()
     for _ in range(2):  # two micro-batches
@@ -146,7 +147,7 @@ def test_layer_fp8_forward_backward_keeps_dtypes():
     cfg = MoEConfig(128, 128, 4, 2, n_shared_experts=1, dtype=torch.bfloat16)
     fused = MoE(cfg, backend="fused", fp8=True, seed=0)
     ref = MoE(cfg, backend="reference", fp8=True, seed=0)
-    x = torch.randn(2, 9, 128, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
+    x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
     outs = []
     for moe in (fused, ref):
         out = moe(x)
