@@ -91,11 +91,12 @@ def _build_nccl(prob, ctx: Context):
     return fn
 
 
-def build_megamoe_ep(prob, ctx: Context):
+def build_megamoe_ep(prob, ctx: Context, fp8: bool = False):
     fused = importlib.import_module("megamoe.functional_ep").moe_experts_ep
+    kw = {"fp8": True} if fp8 else {}
 
     def fn(*args):
-        return fused(*args, group=ctx.group, options=ctx.ep_options, kernel_config=ctx.kernel_config)
+        return fused(*args, group=ctx.group, options=ctx.ep_options, kernel_config=ctx.kernel_config, **kw)
     return fn
 
 
