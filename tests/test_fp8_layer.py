@@ -236,3 +236,68 @@ def test_fp8_bad_input_names_the_constraint():
         MoE(MoEConfig(128, 128, 4, 2), fp8=1)
     with pytest.raises(ValueError, match="cannot cast|fp8 runs with"):
         MoE(MoEConfig(128, 128, 4, 2), backend="reference", fp8=True).double()
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["shared", "empty_expert", "one_expert", "topk_is_E", "no_tokens", "large"])
+def test_gpu_bf16_fp8_matches_the_fp8_reference(case):
+    """bf16 on the GPU (casts round to nearest even there): the same criterion as the CPU cases."""
+    if case == "large":
+        inputs, dout = _make(700, 1024, 512, 16, 4, 512, seed=3, dtype=torch.bfloat16, device="cuda")
+    else:
+        (inputs, dout), E = _case_inputs(case)
+        inputs = [t if t is None else t.cuda() for t in inputs]
+        inputs = [t.to(torch.bfloat16) if t is not None and t.is_floating_point() and i != 2 else t
+                  for i, t in enumerate(inputs)]
+        dout = dout.cuda().to(torch.bfloat16)
+    got = _run(moe_experts, inputs, dout, fp8=True)
+    again = _run(moe_experts, inputs, dout, fp8=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    _check_against_reference(inputs, dout, got)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_quantizes_updated_weights():
+    """A captured forward + backward records the weight quantization: a replay after an in-place weight update
+    gives the new weights' results (never cached blocks), and eager calls around the capture agree."""
+    inputs, dout = _make(96, 256, 256, 8, 2, 256, seed=5, dtype=torch.bfloat16, device="cuda")
+    x, ids, w, w13, w2, s13, s2 = inputs
+    w13 = w13.clone().requires_grad_()
+
+    def step():
+        out = moe_experts(x, ids, w, w13, w2, s13, s2, fp8=True)
+        (dw13,) = torch.autograd.grad(out, [w13], dout)
+        return out, dw13
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up (compiles, fills the cache outside the capture)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, dw13_g = step()
+    with torch.no_grad():
+        w13.mul_(1.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    out_e, dw13_e = step()
+    assert torch.equal(out_g, out_e) and torch.equal(dw13_g, dw13_e)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_fp8_trains_in_bf16():
+    from megamoe import MoE, get_preset
+
+    cfg = get_preset("small")
+    moe = MoE(cfg, backend="fused", fp8=True, device="cuda", seed=0)
+    opt = torch.optim.AdamW(moe.parameters(), lr=1e-3)
+    x = torch.randn(4, 64, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        out = moe(x)
+        (out.float().square().mean() + moe.last_stats.aux_loss).backward()
+        opt.step()
+        opt.zero_grad()
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    assert moe.w13_LGD.dtype == torch.bfloat16
