@@ -261,6 +261,8 @@ def kernel_1x128_cases(device, R=70, C=300):
         fin_cols = fin.repeat_interleave(128, dim=1)[:, :C]
         assert torch.equal(_bits(sc)[fin], _bits(got[1])[fin]), "a non-finite block changed another block"
         assert torch.equal(_u8(qc)[fin_cols], _u8(got[0])[fin_cols]), "a non-finite block changed another block"
+        if dtype != torch.bfloat16:
+            continue
         for xv in (x[:, :257], x[:17, :5], x[:0], x.t().contiguous()[:, :R]):  # partial blocks, tiny, empty
             _assert_same(ops.quantize_1x128(xv), ref.quantize_1x128(xv), f"1x128 {dtype} {tuple(xv.shape)}")
         for xv in (x.t(), x[::2, 1::3]):  # non-contiguous: read in place
@@ -273,6 +275,8 @@ def kernel_128x128_cases(device):
         got = ops.quantize_128x128(w)
         _assert_same(got, ref.quantize_128x128(w), f"128x128 {dtype}")
         check_128x128_properties(*got)
+        if dtype != torch.bfloat16:
+            continue
         for wv in (w[1], w[:, :100, :3], w.transpose(1, 2), w[:0]):
             _assert_same(ops.quantize_128x128(wv), ref.quantize_128x128(wv), f"128x128 {tuple(wv.shape)}")
 

@@ -19,10 +19,14 @@ Public helpers (``@triton.jit``; import them into a GEMM epilogue to quantize a 
     into e4m3 operands of ``tl.dot``.
 
 HW_CAST (constexpr): True on the GPU: ``.to(tl.float8e4nv)`` (cvt.rn.satfinite: round to nearest even,
-identical to the integer path since ``|y| <= 448``); False under the CPU interpreter, whose fp32 -> fp8
-conversion does not round to nearest even (Triton 3.6 and 3.9: it rounds half up on the cut bit, or truncates),
-so :func:`e4m3_bytes` rounds with integer operations there. Both give the bytes of torch's
-``.to(torch.float8_e4m3fn)``. Stores go through uint8 pointers either way (the interpreter keeps fp8 as uint8).
+identical to the integer path since ``|y| <= 448``); False under the CPU interpreter, so :func:`e4m3_bytes`
+rounds with integer operations there. Both give the bytes of torch's ``.to(torch.float8_e4m3fn)``.
+The CPU interpreter and fp8 (Triton 3.6 and 3.9 alike): its fp32 -> fp8e4nv conversion adds the first cut bit
+(ties round up, not to even) and does not carry a rounded-up mantissa into the exponent (about 1% of uniform
+values in [0, 448] come out wrong); its bf16 -> fp32 conversion loses bits of bf16 subnormals (hence
+:func:`as_fp32`); fp8 -> fp32 is exact for every finite byte (0x7F / 0xFF read as +-480, not NaN); fp8 tensors
+are uint8 arrays inside it, and bitcasts uint8 <-> fp8e4nv are free. So bytes are stored through uint8
+pointers (a uint8 view of the e4m3 tensor) on both paths.
 
 Kernels (one program per block group; no atomics; every output element written by exactly one program):
   * ``quantize_1x128_kernel``: x (R, C), any strides -> q (R, C), s (R, ceil(C/128)); program = BLOCK_R rows x
