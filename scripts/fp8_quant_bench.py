@@ -5,10 +5,11 @@ deepseek-v3:8192; one H200: well under a minute)
 
 Per case, with uniform random routing (K distinct experts per token): quantize_1x128 of x (T, D) and of h
 (T*K, F); quantize_128x128 of w13 (E, 2F, D) and w2 (E, D, F); quantize_128x1_grouped of the gathered x rows
-(T*K, D, through the rows' token index) and of hw (T*K, F). Each is checked bit-exact against
-megamoe.reference first, then timed (megamoe.bench.timing: CUDA events, L2 flushed, median of 30); the table
-gives ms, the bytes moved (read + written, ideal) per second, and the same for a plain
-``x.to(torch.float8_e4m3fn)`` of the same input (a memory-bound cast of the same bytes: the floor).
+(T*K, D, through the rows' token index) and of hw (T*K, F).
+Each is checked bit-exact against megamoe.reference first (the weights on their first 4 experts), then timed
+(megamoe.bench.timing: CUDA events, L2 flushed, median of 30); the table gives ms, the bytes moved (read +
+written, ideal) per second, and the same for a plain ``x.to(torch.float8_e4m3fn)`` of the same input (a
+memory-bound cast of the same bytes: the floor).
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ def _case(name: str):
          3 * x.numel() + 4 * x.numel() // 128, x),
         ("1x128 h", lambda: fp8_quant.quantize_1x128(h), lambda: reference.quantize_1x128(h),
          3 * h.numel() + 4 * h.numel() // 128, h),
-        ("128x128 w13", lambda: fp8_quant.quantize_128x128(w13), lambda: reference.quantize_128x128(w13),
+        # the weights are checked on their first 4 experts (the reference's fp32 copies of all would not fit)
+        ("128x128 w13", lambda: fp8_quant.quantize_128x128(w13), lambda: reference.quantize_128x128(w13[:4]),
          3 * w13.numel(), w13),
-        ("128x128 w2", lambda: fp8_quant.quantize_128x128(w2), lambda: reference.quantize_128x128(w2),
+        ("128x128 w2", lambda: fp8_quant.quantize_128x128(w2), lambda: reference.quantize_128x128(w2[:4]),
          3 * w2.numel(), w2),
         ("128x1 x rows", lambda: fp8_quant.quantize_128x1_grouped(x, off, tok),
          lambda: reference.quantize_128x1_grouped(x, off, tok), 3 * T * K * D + 4 * nb(T * K) * D, None),
@@ -57,6 +59,7 @@ def _case(name: str):
 
 def _same(got, want, off, grouped):
     (qg, sg), (qw, sw) = got, want
+    qg, sg = qg[:qw.shape[0]], sg[:sw.shape[0]]  # the weights: the experts checked
     if grouped:
         n, b = int(off[-1]), int(reference.block_offsets_for(off)[-1])
         qg, qw, sg, sw = qg[:n], qw[:n], sg[:b], sw[:b]
