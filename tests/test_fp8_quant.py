@@ -188,8 +188,8 @@ def grouped_case(seed=2, gather=False, counts=COUNTS, C=100):
     e300 = counts.index(300)
     x[int(off[e300]) + 130, 7] = math.nan  # the 300-row expert's second block, column 7
     x[int(off[e300]) + 260, 9] = math.inf  # its third block, column 9
-    x[int(off[e300]), 11] = 448.0
-    x[int(off[e300]) + 1: int(off[e300]) + 128, 11] = 1.0
+    x[int(off[e300]): int(off[e300]) + 128, 11:16:4] = 1.0
+    x[int(off[e300]), 11], x[int(off[e300]) + 127, 15] = 448.0, 452.0  # amax 448, and above (any input dtype)
     x[int(off[e128]):int(off[e128 + 1]), 13] = 1e-40
     if not gather:
         return x, off, None
@@ -205,6 +205,8 @@ def check_grouped_properties(q, s, off):
     assert not ((qb == 0x7F) | (qb == 0xFF)).any()
     assert (qb[:, 3] == 0).all() and (s[:, 3] == 2.0 ** -126).all()
     assert torch.isnan(s).sum() == 2 and torch.isfinite(1 / s[torch.isfinite(s)]).all()
+    b300 = int(ref.block_offsets_for(off)[COUNTS.index(300)])  # (grouped_case's default counts)
+    assert s[b300, 11] == 1.0 and s[b300, 15] == 2.0 and qb[int(off[COUNTS.index(300)]), 11] == 0x7E
 
 
 # --------------------------------------------------------------------------- reference self-checks

@@ -81,9 +81,10 @@ def pow2_scale(amax_bits):
 def e4m3_bytes(y, HW_CAST: tl.constexpr):
     """e4m3 bit patterns (uint8) of fp32 ``y`` with ``|y| <= 448``, rounded to nearest even (torch's
     ``.to(torch.float8_e4m3fn)``); -0.0 and negative values rounding to zero give 0x80, as torch does."""
-    if HW_CAST:
-        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    if HW_CAST:  # the sign ORed in again: -0 for a negative fp32 subnormal even where the cast flushes it to +0
+        return (y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32) | sign).to(tl.uint8)
     a = bits & 0x7FFFFFFF
     exp32 = a >> 23
     # normal e4m3 (|y| >= 2**-6): drop 20 mantissa bits, ties to even; a carry moves into the exponent field,
@@ -94,7 +95,7 @@ def e4m3_bytes(y, HW_CAST: tl.constexpr):
     sh = tl.minimum(tl.maximum(141 - exp32, 1), 31)
     half_m1 = (tl.full(sh.shape, 1, tl.int32) << (sh - 1)) - 1
     sub = (mant + half_m1 + ((mant >> sh) & 1)) >> sh
-    byte = tl.where(exp32 >= 121, normal, sub) | ((bits >> 24) & 0x80)
+    byte = tl.where(exp32 >= 121, normal, sub) | sign
     return byte.to(tl.uint8)
 
 
