@@ -26,7 +26,9 @@ The CPU interpreter and fp8 (Triton 3.6 and 3.9 alike): its fp32 -> fp8e4nv conv
 values in [0, 448] come out wrong); its bf16 -> fp32 conversion loses bits of bf16 subnormals (hence
 :func:`as_fp32`); fp8 -> fp32 is exact for every finite byte (0x7F / 0xFF read as +-480, not NaN); fp8 tensors
 are uint8 arrays inside it, and bitcasts uint8 <-> fp8e4nv are free. So bytes are stored through uint8
-pointers (a uint8 view of the e4m3 tensor) on both paths.
+pointers (a uint8 view of the e4m3 tensor) on both paths. (Its fp32 -> bf16 conversion does not round to nearest
+even either: about half of random values differ from torch's by one bf16 step, so an epilogue that rounds to
+bf16 before quantizing matches a torch reference bit for bit only on the GPU, or with fp32 outputs.)
 
 Kernels (one program per block group; no atomics; every output element written by exactly one program):
   * ``quantize_1x128_kernel``: x (R, C), any strides -> q (R, C), s (R, ceil(C/128)); program = BLOCK_R rows x
