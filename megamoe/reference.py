@@ -26,11 +26,15 @@ import torch.nn.functional as F_
 
 from .config import MoEConfig
 from .reference_fp8 import (
+    E4M3,
+    E4M3_MAX,
     block_offsets_for,
+    check_fp8_sizes,
     dequantize_1x128,
     dequantize_128x1_grouped,
     dequantize_128x128,
     moe_experts_fp8,
+    pow2_exponent,
     quantize_1x128,
     quantize_128x1_grouped,
     quantize_128x128,
@@ -46,8 +50,11 @@ from .router import (
 )
 
 __all__ = [
+    "E4M3",
+    "E4M3_MAX",
     "RouterOutput",
     "block_offsets_for",
+    "check_fp8_sizes",
     "combine",
     "dequantize_128x1_grouped",
     "dequantize_128x128",
@@ -57,6 +64,7 @@ __all__ = [
     "moe_experts",
     "moe_experts_fp8",
     "moe_layer",
+    "pow2_exponent",
     "quantize_128x1_grouped",
     "quantize_128x128",
     "quantize_1x128",

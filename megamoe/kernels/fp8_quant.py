@@ -19,10 +19,16 @@ Public helpers (``@triton.jit``; import them into a GEMM epilogue to quantize a 
     into e4m3 operands of ``tl.dot``.
 
 HW_CAST (constexpr): True on the GPU: ``.to(tl.float8e4nv)`` (cvt.rn.satfinite: round to nearest even,
-identical to the integer path since ``|y| <= 448``); False under the CPU interpreter, whose fp32 -> fp8
-conversion does not round to nearest even (Triton 3.6 and 3.9: it rounds half up on the cut bit, or truncates),
-so :func:`e4m3_bytes` rounds with integer operations there. Both give the bytes of torch's
-``.to(torch.float8_e4m3fn)``. Stores go through uint8 pointers either way (the interpreter keeps fp8 as uint8).
+identical to the integer path since ``|y| <= 448``); False under the CPU interpreter, so :func:`e4m3_bytes`
+rounds with integer operations there. Both give the bytes of torch's ``.to(torch.float8_e4m3fn)``.
+The CPU interpreter and fp8 (Triton 3.6 and 3.9 alike): its fp32 -> fp8e4nv conversion adds the first cut bit
+(ties round up, not to even) and does not carry a rounded-up mantissa into the exponent (about 1% of uniform
+values in [0, 448] come out wrong); its bf16 -> fp32 conversion loses bits of bf16 subnormals (hence
+:func:`as_fp32`); fp8 -> fp32 is exact for every finite byte (0x7F / 0xFF read as +-480, not NaN); fp8 tensors
+are uint8 arrays inside it, and bitcasts uint8 <-> fp8e4nv are free. So bytes are stored through uint8
+pointers (a uint8 view of the e4m3 tensor) on both paths. (Its fp32 -> bf16 conversion does not round to nearest
+even either: about half of random values differ from torch's by one bf16 step, so an epilogue that rounds to
+bf16 before quantizing matches a torch reference bit for bit only on the GPU, or with fp32 outputs.)
 
 Kernels (one program per block group; no atomics; every output element written by exactly one program):
   * ``quantize_1x128_kernel``: x (R, C), any strides -> q (R, C), s (R, ceil(C/128)); program = BLOCK_R rows x
@@ -77,9 +83,10 @@ def pow2_scale(amax_bits):
 def e4m3_bytes(y, HW_CAST: tl.constexpr):
     """e4m3 bit patterns (uint8) of fp32 ``y`` with ``|y| <= 448``, rounded to nearest even (torch's
     ``.to(torch.float8_e4m3fn)``); -0.0 and negative values rounding to zero give 0x80, as torch does."""
-    if HW_CAST:
-        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    if HW_CAST:  # the sign ORed in again: -0 for a negative fp32 subnormal even where the cast flushes it to +0
+        return (y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32) | sign).to(tl.uint8)
     a = bits & 0x7FFFFFFF
     exp32 = a >> 23
     # normal e4m3 (|y| >= 2**-6): drop 20 mantissa bits, ties to even; a carry moves into the exponent field,
@@ -90,7 +97,7 @@ def e4m3_bytes(y, HW_CAST: tl.constexpr):
     sh = tl.minimum(tl.maximum(141 - exp32, 1), 31)
     half_m1 = (tl.full(sh.shape, 1, tl.int32) << (sh - 1)) - 1
     sub = (mant + half_m1 + ((mant >> sh) & 1)) >> sh
-    byte = tl.where(exp32 >= 121, normal, sub) | ((bits >> 24) & 0x80)
+    byte = tl.where(exp32 >= 121, normal, sub) | sign
     return byte.to(tl.uint8)
 
 
