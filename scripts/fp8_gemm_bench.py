@@ -2,7 +2,8 @@
 
 For each case (preset:T, uniform-ish random top-k routing) and each GEMM of the layer (gate/up + SwiGLU, down,
 dgrad + SwiGLU backward, dgrad dx, weight gradients dW13 and dW2) it first checks the FP8 result against
-plain PyTorch on the dequantized operands (fp32), then prints ms and TFLOP/s of megamoe's FP8 kernel beside
+plain PyTorch on the dequantized operands (fp32: "rel err" = max |error| / max |reference|; bf16 outputs put it
+near 2e-3, a wrong kernel far above 2e-2, flagged), then prints ms and TFLOP/s of megamoe's FP8 kernel beside
 megamoe's bf16 kernel (megamoe.ops.grouped_gemm) and ``torch._scaled_grouped_mm`` with rowwise scales (on
 rows sorted by expert, its own operand layouts; "n/a" where this torch rejects the call). The operands are
 quantized once before the timings (torch code here, the formats of megamoe.ops.fp8_gemm), so only the GEMMs
@@ -27,15 +28,14 @@ import time
 
 import torch
 
+from megamoe import reference as ref
 from megamoe.config import get_preset
 from megamoe.ops import build_routing_plan, down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm, swiglu_dgrad
 from megamoe.ops import fp8_gemm as F8
-from megamoe.ops.routing import tile_offsets_for
 
 # without a GPU (a dry run of this script: TRITON_INTERPRET=1, tiny cases such as E4K2D256F256:64) on CPU
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 E4M3 = torch.float8_e4m3fn
-QB = 128
 
 
 def timeit(fn, iters=10, warm=3):
@@ -57,25 +57,7 @@ def timeit(fn, iters=10, warm=3):
     return statistics.median(ts)
 
 
-# ---- quantizers (the spec's exponent rule, torch ops; setup only, not timed) ----
-def _exponent(amax):
-    bits = amax.float().contiguous().view(torch.int32)
-    biased, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-    e = torch.clamp(biased - 135 + (mant > 0x600000).int(), min=-126)
-    return torch.where(biased == 0, torch.full_like(e, -126), e)
-
-
-def _pow2(e):
-    return ((127 + e) << 23).int().view(torch.float32)
-
-
-def quant_1x128(x):
-    R, C = x.shape
-    xb = x.float().reshape(R, C // QB, QB)
-    e = _exponent(xb.abs().amax(-1))
-    return (xb * _pow2(-e)[..., None]).to(E4M3).reshape(R, C), _pow2(e)
-
-
+# ---- operands: megamoe.reference's quantizers (setup only, not timed) ----
 def _chunked(fn, w, step=8):
     """fn over slices of w's experts (bounded fp32 temporaries), results concatenated."""
     parts = [fn(w[i:i + step]) for i in range(0, w.shape[0], step)]
@@ -83,43 +65,7 @@ def _chunked(fn, w, step=8):
 
 
 def quant_128x128(w):
-    def one(w):
-        E, N, K = w.shape
-        wb = w.float().reshape(E, N // QB, QB, K // QB, QB)
-        e = _exponent(wb.abs().amax((2, 4)))
-        return (wb * _pow2(-e)[:, :, None, :, None]).to(E4M3).reshape(E, N, K), _pow2(e)
-    return _chunked(one, w)
-
-
-def block_of_rows(off, R):
-    """Global 128-row block of each row of the expert-grouped buffer (the m-tile table for BLOCK_M = 128)."""
-    E = off.numel() - 1
-    blocks = tile_offsets_for(off, QB).long()
-    expert = torch.searchsorted(off[1:].long(), torch.arange(R, device=off.device), right=True)
-    return blocks[expert] + (torch.arange(R, device=off.device) - off.long()[expert]) // QB, triton_cdiv(R) + E
-
-
-def triton_cdiv(R):
-    return -(-R // QB)
-
-
-def quant_128x1(x_rows, off):
-    R, C = x_rows.shape
-    blk, nb = block_of_rows(off, R)
-    amax = torch.zeros(nb, C, device=x_rows.device).scatter_reduce_(0, blk[:, None].expand(R, C),
-                                                                       x_rows.float().abs(), "amax")
-    e = _exponent(amax)
-    return (x_rows.float() * _pow2(-e)[blk]).to(E4M3), _pow2(e)
-
-
-def deq_rows(q, s):
-    R, C = q.shape
-    return (q.float().reshape(R, C // QB, QB) * s[..., None]).reshape(R, C)
-
-
-def deq_w(q, s):
-    N, K = q.shape
-    return (q.float().reshape(N // QB, QB, K // QB, QB) * s[:, None, :, None]).reshape(N, K)
+    return _chunked(ref.quantize_128x128, w)
 
 
 def rowwise(x):
@@ -154,18 +100,17 @@ def setup(name, T):
     off, tok = plan.offsets_E1, plan.row_token_N
     scale = w.reshape(-1).index_select(0, plan.row_src_N).float()
     c = dict(D=D, F=F, E=E, R=T * K, x=x, w13=w13, w2=w2, dy=dy, off=off, tok=tok, scale=scale, cache={})
-    c["xq"], c["xs"] = quant_1x128(x)
-    c["dq"], c["ds"] = quant_1x128(dy)
+    c["xq"], c["xs"] = ref.quantize_1x128(x)
+    c["dq"], c["ds"] = ref.quantize_1x128(dy)
     c["w13q"], c["w13s"] = quant_128x128(w13)
     c["w2q"], c["w2s"] = quant_128x128(w2)
     c["hq"], c["hs"], c["gu"] = F8.fp8_gate_up_swiglu(c["xq"], c["xs"], c["w13q"], c["w13s"], off, gather_idx_R=tok)
     c["dgu"], c["hw"], _, c["dgq"], c["dgs"] = F8.fp8_swiglu_dgrad(c["dq"], c["ds"], c["w2q"], c["w2s"], off, c["gu"],
                                                                    gather_idx_R=tok, row_scale_R=scale)
-    li = tok.long()
-    c["p13"], c["p13s"] = quant_128x1(c["dgu"], off)
-    c["q13"], c["q13s"] = quant_128x1(x[li], off)
-    c["p2"], c["p2s"] = quant_128x1(dy[li], off)
-    c["q2"], c["q2s"] = quant_128x1(c["hw"], off)
+    c["p13"], c["p13s"] = ref.quantize_128x1_grouped(c["dgu"], off)
+    c["q13"], c["q13s"] = ref.quantize_128x1_grouped(x, off, tok)
+    c["p2"], c["p2s"] = ref.quantize_128x1_grouped(dy, off, tok)
+    c["q2"], c["q2s"] = ref.quantize_128x1_grouped(c["hw"], off)
     # bf16 operands of megamoe's bf16 kernels
     c["h_bf16"], c["gu_bf16"] = gate_up_swiglu(x, w13, off, gather_idx_R=tok)
     return c
@@ -253,7 +198,7 @@ def torch_fp8_gemms(c):
         qq = (q_rows.float() / qs[expert]).to(E4M3).t().contiguous()
         return lambda: mm(pq, qq.t(), ps.reshape(-1), qs.reshape(-1), offs=ends, out_dtype=torch.bfloat16)
 
-    h = deq_rows(c["hq"], c["hs"]).bfloat16()
+    h = ref.dequantize_1x128(c["hq"], c["hs"]).bfloat16()
     return {
         "gate_up": nt(c["x"][li], c["w13"]), "down": nt(h, c["w2"]), "dgrad_swiglu": nn(c["dy"][li], c["w2"]),
         "dgrad": nn(c["dgu"], c["w13"]), "wgrad13": kg(c["dgu"], c["x"][li]), "wgrad2": kg(c["dy"][li], c["hw"]),
@@ -266,8 +211,12 @@ def _per_expert(off, fn):
     return [fn(e, offs[e], offs[e + 1]) for e in range(len(offs) - 1)]
 
 
-def _rel(out, ref):
-    return ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+def deq_w(q, s):
+    return ref.dequantize_128x128(q, s)
+
+
+def _rel(out, want):
+    return ((out.float() - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
 
 
 def check(c, name, outs):
@@ -280,21 +229,20 @@ def check(c, name, outs):
             "dgrad_swiglu": (c["dq"], c["ds"], c["w2q"], c["w2s"], li, False),
             "dgrad": (c["dgq"], c["dgs"], c["w13q"], c["w13s"], None, False),
         }[name]
-        ad = deq_rows(a, s)
+        ad = ref.dequantize_1x128(a, s)
         ad = ad[rows] if rows is not None else ad
-        refs = _per_expert(off, lambda e, r0, r1: ad[r0:r1] @ (deq_w(wq[e], ws[e]).t() if nt else deq_w(wq[e], ws[e])))
-        ref = torch.cat(refs)
+        wants = _per_expert(off, lambda e, r0, r1: ad[r0:r1] @ (deq_w(wq[e], ws[e]).t() if nt else deq_w(wq[e], ws[e])))
+        want = torch.cat(wants)
         if name == "gate_up":
-            return _rel(outs[2], ref)  # the saved [g | u]
+            return _rel(outs[2], want)  # the saved [g | u]
         if name == "dgrad_swiglu":  # the routing-weight row dots: sum_n acc * h
             gu = c["gu"].float()
             h = (gu[:, :F] * torch.sigmoid(gu[:, :F]) * gu[:, F:]).bfloat16().float()
-            return _rel(outs[2].sum(1), (ref * h).sum(1))
-        return _rel(outs[0], ref)
+            return _rel(outs[2].sum(1), (want * h).sum(1))
+        return _rel(outs[0], want)
     p, ps, q, qs = (c["p13"], c["p13s"], c["q13"], c["q13s"]) if name == "wgrad13" else (
         c["p2"], c["p2s"], c["q2"], c["q2s"])
-    blk, _ = block_of_rows(off, p.shape[0])
-    pd, qd = p.float() * ps[blk], q.float() * qs[blk]
+    pd, qd = ref.dequantize_128x1_grouped(p, ps, off), ref.dequantize_128x1_grouped(q, qs, off)
     errs = _per_expert(off, lambda e, r0, r1: ((outs[0][e].float() - pd[r0:r1].t() @ qd[r0:r1]).abs().max(),
                                                (pd[r0:r1].t() @ qd[r0:r1]).abs().max()))
     return (max(a for a, _ in errs) / max(b for _, b in errs).clamp(min=1e-30)).item()
@@ -338,8 +286,9 @@ def run_case(case, only, sweep, log):
             tt = f"{tt:12.3f} {flop / tt / 1e9:6.0f}"
         except Exception as exc:  # noqa: BLE001
             tt = f"{'n/a':>12s} {'':6s} ({type(exc).__name__}: {str(exc)[:60]})"
+        flag = "" if err < 2e-2 else "  <-- ERROR above 2e-2: wrong result"
         log(f"   {gname:17s} {err:9.2e} {t8:8.3f} {flop / t8 / 1e9:6.0f} {tb:8.3f} {flop / tb / 1e9:6.0f} {tt}  "
-            f"{tb / t8:.2f}x")
+            f"{tb / t8:.2f}x{flag}")
         if sweep:
             base = [t.clone() for t in outs if t is not None]
             kind = "wgrad" if gname.startswith("wgrad") else base_name

@@ -183,7 +183,7 @@ def _launch_m(*, kind, epilogue, a, sa, a_idx, b, sb, nt, R, N, K, offsets_E1, c
         a, sa, a_idx if a_idx is not None else offsets_E1, b, sb, offsets_E1, tiles,
         scale if scale is not None else dummy, gu if gu is not None else dummy,
         c if c is not None else dummy, aux if aux is not None else dummy, dot if dot is not None else dummy,
-        q if q is not None else dummy, qs if qs is not None else dummy,
+        q.view(torch.uint8) if q is not None else dummy, qs if qs is not None else dummy,
         R, N, E, K,
         a.stride(0), sa.stride(0), *strides_b, *strides_sb,
         c.stride(0) if c is not None else 0, gu.stride(0) if gu is not None else 0,
@@ -191,7 +191,7 @@ def _launch_m(*, kind, epilogue, a, sa, a_idx, b, sb, nt, R, N, K, offsets_E1, c
         qs.stride(0) if qs is not None else 0,
         EPILOGUE=epilogue, HAS_GATHER=a_idx is not None, HAS_SCALE=scale is not None,
         SAVE_AUX=aux is not None if save_aux is None else save_aux,
-        HAS_DOT=dot is not None, FP32_DOT=interpret, INTERPRET=interpret, EVEN_N=N % cfg.block_n == 0,
+        HAS_DOT=dot is not None, FP32_DOT=interpret, HW_CAST=not interpret, EVEN_N=N % cfg.block_n == 0,
         E_POW2=pow2(E), SKEW=cfg.skew, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True,
     )
