@@ -251,6 +251,8 @@ def check(c, name, outs):
 def sweep_configs(kind):
     grid = [F8.Fp8GemmConfig(bm, bn, nw, st) for bm, bn, nw, st in itertools.product((64, 128), (128, 256), (4, 8),
                                                                                      (3, 4))]
+    if kind != "wgrad":  # two CTAs per SM (one's promotion beside the other's dot)
+        grid += [F8.Fp8GemmConfig(64, 128, 4, st, programs_per_sm=2) for st in (3, 4)]
     if kind not in ("gate_up", "wgrad"):  # the skewed promotion
         grid += [F8.Fp8GemmConfig(128, 128, 8, st, skew=True) for st in (3, 4)]
     return grid
@@ -300,7 +302,7 @@ def run_case(case, only, sweep, log):
                                            b.view(torch.uint8) if b.dtype == E4M3 else b) for a, b in zip(base, got))
                     ms = timeit(lambda fn=fn, cfg=cfg: fn(cfg), iters=6, warm=2)
                     log(f"      {gname:17s} {cfg.block_m:4d}x{cfg.block_n:<4d} w{cfg.num_warps} s{cfg.num_stages}"
-                        f"{' skew' if cfg.skew else '     '} "
+                        f"{' skew' if cfg.skew else '     '}{' 2/SM' if cfg.programs_per_sm > 1 else '     '} "
                         f"{ms:8.3f} ms {flop / ms / 1e9:6.0f} TF/s  bits {'==' if same else 'DIFFERENT'}")
                 except Exception as exc:  # noqa: BLE001
                     log(f"      {gname:17s} {cfg} FAILED {type(exc).__name__}: {str(exc)[:160]}")

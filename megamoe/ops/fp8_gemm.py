@@ -64,15 +64,19 @@ class Fp8GemmConfig:
                 raise ValueError(f"Fp8GemmConfig: block sizes must be powers of two >= 16, got {self}")
 
 
-# Expected Hopper shapes: 8 warps = two consumer warpgroups of 64 rows, so one warpgroup's promotion FMAs can run
-# beside the other's wgmma; 128 x 128 tiles keep the fresh dot tile and the accumulator both in registers (64 + 64
-# fp32 per thread; gate/up holds two of each). To be measured (scripts/fp8_gemm_bench.py --sweep).
+# First table, from sm_90a compiles on the CPU (Triton 3.6 ptxas; not yet timed): the promotion needs the fresh dot
+# tile and the accumulator in registers at once, and Triton waits for each wgmma before promoting it, so the tensor
+# cores idle during a CTA's promotion unless another CTA on the SM has a dot in flight. 64 x 128 tiles with one
+# warpgroup (4 warps) use 208 registers and ~97 KiB of shared memory (4 stages): two CTAs per SM
+# (programs_per_sm=2), no spills; 128 x 128 with 8 warps uses 221 registers (one CTA per SM); 128 x 256 spills.
+# gate/up (two accumulators): 64 x 128 with 8 warps (each warpgroup 64 x 64) does not spill, 128 x 128 spills
+# 416 bytes. To be measured: scripts/fp8_gemm_bench.py --sweep.
 _INTERPRET = Fp8GemmConfig(16, 128, 4, 1)
 _TABLE = {
-    "gate_up": Fp8GemmConfig(128, 128, 8, 3),
-    "down": Fp8GemmConfig(128, 128, 8, 4),
-    "dgrad_swiglu": Fp8GemmConfig(128, 128, 8, 4),
-    "dgrad": Fp8GemmConfig(128, 128, 8, 4),
+    "gate_up": Fp8GemmConfig(64, 128, 8, 3),
+    "down": Fp8GemmConfig(64, 128, 4, 4, programs_per_sm=2),
+    "dgrad_swiglu": Fp8GemmConfig(64, 128, 4, 3, programs_per_sm=2),
+    "dgrad": Fp8GemmConfig(64, 128, 4, 4, programs_per_sm=2),
     "wgrad": Fp8GemmConfig(128, 128, 8, 3),
 }
 FP8_KINDS = tuple(_TABLE)
