@@ -27,62 +27,18 @@ QB = 128, the scale group; NB scale blocks.
   ``block_offsets[e] + j`` = the expert's j-th block), fp32, one cast; no atomics, no split-K; an expert with
   no rows stores exact zeros.
 
-Interpreter (TRITON_INTERPRET=1): dots run in fp32 (``mma``'s FP32_DOT) and the e4m3 cast is preceded by an
-explicit round-to-nearest-even onto the e4m3 grid (the interpreter's own fp32 -> e4m3 cast misrounds when
-the rounding carries into the exponent); on the GPU the hardware cast (RNE, saturating) is used.
+Quantization in the epilogues: megamoe.kernels.fp8_quant's helpers (the exponent rule, the non-finite policy,
+e4m3 bytes by the hardware cast on the GPU and by integer rounding under the interpreter); bytes are stored
+through uint8 pointers (HQ is the e4m3 output viewed as uint8). Interpreter (TRITON_INTERPRET=1): dots run in
+fp32 (``mma``'s FP32_DOT; exact products of e4m3 values); HW_CAST is False there.
 """
 
 import triton
 import triton.language as tl
 
+from .fp8_quant import abs_bits, e4m3_bytes, pow2_scale, quantize_block_rows
 from .grouped_gemm import PLAIN, SWIGLU
 from .tiles import expert_of_tile, load_2d, mma
-
-
-
-@triton.jit
-def scale_exponent(amax):
-    """The spec's exponent rule: smallest e >= -126 with ``amax * 2**-e <= 448`` (integers only; amax >= 0)."""
-    bits = amax.to(tl.int32, bitcast=True)
-    biased = (bits >> 23) & 0xFF
-    mant = bits & 0x7FFFFF
-    e = tl.maximum(biased - 135 + (mant > 0x600000).to(tl.int32), -126)
-    return tl.where(biased == 0, -126, e)
-
-
-@triton.jit
-def exp2_int(e):
-    """2**e as fp32 from its bits, for integer -126 <= e <= 127."""
-    return ((127 + e) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def to_e4m3(x, INTERPRET: tl.constexpr):
-    """Round fp32 ``x`` (|x| <= 448 or non-finite-free) to e4m3, round to nearest even."""
-    if INTERPRET:  # round onto the e4m3 grid in fp32 first, so the interpreter's cast is exact
-        bits = x.to(tl.int32, bitcast=True)
-        sign = bits & -2147483648
-        mag = bits & 0x7FFFFFFF
-        normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576  # 3 mantissa bits, RNE
-        ax = tl.abs(x)
-        sub = ((ax * 512.0 + 12582912.0) - 12582912.0) * 0.001953125  # multiples of 2**-9, RNE
-        mag = tl.where(ax < 0.015625, sub.to(tl.int32, bitcast=True), normal)
-        x = (mag | sign).to(tl.float32, bitcast=True)
-    return x.to(tl.float8e4nv)
-
-
-@triton.jit
-def quantize_1x128(x, INTERPRET: tl.constexpr):
-    """1x128 quantization of a (BLOCK_M, 128) fp32 tile: (e4m3 tile, fp32 scale per row). A row holding a
-    NaN or +-Inf gets scale NaN and zero bytes; an all-zero row exact zeros and scale 2**-126."""
-    ax = tl.abs(x)
-    finite = ax <= 3.4028234663852886e38  # False for NaN and +-Inf (the largest finite fp32)
-    amax = tl.max(tl.where(finite, ax, 0.0), axis=1)
-    bad = tl.max(tl.where(finite, 0, 1), axis=1) > 0
-    e = scale_exponent(amax)
-    q = to_e4m3(tl.where(bad[:, None], 0.0, x * exp2_int(-e)[:, None]), INTERPRET)
-    s = tl.where(bad, float("nan"), exp2_int(e))
-    return q, s
 
 
 @triton.jit
@@ -101,38 +57,43 @@ def load_vec(ptrs, mask, FULL: tl.constexpr):
 
 
 @triton.jit
-def promote(a, b, sa, sb, acc, FP32_DOT: tl.constexpr):
-    """``acc + dot(a, b) * (sa[:, None] * sb[None, :])``: one K-block of 128, its dot from zero."""
-    p = mma(a, b, tl.zeros(acc.shape, dtype=tl.float32), FP32_DOT)
+def add_scaled(acc, p, sa, sb):
+    """The promotion: ``acc + p * (sa[:, None] * sb[None, :])`` (p one K-block's dot, fp32)."""
     return acc + p * (sa[:, None] * sb[None, :])
 
 
 @triton.jit
-def _k_loop(a_ptr, as_ptr, b_ptr, bs_ptr, a_rows, expert, offs_n, mask_n, N, stride_am, stride_asm, stride_be,
-            stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, K: tl.constexpr, UP: tl.constexpr,
-            FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One tile's K loop in K-blocks of 128: ``acc = deq(A[a_rows]) @ deq(B[expert])`` over columns offs_n; with
-    UP also ``acc_up`` over columns N + offs_n (else ``acc_up`` is ``acc``'s initial zeros, unused)."""
-    offs_k = tl.arange(0, 128)
-    e64 = expert.to(tl.int64)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    as_ptrs = as_ptr + a_rows * stride_asm
-    b_ptrs = b_ptr + e64 * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    bs_ptrs = bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
+def promote(a, b, sa, sb, acc, FP32_DOT: tl.constexpr):
+    """``acc + dot(a, b) * (sa[:, None] * sb[None, :])``: one K-block of 128, its dot from zero."""
+    return add_scaled(acc, mma(a, b, tl.zeros(acc.shape, dtype=tl.float32), FP32_DOT), sa, sb)
+
+
+@triton.jit
+def _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N: tl.constexpr):
+    """One K-block's operands: A tile + row scales, B tile + column scales (one per 128 columns)."""
+    a = tl.load(a_ptrs)  # rows clamped into the buffer, K a multiple of 128
+    sa = tl.load(as_ptrs)
+    b = load_2d(b_ptrs, mask_n, mask_n, True, EVEN_N)  # all K rows valid (FULL_R): only columns masked
+    sb = load_vec(bs_ptrs, mask_n, EVEN_N)
+    return a, sa, b, sb
+
+
+@triton.jit
+def _k_loop(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, N, stride_bn, stride_bk, stride_bsn, stride_bsk,
+            K: tl.constexpr, UP: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """One tile's K loop in K-blocks of 128 from the pointers of K-block 0: ``acc = deq(A) @ deq(B)``; with UP
+    also ``acc_up`` over columns N + n of B (else ``acc_up`` is ``acc``'s initial zeros, unused)."""
     up_cols = N // 128 * stride_bsn
-    all_k = offs_k < 128
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = acc
     if UP:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, K, 128):
-        a = tl.load(a_ptrs)  # rows clamped into the buffer, K a multiple of 128
-        sa = tl.load(as_ptrs)
-        b = load_2d(b_ptrs, all_k, mask_n, True, EVEN_N)
-        sb = load_vec(bs_ptrs, mask_n, EVEN_N)
+        a, sa, b, sb = _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N)
         acc = promote(a, b, sa, sb, acc, FP32_DOT)
         if UP:
-            b_up = load_2d(b_ptrs + N * stride_bn, all_k, mask_n, True, EVEN_N)
+            b_up = load_2d(b_ptrs + N * stride_bn, mask_n, mask_n, True, EVEN_N)
             sb_up = load_vec(bs_ptrs + up_cols, mask_n, EVEN_N)
             acc_up = promote(a, b_up, sa, sb_up, acc_up, FP32_DOT)
         a_ptrs += 128
@@ -143,10 +104,31 @@ def _k_loop(a_ptr, as_ptr, b_ptr, bs_ptr, a_rows, expert, offs_n, mask_n, N, str
 
 
 @triton.jit
-def _store_quantized(x, out_rows, n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, NQ, INTERPRET: tl.constexpr):
+def _k_loop_skewed(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, stride_bk, stride_bsk, K: tl.constexpr,
+                   FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_k_loop`` (no UP) with K-block k + 1's dot issued before K-block k is promoted, so the promotion can
+    overlap the tensor cores' next dot; the same additions in the same order, hence the same bits."""
+    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a, sa_prev, b, sb_prev = _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N)
+    p_prev = mma(a, b, zero, FP32_DOT)
+    acc = zero
+    for _ in range(128, K, 128):
+        a_ptrs += 128
+        as_ptrs += 1
+        b_ptrs += 128 * stride_bk
+        bs_ptrs += stride_bsk
+        a, sa, b, sb = _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N)
+        p = mma(a, b, zero, FP32_DOT)
+        acc = add_scaled(acc, p_prev, sa_prev, sb_prev)
+        p_prev, sa_prev, sb_prev = p, sa, sb
+    return add_scaled(acc, p_prev, sa_prev, sb_prev)
+
+
+@triton.jit
+def _store_quantized(x, out_rows, n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, NQ, HW_CAST: tl.constexpr):
     """Quantize the (BLOCK_M, 128) tile x (columns [n0, n0 + 128) of an NQ-column matrix) and store bytes and
     scales (rows of mask_m; a tile past NQ stores nothing)."""
-    q, s = quantize_1x128(x, INTERPRET)
+    q, s = quantize_block_rows(x, HW_CAST)  # e4m3 bytes (uint8), scale per row
     offs = n0 + tl.arange(0, 128)
     tl.store(q_ptr + out_rows[:, None] * stride_qm + offs[None, :], q,
              mask=mask_m[:, None] & (offs < NQ)[None, :])
@@ -155,7 +137,7 @@ def _store_quantized(x, out_rows, n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_q
 
 @triton.jit
 def _swiglu_cols(acc, acc_up, n0, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, stride_xm, stride_qm, stride_qsm,
-                 SAVE_AUX: tl.constexpr, INTERPRET: tl.constexpr):
+                 SAVE_AUX: tl.constexpr, HW_CAST: tl.constexpr):
     """SwiGLU forward on QB columns [n0, n0 + QB): [g | u] saved (SAVE_AUX), h quantized 1x128."""
     out_ty = aux_ptr.dtype.element_ty
     gate = acc.to(out_ty).to(tl.float32)
@@ -167,19 +149,14 @@ def _swiglu_cols(acc, acc_up, n0, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, s
         tl.store(x_ptrs, gate.to(out_ty), mask=mask)
         tl.store(x_ptrs + N, up.to(out_ty), mask=mask)
     h = swiglu_h(gate, up).to(out_ty).to(tl.float32)
-    _store_quantized(h, out_rows, n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, N, INTERPRET)
+    _store_quantized(h, out_rows, n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, N, HW_CAST)
 
 
 @triton.jit
-def _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr, N,
-                     stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    """SwiGLU backward on 128 columns [n0, n0 + 128) (the bf16 path's expressions): stores h * scale into AUX,
-    [dg | du] into C and quantized 1x128 into (HQ, HS); returns the row-dot partial ``sum_n acc * h``."""
+def _bwd_half(acc, offs_n, rows, mask_n, scale, gu_ptr, c_ptr, N, stride_gm, HAS_SCALE: tl.constexpr):
+    """SwiGLU backward values on a column block (the bf16 path's expressions): (row-dot partial ``sum_n acc * h``,
+    h * scale, dg, du), the last three rounded to C's dtype (held in fp32)."""
     out_ty = c_ptr.dtype.element_ty
-    offs_n = n0 + tl.arange(0, 128)
-    mask_n = offs_n < N
-    mask = mask_m[:, None] & mask_n[None, :]
     g_ptrs = gu_ptr + rows[:, None] * stride_gm + offs_n[None, :]
     gate = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
     up = tl.load(g_ptrs + N, mask=mask_n[None, :], other=0.0).to(tl.float32)
@@ -189,18 +166,55 @@ def _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_
     if HAS_SCALE:
         acc = acc * scale[:, None]
         h = h * scale[:, None]
-    tl.store(aux_ptr + out_rows[:, None] * stride_xm + offs_n[None, :], h.to(out_ty), mask=mask)
     dh = acc.to(out_ty).to(tl.float32)
-    c_ptrs = c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :]
-    d_up = (dh * (gate * sig)).to(out_ty)
-    tl.store(c_ptrs + N, d_up, mask=mask)
-    _store_quantized(d_up.to(tl.float32), out_rows, N + n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, 2 * N,
-                     INTERPRET)
-    d_gate = ((dh * up) * sig * (1.0 + gate * (1.0 - sig))).to(out_ty)
-    tl.store(c_ptrs, d_gate, mask=mask)
-    _store_quantized(d_gate.to(tl.float32), out_rows, n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, N,
-                     INTERPRET)
-    return part
+    d_up = (dh * (gate * sig)).to(out_ty).to(tl.float32)
+    d_gate = ((dh * up) * sig * (1.0 + gate * (1.0 - sig))).to(out_ty).to(tl.float32)
+    return part, h.to(out_ty).to(tl.float32), d_gate, d_up
+
+
+@triton.jit
+def _store_pair(lo, hi, offs_lo, out_rows, mask_m, ptr, stride, N):
+    """Store two 64-column halves (columns offs_lo and offs_lo + 64) of rows out_rows (columns < N)."""
+    ptrs = ptr + out_rows[:, None] * stride + offs_lo[None, :]
+    mask = mask_m[:, None] & (offs_lo < N)[None, :]
+    tl.store(ptrs, lo.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs + 64, hi.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_pair_quantized(lo, hi, offs_lo, out_rows, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, NQ,
+                          HW_CAST: tl.constexpr):
+    """1x128-quantize the block held as two 64-column halves (columns offs_lo, offs_lo + 64 of an NQ-column
+    matrix, offs_lo[0] a multiple of 128) and store its bytes and scales."""
+    amax_bits = tl.maximum(tl.max(abs_bits(lo), axis=1), tl.max(abs_bits(hi), axis=1))  # NaN > Inf > finite
+    inv, s, finite = pow2_scale(amax_bits)
+    q_lo = e4m3_bytes(tl.where(finite[:, None], lo * inv[:, None], 0.0), HW_CAST)
+    q_hi = e4m3_bytes(tl.where(finite[:, None], hi * inv[:, None], 0.0), HW_CAST)
+    _store_pair(q_lo, q_hi, offs_lo, out_rows, mask_m, q_ptr, stride_qm, NQ)
+    n0 = tl.min(offs_lo, axis=0)
+    tl.store(qs_ptr + out_rows * stride_qsm + n0 // 128, s, mask=mask_m & (out_rows * 0 + n0 < NQ))
+
+
+@triton.jit
+def _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr, N,
+                     stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE: tl.constexpr,
+                     HW_CAST: tl.constexpr, BLOCK_M: tl.constexpr):
+    """SwiGLU backward on 128 columns [n0, n0 + 128), as two 64-column halves (the bf16 path's structure, so the
+    row-dot partial is the same sum whatever the tile width): h * scale into AUX, [dg | du] into C and
+    quantized 1x128 into (HQ, HS); returns the row-dot partial (first half's sum + second half's)."""
+    acc_lo, acc_hi = _halves(acc, BLOCK_M, 128)
+    offs_lo = n0 + tl.arange(0, 64)
+    part_lo, h_lo, dg_lo, du_lo = _bwd_half(acc_lo, offs_lo, rows, offs_lo < N, scale, gu_ptr, c_ptr, N, stride_gm,
+                                            HAS_SCALE)
+    part_hi, h_hi, dg_hi, du_hi = _bwd_half(acc_hi, offs_lo + 64, rows, offs_lo < N, scale, gu_ptr, c_ptr, N,
+                                            stride_gm, HAS_SCALE)
+    _store_pair(h_lo, h_hi, offs_lo, out_rows, mask_m, aux_ptr, stride_xm, N)
+    _store_pair(dg_lo, dg_hi, offs_lo, out_rows, mask_m, c_ptr, stride_cm, N)
+    _store_pair(du_lo, du_hi, offs_lo, out_rows, mask_m, c_ptr + N, stride_cm, N)
+    _store_pair_quantized(dg_lo, dg_hi, offs_lo, out_rows, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, N, HW_CAST)
+    _store_pair_quantized(du_lo, du_hi, offs_lo + N, out_rows, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, 2 * N,
+                          HW_CAST)
+    return part_lo + part_hi
 
 
 @triton.jit
@@ -213,7 +227,7 @@ def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 def _epilogue(acc, acc_up, n_tile, rows, out_rows, mask_m, offs_n, mask_n, scale_ptr, gu_ptr, c_ptr, aux_ptr,
               dot_ptr, q_ptr, qs_ptr, N, stride_cm, stride_gm, stride_xm, stride_qm, stride_qsm,
               EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr, HAS_DOT: tl.constexpr,
-              INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              HW_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     n0 = n_tile * BLOCK_N
     if EPILOGUE == PLAIN:
         if HAS_SCALE:
@@ -223,14 +237,14 @@ def _epilogue(acc, acc_up, n_tile, rows, out_rows, mask_m, offs_n, mask_n, scale
     elif EPILOGUE == SWIGLU:
         if BLOCK_N == 128:
             _swiglu_cols(acc, acc_up, n0, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, stride_xm, stride_qm,
-                         stride_qsm, SAVE_AUX, INTERPRET)
+                         stride_qsm, SAVE_AUX, HW_CAST)
         else:
             acc_a, acc_b = _halves(acc, BLOCK_M, BLOCK_N)
             up_a, up_b = _halves(acc_up, BLOCK_M, BLOCK_N)
             _swiglu_cols(acc_a, up_a, n0, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, stride_xm, stride_qm,
-                         stride_qsm, SAVE_AUX, INTERPRET)
+                         stride_qsm, SAVE_AUX, HW_CAST)
             _swiglu_cols(acc_b, up_b, n0 + 128, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, stride_xm,
-                         stride_qm, stride_qsm, SAVE_AUX, INTERPRET)
+                         stride_qm, stride_qsm, SAVE_AUX, HW_CAST)
     else:  # SWIGLU_BWD: one row-dot partial per 128 columns, dot (R, N / 128)
         if HAS_SCALE:
             scale = tl.load(scale_ptr + rows).to(tl.float32)
@@ -239,17 +253,18 @@ def _epilogue(acc, acc_up, n_tile, rows, out_rows, mask_m, offs_n, mask_n, scale
         num_p = N // 128
         if BLOCK_N == 128:
             part = _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr,
-                                    N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE, INTERPRET)
+                                    N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE, HW_CAST,
+                                    BLOCK_M)
             if HAS_DOT:
                 tl.store(dot_ptr + out_rows * num_p + n_tile, part, mask=mask_m)
         else:
             acc_a, acc_b = _halves(acc, BLOCK_M, BLOCK_N)
             part_a = _swiglu_bwd_cols(acc_a, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr,
                                       qs_ptr, N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE,
-                                      INTERPRET)
+                                      HW_CAST, BLOCK_M)
             part_b = _swiglu_bwd_cols(acc_b, n0 + 128, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr,
                                       qs_ptr, N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE,
-                                      INTERPRET)
+                                      HW_CAST, BLOCK_M)
             if HAS_DOT:
                 p = 2 * n_tile
                 tl.store(dot_ptr + out_rows * num_p + p, part_a, mask=mask_m)
@@ -271,8 +286,8 @@ def fp8_m_grouped_kernel(
     stride_cm, stride_gm, stride_xm, stride_qm, stride_qsm,
     # variant
     EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr,
-    HAS_DOT: tl.constexpr, FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_N: tl.constexpr,
-    E_POW2: tl.constexpr,
+    HAS_DOT: tl.constexpr, FP32_DOT: tl.constexpr, HW_CAST: tl.constexpr, EVEN_N: tl.constexpr,
+    E_POW2: tl.constexpr, SKEW: tl.constexpr,
     # tile config (BLOCK_K is 128)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -295,12 +310,22 @@ def fp8_m_grouped_kernel(
             a_rows = rows
         offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        acc, acc_up = _k_loop(a_ptr, as_ptr, b_ptr, bs_ptr, a_rows, expert, offs_n, mask_n, N, stride_am,
-                              stride_asm, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, K,
-                              EPILOGUE == SWIGLU, FP32_DOT, EVEN_N, BLOCK_M, BLOCK_N)
+        offs_k = tl.arange(0, 128)
+        e64 = expert.to(tl.int64)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + e64 * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        bs_ptrs = bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
+        if SKEW and EPILOGUE != SWIGLU:
+            acc = _k_loop_skewed(a_ptrs, as_ptr + a_rows * stride_asm, b_ptrs, bs_ptrs, mask_n, stride_bk,
+                                 stride_bsk, K, FP32_DOT, EVEN_N, BLOCK_M, BLOCK_N)
+            acc_up = acc
+        else:
+            acc, acc_up = _k_loop(a_ptrs, as_ptr + a_rows * stride_asm, b_ptrs, bs_ptrs, mask_n, N, stride_bn,
+                                  stride_bk, stride_bsn, stride_bsk, K, EPILOGUE == SWIGLU, FP32_DOT, EVEN_N, BLOCK_M,
+                                  BLOCK_N)
         _epilogue(acc, acc_up, n_tile, rows, offs_m.to(tl.int64), mask_m, offs_n, mask_n, scale_ptr, gu_ptr, c_ptr,
                   aux_ptr, dot_ptr, q_ptr, qs_ptr, N, stride_cm, stride_gm, stride_xm, stride_qm, stride_qsm,
-                  EPILOGUE, HAS_SCALE, SAVE_AUX, HAS_DOT, INTERPRET, BLOCK_M, BLOCK_N)
+                  EPILOGUE, HAS_SCALE, SAVE_AUX, HAS_DOT, HW_CAST, BLOCK_M, BLOCK_N)
         tile += tl.num_programs(0)
 
 

@@ -23,58 +23,88 @@ reduction order is fixed by the 128-wide K-blocks.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
-from ..config import GemmConfig
 from ..kernels.fp8_gemm import fp8_k_grouped_kernel, fp8_m_grouped_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .routing import tile_offsets_for
 
 __all__ = ["fp8_gate_up_swiglu", "fp8_grouped_mm_nt", "fp8_grouped_mm_nn", "fp8_swiglu_dgrad", "fp8_k_grouped_mm",
-           "fp8_config", "FP8_KINDS", "QB"]
+           "fp8_config", "Fp8GemmConfig", "FP8_KINDS", "QB"]
 
 QB = 128  # the scale group
 _PLAIN, _SWIGLU, _SWIGLU_BWD = 0, 1, 2
 _E4M3 = torch.float8_e4m3fn
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Tile configs (block_k is the scale group, 128, for every kind). Expected Hopper shapes: 8 warps = two
-# consumer warpgroups of 64 rows, so one warpgroup's promotion FMAs can run beside the other's wgmma; tiles of
-# 128 x 128 keep the fresh dot tile and the accumulator both in registers (64 + 64 fp32 per thread; gate/up holds
-# two of each). To be measured (scripts/fp8_gemm_bench.py --sweep).
-_INTERPRET = GemmConfig(16, 128, 128, 4, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GemmConfig:
+    """One FP8 GEMM launch config (BLOCK_K is always the scale group, 128, so no config changes bits).
+
+    block_m / block_n: the output tile (m-grouped: block_n a multiple of 128, at most 256 with a SwiGLU
+    epilogue); num_warps / num_stages: Triton's; skew (m-grouped, PLAIN and SWIGLU_BWD epilogues): issue
+    K-block k + 1's dot before promoting K-block k (the same additions in the same order); programs_per_sm: the
+    persistent m-grouped grid."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    skew: bool = False
+    programs_per_sm: int = 1
+
+    def __post_init__(self) -> None:
+        for v in (self.block_m, self.block_n):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"Fp8GemmConfig: block sizes must be powers of two >= 16, got {self}")
+
+
+# First table, from sm_90a compiles on the CPU (Triton 3.6 ptxas; not yet timed): the promotion needs the fresh dot
+# tile and the accumulator in registers at once, and Triton waits for each wgmma before promoting it, so the tensor
+# cores idle during a CTA's promotion unless another CTA on the SM has a dot in flight. 64 x 128 tiles with one
+# warpgroup (4 warps) use 208 registers and ~97 KiB of shared memory (4 stages): two CTAs per SM
+# (programs_per_sm=2), no spills; 128 x 128 with 8 warps uses 221 registers (one CTA per SM); 128 x 256 spills.
+# gate/up (two accumulators): 64 x 128 with 8 warps (each warpgroup 64 x 64) does not spill, 128 x 128 spills
+# 416 bytes. To be measured: scripts/fp8_gemm_bench.py --sweep.
+_INTERPRET = Fp8GemmConfig(16, 128, 4, 1)
 _TABLE = {
-    "gate_up": GemmConfig(128, 128, 128, 8, 3),
-    "down": GemmConfig(128, 128, 128, 8, 4),
-    "dgrad_swiglu": GemmConfig(128, 128, 128, 8, 4),
-    "dgrad": GemmConfig(128, 128, 128, 8, 4),
-    "wgrad": GemmConfig(128, 128, 128, 8, 3),
+    "gate_up": Fp8GemmConfig(64, 128, 8, 3),
+    "down": Fp8GemmConfig(64, 128, 4, 4, programs_per_sm=2),
+    "dgrad_swiglu": Fp8GemmConfig(64, 128, 4, 3, programs_per_sm=2),
+    "dgrad": Fp8GemmConfig(64, 128, 4, 4, programs_per_sm=2),
+    "wgrad": Fp8GemmConfig(128, 128, 8, 3),
 }
 FP8_KINDS = tuple(_TABLE)
 
 
-def fp8_config(kind: str, *, interpret: bool, config: GemmConfig | None = None) -> GemmConfig:
-    """The tile config of an FP8 GEMM of ``kind`` (pure function); ``config`` (sweeps, A/B runs) wins. Its
-    block_k must be 128 and block_n a multiple of 128 (at most 256 for the SwiGLU epilogues)."""
+def fp8_config(kind: str, *, interpret: bool, config: Fp8GemmConfig | None = None) -> Fp8GemmConfig:
+    """The tile config of an FP8 GEMM of ``kind`` (pure function); ``config`` (sweeps, A/B runs) wins."""
     if kind not in _TABLE:
         raise ValueError(f"fp8_config: unknown kind {kind!r}; valid: {FP8_KINDS}")
     if interpret and config is None:
         return _INTERPRET
     cfg = config or _TABLE[kind]
-    if cfg.block_k != QB or (kind != "wgrad" and cfg.block_n % QB) or (
-            kind in ("gate_up", "dgrad_swiglu") and cfg.block_n > 2 * QB):
-        raise ValueError(f"fp8_config: {kind} needs block_k == 128 and block_n a multiple of 128 (<= 256 with a "
-                         f"SwiGLU epilogue), got {cfg}")
+    if not isinstance(cfg, Fp8GemmConfig):
+        raise TypeError(f"fp8_config: config must be an Fp8GemmConfig, got {type(cfg).__name__}")
+    if kind != "wgrad" and (cfg.block_n % QB or (kind in ("gate_up", "dgrad_swiglu") and cfg.block_n > 2 * QB)):
+        raise ValueError(f"fp8_config: {kind} needs block_n a multiple of 128 (<= 256 with a SwiGLU epilogue), "
+                         f"got {cfg}")
     return cfg
 
 
-def _check_q(where: str, name: str, q: torch.Tensor, dims: int, dtype=_E4M3) -> None:
+def _check_q(where: str, name: str, q: torch.Tensor, dims: int, dtype=_E4M3, *, any_strides: bool = False) -> None:
+    """A dims-D tensor of dtype: contiguous, or with any_strides any (non-negative) strides, e.g. a transposed
+    view (the kernels address every element through its strides; a K-major layout is the fast one)."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != dims or q.dtype != dtype:
         raise ValueError(f"{where}: {name} must be a {dims}-D {dtype} tensor, got {q.dtype} {tuple(q.shape)}")
-    if not q.is_contiguous():
+    if not (q.is_contiguous() or (any_strides and min(q.stride(), default=0) >= 0)):
         raise ValueError(f"{where}: {name} must be contiguous, strides {q.stride()}")
 
 
@@ -100,8 +130,8 @@ def _check_rows(where: str, xq, xs, K: int, gather_idx_R, name: str = "a") -> in
 
 
 def _check_weight(where: str, wq, ws, name: str) -> tuple[int, int, int]:
-    _check_q(where, f"{name}q", wq, 3)
-    _check_q(where, f"{name}s", ws, 3, torch.float32)
+    _check_q(where, f"{name}q", wq, 3, any_strides=True)
+    _check_q(where, f"{name}s", ws, 3, torch.float32, any_strides=True)
     E, A, B = wq.shape
     _check_mult(where, **{f"{name}q.shape[1]": A, f"{name}q.shape[2]": B})
     if tuple(ws.shape) != (E, A // QB, B // QB):
@@ -137,10 +167,12 @@ def table_for(offsets_E1: torch.Tensor, block_m: int, tile_cache: dict | None) -
     return tiles
 
 
-def _launch_m(*, kind, epilogue, a, sa, a_idx, b, sb, strides_b, strides_sb, R, N, K, offsets_E1, c=None, aux=None,
-              dot=None, q=None, qs=None, scale=None, gu=None, save_aux=None, tile_cache=None, config=None) -> None:
-    """Launch the persistent FP8 m-grouped kernel; strides_b / strides_sb = (e, n, k) strides of B and its
-    scale grid, in elements."""
+def _launch_m(*, kind, epilogue, a, sa, a_idx, b, sb, nt, R, N, K, offsets_E1, c=None, aux=None, dot=None, q=None,
+              qs=None, scale=None, gu=None, save_aux=None, tile_cache=None, config=None) -> None:
+    """Launch the persistent FP8 m-grouped kernel. nt: B and its scale grid are (E, N, K) (else (E, K, N)), any
+    strides."""
+    strides_b = b.stride() if nt else (b.stride(0), b.stride(2), b.stride(1))
+    strides_sb = sb.stride() if nt else (sb.stride(0), sb.stride(2), sb.stride(1))
     kernel = fp8_m_grouped_kernel
     interpret = is_interpreted(kernel)
     cfg = fp8_config(kind, interpret=interpret, config=config)
@@ -155,7 +187,7 @@ def _launch_m(*, kind, epilogue, a, sa, a_idx, b, sb, strides_b, strides_sb, R, 
         a, sa, a_idx if a_idx is not None else offsets_E1, b, sb, offsets_E1, tiles,
         scale if scale is not None else dummy, gu if gu is not None else dummy,
         c if c is not None else dummy, aux if aux is not None else dummy, dot if dot is not None else dummy,
-        q if q is not None else dummy, qs if qs is not None else dummy,
+        q.view(torch.uint8) if q is not None else dummy, qs if qs is not None else dummy,
         R, N, E, K,
         a.stride(0), sa.stride(0), *strides_b, *strides_sb,
         c.stride(0) if c is not None else 0, gu.stride(0) if gu is not None else 0,
@@ -163,8 +195,8 @@ def _launch_m(*, kind, epilogue, a, sa, a_idx, b, sb, strides_b, strides_sb, R, 
         qs.stride(0) if qs is not None else 0,
         EPILOGUE=epilogue, HAS_GATHER=a_idx is not None, HAS_SCALE=scale is not None,
         SAVE_AUX=aux is not None if save_aux is None else save_aux,
-        HAS_DOT=dot is not None, FP32_DOT=interpret, INTERPRET=interpret, EVEN_N=N % cfg.block_n == 0,
-        E_POW2=pow2(E), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HAS_DOT=dot is not None, FP32_DOT=interpret, HW_CAST=not interpret, EVEN_N=N % cfg.block_n == 0,
+        E_POW2=pow2(E), SKEW=cfg.skew, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True,
     )
 
@@ -172,7 +204,7 @@ def _launch_m(*, kind, epilogue, a, sa, a_idx, b, sb, strides_b, strides_sb, R, 
 def fp8_gate_up_swiglu(xq: torch.Tensor, xs: torch.Tensor, w13q: torch.Tensor, w13s: torch.Tensor,
                        offsets_E1: torch.Tensor, *, gather_idx_R: torch.Tensor | None = None,
                        out_dtype: torch.dtype = torch.bfloat16, save_preact: bool = True,
-                       tile_cache: dict | None = None, config: GemmConfig | None = None):
+                       tile_cache: dict | None = None, config: Fp8GemmConfig | None = None):
     """FP8 gate/up projection with SwiGLU and the 1x128 quantization of h fused (m-grouped "nt").
 
     ``acc = deq(x)[row(r)] @ deq(w13)[e]^T`` (fp32, promoted every 128 of K); ``g, u = cast(acc)`` in out_dtype;
@@ -201,9 +233,8 @@ def fp8_gate_up_swiglu(xq: torch.Tensor, xs: torch.Tensor, w13q: torch.Tensor, w
     hs = torch.empty((R, F // QB), dtype=torch.float32, device=dev)
     # without save_preact the kernel stores no [g | u]; a 0-row tensor carries the output dtype
     gu = torch.empty((R if save_preact else 0, G), dtype=out_dtype, device=dev)
-    _launch_m(kind="gate_up", epilogue=_SWIGLU, a=xq, sa=xs, a_idx=gather_idx_R, b=w13q, sb=w13s,
-              strides_b=(G * D, D, 1), strides_sb=(G // QB * (D // QB), D // QB, 1), R=R, N=F, K=D,
-              offsets_E1=offsets_E1, aux=gu, save_aux=save_preact, q=hq, qs=hs, tile_cache=tile_cache,
+    _launch_m(kind="gate_up", epilogue=_SWIGLU, a=xq, sa=xs, a_idx=gather_idx_R, b=w13q, sb=w13s, nt=True, R=R, N=F,
+              K=D, offsets_E1=offsets_E1, aux=gu, save_aux=save_preact, q=hq, qs=hs, tile_cache=tile_cache,
               config=config)
     return hq, hs, gu if save_preact else None
 
@@ -212,7 +243,7 @@ def fp8_grouped_mm_nt(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tensor, bs:
                       offsets_E1: torch.Tensor, *, gather_idx_R: torch.Tensor | None = None,
                       row_scale_R: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                       kind: str = "down", tile_cache: dict | None = None,
-                      config: GemmConfig | None = None) -> torch.Tensor:
+                      config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """FP8 m-grouped ``C[r] = cast(deq(A)[row(r)] @ deq(B)[e]^T [* row_scale[r]])``, B[e] stored (N, K) (the down
     projection: A = hq (R, F), B = w2q (E, D, F)).
 
@@ -229,8 +260,8 @@ def fp8_grouped_mm_nt(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tensor, bs:
     dev = check_device(fp8_m_grouped_kernel, where, aq=aq, as_=as_, bq=bq, bs=bs, offsets_E1=offsets_E1,
                        gather_idx_R=gather_idx_R, row_scale_R=row_scale_R)
     c = torch.empty((R, N), dtype=out_dtype, device=dev)
-    _launch_m(kind=kind, epilogue=_PLAIN, a=aq, sa=as_, a_idx=gather_idx_R, b=bq, sb=bs, strides_b=(N * K, K, 1),
-              strides_sb=(N // QB * (K // QB), K // QB, 1), R=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
+    _launch_m(kind=kind, epilogue=_PLAIN, a=aq, sa=as_, a_idx=gather_idx_R, b=bq, sb=bs, nt=True, R=R, N=N, K=K,
+              offsets_E1=offsets_E1, c=c,
               scale=row_scale_R, tile_cache=tile_cache, config=config)
     return c
 
@@ -238,11 +269,13 @@ def fp8_grouped_mm_nt(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tensor, bs:
 def fp8_grouped_mm_nn(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tensor, bs: torch.Tensor,
                       offsets_E1: torch.Tensor, *, gather_idx_R: torch.Tensor | None = None,
                       out_dtype: torch.dtype = torch.bfloat16, tile_cache: dict | None = None,
-                      config: GemmConfig | None = None) -> torch.Tensor:
+                      config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """FP8 m-grouped dgrad ``C[r] = cast(deq(A)[row(r)] @ deq(B)[e])``, B[e] stored (K, N), its 128x128 scale grid
     read transposed (dx rows = dgu @ w13[e]: A = dgq (R, 2F), B = w13q (E, 2F, D), the forward's bytes).
 
-    aq, as_: (R, K) e4m3 + (R, K / 128) fp32. bq, bs: (E, K, N) e4m3 + (E, K / 128, N / 128) fp32. Returns (R, N).
+    aq, as_: (R, K) e4m3 + (R, K / 128) fp32. bq, bs: (E, K, N) e4m3 + (E, K / 128, N / 128) fp32, any strides: the
+    forward's contiguous (E, K, N) bytes (N-major B tiles), or ``t.transpose(1, 2)`` of a contiguous (E, N, K) copy
+    (K-major, the layout the FP8 tensor cores read directly). Returns (R, N).
     """
     where = "fp8_grouped_mm_nn"
     E, K, N = _check_weight(where, bq, bs, "b")
@@ -252,8 +285,8 @@ def fp8_grouped_mm_nn(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tensor, bs:
     dev = check_device(fp8_m_grouped_kernel, where, aq=aq, as_=as_, bq=bq, bs=bs, offsets_E1=offsets_E1,
                        gather_idx_R=gather_idx_R)
     c = torch.empty((R, N), dtype=out_dtype, device=dev)
-    _launch_m(kind="dgrad", epilogue=_PLAIN, a=aq, sa=as_, a_idx=gather_idx_R, b=bq, sb=bs, strides_b=(K * N, 1, N),
-              strides_sb=(K // QB * (N // QB), 1, N // QB), R=R, N=N, K=K, offsets_E1=offsets_E1, c=c,
+    _launch_m(kind="dgrad", epilogue=_PLAIN, a=aq, sa=as_, a_idx=gather_idx_R, b=bq, sb=bs, nt=False, R=R, N=N, K=K,
+              offsets_E1=offsets_E1, c=c,
               tile_cache=tile_cache, config=config)
     return c
 
@@ -261,7 +294,7 @@ def fp8_grouped_mm_nn(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tensor, bs:
 def fp8_swiglu_dgrad(dq: torch.Tensor, ds: torch.Tensor, w2q: torch.Tensor, w2s: torch.Tensor,
                      offsets_E1: torch.Tensor, gu_RG: torch.Tensor, *, gather_idx_R: torch.Tensor | None = None,
                      row_scale_R: torch.Tensor | None = None, row_dot: bool = True, tile_cache: dict | None = None,
-                     config: GemmConfig | None = None):
+                     config: Fp8GemmConfig | None = None):
     """FP8 down-projection dgrad with the SwiGLU backward and the 1x128 quantization of dgu fused (m-grouped "nn":
     w2q (E, D, F) read as (K = D, N = F), scale grid transposed).
 
@@ -295,7 +328,7 @@ def fp8_swiglu_dgrad(dq: torch.Tensor, ds: torch.Tensor, w2q: torch.Tensor, w2s:
     dgq = torch.empty((R, 2 * F), dtype=_E4M3, device=dev)
     dgs = torch.empty((R, 2 * F // QB), dtype=torch.float32, device=dev)
     _launch_m(kind="dgrad_swiglu", epilogue=_SWIGLU_BWD, a=dq, sa=ds, a_idx=gather_idx_R, b=w2q, sb=w2s,
-              strides_b=(D * F, 1, F), strides_sb=(D // QB * (F // QB), 1, F // QB), R=R, N=F, K=D,
+              nt=False, R=R, N=F, K=D,
               offsets_E1=offsets_E1, c=dgu, aux=hw, dot=part, q=dgq, qs=dgs, scale=row_scale_R, gu=gu_RG,
               tile_cache=tile_cache, config=config)
     return dgu, hw, part, dgq, dgs
@@ -304,12 +337,13 @@ def fp8_swiglu_dgrad(dq: torch.Tensor, ds: torch.Tensor, w2q: torch.Tensor, w2s:
 def fp8_k_grouped_mm(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor, qs: torch.Tensor,
                      offsets_E1: torch.Tensor, *, block_offsets_E1: torch.Tensor | None = None,
                      out_dtype: torch.dtype = torch.float32, tile_cache: dict | None = None,
-                     config: GemmConfig | None = None) -> torch.Tensor:
+                     config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """FP8 k-grouped weight gradient on 128x1-quantized operands:
     ``C[e] = cast(sum over expert e's blocks b of (deq P_b)^T @ deq Q_b)`` (E, M, N), fp32 accumulation, one cast.
 
     Args:
-        pq, ps: (R, M) e4m3 in the buffer's row order + (NB, M) fp32 scales, NB >= cdiv(R, 128) + E.
+        pq, ps: (R, M) e4m3 in the buffer's row order + (NB, M) fp32 scales, NB >= cdiv(R, 128) + E. pq (and qq)
+            may have any strides, e.g. ``t.t()`` of a (M, R) copy (rows contiguous: the K-major layout of this GEMM).
         qq, qs: (R, N) e4m3 + (NB, N) fp32.
         offsets_E1: (E + 1,) int32 group offsets into the R rows.
         block_offsets_E1: optional (E + 1,) int32 block table (``tile_offsets_for(offsets_E1, 128)``; computed,
@@ -320,7 +354,7 @@ def fp8_k_grouped_mm(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor, qs: t
     """
     where = "fp8_k_grouped_mm"
     for name, t, dt in (("pq", pq, _E4M3), ("ps", ps, torch.float32), ("qq", qq, _E4M3), ("qs", qs, torch.float32)):
-        _check_q(where, name, t, 2, dt)
+        _check_q(where, name, t, 2, dt, any_strides=dt == _E4M3)
     if not isinstance(offsets_E1, torch.Tensor) or offsets_E1.dtype != torch.int32 or offsets_E1.dim() != 1 or (
             offsets_E1.numel() < 2):
         raise ValueError(f"{where}: offsets_E1 must be a 1-D int32 tensor of E+1 >= 2 entries")
