@@ -11,6 +11,7 @@ loss, bias update: plain PyTorch on every backend), ``functional`` (fused single
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 
@@ -51,6 +52,21 @@ def _keeping_dtype(fn):
         out = fn(t)
         return out if out.dtype == t.dtype else t.to(device=out.device)
     return apply
+
+
+def _fp8_weights_guard(fp8: bool, *modules: nn.Module):
+    """The FP8 weight cache's guard for a call of ``modules``: off (:func:`megamoe.ops.fp8_weights.uncached`) when
+    one of them is wrapped by FSDP2, whose all-gathers rewrite the unsharded parameters without bumping their
+    version counters; a no-op otherwise."""
+    if fp8:
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - torch without FSDP2
+            FSDPModule = ()
+        if any(isinstance(m, FSDPModule) for m in modules):
+            from .ops.fp8_weights import uncached
+            return uncached()
+    return contextlib.nullcontext()
 
 
 def _collective_device(group) -> torch.device:
@@ -128,6 +144,10 @@ class RoutedExperts(nn.Module):
         self.w2_LDF = nn.Parameter(torch.empty(L, D, F, device=device, dtype=dtype))
 
     def forward(self, x_TD, topk_ids_TK, topk_weights_TK, shared_w13_HD=None, shared_w2_DS=None):
+        with _fp8_weights_guard(self.fp8, self):
+            return self._forward(x_TD, topk_ids_TK, topk_weights_TK, shared_w13_HD, shared_w2_DS)
+
+    def _forward(self, x_TD, topk_ids_TK, topk_weights_TK, shared_w13_HD, shared_w2_DS):
         args = (x_TD, topk_ids_TK, topk_weights_TK, self.w13_LGD, self.w2_LDF, shared_w13_HD, shared_w2_DS)
         fp8 = {"fp8": True} if self.fp8 else {}  # the 16-bit calls as they were
         if self.group is not None and self.backend == "reference":
@@ -470,7 +490,8 @@ class MoE(nn.Module):
 
         logits_TE = self.router(x_TD)
         r = route(x_TD, self.router_w_ED, self.expert_bias_E, c, logits_TE=logits_TE)
-        out_TD = self.experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, *self._shared())
+        with _fp8_weights_guard(self.fp8, self):  # the layer sharded as a whole (its experts: RoutedExperts)
+            out_TD = self.experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, *self._shared())
 
         if c.seq_aux_loss_coef > 0 and x_TD.shape[0] > 0:
             aux = seq_balance_loss(r.scores_TE, r.topk_ids_TK, seq_len, c.top_k, c.seq_aux_loss_coef)

@@ -217,6 +217,36 @@ def test_weight_cache_never_hits_while_capturing_or_for_inference_tensors(monkey
     assert len(calls) == 5 and len(cache) == 1  # no version counter: never cached
 
 
+def test_weight_cache_is_off_inside_uncached_and_for_fsdp2_wrapped_layers():
+    """FSDP2 rewrites its unsharded parameters without bumping their version counters: a layer (or its experts)
+    wrapped by fully_shard quantizes at every call (the cache's ``uncached`` block), a plain one uses the cache."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from megamoe import MoE
+    from megamoe.layer import _fp8_weights_guard
+    from megamoe.ops import fp8_weights
+
+    cache, calls = _counting_cache()
+    w = torch.randn(1, 128, 128)
+    cache.get(w)
+    with fp8_weights.uncached():
+        cache.get(w)
+        cache.get(w)
+    assert len(calls) == 3 and cache.hits == 0 and len(cache) == 1
+    cache.get(w)
+    assert cache.hits == 1
+
+    moe = MoE(MoEConfig(128, 128, 4, 2), backend="reference", fp8=True)
+    wrapped = type("FSDPRoutedExperts", (FSDPModule, type(moe.experts)), {})  # what fully_shard makes of a class
+    moe.experts.__class__ = wrapped
+    for fp8, modules, off in ((True, (moe,), False), (True, (moe, moe.experts), True), (True, (moe.experts,), True),
+                              (False, (moe.experts,), False)):
+        hits = cache.hits
+        with _fp8_weights_guard(fp8, *modules):
+            cache.get(w)
+        assert cache.hits == hits + (not off), (fp8, modules, off)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 def test_fp8_bad_input_names_the_constraint():
     from megamoe import MoE

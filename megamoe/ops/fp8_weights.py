@@ -12,6 +12,13 @@ step, ``add_``, ``copy_`` under ``no_grad``) bumps its version counter, and a ``
 pointer, so the next call requantizes; nothing stale is ever returned. Tensors made under
 ``torch.inference_mode()`` have no version counter: they are quantized at every call.
 
+Writers that keep the version counter: FSDP2 copies its all-gathered parameters into the unsharded parameter
+under ``torch.autograd._unsafe_preserve_version_counter``, and the caching allocator may hand the same address
+back, so after an optimizer step a key could match blocks of the previous step's values. Inside
+:func:`uncached` the cache is neither read nor written; ``megamoe.MoE`` enters it by itself when it or its
+experts are wrapped by FSDP2 (``fully_shard``); wrap the call yourself when another module that encloses the
+layer is the one sharded.
+
 CUDA graphs: while the current stream is being captured, the weights are always quantized (recorded into the
 graph) and the cache is neither read nor written, so a replay after an optimizer step quantizes the updated
 weights, never replays stale blocks.
@@ -22,12 +29,28 @@ tensor is freed or :meth:`Fp8WeightCache.clear` is called. Sync: none (host meta
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Fp8WeightCache", "WEIGHT_CACHE", "quantized_weight"]
+__all__ = ["Fp8WeightCache", "WEIGHT_CACHE", "quantized_weight", "uncached"]
+
+_LOCAL = threading.local()  # per thread: the forward that quantizes runs on the caller's thread
+
+
+@contextlib.contextmanager
+def uncached():
+    """Within the block (this thread), weights are quantized at every call, the cache neither read nor written:
+    for weights whose values may change without a version-counter bump (FSDP2's unsharded parameters)."""
+    old = getattr(_LOCAL, "off", False)
+    _LOCAL.off = True
+    try:
+        yield
+    finally:
+        _LOCAL.off = old
 
 
 def _default_quantize(w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +76,7 @@ class Fp8WeightCache:
 
     @staticmethod
     def _key(w: torch.Tensor) -> tuple | None:
-        if w.is_inference() or _capturing(w):
+        if getattr(_LOCAL, "off", False) or w.is_inference() or _capturing(w):
             return None
         return (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device)
 
