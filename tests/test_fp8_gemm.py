@@ -225,9 +225,13 @@ def _check_wgrad(device, out_dtype, runs):
     assert not c[0].any() and not c[:, 3].any() and not c[:, :, 100].any(), "expected exact zeros"
     for _ in range(runs):
         assert torch.equal(F8.fp8_k_grouped_mm(pq, ps, qq, qs, off, out_dtype=out_dtype), c)
-    # a transposed (rows-contiguous) copy of the operands: the same bits
+    # a transposed (rows-contiguous) copy of the operands, and the block-padded K-major layout: the same bits
     pt, qt = pq.t().contiguous().t(), qq.t().contiguous().t()
     assert torch.equal(F8.fp8_k_grouped_mm(pt, ps, qt, qs, off, out_dtype=out_dtype), c)
+    nb = ps.shape[0]
+    pp, qp = F8.block_padded_kmajor(pq, off, nb), F8.block_padded_kmajor(qq, off, nb)
+    assert pp.shape == (128 * nb, M) and pp.stride() == (1, 128 * nb + 16)
+    assert torch.equal(F8.fp8_k_grouped_mm(pp, ps, qp, qs, off, padded=True, out_dtype=out_dtype), c)
 
 
 @interpreted
