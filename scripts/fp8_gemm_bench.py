@@ -15,6 +15,14 @@ Default cases: qwen3-30b-a3b:16384 deepseek-v3:8192; a case may also be E<e>K<k>
 GEMM names: gate_up down dgrad_swiglu dgrad wgrad13 wgrad2 and
 dgrad_swiglu_kmaj dgrad_kmaj (K-major weight copies) wgrad13_kpad wgrad2_kpad (block-padded K-major operands).
 Needs a CUDA GPU with FP8 tensor cores; installs nothing. With --out the log goes to DIR/fp8_gemm_bench.log too.
+One case per command keeps each run to a few minutes; a sweep of one case's GEMMs takes ~20 compiles per GEMM
+(pick GEMMs with --only).
+
+What to expect (design, not yet measured): every K-block of 128 is one fresh FP8 dot whose result Triton waits for
+before the promotion FMAs, so within one CTA the tensor cores idle during the promotion; the table's 64 x 128
+one-warpgroup tiles fit two CTAs per SM so that one's promotion runs beside the other's dot. The dgrad GEMMs read
+the forward's weight bytes N-major, which FP8 wgmma cannot take from shared memory (Triton loads them through
+registers): the *_kmaj rows show what a K-major weight copy gains; likewise *_kpad for the weight gradients.
 """
 
 from __future__ import annotations
