@@ -91,6 +91,9 @@ def _check_forward(counts, D, F, *, T=None, out_dtype=torch.float32, device="cpu
     xq, xs = ref.quantize_1x128(x)
     w13q, w13s = _quant_w(w13)
     hq, hs, gu = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off, gather_idx_R=idx, out_dtype=out_dtype)
+    hq2, hs2, none = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off, gather_idx_R=idx, out_dtype=out_dtype,
+                                           save_preact=False)
+    assert none is None and _bytes_equal(hq2, hq) and torch.equal(hs2, hs)
     a64 = ref.dequantize_1x128(xq, xs).double()
     a64 = a64[idx.long()] if idx is not None else a64
     g64, g32, gabs = _m_ref(a64, _deq_w(w13q, w13s), ex, True)
@@ -148,6 +151,9 @@ def _check_backward(counts, D, F, *, out_dtype=torch.float32, device="cpu"):
     dx = F8.fp8_grouped_mm_nn(dgq, dgs, w13q, w13s, off, out_dtype=out_dtype)
     dx64, dx32, dxabs = _m_ref(ref.dequantize_1x128(dgq, dgs).double(), _deq_w(w13q, w13s), ex, False)
     _close("dx", dx, dx64, dx32, 2 * F // 128, out_dtype, dxabs)
+    # K-major copies of the weight bytes and scales (the layout the FP8 tensor cores read directly): the same bits
+    kmajor = (lambda t: t.transpose(1, 2).contiguous().transpose(1, 2))  # noqa: E731
+    assert torch.equal(F8.fp8_grouped_mm_nn(dgq, dgs, kmajor(w13q), kmajor(w13s), off, out_dtype=out_dtype), dx)
 
 
 @interpreted
