@@ -13,8 +13,16 @@ warps, 3/4 stages; skewed promotion) and checks that each gives the table config
 Usage: python scripts/fp8_gemm_bench.py [preset:T ...] [--only=GEMM ...] [--sweep] [--out=DIR]
 Default cases: qwen3-30b-a3b:16384 deepseek-v3:8192; a case may also be E<e>K<k>D<d>F<f>:T.
 GEMM names: gate_up down dgrad_swiglu dgrad wgrad13 wgrad2 and
-dgrad_swiglu_kmaj dgrad_kmaj wgrad13_kmaj wgrad2_kmaj (K-major operand copies).
+dgrad_swiglu_kmaj dgrad_kmaj (K-major weight copies) wgrad13_kpad wgrad2_kpad (block-padded K-major operands).
 Needs a CUDA GPU with FP8 tensor cores; installs nothing. With --out the log goes to DIR/fp8_gemm_bench.log too.
+One case per command keeps each run to a few minutes; a sweep of one case's GEMMs takes ~20 compiles per GEMM
+(pick GEMMs with --only).
+
+What to expect (design, not yet measured): every K-block of 128 is one fresh FP8 dot whose result Triton waits for
+before the promotion FMAs, so within one CTA the tensor cores idle during the promotion; the table's 64 x 128
+one-warpgroup tiles fit two CTAs per SM so that one's promotion runs beside the other's dot. The dgrad GEMMs read
+the forward's weight bytes N-major, which FP8 wgmma cannot take from shared memory (Triton loads them through
+registers): the *_kmaj rows show what a K-major weight copy gains; likewise *_kpad for the weight gradients.
 """
 
 from __future__ import annotations
@@ -122,11 +130,12 @@ def _kmajor(t):
 
 
 def fp8_gemms(c):
-    """name -> (fn(config) -> outputs, flops). ``*_kmaj``: the same GEMM on K-major copies of the operands that
-    the default layouts give as N-major (dgrad weights; weight-gradient rows), to measure what the layout costs."""
+    """name -> (fn(config) -> outputs, flops). ``*_kmaj``: the dgrad GEMMs on K-major copies of the weights (the
+    forward's bytes are N-major for them); ``*_kpad``: the weight gradients on block-padded K-major operands
+    (``block_padded_kmajor``), to measure what the layouts cost."""
     R, D, F, off, tok, kc = c["R"], c["D"], c["F"], c["off"], c["tok"], c["cache"]
     w2k, w2ks, w13k, w13ks = (_kmajor(c[k]) for k in ("w2q", "w2s", "w13q", "w13s"))
-    p13k, q13k, p2k, q2k = (_kmajor(c[k]) for k in ("p13", "q13", "p2", "q2"))
+    p13k, q13k, p2k, q2k = (F8.block_padded_kmajor(c[k], off, c[k + "s"].shape[0]) for k in ("p13", "q13", "p2", "q2"))
     return {
         "gate_up": (lambda cfg: F8.fp8_gate_up_swiglu(c["xq"], c["xs"], c["w13q"], c["w13s"], off, gather_idx_R=tok,
                                                       tile_cache=kc, config=cfg), 4 * R * D * F),
@@ -146,10 +155,12 @@ def fp8_gemms(c):
                                                               tile_cache=kc, config=cfg), 2 * R * D * F),
         "dgrad_kmaj": (lambda cfg: (F8.fp8_grouped_mm_nn(c["dgq"], c["dgs"], w13k, w13ks, off, tile_cache=kc,
                                                          config=cfg),), 4 * R * D * F),
-        "wgrad13_kmaj": (lambda cfg: (F8.fp8_k_grouped_mm(p13k, c["p13s"], q13k, c["q13s"], off, tile_cache=kc,
-                                                          out_dtype=torch.bfloat16, config=cfg),), 4 * R * D * F),
-        "wgrad2_kmaj": (lambda cfg: (F8.fp8_k_grouped_mm(p2k, c["p2s"], q2k, c["q2s"], off, tile_cache=kc,
-                                                         out_dtype=torch.bfloat16, config=cfg),), 2 * R * D * F),
+        "wgrad13_kpad": (lambda cfg: (F8.fp8_k_grouped_mm(p13k, c["p13s"], q13k, c["q13s"], off, padded=True,
+                                                          tile_cache=kc, out_dtype=torch.bfloat16, config=cfg),),
+                         4 * R * D * F),
+        "wgrad2_kpad": (lambda cfg: (F8.fp8_k_grouped_mm(p2k, c["p2s"], q2k, c["q2s"], off, padded=True,
+                                                         tile_cache=kc, out_dtype=torch.bfloat16, config=cfg),),
+                        2 * R * D * F),
     }
 
 
@@ -272,7 +283,7 @@ def run_case(case, only, sweep, log):
     log(f"   {'gemm':17s} {'rel err':>9s} {'fp8 ms':>8s} {'TF/s':>6s} {'bf16 ms':>8s} {'TF/s':>6s} "
         f"{'torch-fp8 ms':>12s} {'TF/s':>6s}  fp8 / bf16")
     for gname, (fn, flop) in fp8.items():
-        base_name = gname.replace("_kmaj", "")
+        base_name = gname.replace("_kmaj", "").replace("_kpad", "")
         if only and gname not in only:
             continue
         try:

@@ -53,15 +53,16 @@ def _m_ref(a64, w64, ex, nt):
             torch.einsum(eq, a64.abs(), w.abs()))
 
 
-def _close(name, got, want64, want32, blocks, out_dtype=torch.float32, abs_ref=None):
+def _close(name, got, want64, want32, blocks, out_dtype=torch.float32, abs_ref=None, roundings=1):
     """|got - want64| <= 2 |want32 - want64|_max + (blocks + 1) roundings of the output at max |want64|
-    (the promotion adds one rounded product per 128-block) + the output dtype's half-ulp at each value
-    (+ on the GPU TC_FP8_ACC * abs_ref, abs_ref the sum of |products| behind each output)."""
+    (the promotion adds one rounded product per 128-block) + ``roundings`` half-ulps of the output dtype at each
+    value (roundings to it on the way) (+ on the GPU TC_FP8_ACC * abs_ref, abs_ref the sum of |products| behind
+    each output)."""
     err = (got.double() - want64).abs()
     err32 = (want32 - want64).abs().max().item() if want64.numel() else 0.0
     scale = want64.abs().max().item() if want64.numel() else 0.0
     ulp = torch.finfo(out_dtype).eps / 2
-    tol = 2 * err32 + (blocks + 1) * U24 * scale + ulp * want64.abs() + 1e-30
+    tol = 2 * err32 + (blocks + 1) * U24 * scale + roundings * ulp * want64.abs() + 1e-30
     if got.is_cuda and abs_ref is not None:
         tol = tol + TC_FP8_ACC * abs_ref
     assert torch.isfinite(got).all(), f"{name}: non-finite values"
@@ -90,6 +91,9 @@ def _check_forward(counts, D, F, *, T=None, out_dtype=torch.float32, device="cpu
     xq, xs = ref.quantize_1x128(x)
     w13q, w13s = _quant_w(w13)
     hq, hs, gu = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off, gather_idx_R=idx, out_dtype=out_dtype)
+    hq2, hs2, none = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off, gather_idx_R=idx, out_dtype=out_dtype,
+                                           save_preact=False)
+    assert none is None and _bytes_equal(hq2, hq) and torch.equal(hs2, hs)
     a64 = ref.dequantize_1x128(xq, xs).double()
     a64 = a64[idx.long()] if idx is not None else a64
     g64, g32, gabs = _m_ref(a64, _deq_w(w13q, w13s), ex, True)
@@ -139,7 +143,7 @@ def _check_backward(counts, D, F, *, out_dtype=torch.float32, device="cpu"):
     r = rs.double()[:, None]
     wants = [torch.cat([(a * r) * up * sig * (1 + gt * (1 - sig)), (a * r) * (gt * sig)], 1) for a in (acc64, acc32)]
     dgu_abs = torch.cat([(aabs * r) * (up * sig * (1 + gt * (1 - sig))).abs(), (aabs * r) * (gt * sig).abs()], 1)
-    _close("dgu", dgu, wants[0], wants[1], D // 128 + 4, out_dtype, dgu_abs)
+    _close("dgu", dgu, wants[0], wants[1], D // 128 + 4, out_dtype, dgu_abs, roundings=2)  # dh, then dgu
     rq, rsc = ref.quantize_1x128(dgu)
     assert _bytes_equal(dgq, rq) and torch.equal(dgs, rsc), "dgu's 1x128 quantization differs from the reference's"
     # dx rows = dgu @ w13[e] through the forward's bytes, read transposed
@@ -147,6 +151,9 @@ def _check_backward(counts, D, F, *, out_dtype=torch.float32, device="cpu"):
     dx = F8.fp8_grouped_mm_nn(dgq, dgs, w13q, w13s, off, out_dtype=out_dtype)
     dx64, dx32, dxabs = _m_ref(ref.dequantize_1x128(dgq, dgs).double(), _deq_w(w13q, w13s), ex, False)
     _close("dx", dx, dx64, dx32, 2 * F // 128, out_dtype, dxabs)
+    # K-major copies of the weight bytes and scales (the layout the FP8 tensor cores read directly): the same bits
+    kmajor = (lambda t: t.transpose(1, 2).contiguous().transpose(1, 2))  # noqa: E731
+    assert torch.equal(F8.fp8_grouped_mm_nn(dgq, dgs, kmajor(w13q), kmajor(w13s), off, out_dtype=out_dtype), dx)
 
 
 @interpreted
@@ -225,9 +232,13 @@ def _check_wgrad(device, out_dtype, runs):
     assert not c[0].any() and not c[:, 3].any() and not c[:, :, 100].any(), "expected exact zeros"
     for _ in range(runs):
         assert torch.equal(F8.fp8_k_grouped_mm(pq, ps, qq, qs, off, out_dtype=out_dtype), c)
-    # a transposed (rows-contiguous) copy of the operands: the same bits
+    # a transposed (rows-contiguous) copy of the operands, and the block-padded K-major layout: the same bits
     pt, qt = pq.t().contiguous().t(), qq.t().contiguous().t()
     assert torch.equal(F8.fp8_k_grouped_mm(pt, ps, qt, qs, off, out_dtype=out_dtype), c)
+    nb = ps.shape[0]
+    pp, qp = F8.block_padded_kmajor(pq, off, nb), F8.block_padded_kmajor(qq, off, nb)
+    assert pp.shape == (128 * nb, M) and pp.stride() == (1, 128 * nb + 16)
+    assert torch.equal(F8.fp8_k_grouped_mm(pp, ps, qp, qs, off, padded=True, out_dtype=out_dtype), c)
 
 
 @interpreted

@@ -25,7 +25,10 @@ QB = 128, the scale group; NB scale blocks.
 * ``fp8_k_grouped_kernel``: ``C[e] = sum over expert e's 128-row blocks b of
   (P_b^T @ Q_b) * (ps[b, m] * qs[b, n])`` on 128x1-quantized operands (scales (NB, M) / (NB, N), block
   ``block_offsets[e] + j`` = the expert's j-th block), fp32, one cast; no atomics, no split-K; an expert with
-  no rows stores exact zeros.
+  no rows stores exact zeros. Operand rows: the buffer's (rows past an expert masked), or PADDED: block b is
+  rows [128b, 128b + 128) of a block-padded buffer (zeros past each expert's rows, nothing masked: with rows
+  contiguous, i.e. the operands stored transposed, the FP8 tensor cores' K-major layout, the loads are
+  16-byte vectors the pipeline can copy asynchronously).
 
 Quantization in the epilogues: megamoe.kernels.fp8_quant's helpers (the exponent rule, the non-finite policy,
 e4m3 bytes by the hardware cast on the GPU and by integer rounding under the interpreter); bytes are stored
@@ -332,15 +335,20 @@ def fp8_m_grouped_kernel(
 @triton.jit
 def _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n, mask_m,
                  mask_n, stride_pr, stride_pm, stride_psb, stride_qr, stride_qn, stride_qsb, FP32_DOT: tl.constexpr,
-                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+                 PADDED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     """``acc + (P_j^T @ Q_j) * (ps[b, m] * qs[b, n])`` for the expert's j-th block of 128 rows (b its global
-    block); rows past the expert load as zeros."""
-    rows = row_start + j * 128 + tl.arange(0, 128)
-    mask_r = rows < row_end
-    rows = rows.to(tl.int64)
-    p = load_2d(p_ptr + rows[:, None] * stride_pr + offs_m[None, :] * stride_pm, mask_r, mask_m, False, EVEN_M)
-    q = load_2d(q_ptr + rows[:, None] * stride_qr + offs_n[None, :] * stride_qn, mask_r, mask_n, False, EVEN_N)
+    block); rows past the expert load as zeros (PADDED: block b is rows [128b, 128b + 128), zero-padded by its
+    producer, so no row is masked)."""
     b = (first_block + j).to(tl.int64)
+    if PADDED:
+        rows = b * 128 + tl.arange(0, 128)
+        mask_r = rows >= 0
+    else:
+        rows = row_start + j * 128 + tl.arange(0, 128)
+        mask_r = rows < row_end
+        rows = rows.to(tl.int64)
+    p = load_2d(p_ptr + rows[:, None] * stride_pr + offs_m[None, :] * stride_pm, mask_r, mask_m, PADDED, EVEN_M)
+    q = load_2d(q_ptr + rows[:, None] * stride_qr + offs_n[None, :] * stride_qn, mask_r, mask_n, PADDED, EVEN_N)
     ps = load_vec(ps_ptr + b * stride_psb + offs_m, mask_m, EVEN_M)
     qs = load_vec(qs_ptr + b * stride_qsb + offs_n, mask_n, EVEN_N)
     return promote(tl.trans(p), q, ps, qs, acc, FP32_DOT)
@@ -357,7 +365,8 @@ def fp8_k_grouped_kernel(
     # strides, in elements (scales' last dimension contiguous)
     stride_pr, stride_pm, stride_psb, stride_qr, stride_qn, stride_qsb, stride_ce, stride_cm,
     # variant
-    FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, PADDED: tl.constexpr, EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
     # tile config (the reduction walks blocks of 128 rows)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -381,12 +390,12 @@ def fp8_k_grouped_kernel(
         while j < num_blocks:
             acc = _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n,
                                mask_m, mask_n, stride_pr, stride_pm, stride_psb, stride_qr, stride_qn, stride_qsb,
-                               FP32_DOT, EVEN_M, EVEN_N)
+                               FP32_DOT, PADDED, EVEN_M, EVEN_N)
             j += 1
     else:
         for j in range(0, num_blocks):
             acc = _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n,
                                mask_m, mask_n, stride_pr, stride_pm, stride_psb, stride_qr, stride_qn, stride_qsb,
-                               FP32_DOT, EVEN_M, EVEN_N)
+                               FP32_DOT, PADDED, EVEN_M, EVEN_N)
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])

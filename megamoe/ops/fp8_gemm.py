@@ -33,7 +33,7 @@ from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .routing import tile_offsets_for
 
 __all__ = ["fp8_gate_up_swiglu", "fp8_grouped_mm_nt", "fp8_grouped_mm_nn", "fp8_swiglu_dgrad", "fp8_k_grouped_mm",
-           "fp8_config", "Fp8GemmConfig", "FP8_KINDS", "QB"]
+           "fp8_config", "Fp8GemmConfig", "FP8_KINDS", "QB", "block_padded_kmajor"]
 
 QB = 128  # the scale group
 _PLAIN, _SWIGLU, _SWIGLU_BWD = 0, 1, 2
@@ -69,13 +69,14 @@ class Fp8GemmConfig:
 # cores idle during a CTA's promotion unless another CTA on the SM has a dot in flight. 64 x 128 tiles with one
 # warpgroup (4 warps) use 208 registers and ~97 KiB of shared memory (4 stages): two CTAs per SM
 # (programs_per_sm=2), no spills; 128 x 128 with 8 warps uses 221 registers (one CTA per SM); 128 x 256 spills.
-# gate/up (two accumulators): 64 x 128 with 8 warps (each warpgroup 64 x 64) does not spill, 128 x 128 spills
-# 416 bytes. To be measured: scripts/fp8_gemm_bench.py --sweep.
+# gate/up (two accumulators) and dgrad + SwiGLU backward (its epilogue): 64 x 128 with 8 warps (each warpgroup
+# 64 x 64) does not spill, 128 x 128 spills (416 / 132 bytes), as do 4 warps. To be measured:
+# scripts/fp8_gemm_bench.py --sweep.
 _INTERPRET = Fp8GemmConfig(16, 128, 4, 1)
 _TABLE = {
     "gate_up": Fp8GemmConfig(64, 128, 8, 3),
     "down": Fp8GemmConfig(64, 128, 4, 4, programs_per_sm=2),
-    "dgrad_swiglu": Fp8GemmConfig(64, 128, 4, 3, programs_per_sm=2),
+    "dgrad_swiglu": Fp8GemmConfig(64, 128, 8, 3),
     "dgrad": Fp8GemmConfig(64, 128, 4, 4, programs_per_sm=2),
     "wgrad": Fp8GemmConfig(128, 128, 8, 3),
 }
@@ -336,7 +337,7 @@ def fp8_swiglu_dgrad(dq: torch.Tensor, ds: torch.Tensor, w2q: torch.Tensor, w2s:
 
 def fp8_k_grouped_mm(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor, qs: torch.Tensor,
                      offsets_E1: torch.Tensor, *, block_offsets_E1: torch.Tensor | None = None,
-                     out_dtype: torch.dtype = torch.float32, tile_cache: dict | None = None,
+                     padded: bool = False, out_dtype: torch.dtype = torch.float32, tile_cache: dict | None = None,
                      config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """FP8 k-grouped weight gradient on 128x1-quantized operands:
     ``C[e] = cast(sum over expert e's blocks b of (deq P_b)^T @ deq Q_b)`` (E, M, N), fp32 accumulation, one cast.
@@ -345,6 +346,9 @@ def fp8_k_grouped_mm(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor, qs: t
         pq, ps: (R, M) e4m3 in the buffer's row order + (NB, M) fp32 scales, NB >= cdiv(R, 128) + E. pq (and qq)
             may have any strides, e.g. ``t.t()`` of a (M, R) copy (rows contiguous: the K-major layout of this GEMM).
         qq, qs: (R, N) e4m3 + (NB, N) fp32.
+        padded: the operands are block-padded instead: block b is rows [128b, 128b + 128) of pq / qq, (NB * 128,
+            M) / (NB * 128, N), zeros past each expert's rows (nothing masked; stored transposed, e.g.
+            ``buf.t()`` of a (M, NB * 128) buffer, this is the layout the FP8 tensor cores read directly).
         offsets_E1: (E + 1,) int32 group offsets into the R rows.
         block_offsets_E1: optional (E + 1,) int32 block table (``tile_offsets_for(offsets_E1, 128)``; computed,
             or taken from ``tile_cache``, when None).
@@ -361,7 +365,10 @@ def fp8_k_grouped_mm(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor, qs: t
     E = offsets_E1.numel() - 1
     R, M = pq.shape
     N = qq.shape[1]
-    nb = triton.cdiv(R, QB) + E
+    nb = ps.shape[0] if padded else triton.cdiv(R, QB) + E
+    if padded and (R != QB * nb or qs.shape[0] != nb):
+        raise ValueError(f"{where}: padded operands need pq, qq of 128 * NB rows and ps, qs of NB rows; got pq "
+                         f"{tuple(pq.shape)}, ps {tuple(ps.shape)}, qs {tuple(qs.shape)}")
     if qq.shape[0] != R or ps.shape[1] != M or qs.shape[1] != N or ps.shape[0] < nb or qs.shape[0] < nb:
         raise ValueError(f"{where}: need pq (R, M), qq (R, N), ps (>= {nb}, M), qs (>= {nb}, N); got pq "
                          f"{tuple(pq.shape)}, qq {tuple(qq.shape)}, ps {tuple(ps.shape)}, qs {tuple(qs.shape)}")
@@ -384,8 +391,31 @@ def fp8_k_grouped_mm(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor, qs: t
     kernel[grid](
         pq, ps, qq, qs, offsets_E1, block_offsets_E1, c, M, N,
         pq.stride(0), pq.stride(1), ps.stride(0), qq.stride(0), qq.stride(1), qs.stride(0), c.stride(0), c.stride(1),
-        FP32_DOT=interpret, INTERPRET=interpret, EVEN_M=M % cfg.block_m == 0, EVEN_N=N % cfg.block_n == 0,
+        FP32_DOT=interpret, INTERPRET=interpret, PADDED=padded, EVEN_M=M % cfg.block_m == 0,
+        EVEN_N=N % cfg.block_n == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_fp_fusion=True,
     )
     return c
+
+
+def block_padded_kmajor(q_RC: torch.Tensor, offsets_E1: torch.Tensor, num_blocks: int,
+                        tile_cache: dict | None = None) -> torch.Tensor:
+    """The 128x1 operand layout :func:`fp8_k_grouped_mm` reads fastest (``padded=True``), from the row-order
+    bytes: (num_blocks * 128, C) e4m3, a transposed view of a (C, num_blocks * 128) buffer (rows contiguous: the FP8
+    tensor cores' K-major layout), block b = rows [128b, 128b + 128) holding expert e's j-th block of rows
+    (b = block_offsets[e] + j), zeros past each expert's rows. num_blocks: the scales' rows (>= the real blocks,
+    e.g. cdiv(R, 128) + E). One gather-copy on the device, no sync (a quantizer can write this layout directly)."""
+    where = "block_padded_kmajor"
+    _check_q(where, "q_RC", q_RC, 2)
+    R, C = q_RC.shape
+    E = offsets_E1.shape[0] - 1
+    blocks = table_for(offsets_E1, QB, tile_cache).long()
+    rows = torch.arange(R, device=q_RC.device, dtype=offsets_E1.dtype)
+    expert = torch.searchsorted(offsets_E1[1:].contiguous(), rows, right=True)  # E: past the last expert
+    dest = rows.long() - offsets_E1.long()[expert] + QB * blocks[expert]
+    dest = torch.where(expert < E, dest, num_blocks * QB)  # rows past the experts go to dropped columns
+    # 16 dropped columns keep the buffer's rows 16-byte aligned (vector loads)
+    buf = torch.zeros((C, num_blocks * QB + 16), dtype=torch.uint8, device=q_RC.device)
+    buf.index_copy_(1, dest, q_RC.view(torch.uint8).t())
+    return buf[:, :num_blocks * QB].view(_E4M3).t()
