@@ -119,4 +119,6 @@ class Fp8Experts:
                                           tile_cache=rows.tiles)
 
     def end_backward(self) -> None:
-        self._rows, self._dgu, self.w13, self.w2 = {}, None, None, None
+        """Drops the pass's row blocks; the weight blocks stay with the layer call (a retained graph's second
+        backward reads them again) until autograd frees it."""
+        self._rows, self._dgu = {}, None
