@@ -18,7 +18,9 @@ compile for sm_90a.
 Run: python -m pytest tests/test_fp8_quant.py -q (interpreted cases fork from one TRITON_INTERPRET=1 host).
 """
 
+import contextlib
 import math
+import re
 
 import pytest
 import torch
@@ -54,6 +56,19 @@ def _assert_same(got, want, what):
     assert bad.numel() == 0, f"{what}: {bad.shape[0]} bytes differ, first at {bad[0].tolist()}"
     bad = (_bits(sg) != _bits(sw)).nonzero()
     assert bad.numel() == 0, f"{what}: {bad.shape[0]} scales differ, first at {bad[0].tolist()}"
+
+
+@contextlib.contextmanager
+def _case(failures, what):
+    """One case. Without a ``failures`` list its first failure ends the test; with one, a failure is recorded there
+    (``what: message``) and the next case runs, so that one run shows every failing case."""
+    if failures is None:
+        yield
+        return
+    try:
+        yield
+    except (Exception, pytest.fail.Exception) as err:  # noqa: BLE001 (any failure: recorded, the next case runs)
+        failures.append(f"{what}: {type(err).__name__}: {err}".replace("\n", " "))
 
 
 # --------------------------------------------------------------------------- the exponent rule (reference)
@@ -248,39 +263,54 @@ def test_reference_grouped_blocks_are_transposed_1x128_blocks():
 
 # --------------------------------------------------------------------------- kernels vs reference (any device)
 
-def kernel_1x128_cases(device, R=70, C=300):
+def _views_1x128(x, R):
+    """Partial blocks, tiny, empty, non-contiguous (copied first: column-major, strided); then single rows and
+    columns, a contiguous view 2 bytes past an alignment, rows whose stride and width differ in divisibility."""
+    flat = x.flatten()
+    return (x[:, :257], x[:17, :5], x[:0], x.t().contiguous()[:, :R], x.t(), x[::2, 1::3], x[:, :1], x[:1],
+            x.t()[:, :1], x.t()[:1], flat[1:1 + (R - 1) * 128].view(R - 1, 128), x[:, :130], x[:, :256])
+
+
+def kernel_1x128_cases(device, R=70, C=300, failures=None, all_views=False):
+    """all_views: the strided views for every dtype (else for bf16 only, the first six)."""
     for dtype in DTYPES:
         x, nonfinite = grid_1x128(R, C, dtype)
         x = x.to(device)
-        got = ops.quantize_1x128(x)
-        _assert_same(got, ref.quantize_1x128(x), f"1x128 {dtype}")
-        check_1x128_properties(x, *got, nonfinite)
-        clean = x.clone()
-        for r, b in nonfinite:
-            clean[r, 128 * b:128 * b + 128] = 0
-        qc, sc = ops.quantize_1x128(clean)
-        fin = torch.isfinite(got[1])
-        fin_cols = fin.repeat_interleave(128, dim=1)[:, :C]
-        assert torch.equal(_bits(sc)[fin], _bits(got[1])[fin]), "a non-finite block changed another block"
-        assert torch.equal(_u8(qc)[fin_cols], _u8(got[0])[fin_cols]), "a non-finite block changed another block"
-        if dtype != torch.bfloat16:
+        with _case(failures, f"1x128 {dtype} {(R, C)}"):
+            got = ops.quantize_1x128(x)
+            _assert_same(got, ref.quantize_1x128(x), f"1x128 {dtype}")
+            check_1x128_properties(x, *got, nonfinite)
+            clean = x.clone()
+            for r, b in nonfinite:
+                clean[r, 128 * b:128 * b + 128] = 0
+            qc, sc = ops.quantize_1x128(clean)
+            fin = torch.isfinite(got[1])
+            fin_cols = fin.repeat_interleave(128, dim=1)[:, :C]
+            assert torch.equal(_bits(sc)[fin], _bits(got[1])[fin]), "a non-finite block changed another block"
+            assert torch.equal(_u8(qc)[fin_cols], _u8(got[0])[fin_cols]), "a non-finite block changed another block"
+        if dtype != torch.bfloat16 and not all_views:
             continue
-        for xv in (x[:, :257], x[:17, :5], x[:0], x.t().contiguous()[:, :R]):  # partial blocks, tiny, empty
-            _assert_same(ops.quantize_1x128(xv), ref.quantize_1x128(xv), f"1x128 {dtype} {tuple(xv.shape)}")
-        for xv in (x.t(), x[::2, 1::3]):  # non-contiguous: read in place
-            _assert_same(ops.quantize_1x128(xv), ref.quantize_1x128(xv), f"1x128 {dtype} strides {xv.stride()}")
+        for xv in _views_1x128(x, R)[:None if all_views else 6]:
+            what = f"1x128 {dtype} {tuple(xv.shape)} strides {xv.stride()}"
+            with _case(failures, what):
+                _assert_same(ops.quantize_1x128(xv), ref.quantize_1x128(xv), what)
 
 
-def kernel_128x128_cases(device):
+def kernel_128x128_cases(device, failures=None, all_views=False):
     for dtype in DTYPES:
         w = grid_128x128(dtype).to(device)
-        got = ops.quantize_128x128(w)
-        _assert_same(got, ref.quantize_128x128(w), f"128x128 {dtype}")
-        check_128x128_properties(*got)
-        if dtype != torch.bfloat16:
+        with _case(failures, f"128x128 {dtype}"):
+            got = ops.quantize_128x128(w)
+            _assert_same(got, ref.quantize_128x128(w), f"128x128 {dtype}")
+            check_128x128_properties(*got)
+        if dtype != torch.bfloat16 and not all_views:
             continue
-        for wv in (w[1], w[:, :100, :3], w.transpose(1, 2), w[:0]):
-            _assert_same(ops.quantize_128x128(wv), ref.quantize_128x128(wv), f"128x128 {tuple(wv.shape)}")
+        views = (w[1], w[:, :100, :3], w.transpose(1, 2), w[:0], w[:, :, :1], w.transpose(1, 2)[:, :, :1],
+                 w[1].t()[::3], w.flatten()[3:3 + 2 * 260 * 160].view(2, 260, 160), w[:, :, :256])
+        for wv in views[:None if all_views else 4]:
+            what = f"128x128 {dtype} {tuple(wv.shape)} strides {wv.stride()}"
+            with _case(failures, what):
+                _assert_same(ops.quantize_128x128(wv), ref.quantize_128x128(wv), what)
 
 
 def _grouped_specified(got, want, off, what):
@@ -288,25 +318,32 @@ def _grouped_specified(got, want, off, what):
     _assert_same((got[0][:n], got[1][:nb]), (want[0][:n], want[1][:nb]), what)
 
 
-def kernel_grouped_cases(device):
+def kernel_grouped_cases(device, failures=None, all_views=False):
     for dtype in DTYPES:
         for gather in (False, True):
-            x, off, idx = grouped_case(gather=gather)
-            x, off = x.to(dtype).to(device), off.to(device)
-            idx = idx.to(device) if gather else None
-            got = ops.quantize_128x1_grouped(x, off, idx)
-            want = ref.quantize_128x1_grouped(x, off, idx)
-            _grouped_specified(got, want, off, f"128x1 {dtype} gather={gather}")
-            check_grouped_properties(*got, off)
-            table = ref.block_offsets_for(off).to(torch.int32)
-            _grouped_specified(ops.quantize_128x1_grouped(x, off, idx, block_offsets=table), want, off, "table")
-    off = torch.zeros(3, dtype=torch.int32, device=device)  # two experts, no rows
-    q, s = ops.quantize_128x1_grouped(torch.randn(8, 5, device=device), off)
-    assert q.shape == (8, 5) and s.shape == (3, 5)
-    x, off, _ = grouped_case(C=130)
-    xt = x.t().contiguous().t().to(device)  # column-major: read in place
-    _grouped_specified(ops.quantize_128x1_grouped(xt, off.to(device)), ref.quantize_128x1_grouped(x, off), off,
-                       "128x1 strided")
+            with _case(failures, f"128x1 {dtype} gather={gather}"):
+                x, off, idx = grouped_case(gather=gather)
+                x, off = x.to(dtype).to(device), off.to(device)
+                idx = idx.to(device) if gather else None
+                got = ops.quantize_128x1_grouped(x, off, idx)
+                want = ref.quantize_128x1_grouped(x, off, idx)
+                _grouped_specified(got, want, off, f"128x1 {dtype} gather={gather}")
+                check_grouped_properties(*got, off)
+                table = ref.block_offsets_for(off).to(torch.int32)
+                _grouped_specified(ops.quantize_128x1_grouped(x, off, idx, block_offsets=table), want, off, "table")
+    with _case(failures, "128x1 no rows"):
+        off = torch.zeros(3, dtype=torch.int32, device=device)  # two experts, no rows
+        q, s = ops.quantize_128x1_grouped(torch.randn(8, 5, device=device), off)
+        assert q.shape == (8, 5) and s.shape == (3, 5)
+    for gather in (False, True) if all_views else (False,):
+        x, off, idx = grouped_case(C=130, gather=gather)
+        x, off, idx = x.to(device), off.to(device), idx.to(device) if gather else None
+        views = (x.t().contiguous().t(), x[:, :1], x[:, 2:130:2], x[:, :128])  # column-major, strided: copied first
+        for xv in views[:None if all_views else 1]:
+            what = f"128x1 gather={gather} {tuple(xv.shape)} strides {xv.stride()}"
+            with _case(failures, what):
+                _grouped_specified(ops.quantize_128x1_grouped(xv, off, idx), ref.quantize_128x1_grouped(xv, off, idx),
+                                   off, what)
 
 
 def poisoned_output_cases(device):
@@ -379,6 +416,8 @@ def bad_input_cases(device):
         ops.quantize_1x128(x[None])
     with pytest.raises(ValueError, match="out must be a contiguous"):
         ops.quantize_1x128(x, out=torch.empty(4, 255, dtype=ref.E4M3, device=device))
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        ops.quantize_1x128(x, out=torch.empty(4 * 256 + 1, dtype=U8, device=device)[1:].view(ref.E4M3).view(4, 256))
     with pytest.raises(ValueError, match="scale_out must be a contiguous"):
         ops.quantize_128x128(x, scale_out=torch.empty(1, 1, device=device))
     with pytest.raises(ValueError, match="offsets_E1 must be a contiguous int32"):
@@ -432,39 +471,79 @@ def test_cpu_tensors_need_the_interpreter():
         ops.quantize_1x128(torch.randn(2, 128))
 
 
-def test_kernels_compile_for_sm90():
+def _compile_sm90(kernel, ints: dict, types: dict, const: dict, num_warps: int = 4):
+    """kernel compiled for sm_90a as a launch with these integer arguments specializes it (1 -> constexpr,
+    multiples of 16 and pointers -> divisible by 16)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = list(kernel.arg_names)
+    sig = {**types, **dict.fromkeys(const, "constexpr")}
+    const = dict(const)
+    divisible = {n for n, t in types.items() if t.startswith("*")}
+    for n, v in ints.items():
+        sig[n] = "constexpr" if v == 1 else "i32"
+        if v == 1:
+            const[n] = 1
+        elif v % 16 == 0:
+            divisible.add(n)
+    assert set(sig) == set(names), set(names) ^ set(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    return triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, enable_fp_fusion=True))
+
+
+BYTE_RELAYOUT = re.compile(r"ttg\.convert_layout %\S+ : tensor<[0-9x]+xi8, #[^>]*> -> ")
+
+
+def test_kernels_compile_for_sm90():
     from megamoe.kernels import fp8_quant as k
 
-    target = GPUTarget("cuda", 90, 32)
-    sig = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "R": "i32", "C": "i32", "stride_xr": "i32",
-           "stride_xc": "i32", "BLOCK_R": "constexpr", "HW_CAST": "constexpr"}
     for hw in (True, False):
-        c = triton.compile(ASTSource(k.quantize_1x128_kernel, sig, {"BLOCK_R": 32, "HW_CAST": hw}), target=target,
-                           options=dict(num_warps=4, enable_fp_fusion=True))
+        c = _compile_sm90(k.quantize_1x128_kernel, dict(R=300, C=7168), X_PTRS, {"BLOCK_R": 32, "HW_CAST": hw})
         assert ("cvt.rn.satfinite.e4m3x2.f32" in c.asm["ptx"]) == hw
-    sig = {"x_ptr": "*bf16", "idx_ptr": "*i32", "offsets_ptr": "*i32", "block_offsets_ptr": "*i32", "q_ptr": "*u8",
-           "s_ptr": "*fp32", "C": "i32", "num_experts": "i32", "stride_xr": "i32", "stride_xc": "i32",
-           "GATHER": "constexpr", "E_POW2": "constexpr", "BLOCK_C": "constexpr", "HW_CAST": "constexpr"}
-    triton.compile(ASTSource(k.quantize_128x1_grouped_kernel, sig, {"GATHER": True, "E_POW2": 128, "BLOCK_C": 64,
-                                                                     "HW_CAST": True}), target=target,
-                   options=dict(enable_fp_fusion=True))
+
+
+X_PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
+W_PTRS = {"w_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
+G_PTRS = {"x_ptr": "*bf16", "idx_ptr": "*i32", "offsets_ptr": "*i32", "block_offsets_ptr": "*i32", "q_ptr": "*u8",
+          "s_ptr": "*fp32"}
+
+
+@pytest.mark.parametrize("width", (7168, 130, 1))
+def test_byte_tiles_are_stored_from_the_layout_they_are_cast_in(width):
+    """The specializations a launch makes (widths multiples of 16, not, and 1; the input's and output's pointers
+    both 16-byte aligned, as the launchers ensure): the e4m3 bytes never change layout between the cast and the
+    store (a ``ttg.convert_layout`` of the i8 tile, through shared memory, after ``tt.fp_to_fp``: a column-major
+    load gave one, and on the GPU it stored wrong bytes)."""
+    from megamoe.kernels import fp8_quant as k
+
+    compiled = [_compile_sm90(k.quantize_1x128_kernel, dict(R=300, C=width), X_PTRS, {"BLOCK_R": 32, "HW_CAST": True}),
+                _compile_sm90(k.quantize_128x128_kernel, dict(N=300, K=width), W_PTRS, {"HW_CAST": True}, num_warps=8)]
+    for gather in (False, True) if width > 1 else (False,):  # one column is gathered by the launcher
+        compiled.append(_compile_sm90(k.quantize_128x1_grouped_kernel, dict(C=width, num_experts=7), G_PTRS,
+                                      {"GATHER": gather, "E_POW2": 8, "BLOCK_C": 64, "HW_CAST": True}))
+    for c in compiled:
+        assert "tt.fp_to_fp" in c.asm["ttgir"] and not BYTE_RELAYOUT.search(c.asm["ttgir"]), c.name
 
 
 # --------------------------------------------------------------------------- CUDA (the hardware e4m3 cast)
 
 @pytest.mark.gpu
 def test_gpu_bitexact():
-    kernel_1x128_cases("cuda")
-    kernel_1x128_cases("cuda", R=4099, C=7168)
-    kernel_128x128_cases("cuda")
-    kernel_grouped_cases("cuda")
-    poisoned_output_cases("cuda")
-    bad_input_cases("cuda")
+    """Every case runs; the failures are listed together at the end."""
+    failures = []
+    kernel_1x128_cases("cuda", failures=failures, all_views=True)
+    kernel_1x128_cases("cuda", R=4099, C=7168, failures=failures, all_views=True)
+    kernel_128x128_cases("cuda", failures=failures, all_views=True)
+    kernel_grouped_cases("cuda", failures=failures, all_views=True)
+    for name, run in (("poisoned outputs", poisoned_output_cases), ("bad input", bad_input_cases)):
+        with _case(failures, name):
+            run("cuda")
     for hw in (True, False):
-        helper_cases("cuda", hw)
+        with _case(failures, f"helpers hw_cast={hw}"):
+            helper_cases("cuda", hw)
+    assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures)
 
 
 @pytest.mark.gpu

@@ -30,12 +30,20 @@ pointers (a uint8 view of the e4m3 tensor) on both paths. (Its fp32 -> bf16 conv
 even either: about half of random values differ from torch's by one bf16 step, so an epilogue that rounds to
 bf16 before quantizing matches a torch reference bit for bit only on the GPU, or with fp32 outputs.)
 
-Kernels (one program per block group; no atomics; every output element written by exactly one program):
-  * ``quantize_1x128_kernel``: x (R, C), any strides -> q (R, C), s (R, ceil(C/128)); program = BLOCK_R rows x
-    128 columns.
-  * ``quantize_128x128_kernel``: w (E, N, K), any strides -> q (E, N, K), s (E, ceil(N/128), ceil(K/128)).
+Kernels (one program per block group; no atomics; every output element written by exactly one program). The input is
+laid out like the output (contiguous; the launchers copy other inputs first) and each kernel loads and stores
+through the same offsets, so that Triton gives the loaded tile the store's layout and the bytes are cast in the
+layout that stores them. Where the load and the store differed (a column-major input, or row strides / alignments
+that vectorize the load and not the store), Triton (3.6, sm_90a) cast in the load's layout and then moved the e4m3
+bytes to the store's layout through shared memory (a ``ttg.convert_layout`` of the i8 tile after ``tt.fp_to_fp``),
+and on the GPU a column-major input got wrong bytes that way (the pattern of the fp8 layout-conversion bug triton-
+lang/triton#11111). tests/test_fp8_quant.py compiles each launch specialization and checks that no byte tile changes
+layout; a GEMM epilogue that fuses these helpers should be checked the same way.
+  * ``quantize_1x128_kernel``: x (R, C) -> q (R, C), s (R, ceil(C/128)); program = BLOCK_R rows x 128 columns.
+  * ``quantize_128x128_kernel``: w (E, N, K) -> q (E, N, K), s (E, ceil(N/128), ceil(K/128)).
   * ``quantize_128x1_grouped_kernel``: 128-row blocks of an expert-grouped buffer (rows gathered through an
-    int32 index when GATHER) -> q (R, C) in the buffer's order, s (NB, C); program = one 128-row block x BLOCK_C
+    int32 index when GATHER; more than one column then, so that the store's rows are strided like the load's)
+    -> q (R, C) in the buffer's order, s (NB, C); program = one 128-row block x BLOCK_C
     columns, its expert found from the m-tile table (BLOCK_M = 128; kernels.tiles.expert_of_tile). Programs past
     the last real block return at once.
 """
@@ -126,43 +134,44 @@ def quantize_block(x, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xc,
-                          BLOCK_R: tl.constexpr, HW_CAST: tl.constexpr):
-    """Program (i, b): rows [i * BLOCK_R, ...) x columns [128b, 128b + 128) of x (R, C) -> q (R, C) uint8
-    (e4m3 bytes), s (R, ceil(C / 128))."""
+def quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, R, C, BLOCK_R: tl.constexpr, HW_CAST: tl.constexpr):
+    """Program (i, b): rows [i * BLOCK_R, ...) x columns [128b, 128b + 128) of x (R, C) contiguous -> q (R, C)
+    uint8 (e4m3 bytes), s (R, ceil(C / 128))."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     b = tl.program_id(1)
     cols = b * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
     mask_r = rows < R
     mask = mask_r[:, None] & (cols < C)[None, :]
     r64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + r64[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
-    q, s = quantize_block_rows(as_fp32(x), HW_CAST)
-    tl.store(q_ptr + r64[:, None] * C + cols[None, :], q, mask=mask)
+    offs = r64[:, None] * C + cols[None, :]  # of x and q alike
+    q, s = quantize_block_rows(as_fp32(tl.load(x_ptr + offs, mask=mask, other=0.0)), HW_CAST)
+    tl.store(q_ptr + offs, q, mask=mask)
     tl.store(s_ptr + r64 * tl.cdiv(C, SCALE_BLOCK) + b, s, mask=mask_r)
 
 
 @triton.jit
-def quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_wk, HW_CAST: tl.constexpr):
-    """Program (n, k, e): the 128x128 block (n, k) of w[e] (N, K) -> q (E, N, K) uint8, s (E, NB, KB)."""
+def quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, N, K, HW_CAST: tl.constexpr):
+    """Program (n, k, e): the 128x128 block (n, k) of w[e] (N, K), w (E, N, K) contiguous -> q (E, N, K) uint8,
+    s (E, NB, KB)."""
     n = tl.program_id(0)
     k = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
     rows = n * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
     cols = k * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
     mask = (rows < N)[:, None] & (cols < K)[None, :]
-    w = tl.load(w_ptr + e * stride_we + rows[:, None] * stride_wn + cols[None, :] * stride_wk, mask=mask, other=0.0)
-    q, s = quantize_block(as_fp32(w), HW_CAST)
-    tl.store(q_ptr + e * N * K + rows[:, None] * K + cols[None, :], q, mask=mask)
+    offs = e * N * K + rows.to(tl.int64)[:, None] * K + cols[None, :]  # of w and q alike
+    q, s = quantize_block(as_fp32(tl.load(w_ptr + offs, mask=mask, other=0.0)), HW_CAST)
+    tl.store(q_ptr + offs, q, mask=mask)
     tl.store(s_ptr + (e * tl.cdiv(N, SCALE_BLOCK) + n) * tl.cdiv(K, SCALE_BLOCK) + k, s)
 
 
 @triton.jit
 def quantize_128x1_grouped_kernel(x_ptr, idx_ptr, offsets_ptr, block_offsets_ptr, q_ptr, s_ptr, C, num_experts,
-                                  stride_xr, stride_xc, GATHER: tl.constexpr, E_POW2: tl.constexpr,
-                                  BLOCK_C: tl.constexpr, HW_CAST: tl.constexpr):
+                                  GATHER: tl.constexpr, E_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
+                                  HW_CAST: tl.constexpr):
     """Program (b, j): global 128-row block b (of the m-tile table ``block_offsets``) x columns
-    [j * BLOCK_C, ...): its rows (gathered through idx when GATHER) -> q rows (R, C) uint8, s[b] (NB, C)."""
+    [j * BLOCK_C, ...): its rows of x (.., C) contiguous (gathered through idx when GATHER) -> q rows (R, C) uint8,
+    s[b] (NB, C)."""
     blk = tl.program_id(0)
     if blk < tl.load(block_offsets_ptr + num_experts):
         _, row_start, row_end = expert_of_tile(block_offsets_ptr, offsets_ptr, blk, num_experts, E_POW2,
@@ -176,7 +185,7 @@ def quantize_128x1_grouped_kernel(x_ptr, idx_ptr, offsets_ptr, block_offsets_ptr
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         mask_c = cols < C
         mask = mask_r[:, None] & mask_c[None, :]
-        x = tl.load(x_ptr + src[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
+        x = tl.load(x_ptr + src[:, None] * C + cols[None, :], mask=mask, other=0.0)
         q, s = quantize_block_cols(as_fp32(x), HW_CAST)
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], q, mask=mask)
         tl.store(s_ptr + blk.to(tl.int64) * C + cols, s, mask=mask_c)

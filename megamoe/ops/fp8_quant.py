@@ -12,10 +12,13 @@ blocks of an expert-grouped buffer).
   * :func:`quantize_128x1_grouped` (weight-gradient operands): rows of an expert-grouped buffer, cut into 128-row
     blocks from each expert's first row -> q (R, C) in the buffer's row order, s (NB, C).
 
-Inputs: bf16, fp16 or fp32, any strides (read in place, never copied). Outputs are contiguous; pass ``out`` /
-``scale_out`` to write into existing buffers (every element of the specified part is overwritten). Nothing
-reads device values on the host: no sync, CUDA-graph capturable (grids depend on shapes only). CPU tensors
-work when TRITON_INTERPRET=1 was set before triton was imported.
+Inputs: bf16, fp16 or fp32, any strides: read in place when contiguous and 16-byte aligned, otherwise first copied
+to such a tensor (one extra read and write of the input). The kernels read the input through the offsets they write
+the output with, so that each e4m3 byte tile is cast in the layout that stores it (kernels.fp8_quant says why).
+Outputs are contiguous and 16-byte aligned; pass ``out`` / ``scale_out`` to write into existing buffers (every
+element of the specified part is overwritten). Nothing reads device values on the host: no sync, CUDA-graph
+capturable (grids depend on shapes only). CPU tensors work when TRITON_INTERPRET=1 was set before triton was
+imported.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ SCALE_BLOCK = 128
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ROWS_PER_PROGRAM = 32  # 1x128: a (32, 128) tile per program
 _COLS_PER_PROGRAM = 64  # 128x1: a (128, 64) tile per program
+_ALIGN = 16  # bytes: the pointer alignment Triton specializes on
 
 
 def _check_input(name: str, x, dims: tuple[int, ...], where: str) -> None:
@@ -48,10 +52,19 @@ def _check_input(name: str, x, dims: tuple[int, ...], where: str) -> None:
 def _output(out, shape: tuple, dtype: torch.dtype, device, name: str, where: str) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device or not out.is_contiguous():
-        raise ValueError(f"{where}: {name} must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, "
-                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if (tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device or not out.is_contiguous()
+            or (dtype == E4M3 and out.data_ptr() % _ALIGN)):
+        raise ValueError(f"{where}: {name} must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}"
+                         f"{f', {_ALIGN}-byte aligned' if dtype == E4M3 else ''}, got {out.dtype} {tuple(out.shape)} "
+                         f"on {out.device} at {out.data_ptr() % _ALIGN} bytes past an alignment")
     return out
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """x itself when contiguous and 16-byte aligned (laid out like the kernels' outputs), else such a copy."""
+    if x.is_contiguous() and x.data_ptr() % _ALIGN == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def _check_int32(name: str, t, shape: tuple, where: str) -> None:
@@ -67,14 +80,15 @@ def quantize_1x128(x_RC: torch.Tensor, *, out: torch.Tensor | None = None,
     where = "quantize_1x128"
     _check_input("x_RC", x_RC, (2,), where)
     dev = check_device(quantize_1x128_kernel, where, x_RC=x_RC, out=out, scale_out=scale_out)
+    x_RC = _dense(x_RC)
     R, C = x_RC.shape
     B = triton.cdiv(C, SCALE_BLOCK)
     q = _output(out, (R, C), E4M3, dev, "out", where)
     s = _output(scale_out, (R, B), torch.float32, dev, "scale_out", where)
     if R and C:
         grid = (triton.cdiv(R, _ROWS_PER_PROGRAM), B)
-        quantize_1x128_kernel[grid](x_RC, q.view(torch.uint8), s, R, C, x_RC.stride(0), x_RC.stride(1),
-                                    BLOCK_R=_ROWS_PER_PROGRAM, HW_CAST=not is_interpreted(quantize_1x128_kernel),
+        quantize_1x128_kernel[grid](x_RC, q.view(torch.uint8), s, R, C, BLOCK_R=_ROWS_PER_PROGRAM,
+                                    HW_CAST=not is_interpreted(quantize_1x128_kernel),
                                     num_warps=4, enable_fp_fusion=True)
     return q, s
 
@@ -87,7 +101,7 @@ def quantize_128x128(w_ENK: torch.Tensor, *, out: torch.Tensor | None = None,
     where = "quantize_128x128"
     _check_input("w", w_ENK, (2, 3), where)
     dev = check_device(quantize_128x128_kernel, where, w=w_ENK, out=out, scale_out=scale_out)
-    w3 = w_ENK if w_ENK.dim() == 3 else w_ENK.unsqueeze(0)
+    w3 = _dense(w_ENK if w_ENK.dim() == 3 else w_ENK.unsqueeze(0))
     E, N, K = w3.shape
     lead = tuple(w_ENK.shape[:-2])
     q = _output(out, (*lead, N, K), E4M3, dev, "out", where)
@@ -95,7 +109,7 @@ def quantize_128x128(w_ENK: torch.Tensor, *, out: torch.Tensor | None = None,
                 "scale_out", where)
     if E and N and K:
         grid = (triton.cdiv(N, SCALE_BLOCK), triton.cdiv(K, SCALE_BLOCK), E)
-        quantize_128x128_kernel[grid](w3, q.view(torch.uint8), s, N, K, w3.stride(0), w3.stride(1), w3.stride(2),
+        quantize_128x128_kernel[grid](w3, q.view(torch.uint8), s, N, K,
                                       HW_CAST=not is_interpreted(quantize_128x128_kernel), num_warps=8,
                                       enable_fp_fusion=True)
     return q, s
@@ -139,6 +153,9 @@ def quantize_128x1_grouped(x: torch.Tensor, offsets_E1: torch.Tensor, idx_R: tor
         _check_int32("block_offsets", block_offsets, (E + 1,), where)
     dev = check_device(quantize_128x1_grouped_kernel, where, x=x, offsets_E1=offsets_E1, idx_R=idx_R,
                        block_offsets=block_offsets, out=out, scale_out=scale_out)
+    if idx_R is not None and x.shape[1] == 1:  # one column: gathered here (the kernel's rows would differ)
+        x, idx_R = x.index_select(0, idx_R), None
+    x = _dense(x)
     C = x.shape[1]
     NB = triton.cdiv(R, SCALE_BLOCK) + E
     q = _output(out, (R, C), E4M3, dev, "out", where)
@@ -150,6 +167,6 @@ def quantize_128x1_grouped(x: torch.Tensor, offsets_E1: torch.Tensor, idx_R: tor
     grid = (NB, triton.cdiv(C, _COLS_PER_PROGRAM))
     quantize_128x1_grouped_kernel[grid](
         x, idx_R if idx_R is not None else offsets_E1, offsets_E1, block_offsets, q.view(torch.uint8), s, C, E,
-        x.stride(0), x.stride(1), GATHER=idx_R is not None, E_POW2=pow2(E), BLOCK_C=_COLS_PER_PROGRAM,
+        GATHER=idx_R is not None, E_POW2=pow2(E), BLOCK_C=_COLS_PER_PROGRAM,
         HW_CAST=not is_interpreted(quantize_128x1_grouped_kernel), num_warps=4, enable_fp_fusion=True)
     return q, s
