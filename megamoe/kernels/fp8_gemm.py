@@ -168,9 +168,10 @@ def _swiglu_cols(acc, acc_up, n0, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, s
 
 
 @triton.jit
-def _bwd_half(acc, offs_n, rows, mask_n, scale, gu_ptr, c_ptr, N, stride_gm, HAS_SCALE: tl.constexpr):
-    """SwiGLU backward values on a column block (the bf16 path's expressions): (row-dot partial ``sum_n acc * h``,
-    h * scale, dg, du), the last three rounded to C's dtype (held in fp32)."""
+def swiglu_bwd_values(acc, offs_n, rows, mask_n, scale, gu_ptr, c_ptr, N, stride_gm, HAS_SCALE: tl.constexpr):
+    """SwiGLU backward values on a column block: (row-dot partial ``sum_n acc * h``, h * scale, dg, du), the last
+    three rounded to C's dtype (held in fp32). The bf16 path's expressions (megamoe.kernels.grouped_gemm, whose
+    epilogue stores them at once); returned here so the caller can quantize dg, du across both halves of a block."""
     out_ty = c_ptr.dtype.element_ty
     g_ptrs = gu_ptr + rows[:, None] * stride_gm + offs_n[None, :]
     gate = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
@@ -219,10 +220,10 @@ def _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_
     quantized 1x128 into (HQ, HS); returns the row-dot partial (first half's sum + second half's)."""
     acc_lo, acc_hi = _halves(acc, BLOCK_M, 128)
     offs_lo = n0 + tl.arange(0, 64)
-    part_lo, h_lo, dg_lo, du_lo = _bwd_half(acc_lo, offs_lo, rows, offs_lo < N, scale, gu_ptr, c_ptr, N, stride_gm,
-                                            HAS_SCALE)
-    part_hi, h_hi, dg_hi, du_hi = _bwd_half(acc_hi, offs_lo + 64, rows, offs_lo < N, scale, gu_ptr, c_ptr, N,
-                                            stride_gm, HAS_SCALE)
+    part_lo, h_lo, dg_lo, du_lo = swiglu_bwd_values(acc_lo, offs_lo, rows, offs_lo < N, scale, gu_ptr, c_ptr, N,
+                                                    stride_gm, HAS_SCALE)
+    part_hi, h_hi, dg_hi, du_hi = swiglu_bwd_values(acc_hi, offs_lo + 64, rows, offs_lo < N, scale, gu_ptr, c_ptr, N,
+                                                    stride_gm, HAS_SCALE)
     _store_pair(h_lo, h_hi, offs_lo, out_rows, mask_m, aux_ptr, stride_xm, N)
     _store_pair(dg_lo, dg_hi, offs_lo, out_rows, mask_m, c_ptr, stride_cm, N)
     _store_pair(du_lo, du_hi, offs_lo, out_rows, mask_m, c_ptr + N, stride_cm, N)
