@@ -60,31 +60,39 @@ def load_vec(ptrs, mask, FULL: tl.constexpr):
 
 
 @triton.jit
-def add_scaled(acc, p, sa, sb):
-    """The promotion: ``acc + p * (sa[:, None] * sb[None, :])`` (p one K-block's dot, fp32)."""
-    return acc + p * (sa[:, None] * sb[None, :])
+def add_scaled(acc, p, sa, sb, ONE_SB: tl.constexpr):
+    """The promotion: ``acc + p * (sa[:, None] * sb[None, :])`` (p one K-block's dot, fp32); ONE_SB: sb is one
+    scalar for the tile (128 columns: one weight block), so the scale product is per row and the promotion one
+    FMA per element (the same values, hence the same bits)."""
+    if ONE_SB:
+        return acc + p * (sa * sb)[:, None]
+    else:
+        return acc + p * (sa[:, None] * sb[None, :])
 
 
 @triton.jit
-def promote(a, b, sa, sb, acc, FP32_DOT: tl.constexpr):
+def promote(a, b, sa, sb, acc, FP32_DOT: tl.constexpr, ONE_SB: tl.constexpr):
     """``acc + dot(a, b) * (sa[:, None] * sb[None, :])``: one K-block of 128, its dot from zero."""
-    return add_scaled(acc, mma(a, b, tl.zeros(acc.shape, dtype=tl.float32), FP32_DOT), sa, sb)
+    return add_scaled(acc, mma(a, b, tl.zeros(acc.shape, dtype=tl.float32), FP32_DOT), sa, sb, ONE_SB)
 
 
 @triton.jit
-def _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N: tl.constexpr):
+def _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N: tl.constexpr, ONE_SB: tl.constexpr):
     """One K-block's operands: A tile + row scales, B tile + column scales (one per 128 columns)."""
     a = tl.load(a_ptrs)  # rows clamped into the buffer, K a multiple of 128
     sa = tl.load(as_ptrs)
     b = load_2d(b_ptrs, mask_n, mask_n, True, EVEN_N)  # all K rows valid (FULL_R): only columns masked
-    sb = load_vec(bs_ptrs, mask_n, EVEN_N)
+    if ONE_SB:  # one scale for the tile's 128 columns (bs_ptrs a scalar pointer)
+        sb = tl.load(bs_ptrs)
+    else:
+        sb = load_vec(bs_ptrs, mask_n, EVEN_N)
     return a, sa, b, sb
 
 
 @triton.jit
 def _k_loop(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, N, stride_bn, stride_bk, stride_bsn, stride_bsk,
-            K: tl.constexpr, UP: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr):
+            K: tl.constexpr, UP: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, ONE_SB: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One tile's K loop in K-blocks of 128 from the pointers of K-block 0: ``acc = deq(A) @ deq(B)``; with UP
     also ``acc_up`` over columns N + n of B (else ``acc_up`` is ``acc``'s initial zeros, unused)."""
     up_cols = N // 128 * stride_bsn
@@ -93,12 +101,15 @@ def _k_loop(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, N, stride_bn, stride_bk, s
     if UP:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, K, 128):
-        a, sa, b, sb = _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N)
-        acc = promote(a, b, sa, sb, acc, FP32_DOT)
+        a, sa, b, sb = _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N, ONE_SB)
+        acc = promote(a, b, sa, sb, acc, FP32_DOT, ONE_SB)
         if UP:
             b_up = load_2d(b_ptrs + N * stride_bn, mask_n, mask_n, True, EVEN_N)
-            sb_up = load_vec(bs_ptrs + up_cols, mask_n, EVEN_N)
-            acc_up = promote(a, b_up, sa, sb_up, acc_up, FP32_DOT)
+            if ONE_SB:
+                sb_up = tl.load(bs_ptrs + up_cols)
+            else:
+                sb_up = load_vec(bs_ptrs + up_cols, mask_n, EVEN_N)
+            acc_up = promote(a, b_up, sa, sb_up, acc_up, FP32_DOT, ONE_SB)
         a_ptrs += 128
         as_ptrs += 1
         b_ptrs += 128 * stride_bk
@@ -108,11 +119,12 @@ def _k_loop(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, N, stride_bn, stride_bk, s
 
 @triton.jit
 def _k_loop_skewed(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, stride_bk, stride_bsk, K: tl.constexpr,
-                   FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, ONE_SB: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     """``_k_loop`` (no UP) with K-block k + 1's dot issued before K-block k is promoted, so the promotion can
     overlap the tensor cores' next dot; the same additions in the same order, hence the same bits."""
     zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    a, sa_prev, b, sb_prev = _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N)
+    a, sa_prev, b, sb_prev = _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N, ONE_SB)
     p_prev = mma(a, b, zero, FP32_DOT)
     acc = zero
     for _ in range(128, K, 128):
@@ -120,11 +132,11 @@ def _k_loop_skewed(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, stride_bk, stride_b
         as_ptrs += 1
         b_ptrs += 128 * stride_bk
         bs_ptrs += stride_bsk
-        a, sa, b, sb = _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N)
+        a, sa, b, sb = _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N, ONE_SB)
         p = mma(a, b, zero, FP32_DOT)
-        acc = add_scaled(acc, p_prev, sa_prev, sb_prev)
+        acc = add_scaled(acc, p_prev, sa_prev, sb_prev, ONE_SB)
         p_prev, sa_prev, sb_prev = p, sa, sb
-    return add_scaled(acc, p_prev, sa_prev, sb_prev)
+    return add_scaled(acc, p_prev, sa_prev, sb_prev, ONE_SB)
 
 
 @triton.jit
@@ -156,9 +168,10 @@ def _swiglu_cols(acc, acc_up, n0, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, s
 
 
 @triton.jit
-def _bwd_half(acc, offs_n, rows, mask_n, scale, gu_ptr, c_ptr, N, stride_gm, HAS_SCALE: tl.constexpr):
-    """SwiGLU backward values on a column block (the bf16 path's expressions): (row-dot partial ``sum_n acc * h``,
-    h * scale, dg, du), the last three rounded to C's dtype (held in fp32)."""
+def swiglu_bwd_values(acc, offs_n, rows, mask_n, scale, gu_ptr, c_ptr, N, stride_gm, HAS_SCALE: tl.constexpr):
+    """SwiGLU backward values on a column block: (row-dot partial ``sum_n acc * h``, h * scale, dg, du), the last
+    three rounded to C's dtype (held in fp32). The bf16 path's expressions (megamoe.kernels.grouped_gemm, whose
+    epilogue stores them at once); returned here so the caller can quantize dg, du across both halves of a block."""
     out_ty = c_ptr.dtype.element_ty
     g_ptrs = gu_ptr + rows[:, None] * stride_gm + offs_n[None, :]
     gate = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
@@ -207,10 +220,10 @@ def _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_
     quantized 1x128 into (HQ, HS); returns the row-dot partial (first half's sum + second half's)."""
     acc_lo, acc_hi = _halves(acc, BLOCK_M, 128)
     offs_lo = n0 + tl.arange(0, 64)
-    part_lo, h_lo, dg_lo, du_lo = _bwd_half(acc_lo, offs_lo, rows, offs_lo < N, scale, gu_ptr, c_ptr, N, stride_gm,
-                                            HAS_SCALE)
-    part_hi, h_hi, dg_hi, du_hi = _bwd_half(acc_hi, offs_lo + 64, rows, offs_lo < N, scale, gu_ptr, c_ptr, N,
-                                            stride_gm, HAS_SCALE)
+    part_lo, h_lo, dg_lo, du_lo = swiglu_bwd_values(acc_lo, offs_lo, rows, offs_lo < N, scale, gu_ptr, c_ptr, N,
+                                                    stride_gm, HAS_SCALE)
+    part_hi, h_hi, dg_hi, du_hi = swiglu_bwd_values(acc_hi, offs_lo + 64, rows, offs_lo < N, scale, gu_ptr, c_ptr, N,
+                                                    stride_gm, HAS_SCALE)
     _store_pair(h_lo, h_hi, offs_lo, out_rows, mask_m, aux_ptr, stride_xm, N)
     _store_pair(dg_lo, dg_hi, offs_lo, out_rows, mask_m, c_ptr, stride_cm, N)
     _store_pair(du_lo, du_hi, offs_lo, out_rows, mask_m, c_ptr + N, stride_cm, N)
@@ -317,15 +330,18 @@ def fp8_m_grouped_kernel(
         e64 = expert.to(tl.int64)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
         b_ptrs = b_ptr + e64 * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-        bs_ptrs = bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
+        if BLOCK_N == 128:  # the tile's 128 columns share one weight block: one scale per K-block
+            bs_ptrs = bs_ptr + e64 * stride_bse + n_tile * stride_bsn
+        else:
+            bs_ptrs = bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
         if SKEW and EPILOGUE != SWIGLU:
             acc = _k_loop_skewed(a_ptrs, as_ptr + a_rows * stride_asm, b_ptrs, bs_ptrs, mask_n, stride_bk,
-                                 stride_bsk, K, FP32_DOT, EVEN_N, BLOCK_M, BLOCK_N)
+                                 stride_bsk, K, FP32_DOT, EVEN_N, BLOCK_N == 128, BLOCK_M, BLOCK_N)
             acc_up = acc
         else:
             acc, acc_up = _k_loop(a_ptrs, as_ptr + a_rows * stride_asm, b_ptrs, bs_ptrs, mask_n, N, stride_bn,
-                                  stride_bk, stride_bsn, stride_bsk, K, EPILOGUE == SWIGLU, FP32_DOT, EVEN_N, BLOCK_M,
-                                  BLOCK_N)
+                                  stride_bk, stride_bsn, stride_bsk, K, EPILOGUE == SWIGLU, FP32_DOT, EVEN_N,
+                                  BLOCK_N == 128, BLOCK_M, BLOCK_N)
         _epilogue(acc, acc_up, n_tile, rows, offs_m.to(tl.int64), mask_m, offs_n, mask_n, scale_ptr, gu_ptr, c_ptr,
                   aux_ptr, dot_ptr, q_ptr, qs_ptr, N, stride_cm, stride_gm, stride_xm, stride_qm, stride_qsm,
                   EPILOGUE, HAS_SCALE, SAVE_AUX, HAS_DOT, HW_CAST, BLOCK_M, BLOCK_N)
@@ -351,7 +367,7 @@ def _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, 
     q = load_2d(q_ptr + rows[:, None] * stride_qr + offs_n[None, :] * stride_qn, mask_r, mask_n, PADDED, EVEN_N)
     ps = load_vec(ps_ptr + b * stride_psb + offs_m, mask_m, EVEN_M)
     qs = load_vec(qs_ptr + b * stride_qsb + offs_n, mask_n, EVEN_N)
-    return promote(tl.trans(p), q, ps, qs, acc, FP32_DOT)
+    return promote(tl.trans(p), q, ps, qs, acc, FP32_DOT, False)
 
 
 @triton.jit

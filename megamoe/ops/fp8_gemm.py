@@ -64,11 +64,12 @@ class Fp8GemmConfig:
                 raise ValueError(f"Fp8GemmConfig: block sizes must be powers of two >= 16, got {self}")
 
 
-# First table, from sm_90a compiles on the CPU (Triton 3.6 ptxas; not yet timed): the promotion needs the fresh dot
+# First table, from sm_90a compiles on the CPU (Triton 3.6's ptxas; not yet timed): the promotion needs the fresh dot
 # tile and the accumulator in registers at once, and Triton waits for each wgmma before promoting it, so the tensor
 # cores idle during a CTA's promotion unless another CTA on the SM has a dot in flight. 64 x 128 tiles with one
 # warpgroup (4 warps) use 208 registers and ~97 KiB of shared memory (4 stages): two CTAs per SM
-# (programs_per_sm=2), no spills; 128 x 128 with 8 warps uses 221 registers (one CTA per SM); 128 x 256 spills.
+# (programs_per_sm=2; 239 registers with the one-FMA promotion of 128-column tiles), no spills; 128 x 128 with 8
+# warps uses ~222 registers (one CTA per SM); 128 x 256 spills.
 # gate/up (two accumulators) and dgrad + SwiGLU backward (its epilogue): 64 x 128 with 8 warps (each warpgroup
 # 64 x 64) does not spill, 128 x 128 spills (416 / 132 bytes), as do 4 warps. To be measured:
 # scripts/fp8_gemm_bench.py --sweep.
