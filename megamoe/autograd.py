@@ -56,6 +56,11 @@ Kernel choices: the dispatcher's ``kernel_config`` (a :class:`megamoe.config.Ker
 table) goes to every GEMM launcher of both passes. Only a BLOCK_K other than the table's changes bits
 (``ops.tile_config.parse_tiles`` refuses one).
 
+FP8 (``fp8=`` a :class:`megamoe.autograd_fp8.Fp8Experts`, ``moe_experts(..., fp8=True)``): the same stages in the
+same order; the routed experts' gate/up, down, dgrad, dx and weight-gradient GEMMs are the recipe's block-scaled
+FP8 ones (e4m3 operands quantized where they are produced, 128x128 weight blocks kept from the forward for the
+backward; docs/fp8.md). The shared expert, the combine and the slot sums are the 16-bit path's.
+
 Determinism: no atomics, no split-K, configs a pure function of shape: bitwise reproducible; the order in which
 independent GEMMs (shared and routed experts) are launched does not change any bits.
 Sync: none (no .item(), no shapes from routing); CUDA-graph capturable.
@@ -95,17 +100,22 @@ def _shared_forward(d, x_TD, shared_w13_HD, shared_w2_DS):
     return shared_TD, gus_TH
 
 
-def _routed_forward(d, w13_EGD, w2_EDF):
-    """Every round's gate/up + SwiGLU and down projection; returns round 0's pre-activations (kept ones)."""
+def _routed_forward(d, w13_EGD, w2_EDF, fp8=None):
+    """Every round's gate/up + SwiGLU and down projection; returns round 0's pre-activations (kept ones).
+    ``fp8``: the FP8 recipe (megamoe.autograd_fp8.Fp8Experts) runs the two GEMMs, or None (16-bit)."""
     kc = d.kernel_config
     gu0_RG = None
     for r in range(d.rounds):
         rows = d.forward_rows(r)
-        h_RF, gu_RG = gate_up_swiglu(rows.x_RD, w13_EGD, rows.offsets_E1, gather_idx_R=rows.x_idx_R,
-                                     save_preact=rows.keep_preact, out=rows.h_out, preact_out=rows.gu_out,
-                                     tile_cache=rows.tiles, pull=rows.pull, kernel_config=kc)
-        y_RD = down_proj(h_RF, w2_EDF, rows.offsets_E1, out=rows.y_out, push=rows.push, tile_cache=rows.tiles,
-                         kernel_config=kc)
+        if fp8 is None:
+            h_RF, gu_RG = gate_up_swiglu(rows.x_RD, w13_EGD, rows.offsets_E1, gather_idx_R=rows.x_idx_R,
+                                         save_preact=rows.keep_preact, out=rows.h_out, preact_out=rows.gu_out,
+                                         tile_cache=rows.tiles, pull=rows.pull, kernel_config=kc)
+            y_RD = down_proj(h_RF, w2_EDF, rows.offsets_E1, out=rows.y_out, push=rows.push, tile_cache=rows.tiles,
+                             kernel_config=kc)
+        else:  # h as its 1x128 FP8 blocks
+            h_RF, gu_RG = fp8.gate_up(rows)
+            y_RD = fp8.down(h_RF, rows)
         del h_RF
         if r == 0:
             gu0_RG = gu_RG
@@ -143,23 +153,32 @@ def _shared_backward(d, x_TD, dout_TD, shared_w13_HD, shared_w2_DS, gus_TH, need
     return dxs_TD, wgrads
 
 
-def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs):
-    """Every round's dgrad + SwiGLU backward, weight gradients and dx rows; returns (dw13, dw2)."""
+def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs, fp8=None):
+    """Every round's dgrad + SwiGLU backward, weight gradients and dx rows; returns (dw13, dw2). ``fp8``: the
+    FP8 recipe runs the GEMMs (as in :func:`_routed_forward`), or None."""
     kc = d.kernel_config
     dw13 = dw2 = None
     for r in range(d.rounds):
         recompute = not (r == 0 and gu0_RG is not None)
         rows = d.backward_rows(r, recompute)
         gu_RG = gu0_RG
-        if recompute:
+        if recompute and fp8 is not None:
+            _, gu_RG = fp8.gate_up(rows, save_preact=True)
+        elif recompute:
             _, gu_RG = gate_up_swiglu(rows.x_RD, w13_EGD, rows.offsets_E1, gather_idx_R=rows.x_idx_R, save_preact=True,
                                       out=rows.h_out, preact_out=rows.gu_out, tile_cache=rows.tiles, kernel_config=kc)
-        dgu_RG, hw_RF, part_RP = swiglu_dgrad(rows.dy_RD, w2_EDF, rows.offsets_E1, gu_RG, gather_idx_R=rows.dy_idx_R,
-                                              row_scale_R=rows.scale_R, row_dot=rows.row_dot, tile_cache=rows.tiles,
-                                              pull=rows.pull, kernel_config=kc)
+        if fp8 is None:
+            dgu_RG, hw_RF, part_RP = swiglu_dgrad(rows.dy_RD, w2_EDF, rows.offsets_E1, gu_RG,
+                                                  gather_idx_R=rows.dy_idx_R, row_scale_R=rows.scale_R,
+                                                  row_dot=rows.row_dot, tile_cache=rows.tiles, pull=rows.pull,
+                                                  kernel_config=kc)
+        else:
+            dgu_RG, hw_RF, part_RP = fp8.dgrad_swiglu(rows, gu_RG)
         del gu_RG
         if need.w2:
-            if r == 0:
+            if r == 0 and fp8 is not None:
+                dw2 = fp8.wgrad(rows, rows.dy_RD, rows.dy_idx_R, hw_RF, None, w2_EDF.dtype)
+            elif r == 0:
                 dw2 = k_grouped_mm(rows.dy_RD, hw_RF, rows.offsets_E1, p_idx_R=rows.dy_idx_R, out_dtype=w2_EDF.dtype,
                                    rows_per_group=rows.rows_per_group, kernel_config=kc)
             d.accumulate_round(r, "w2", rows.dy_RD, hw_RF, dw2)
@@ -167,13 +186,20 @@ def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs):
         rows.dy_RD = rows.dy_idx_R = None  # a row-order copy of dout is freed before the one of x is made
         if need.w13:
             q_RD, q_idx_R = d.wgrad_x_rows(rows)
-            if r == 0:
+            if r == 0 and fp8 is not None:
+                dw13 = fp8.wgrad(rows, dgu_RG, None, q_RD, q_idx_R, w13_EGD.dtype)
+            elif r == 0:
                 dw13 = k_grouped_mm(dgu_RG, q_RD, rows.offsets_E1, q_idx_R=q_idx_R, out_dtype=w13_EGD.dtype,
                                     rows_per_group=rows.rows_per_group, kernel_config=kc)
             d.accumulate_round(r, "w13", dgu_RG, q_RD, dw13)
             del q_RD
-        dx_RD = (grouped_mm_nn(dgu_RG, w13_EGD, rows.offsets_E1, push=rows.push, tile_cache=rows.tiles,
-                               kernel_config=kc) if rows.need_dx else None)
+        if not rows.need_dx:
+            dx_RD = None
+        elif fp8 is not None:
+            dx_RD = fp8.dx(rows)
+        else:
+            dx_RD = grouped_mm_nn(dgu_RG, w13_EGD, rows.offsets_E1, push=rows.push, tile_cache=rows.tiles,
+                                  kernel_config=kc)
         del dgu_RG
         d.backward_results(r, dx_RD, part_RP)
         del dx_RD, part_RP
@@ -188,7 +214,8 @@ class MoEExpertsFunction(torch.autograd.Function):
     gradient of the shared expert)."""
 
     @staticmethod
-    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, dispatcher):
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, dispatcher,
+                fp8=None):
         d = dispatcher
         has_shared = shared_w13_HD is not None and x_TD.shape[0] > 0
         d.open_forward(x_TD, topk_ids_TK, w2_EDF.shape[2], any(ctx.needs_input_grad), has_shared)
@@ -199,10 +226,14 @@ class MoEExpertsFunction(torch.autograd.Function):
             d.start_exchange()
         finally:
             d.join()
-        gu0_RG = _routed_forward(d, w13_EGD, w2_EDF)
+        if fp8 is not None:
+            fp8.open_forward(w13_EGD, w2_EDF)
+        gu0_RG = _routed_forward(d, w13_EGD, w2_EDF, fp8)
+        if fp8 is not None:
+            fp8.end_forward()
         rows_RD, row_of_TK = d.finish_forward()
         out_TD = combine_fwd(rows_RD, row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype)
-        ctx.dispatcher = d
+        ctx.dispatcher, ctx.fp8 = d, fp8
         ctx.save_for_backward(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS,
                               gu0_RG, gus_TH, *d.saved())
         return out_TD
@@ -231,11 +262,16 @@ class MoEExpertsFunction(torch.autograd.Function):
         if sw13_HD is not None and T == 0:  # no rows: exact zeros
             ds13 = torch.zeros_like(sw13_HD) if need.shared_w13 else None
             ds2 = torch.zeros_like(sw2_DS) if need.shared_w2 else None
-        dw13, dw2 = _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need)
+        fp8 = ctx.fp8
+        if fp8 is not None:
+            fp8.open_backward()
+        dw13, dw2 = _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need, fp8)
+        if fp8 is not None:
+            fp8.end_backward()
         rows_RD, row_of_TK, dots_RP = d.finish_backward(dw13, dw2)
         dx_TD, dw_TK = slot_sum_bwd(rows_RD, row_of_TK, dxs_TD, dots_RP if need.weights else None, num_cols=D,
                                     dx_dtype=x_TD.dtype, dw_dtype=w_TK.dtype)
-        return dx_TD if need.x else None, None, dw_TK if need.weights else None, dw13, dw2, ds13, ds2, None
+        return dx_TD if need.x else None, None, dw_TK if need.weights else None, dw13, dw2, ds13, ds2, None, None
 
 
 class RouterLogitsFunction(torch.autograd.Function):

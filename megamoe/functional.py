@@ -5,7 +5,8 @@ S shared-expert FFN size, H = 2S.
 
 * :func:`moe_experts`: routed + shared SwiGLU experts and the combine, for precomputed top-k ids and
   weights (backends "fused": megamoe's Triton kernels, megamoe.autograd.MoEExpertsFunction;
-  "reference": megamoe.reference.moe_experts).
+  "reference": megamoe.reference.moe_experts); ``fp8=True``: the routed experts in block-scaled FP8
+  (megamoe.autograd_fp8; reference: megamoe.reference.moe_experts_fp8).
 * :func:`router_logits`: fp32 router logits through megamoe's own batch-invariant Triton GEMM.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .config import KernelConfig
-from .validation import check_expert_inputs, interpreter_active
+from .validation import check_expert_inputs, check_fp8, interpreter_active
 
 __all__ = ["moe_experts", "router_logits"]
 
@@ -24,7 +25,7 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                 w13_EGD: torch.Tensor, w2_EDF: torch.Tensor, shared_w13_HD: torch.Tensor | None = None,
                 shared_w2_DS: torch.Tensor | None = None, *, backend: str = "fused",
-                kernel_config: KernelConfig | None = None) -> torch.Tensor:
+                kernel_config: KernelConfig | None = None, fp8: bool = False) -> torch.Tensor:
     """Routed + shared SwiGLU experts and combine for precomputed routing: (T, D) -> (T, D).
 
     out[t] = cast(sum_{k=0..K-1} w[t,k] * y[t,k] + shared(x[t])),  y[t,k] = FFN_{ids[t,k]}(x[t]),
@@ -41,6 +42,13 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
         backend: "fused" (Triton; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or "reference".
         kernel_config: "fused" only: tile overrides (:class:`megamoe.config.KernelConfig`; None: the
             checked-in table). Never changes results unless an entry changes BLOCK_K.
+        fp8: run the routed experts' GEMMs (forward, input gradient, weight gradients) in block-scaled FP8, the
+            DeepSeek-V3 recipe (docs/fp8.md): e4m3 operands with fp32 power-of-two scales per 1x128 (activations,
+            output gradients), 128x128 (weights) and 128x1 (weight-gradient operands) blocks, fp32 accumulation.
+            The shared expert, the combine and every output and gradient stay in x's dtype. Needs x in bf16, fp16
+            or fp32, D and F multiples of 128 and (on CUDA) a GPU with FP8 tensor cores. "reference":
+            megamoe.reference.moe_experts_fp8, the same numerics in plain PyTorch. Weight blocks are cached per
+            weight version (megamoe.ops.fp8_weights).
 
     Returns:
         out_TD: (T, D) in x's dtype. Differentiable w.r.t. x, topk_weights, w13, w2 and the shared weights.
@@ -58,11 +66,17 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
     if kernel_config is not None and not isinstance(kernel_config, KernelConfig):
         raise TypeError(f"moe_experts: kernel_config must be a megamoe.config.KernelConfig or None, got "
                         f"{type(kernel_config).__name__}")
+    if not isinstance(fp8, bool):
+        raise TypeError(f"moe_experts: fp8 must be a bool, got {fp8!r}")
     check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
+    if fp8:
+        check_fp8("moe_experts", x_TD.shape[1], w2_EDF.shape[2], x_TD.dtype,
+                  x_TD.device if backend == "fused" else None)
     if backend == "reference":
         from . import reference  # the plain-PyTorch specification, imported only when asked for
 
-        return reference.moe_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
+        ref = reference.moe_experts_fp8 if fp8 else reference.moe_experts
+        return ref(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
     if x_TD.dtype not in FUSED_DTYPES:
         raise TypeError(f"moe_experts: the fused backend supports bf16, fp16 and fp32, got x_TD dtype {x_TD.dtype}")
     if x_TD.device.type != "cuda" and not interpreter_active():
@@ -73,8 +87,14 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
 
     c = torch.Tensor.contiguous
     shared = (None, None) if shared_w13_HD is None else (c(shared_w13_HD), c(shared_w2_DS))
+    recipe = None
+    if fp8:
+        from .autograd_fp8 import Fp8Experts
+
+        recipe = Fp8Experts()
     return MoEExpertsFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_EGD), c(w2_EDF), *shared,
-                                    LocalDispatcher(w13_EGD.shape[0], kernel_config or KernelConfig()))
+                                    LocalDispatcher(w13_EGD.shape[0], kernel_config or KernelConfig(), fp8=fp8),
+                                    recipe)
 
 
 def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:

@@ -10,11 +10,13 @@ the workspace, megamoe.autograd.MoEExpertsFunction runs the stages of both passe
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from .config import EPOptions, KernelConfig
-from .validation import check_expert_inputs
+from .validation import check_expert_inputs, check_fp8
 
 __all__ = ["moe_experts_ep", "moe_experts_ep_workspace"]
 
@@ -25,7 +27,8 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
                    w13_LGD: torch.Tensor, w2_LDF: torch.Tensor, shared_w13_HD: torch.Tensor | None = None,
                    shared_w2_DS: torch.Tensor | None = None, *, group, capacity_rows: int | None = None,
                    timeout_s: float = 10.0, save_preact: bool = True, save_dispatched: bool = True,
-                   options: EPOptions | None = None, kernel_config: KernelConfig | None = None) -> torch.Tensor:
+                   options: EPOptions | None = None, kernel_config: KernelConfig | None = None,
+                   fp8: bool = False) -> torch.Tensor:
     """Routed + shared SwiGLU experts and combine with the routed experts sharded over ``group``.
 
     Rank r of ``group`` owns global experts [r*L, (r+1)*L). Each rank passes its own tokens; the global
@@ -64,6 +67,11 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
             path). The same bits either way.
         kernel_config: tile overrides of the expert GEMMs (:class:`megamoe.config.KernelConfig`; None: the
             checked-in table).
+        fp8: the routed experts' GEMMs in block-scaled FP8 (as :func:`megamoe.functional.moe_experts`'s ``fp8``;
+            docs/fp8.md). The rows travel over NVLink in x's dtype and are quantized by the rank that computes
+            on them; the result rows go back by the push kernel (``EPOptions.pull_programs`` and the epilogue push
+            are not used with fp8). Needs one round (the default capacity at W <= 2, or ``capacity_rows`` covering
+            the worst case).
 
     Returns:
         out_TD: (T, D) in x's dtype, this rank's tokens. Differentiable w.r.t. x, topk_weights, the
@@ -87,7 +95,7 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     from .distributed import get_workspace
 
     W = dist.get_world_size(group)
-    _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS, W)
+    _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS, W, fp8)
     if not x_TD.is_cuda:
         raise ValueError("moe_experts_ep: the fused EP path needs CUDA tensors (symmetric memory); use "
                          "megamoe.reference_ep on CPU")
@@ -96,24 +104,24 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     return moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD,
                                     shared_w2_DS, workspace=ws, capacity_rows=capacity_rows, timeout_s=timeout_s,
                                     save_preact=save_preact, save_dispatched=save_dispatched, options=options,
-                                    kernel_config=kernel_config, validated=True)
+                                    kernel_config=kernel_config, fp8=fp8, validated=True)
 
 
 def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD=None,
                              shared_w2_DS=None, *, workspace, capacity_rows: int | None = None,
                              timeout_s: float = 10.0, save_preact: bool = True, save_dispatched: bool = True,
                              options: EPOptions | None = None, kernel_config: KernelConfig | None = None,
-                             validated: bool = False) -> torch.Tensor:
+                             fp8: bool = False, validated: bool = False) -> torch.Tensor:
     """:func:`moe_experts_ep` on an explicit :class:`megamoe.distributed.EPWorkspace` (also a CPU
     workspace of shared-memory buffers under TRITON_INTERPRET=1, for tests). Same contract."""
     from .autograd import MoEExpertsFunction
-    from .distributed import default_capacity_rows, max_rounds
+    from .distributed import default_capacity_rows, max_received_rows, max_rounds
     from .ops.ep_dispatch import NVLinkDispatcher
 
     ws = workspace
     s = ws.spec
     if not validated:
-        _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS, s.world)
+        _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS, s.world, fp8)
     T, D = x_TD.shape
     if (D, topk_ids_TK.shape[1], w13_LGD.shape[0] * s.world, x_TD.dtype) != (s.hidden, s.top_k, s.num_experts, s.dtype):
         raise ValueError(f"moe_experts_ep: workspace is for D={s.hidden}, K={s.top_k}, E={s.num_experts}, {s.dtype}; "
@@ -137,6 +145,16 @@ def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF
     ws.timeout_s = float(timeout_s)
     ws.check_lazy()
     rounds = max_rounds(s, capacity_rows)
+    recipe = None
+    if fp8:
+        if rounds > 1:
+            raise ValueError(f"moe_experts_ep: fp8 runs in one round; capacity_rows={capacity_rows} needs {rounds} "
+                             f"for the worst routing: pass capacity_rows >= {max_received_rows(s)}")
+        from .autograd_fp8 import Fp8Experts
+
+        recipe = Fp8Experts()
+        # the FP8 GEMMs read complete rows and return their result rows (pushed by the push kernel)
+        options = dataclasses.replace(options or EPOptions(), pull_programs=0, push_kernel=True)
     c = torch.Tensor.contiguous
     shared = (None, None) if shared_w13_HD is None else (c(shared_w13_HD), c(shared_w2_DS))
     # keeping rows or pre-activations only pays when a backward will run
@@ -147,13 +165,14 @@ def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF
                                   save_preact=save_preact and grad, save_dispatched=save_dispatched and grad,
                                   options=options or EPOptions(), kernel_config=kernel_config or KernelConfig())
     out = MoEExpertsFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_LGD), c(w2_LDF), *shared,
-                                   dispatcher)
+                                   dispatcher, recipe)
     if not out.is_cuda:
         ws.check()  # CPU simulation: errors surface at once
     return out
 
 
-def _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS, W: int) -> None:
+def _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS, W: int,
+              fp8: bool = False) -> None:
     for name, t in (("x_TD", x_TD), ("w13_LGD", w13_LGD)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"moe_experts_ep: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -163,3 +182,7 @@ def _validate(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD
                         num_experts=W * w13_LGD.shape[0])
     if x_TD.dtype not in _DTYPES:
         raise TypeError(f"moe_experts_ep: x_TD dtype {x_TD.dtype} not supported (bf16, fp16, fp32)")
+    if not isinstance(fp8, bool):
+        raise TypeError(f"moe_experts_ep: fp8 must be a bool, got {fp8!r}")
+    if fp8:
+        check_fp8("moe_experts_ep", x_TD.shape[1], w2_LDF.shape[2], x_TD.dtype, x_TD.device)

@@ -11,6 +11,7 @@ loss, bias update: plain PyTorch on every backend), ``functional`` (fused single
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from torch import nn
 from .config import EPOptions, KernelConfig, MoEConfig
 from .functional import FUSED_DTYPES
 from .router import route, router_logits, seq_balance_loss, tokens_per_expert, update_expert_bias_
-from .validation import check_same_across_ranks, interpreter_active
+from .validation import check_fp8, check_same_across_ranks, interpreter_active
 
 __all__ = ["MoE", "RoutedExperts", "Router", "RouterStats", "SharedExpert"]
 
@@ -51,6 +52,21 @@ def _keeping_dtype(fn):
         out = fn(t)
         return out if out.dtype == t.dtype else t.to(device=out.device)
     return apply
+
+
+def _fp8_weights_guard(fp8: bool, *modules: nn.Module):
+    """The FP8 weight cache's guard for a call of ``modules``: off (:func:`megamoe.ops.fp8_weights.uncached`) when
+    one of them is wrapped by FSDP2, whose all-gathers rewrite the unsharded parameters without bumping their
+    version counters; a no-op otherwise."""
+    if fp8:
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - torch without FSDP2
+            FSDPModule = ()
+        if any(isinstance(m, FSDPModule) for m in modules):
+            from .ops.fp8_weights import uncached
+            return uncached()
+    return contextlib.nullcontext()
 
 
 def _collective_device(group) -> torch.device:
@@ -118,17 +134,22 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, num_local_experts: int, hidden: int, ffn: int, *, device, dtype: torch.dtype, backend: str,
                  group, ep_save_preact: bool, ep_save_dispatched: bool, kernel_config: KernelConfig | None = None,
-                 ep_options: EPOptions | None = None):
+                 ep_options: EPOptions | None = None, fp8: bool = False):
         super().__init__()
         L, D, F = num_local_experts, hidden, ffn
-        self.backend, self.group, self.ep_save_preact = backend, group, ep_save_preact
+        self.backend, self.group, self.ep_save_preact, self.fp8 = backend, group, ep_save_preact, fp8
         self.ep_save_dispatched = ep_save_dispatched
         self.kernel_config, self.ep_options = kernel_config, ep_options
         self.w13_LGD = nn.Parameter(torch.empty(L, 2 * F, D, device=device, dtype=dtype))
         self.w2_LDF = nn.Parameter(torch.empty(L, D, F, device=device, dtype=dtype))
 
     def forward(self, x_TD, topk_ids_TK, topk_weights_TK, shared_w13_HD=None, shared_w2_DS=None):
+        with _fp8_weights_guard(self.fp8, self):
+            return self._forward(x_TD, topk_ids_TK, topk_weights_TK, shared_w13_HD, shared_w2_DS)
+
+    def _forward(self, x_TD, topk_ids_TK, topk_weights_TK, shared_w13_HD, shared_w2_DS):
         args = (x_TD, topk_ids_TK, topk_weights_TK, self.w13_LGD, self.w2_LDF, shared_w13_HD, shared_w2_DS)
+        fp8 = {"fp8": True} if self.fp8 else {}  # the 16-bit calls as they were
         if self.group is not None and self.backend == "reference":
             from .reference_ep import moe_experts_ep
             return moe_experts_ep(*args, group=self.group)
@@ -136,12 +157,12 @@ class RoutedExperts(nn.Module):
             from .functional_ep import moe_experts_ep
             return moe_experts_ep(*args, group=self.group, save_preact=self.ep_save_preact,
                                   save_dispatched=self.ep_save_dispatched, options=self.ep_options,
-                                  kernel_config=self.kernel_config)
+                                  kernel_config=self.kernel_config, **fp8)
         if self.backend == "reference":
-            from .reference import moe_experts as reference_moe_experts
-            return reference_moe_experts(*args)
+            from . import reference
+            return (reference.moe_experts_fp8 if self.fp8 else reference.moe_experts)(*args)
         from .functional import moe_experts
-        return moe_experts(*args, backend="fused", kernel_config=self.kernel_config)
+        return moe_experts(*args, backend="fused", kernel_config=self.kernel_config, **fp8)
 
 
 _MOVED_KEYS = {"router_w_ED": "router.w_ED", "w13_LGD": "experts.w13_LGD", "w2_LDF": "experts.w2_LDF",
@@ -209,6 +230,13 @@ class MoE(nn.Module):
             for A/B runs and sweeps; None: the checked-in table).
         ep_options: fused backend with a group only: variants of the NVLink exchange
             (:class:`megamoe.config.EPOptions`, all off by default; to measure over NVLink). Same bits either way.
+        fp8: the routed experts' GEMMs (forward, input and weight gradients) in block-scaled FP8, the
+            DeepSeek-V3 recipe (docs/fp8.md; ``backend="reference"``: megamoe.reference.moe_experts_fp8, one
+            device). Parameters and their gradients stay in ``config.dtype`` (the master copy), the router and
+            the shared expert in their 16-bit path. Needs ``config.dtype`` bf16, fp16 or fp32, hidden and expert
+            FFN sizes multiples of 128 and, on CUDA, a GPU with FP8 tensor cores (checked here, ValueError /
+            TypeError naming the constraint); never a silent fallback. A layer option, not a config field: the
+            config describes the model, and the same checkpoint trains in either mode.
 
     Parameters (names carry shapes), in three submodules: ``router.w_ED`` fp32 (:class:`Router`),
     ``experts.w13_LGD`` / ``experts.w2_LDF`` (:class:`RoutedExperts`) and ``shared_expert.w13_HD`` /
@@ -247,7 +275,7 @@ class MoE(nn.Module):
     def __init__(self, config: MoEConfig, *, backend: str = "reference", group=None, dp_group=None,
                  device=None, seed: int | None = None, ep_save_preact: bool = True,
                  ep_save_dispatched: bool = True, kernel_config: KernelConfig | None = None,
-                 ep_options: EPOptions | None = None):
+                 ep_options: EPOptions | None = None, fp8: bool = False):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"megamoe.MoE: config must be a MoEConfig, got {type(config).__name__}")
@@ -270,6 +298,7 @@ class MoE(nn.Module):
             if value is not None and not isinstance(value, cls):
                 raise TypeError(f"megamoe.MoE: {name} must be a megamoe.config.{cls.__name__} or None, got "
                                 f"{type(value).__name__}")
+        self._check_fp8(fp8, config, backend, group, device)
         if config.top_k == 1 and config.norm_topk_prob:
             warnings.warn("megamoe.MoE: top_k=1 with norm_topk_prob=True makes every routing weight s/s = 1 "
                           "(times routed_scaling_factor), so the router gets no gradient from the main loss, only "
@@ -277,6 +306,7 @@ class MoE(nn.Module):
                           "value (Switch Transformer style)", UserWarning, stacklevel=2)
         self.config = config
         self.backend = backend
+        self.fp8 = fp8
         self.ep_save_preact = ep_save_preact
         self.ep_save_dispatched = ep_save_dispatched
         self.group = group
@@ -301,7 +331,7 @@ class MoE(nn.Module):
         self.router = Router(E, D, device=device, backend=backend)
         self.experts = RoutedExperts(L, D, F, device=device, dtype=c.dtype, backend=backend, group=group,
                                      ep_save_preact=ep_save_preact, ep_save_dispatched=ep_save_dispatched,
-                                     kernel_config=kernel_config, ep_options=ep_options)
+                                     kernel_config=kernel_config, ep_options=ep_options, fp8=fp8)
         self.shared_expert = SharedExpert(D, S, device=device, dtype=c.dtype) if S else None
         self.register_buffer("expert_bias_E", torch.zeros(E, device=device) if c.use_expert_bias else None)
         self.register_buffer("counts_since_update_E", torch.zeros(E, dtype=torch.int64, device=device),
@@ -369,7 +399,21 @@ class MoE(nn.Module):
         return (f"D={c.hidden_size}, F={c.moe_intermediate_size}, E={c.num_experts}, K={c.top_k}, "
                 f"local_experts={self.num_local_experts} (EP rank {self.ep_rank}/{self.ep_size}), "
                 f"shared_S={c.shared_intermediate_size}, score={c.score_func}, groups={c.n_group}/{c.topk_group}, "
-                f"scale={c.routed_scaling_factor}, dtype={c.dtype}, backend={self.backend}")
+                f"scale={c.routed_scaling_factor}, dtype={c.dtype}, backend={self.backend}"
+                + (", fp8=True" if self.fp8 else ""))
+
+    @staticmethod
+    def _check_fp8(fp8, config: MoEConfig, backend: str, group, device) -> None:
+        if not isinstance(fp8, bool):
+            raise TypeError(f"megamoe.MoE: fp8 must be a bool, got {fp8!r}")
+        if not fp8:
+            return
+        if backend == "reference" and group is not None:
+            raise ValueError("megamoe.MoE: fp8 with backend='reference' runs on one device (group=None); under "
+                             "expert parallelism use backend='fused'")
+        dev = torch.device(device) if device is not None else None
+        check_fp8("megamoe.MoE", config.hidden_size, config.moe_intermediate_size, config.dtype,
+                  dev if backend == "fused" else None)
 
     def _shared(self):
         return self.shared_w13_HD, self.shared_w2_DS
@@ -381,6 +425,11 @@ class MoE(nn.Module):
         to = fn(torch.empty(0, dtype=c.dtype, device=self.w13_LGD.device)).dtype
         if to == c.dtype:
             return c
+        if self.fp8:
+            try:
+                check_fp8("megamoe.MoE", c.hidden_size, c.moe_intermediate_size, to, None)
+            except TypeError as e:
+                raise ValueError(f"megamoe.MoE: cannot cast an fp8 layer to {to}: {e}") from None
         if self.backend == "fused" and to not in FUSED_DTYPES:
             raise ValueError(f"megamoe.MoE: cannot cast a backend='fused' layer to {to}: the fused backend supports "
                              f"{FUSED_DTYPES} (backend='reference' runs float64)")
@@ -441,7 +490,8 @@ class MoE(nn.Module):
 
         logits_TE = self.router(x_TD)
         r = route(x_TD, self.router_w_ED, self.expert_bias_E, c, logits_TE=logits_TE)
-        out_TD = self.experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, *self._shared())
+        with _fp8_weights_guard(self.fp8, self):  # the layer sharded as a whole (its experts: RoutedExperts)
+            out_TD = self.experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, *self._shared())
 
         if c.seq_aux_loss_coef > 0 and x_TD.shape[0] > 0:
             aux = seq_balance_loss(r.scores_TE, r.topk_ids_TK, seq_len, c.top_k, c.seq_aux_loss_coef)

@@ -15,7 +15,8 @@ Numerics (what every backend must match up to GEMM accumulation order):
   * Combine: ``out[t] = cast(sum_{k=0..K-1} w[t,k] * float(y[t,k]) + float(shared[t]))`` with fp32
     accumulation in slot order k = 0, 1, ..., K-1, the shared expert added last, one cast.
 
-Sources of the router: megamoe.router.
+Sources of the router: megamoe.router. The FP8 recipe (quantizers, the FP8 routed experts) is specified in
+megamoe.reference_fp8 and re-exported here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ import torch
 import torch.nn.functional as F_
 
 from .config import MoEConfig
+from .reference_fp8 import (
+    E4M3,
+    E4M3_MAX,
+    block_offsets_for,
+    check_fp8_sizes,
+    dequantize_1x128,
+    dequantize_128x1_grouped,
+    dequantize_128x128,
+    moe_experts_fp8,
+    pow2_exponent,
+    quantize_1x128,
+    quantize_128x1_grouped,
+    quantize_128x128,
+)
 from .router import (
     RouterOutput,
     load_balance_loss,
@@ -35,12 +50,24 @@ from .router import (
 )
 
 __all__ = [
+    "E4M3",
+    "E4M3_MAX",
     "RouterOutput",
+    "block_offsets_for",
+    "check_fp8_sizes",
     "combine",
+    "dequantize_128x1_grouped",
+    "dequantize_128x128",
+    "dequantize_1x128",
     "expert_ffn",
     "load_balance_loss",
     "moe_experts",
+    "moe_experts_fp8",
     "moe_layer",
+    "pow2_exponent",
+    "quantize_128x1_grouped",
+    "quantize_128x128",
+    "quantize_1x128",
     "route",
     "routed_experts",
     "router_logits",

@@ -14,7 +14,10 @@ import os
 
 import torch
 
-__all__ = ["interpreter_active", "check_expert_inputs", "check_expert_ids"]
+__all__ = ["interpreter_active", "check_expert_inputs", "check_expert_ids", "check_fp8"]
+
+FP8_BLOCK = 128  # the FP8 recipe's scale block: D and F must be multiples of it
+FP8_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # master weights and activations of the FP8 recipe
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -127,3 +130,23 @@ def check_same_across_ranks(group, what: str, values: dict, device=None, group_n
             show = (lambda v: decode.get(v, v)) if isinstance(values[names[i]], torch.dtype) else (lambda v: v)
             parts.append(f"{names[i]}: " + ", ".join(f"rank {r}={show(int(table[r, i]))}" for r in range(len(table))))
         raise ValueError(f"megamoe ({what}): ranks of {group_name} disagree on " + "; ".join(parts) + hint)
+
+
+def check_fp8(where: str, hidden: int, ffn: int, dtype: torch.dtype, device: torch.device | None) -> None:
+    """The FP8 recipe's constraints (docs/fp8.md), with errors naming them: the hidden size D and the expert FFN
+    size F multiples of 128 (the scale blocks), activations and weights (the master copy) in bf16, fp16 or fp32
+    (fp64 has no fused path), and on CUDA a GPU with FP8 tensor cores (compute capability 8.9 or newer).
+    ValueError (TypeError for the dtype)."""
+    bad = [f"{name}={v}" for name, v in (("hidden size D", hidden), ("expert FFN size F", ffn)) if v % FP8_BLOCK]
+    if bad:
+        raise ValueError(f"{where}: fp8 needs the hidden size and the expert FFN size to be multiples of "
+                         f"{FP8_BLOCK} (its scale blocks), got {', '.join(bad)}")
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"{where}: fp8 runs with bf16, fp16 or fp32 activations and weights (the master copy; the "
+                        f"GEMM operands are e4m3), got {dtype}")
+    if device is not None and torch.device(device).type == "cuda":
+        cap = torch.cuda.get_device_capability(torch.device(device))
+        if cap < (8, 9):
+            name = torch.cuda.get_device_name(torch.device(device))
+            raise ValueError(f"{where}: fp8 needs a GPU with FP8 tensor cores (compute capability 8.9 or newer, "
+                             f"e.g. Hopper), got {name} with {cap[0]}.{cap[1]}")

@@ -48,9 +48,10 @@ def test_single_process_all_cpu_providers(tmp_path):
     _trace(trace)
     out = tmp_path / "out"
     assert main(FAST + ["--cases", "tiny:37", "--routing", "uniform", "zipf:1.5", f"trace:{trace}",
-                        "--providers", "reference", "torch", "megamoe", "nccl", "megamoe-ep", "--out", str(out)]) == 0
+                        "--providers", "reference", "torch", "megamoe", "nccl", "megamoe-ep", "megamoe-fp8", "torch-fp8",
+                        "--out", str(out)]) == 0
     rows, js = _read(out)
-    assert len(rows) == 3 * 5
+    assert len(rows) == 3 * 7
     by = {(r["routing"], r["provider"]): r for r in rows}
     for routing in ("uniform", "zipf:1.5", f"trace:{trace}"):
         for p in ("reference", "torch"):
@@ -60,6 +61,9 @@ def test_single_process_all_cpu_providers(tmp_path):
         assert by[(routing, "nccl")]["status"] == "skip"  # EP-only provider at W = 1
         ep1 = by[(routing, "megamoe-ep")]  # the EP path on a one-rank group needs CUDA
         assert ep1["status"] == "skip" and "CUDA" in ep1["note"], ep1
+        fp8 = by[(routing, "megamoe-fp8")]  # the tiny preset's D = 64 has no FP8 form
+        assert fp8["status"] == "skip" and ("multiples of 128" in fp8["note"] or "CUDA" in fp8["note"]), fp8
+        assert by[(routing, "torch-fp8")]["status"] == "skip"  # CUDA sm90 only
         fused = by[(routing, "megamoe")]  # the fused path: CUDA, or the Triton interpreter on CPU
         if os.environ.get("TRITON_INTERPRET") == "1":
             assert fused["status"] == "ok", fused
@@ -110,6 +114,26 @@ def test_check_accepts_torch_and_rejects_wrong(dtype):
     for bad in (wrong_weights, swapped_slots):
         res = check_provider(bad, prob, check_tokens=8)
         assert not res["ok"], res["worst"]
+
+
+def test_fp8_check_accepts_the_fp8_reference_and_rejects_wrong():
+    """The FP8 providers' check: the FP8 reference itself passes with the FP8 tolerance (and would fail the
+    16-bit one: FP8 needs its own), a wrong FP8 provider fails."""
+    from megamoe.reference import moe_experts_fp8
+
+    cfg = get_preset("small")  # D = 256, F = 128: multiples of 128
+    prob = make_problem("small", cfg, 24, make_routing("uniform", cfg, 24, 1, 1), seed=1, dtype=torch.bfloat16)
+    assert check_provider(moe_experts_fp8, prob, check_tokens=12, fp8=True)["ok"]
+    assert not check_provider(moe_experts_fp8, prob, check_tokens=12)["ok"]
+
+    def wrong_weights(x, ids, w, *rest):
+        return moe_experts_fp8(x, ids, w * 1.1, *rest)
+
+    def swapped_slots(x, ids, w, *rest):
+        return moe_experts_fp8(x, ids.flip(1), w, *rest)
+
+    for bad in (wrong_weights, swapped_slots):
+        assert not check_provider(bad, prob, check_tokens=12, fp8=True)["ok"]
 
 
 def test_routing_models_distinct_and_deterministic():

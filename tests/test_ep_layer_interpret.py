@@ -374,3 +374,39 @@ def test_nothing_is_kept_when_no_backward_can_follow():
     res = _spawn_small(_keep_flags_worker, [4, 3])
     for r, seen in enumerate(res):
         assert seen == [(False, False), (False, False), (True, True)], f"rank {r}: {seen}"
+
+
+def _fp8_worker(rank, W, buffers, spec_args, Ts, K, E, F, C):
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+    from megamoe.functional import moe_experts
+    from megamoe.functional_ep import moe_experts_ep_workspace
+
+    spec = WorkspaceSpec(*spec_args)
+    ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)
+    p = _draw(1, Ts, K, E, F, spec.hidden)
+    x, w, l13, l2 = p.local(rank, W)
+    out = moe_experts_ep_workspace(x, p.ids[rank], w, l13, l2, workspace=ws, capacity_rows=C, timeout_s=60,
+                                   fp8=True)
+    res = {"out": out.detach(), "grads": torch.autograd.grad(out, [x, w, l13, l2], p.gos[rank])}
+    if rank == 0:  # the single-GPU fused FP8 path on the global batch
+        leaves = [t.clone().requires_grad_(True) for t in (torch.cat(p.xs), torch.cat(p.wts), p.w13, p.w2)]
+        ref = moe_experts(leaves[0], torch.cat(p.ids), *leaves[1:], fp8=True)
+        res["ref"] = (ref.detach(), torch.autograd.grad(ref, leaves, torch.cat(p.gos)))
+    return res
+
+
+def test_fp8_ep_bitwise_equals_single_gpu_fused_fp8():
+    """moe_experts_ep(..., fp8=True) (one round; the push kernel returns the rows): output and every gradient
+    bitwise equal to the single-GPU FP8 path on the global batch. The rows are quantized per row (1x128) and
+    the weight-gradient blocks start at each expert's first row in both, so the bytes and scales are the same."""
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+
+    W, Ts, K, E, Dm, F, C = 2, [5, 3], 2, 4, 128, 128, 64
+    spec = WorkspaceSpec(W, max(Ts), Dm, K, E, torch.float32)
+    res = spawn_ranks(_fp8_worker, W, EPWorkspace.allocate_shared(spec), (W, spec.max_tokens, Dm, K, E, torch.float32),
+                      Ts, K, E, F, C, env=ENV)
+    for r in range(W):
+        ref_out, ref_grads = _ref_slices(res[0]["ref"], Ts, r, E // W)
+        assert torch.equal(res[r]["out"], ref_out), f"rank {r}: output"
+        for name, a, b in zip(("dx", "dw", "dw13", "dw2"), res[r]["grads"], ref_grads):
+            assert torch.equal(a, b), f"rank {r}: {name}"

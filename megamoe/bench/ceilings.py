@@ -2,6 +2,8 @@
 
 * dense matmul TFLOP/s: ``a @ b`` with a, b of [n, n] in the benchmark dtype; FLOPs = 2 n^3
   (n = 8192 on CUDA, 512 on CPU). The % of peak column divides a provider's TFLOP/s by this.
+* dense FP8 matmul TFLOP/s: ``torch._scaled_mm`` of e4m3 [n, n] operands (tensorwise fp32 scales, bf16 out,
+  n = 8192), on a GPU with FP8 tensor cores (capability 8.9+); NaN elsewhere. The FP8 providers' % of peak.
 * device copy GB/s: ``y.copy_(x)`` of 1 GiB (64 MiB on CPU); bytes = 2 x size (read + write).
 * peer copy GB/s: ``x_peer.copy_(x)`` of 1 GiB from this GPU to the next visible one (under EP every
   rank copies to rank+1 at once, slowest rank reported); bytes = size. NaN with one GPU.
@@ -28,6 +30,22 @@ def _matmul_tflops(timer: Timer, dtype: torch.dtype, reps: int) -> float:
     for _ in range(3):
         a @ b
     ms = summarize(timer.time(lambda _: a @ b, reps)).median
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def _fp8_matmul_tflops(timer: Timer, reps: int) -> float:
+    if not timer.cuda or not hasattr(torch, "_scaled_mm") or torch.cuda.get_device_capability(timer.device) < (8, 9):
+        return math.nan
+    n = 8192
+    a = torch.randn(n, n, device=timer.device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=timer.device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLAS wants
+    one = torch.ones((), device=timer.device)
+
+    def mm(_):
+        return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    for _ in range(3):
+        mm(None)
+    ms = summarize(timer.time(mm, reps)).median
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
@@ -64,14 +82,15 @@ def _peer_copy_gbs(timer: Timer, rank: int, reps: int) -> float:
 
 
 def measure_ceilings(timer: Timer, dtype: torch.dtype, rank: int = 0, reps: int = 10) -> dict[str, float]:
-    """{'matmul_tflops', 'copy_gbs', 'peer_copy_gbs'} measured now on this device (min over ranks
-    for the matmul and copy rates under EP, since the slowest rank bounds the layer)."""
+    """{'matmul_tflops', 'fp8_matmul_tflops', 'copy_gbs', 'peer_copy_gbs'} measured now on this device (min over
+    ranks for the matmul and copy rates under EP, since the slowest rank bounds the layer)."""
     out = {
         "matmul_tflops": _matmul_tflops(timer, dtype, reps),
+        "fp8_matmul_tflops": _fp8_matmul_tflops(timer, reps),
         "copy_gbs": _copy_gbs(timer, reps),
         "peer_copy_gbs": _peer_copy_gbs(timer, rank, reps),
     }
-    for k in ("matmul_tflops", "copy_gbs"):
+    for k in ("matmul_tflops", "fp8_matmul_tflops", "copy_gbs"):
         out[k] = -timer.reduce_max(-out[k])
     if timer.cuda:
         torch.cuda.empty_cache()

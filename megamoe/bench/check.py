@@ -13,7 +13,8 @@ seed (:class:`~megamoe.bench.problem.Problem`), so no weights are gathered and m
 
 Criterion (per quantity, flash-attention style): ``max|provider - fp64| <= 2 * max|torch - fp64| + atol``
 with ``atol = 1e-5 * max|fp64|``. Quantities: out, dx, d topk_weights, dw13, dw2, d shared_w13,
-d shared_w2. On CUDA, freed memory is first filled with NaN so that unwritten outputs show up.
+d shared_w2. On CUDA, freed memory is first filled with NaN so that unwritten outputs show up. FP8 providers: the
+"torch" error is the FP8 recipe's own error against the same truth (megamoe.bench.check_fp8).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import reference as ref
+from .check_fp8 import Fp8Reference
 from .problem import Problem
 
 __all__ = ["check_provider", "check_token_index"]
@@ -121,8 +123,10 @@ def _maxabs(t: torch.Tensor) -> float:
     return t.abs().max().item() if t.numel() else 0.0
 
 
-def check_provider(fn, prob: Problem, *, check_tokens: int = 1024, group=None) -> dict:
-    """Run ``fn`` on ``prob`` and compare it with the reference (see module docstring).
+def check_provider(fn, prob: Problem, *, check_tokens: int = 1024, group=None, fp8: bool = False) -> dict:
+    """Run ``fn`` on ``prob`` and compare it with the reference (see module docstring). ``fp8``: the provider's
+    routed experts compute in FP8; the comparison's "torch" error is then the FP8 recipe's own
+    (:class:`megamoe.bench.check_fp8.Fp8Reference`).
 
     Returns ``{"ok": bool, "worst": (quantity, ratio), "errors": {q: {"err": e_p, "torch_err": e_t,
     "atol": a, "ratio": e_p / e_t}}}``. Under EP the verdict and worst ratio are reduced
@@ -142,8 +146,9 @@ def check_provider(fn, prob: Problem, *, check_tokens: int = 1024, group=None) -
     dw13_got, dw2_got = grads[2], grads[3]
     del out_TD, grads
 
-    truth, eager = _Reference(prob, idx_C, torch.float64), _Reference(prob, idx_C, prob.dtype)
-    key = ("reference", check_tokens)
+    truth = _Reference(prob, idx_C, torch.float64)
+    eager = Fp8Reference(prob, idx_C) if fp8 else _Reference(prob, idx_C, prob.dtype)
+    key = ("reference-fp8" if fp8 else "reference", check_tokens)
     if key not in prob.extra:  # small ([C, D]); the per-expert weight grads are recomputed (too big to keep)
         prob.extra[key] = (truth.own(), eager.own())
     t_own, e_own = prob.extra[key]

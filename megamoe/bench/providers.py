@@ -8,9 +8,11 @@ w13, w2, shared_w13_HD, shared_w2_DS) -> out_TD`` computing :func:`megamoe.refer
 or :func:`megamoe.reference_ep.moe_experts_ep` (W > 1), differentiable w.r.t. x, the topk weights and all
 weights. ``unavailable(ctx)`` returns None or the reason it cannot run here (printed as a note).
 
-Single-device providers (this module): ``reference``, ``torch``, ``megamoe``. Expert-parallel providers
-(``nccl``, ``symm-vdev``, ``deepep``, and ``megamoe``/``reference`` under EP) are in
-:mod:`megamoe.bench.providers_ep`. :func:`get_providers` is the registry over both.
+Single-device providers (this module): ``reference``, ``torch``, ``megamoe``, and the FP8 ones ``megamoe-fp8``
+(also under EP) and ``torch-fp8`` (:mod:`megamoe.bench.torch_fp8`), checked with an FP8 tolerance
+(:mod:`megamoe.bench.check_fp8`). Expert-parallel providers (``nccl``, ``symm-vdev``, ``deepep``, and
+``megamoe``/``reference`` under EP) are in :mod:`megamoe.bench.providers_ep`. :func:`get_providers` is the registry
+over both.
 """
 
 from __future__ import annotations
@@ -44,13 +46,15 @@ class Context:
 
 @dataclass
 class Provider:
-    """A named implementation. ``ep_only``: it needs expert parallelism (W > 1, torchrun)."""
+    """A named implementation. ``ep_only``: it needs expert parallelism (W > 1, torchrun). ``fp8``: its routed
+    experts compute in FP8 (checked with an FP8 tolerance, its % of peak against the dense FP8 rate)."""
 
     name: str
     ep_only: bool
     description: str
     unavailable: Callable[[Context, object], str | None]
     build: Callable[[object, Context], Callable]
+    fp8: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -144,13 +148,14 @@ def _torch_unavailable(ctx: Context, prob) -> str | None:
     return None
 
 
-def _megamoe_fn(kernel_config=None):
+def _megamoe_fn(kernel_config=None, fp8: bool = False):
     """The fused single-device entry, imported lazily (it may not exist yet)."""
     mod = importlib.import_module("megamoe.functional")
     fused = mod.moe_experts
+    kw = {"fp8": True} if fp8 else {}
 
     def fn(x_TD, ids_TK, w_TK, w13, w2, sw13, sw2):
-        return fused(x_TD, ids_TK, w_TK, w13, w2, sw13, sw2, backend="fused", kernel_config=kernel_config)
+        return fused(x_TD, ids_TK, w_TK, w13, w2, sw13, sw2, backend="fused", kernel_config=kernel_config, **kw)
     return fn
 
 
@@ -174,6 +179,37 @@ def _build_megamoe(prob, ctx: Context):
     return _megamoe_fn(ctx.kernel_config)
 
 
+def _megamoe_fp8_unavailable(ctx: Context, prob) -> str | None:
+    reason = _megamoe_unavailable(ctx, prob)
+    if reason:
+        return reason
+    from ..validation import check_fp8
+    try:
+        check_fp8("megamoe-fp8", prob.cfg.hidden_size, prob.cfg.moe_intermediate_size, prob.dtype, ctx.device)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def _build_megamoe_fp8(prob, ctx: Context):
+    if ctx.world_size > 1:
+        from .providers_ep import build_megamoe_ep
+        return build_megamoe_ep(prob, ctx, fp8=True)
+    return _megamoe_fn(ctx.kernel_config, fp8=True)
+
+
+def _torch_fp8_unavailable(ctx: Context, prob) -> str | None:
+    if ctx.world_size > 1:
+        return _single_only(ctx, prob)
+    from .torch_fp8 import torch_fp8_unavailable
+    return torch_fp8_unavailable(ctx.device, prob.dtype)
+
+
+def _build_torch_fp8(prob, ctx: Context):
+    from .torch_fp8 import torch_fp8_moe_experts
+    return torch_fp8_moe_experts
+
+
 def _build_reference(prob, ctx: Context):
     if ctx.world_size > 1:
         from .providers_ep import build_reference_ep
@@ -188,6 +224,12 @@ _SINGLE = [
              "un-sort, fp32 weighted sum", _torch_unavailable, lambda prob, ctx: torch_moe_experts),
     Provider("reference", False, "megamoe.reference (per-expert loop, host-syncing; the spec)",
              lambda ctx, prob: None, _build_reference),
+    Provider("megamoe-fp8", False, "megamoe fused path with the routed experts in block-scaled FP8 "
+             "(moe_experts(..., fp8=True); moe_experts_ep under EP)", _megamoe_fp8_unavailable, _build_megamoe_fp8,
+             fp8=True),
+    Provider("torch-fp8", False, "eager PyTorch FP8: sort by expert (groups padded to 16), "
+             "torch._scaled_grouped_mm with rowwise scales for every expert GEMM, SwiGLU, fp32 weighted sum (sm90)",
+             _torch_fp8_unavailable, _build_torch_fp8, fp8=True),
 ]
 
 #: providers run when --providers is not given, per setting

@@ -91,11 +91,12 @@ def _build_nccl(prob, ctx: Context):
     return fn
 
 
-def build_megamoe_ep(prob, ctx: Context):
+def build_megamoe_ep(prob, ctx: Context, fp8: bool = False):
     fused = importlib.import_module("megamoe.functional_ep").moe_experts_ep
+    kw = {"fp8": True} if fp8 else {}
 
     def fn(*args):
-        return fused(*args, group=ctx.group, options=ctx.ep_options, kernel_config=ctx.kernel_config)
+        return fused(*args, group=ctx.group, options=ctx.ep_options, kernel_config=ctx.kernel_config, **kw)
     return fn
 
 
@@ -134,13 +135,26 @@ def _one_rank_unavailable(ctx: Context, prob) -> str | None:
     return None
 
 
-def _build_megamoe_one_rank(prob, ctx: Context):
+def _build_megamoe_one_rank(prob, ctx: Context, fp8: bool = False):
     group = one_rank_group(ctx.device)
     fused = importlib.import_module("megamoe.functional_ep").moe_experts_ep
+    kw = {"fp8": True} if fp8 else {}
 
     def fn(*args):
-        return fused(*args, group=group, options=ctx.ep_options, kernel_config=ctx.kernel_config)
+        return fused(*args, group=group, options=ctx.ep_options, kernel_config=ctx.kernel_config, **kw)
     return fn
+
+
+def _one_rank_fp8_unavailable(ctx: Context, prob) -> str | None:
+    reason = _one_rank_unavailable(ctx, prob)
+    if reason:
+        return reason
+    from ..validation import check_fp8
+    try:
+        check_fp8("megamoe-ep-fp8", prob.cfg.hidden_size, prob.cfg.moe_intermediate_size, prob.dtype, ctx.device)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    return None
 
 
 def build_reference_ep(prob, ctx: Context):
@@ -183,6 +197,9 @@ EP_PROVIDERS = [
     Provider("megamoe-ep", False, "megamoe's EP path (functional_ep.moe_experts_ep) on a one-rank group: "
              "the exchange machinery at W = 1 (one GPU, no torchrun)", _one_rank_unavailable,
              _build_megamoe_one_rank),
+    Provider("megamoe-ep-fp8", False, "megamoe-ep with the routed experts in block-scaled FP8 "
+             "(moe_experts_ep(..., fp8=True))", _one_rank_fp8_unavailable,
+             lambda prob, ctx: _build_megamoe_one_rank(prob, ctx, fp8=True), fp8=True),
     Provider("deepep", True, "DeepEP (external; skipped when not importable)", _deepep_unavailable,
              lambda prob, ctx: None),
 ]

@@ -8,7 +8,8 @@ FLOPs (per rank, counted on its own T tokens; DeepGEMM MegaMoE / MoK / SonicMoE 
   backward         2 x forward (dgrad + wgrad), so forward+backward = 3 x forward.
 The TFLOP/s column counts **routed FLOPs only** (3 x routed forward over the fwd+bwd median time); the
 shared expert is work every provider also does, so including it would flatter no one; its FLOPs are in
-the CSV. "% peak" = TFLOP/s over the dense matmul TFLOP/s measured in the same run.
+the CSV. "% peak" = TFLOP/s over the dense matmul TFLOP/s measured in the same run (for the FP8 providers:
+over the dense FP8 e4m3 matmul TFLOP/s measured in the same run).
 Bytes (per rank, in the CSV/JSON): ``dispatch_bytes`` = (token, slot) rows sent to other ranks x D x
 element size (each direction; the combine moves the same amount back); ``weight_bytes`` = L * 3 * D * F x
 element size (the routed weights read once per forward).
@@ -66,6 +67,7 @@ class Row:
     dispatch_bytes: int = 0
     weight_bytes: int = 0
     check_worst: str = ""
+    fp8: bool = False                # routed experts in FP8: % peak against the dense FP8 rate
     tflops: float = math.nan
     pct_peak: float = math.nan
     speedup: dict = field(default_factory=dict)
@@ -75,8 +77,9 @@ class Row:
         return f"{self.preset} T={self.tokens} {self.routing}"
 
 
-def finalize(rows: list[Row], matmul_tflops: float, baselines: list[str]) -> None:
-    """Fill TFLOP/s, % of peak, and speedup (baseline fwd+bwd / this fwd+bwd) for every row."""
+def finalize(rows: list[Row], matmul_tflops: float, baselines: list[str], fp8_matmul_tflops: float = math.nan) -> None:
+    """Fill TFLOP/s, % of peak (FP8 rows: of ``fp8_matmul_tflops``), and speedup (baseline fwd+bwd / this fwd+bwd)
+    for every row."""
     by_case: dict[str, dict[str, Row]] = {}
     for r in rows:
         by_case.setdefault(r.case, {})[r.provider] = r
@@ -84,7 +87,8 @@ def finalize(rows: list[Row], matmul_tflops: float, baselines: list[str]) -> Non
         ms = r.fwdbwd.median
         if r.status == "ok" and ms > 0:
             r.tflops = 3 * r.routed_flops_fwd / (ms * 1e-3) / 1e12
-            r.pct_peak = 100 * r.tflops / matmul_tflops if matmul_tflops > 0 else math.nan
+            peak = fp8_matmul_tflops if r.fp8 else matmul_tflops
+            r.pct_peak = 100 * r.tflops / peak if peak > 0 else math.nan
         for b in baselines:
             base = by_case[r.case].get(b)
             if b != r.provider and base is not None and base.status == "ok" and r.status == "ok":

@@ -153,10 +153,11 @@ def _select_providers(args, ctx: Context) -> tuple[dict, list[str], list[str]]:
 def _ceilings(args, ctx: Context, timer: Timer) -> dict[str, float]:
     """The measured dense matmul and copy rates (nan with ``--no-ceilings``), logged on rank 0."""
     ceilings = measure_ceilings(timer, _DTYPES.get(args.dtype, torch.bfloat16), ctx.rank) if not args.no_ceilings \
-        else {"matmul_tflops": math.nan, "copy_gbs": math.nan, "peer_copy_gbs": math.nan}
+        else {"matmul_tflops": math.nan, "fp8_matmul_tflops": math.nan, "copy_gbs": math.nan,
+              "peer_copy_gbs": math.nan}
     shown = {k: "n/a" if math.isnan(v) else f"{v:.4g}" for k, v in ceilings.items()}  # nan: not measurable here
-    _log(ctx, "ceilings: dense matmul {matmul_tflops} TFLOP/s, device copy {copy_gbs} GB/s, "
-              "peer copy {peer_copy_gbs} GB/s".format(**shown))
+    _log(ctx, "ceilings: dense matmul {matmul_tflops} TFLOP/s (FP8 e4m3: {fp8_matmul_tflops}), device copy "
+              "{copy_gbs} GB/s, peer copy {peer_copy_gbs} GB/s".format(**shown))
     return ceilings
 
 
@@ -201,7 +202,7 @@ def _check_providers(b: _Bench, prob, base: dict) -> tuple[dict[str, dict], dict
     case_rows: dict[str, Row] = {}
     for n in b.names:
         p = b.registry[n]
-        row = Row(provider=n, status="ok", **base)
+        row = Row(provider=n, status="ok", fp8=p.fp8, **base)
         case_rows[n] = row
         reason = p.unavailable(ctx, prob)
         if reason:
@@ -213,9 +214,9 @@ def _check_providers(b: _Bench, prob, base: dict) -> tuple[dict[str, dict], dict
         try:
             fn = p.build(prob, ctx)
             if not args.no_check:
-                res = check_provider(fn, prob, check_tokens=args.check_tokens, group=ctx.group)
+                res = check_provider(fn, prob, check_tokens=args.check_tokens, group=ctx.group, fp8=p.fp8)
                 q, ratio = res["worst"]
-                row.check_worst = f"{q} err {ratio:.2f}x torch"
+                row.check_worst = f"{q} err {ratio:.2f}x {'the fp8 reference' if p.fp8 else 'torch'}"
                 if not res["ok"]:
                     err = f"check failed: {row.check_worst}"
         except Exception as exc:  # noqa: BLE001 - one broken provider must not stop the run
@@ -277,7 +278,7 @@ def _run_case(b: _Bench, preset: str, T: int, spec: str, rows: list[Row], case_i
     live, case_rows = _check_providers(b, prob, base)
     _time_providers(b, live, case_rows)
     rows.extend(case_rows.values())
-    finalize(list(case_rows.values()), b.ceilings["matmul_tflops"], b.baselines)
+    finalize(list(case_rows.values()), b.ceilings["matmul_tflops"], b.baselines, b.ceilings["fp8_matmul_tflops"])
     _log(ctx, format_table(list(case_rows.values()), b.baselines).split("\n", 2)[-1] +
          f"   [{time.time() - t_start:.0f}s; load max/mean {stats['expert_max_over_mean']:.2f}]")
     del prob, live
@@ -289,12 +290,13 @@ def _write_results(b: _Bench, rows: list[Row], meta: dict, case_info: list[dict]
     """The whole table on stdout and CSV/JSON/PNG/TXT in ``--out``, on rank 0."""
     args, ctx, ceilings, baselines = b.args, b.ctx, b.ceilings, b.baselines
     ep = ctx.world_size > 1
-    finalize(rows, ceilings["matmul_tflops"], baselines)
+    finalize(rows, ceilings["matmul_tflops"], baselines, ceilings["fp8_matmul_tflops"])
     table = format_table(rows, baselines)
     if ctx.rank == 0:
         print("\n" + table)
         print(f"TFLOP/s: routed expert FLOPs only (3 x 6*T*K*D*F per rank over the fwd+bwd median); % peak of "
-              f"the measured dense matmul rate {ceilings['matmul_tflops']:.4g} TFLOP/s; times are medians "
+              f"the measured dense matmul rate {ceilings['matmul_tflops']:.4g} TFLOP/s (FP8 providers: of the dense "
+              f"FP8 rate {ceilings['fp8_matmul_tflops']:.4g}); times are medians "
               f"{'(slowest rank) ' if ep else ''}of {args.iters} iterations; speedup = baseline f+b / provider f+b.")
         paths = write_outputs(args.out, rows, meta, ceilings, baselines, case_info, table)
         print("wrote " + ", ".join(paths.values()), flush=True)

@@ -157,14 +157,15 @@ class LocalDispatcher:
 
     Saved between the passes: the plan's offsets_E1, row_token_N, row_src_N and row_of_TK (3 int32 per
     (token, slot) plus E + 1), and the m-tile tables of both passes' GEMMs (``tiles``). ``kernel_config``: tile
-    overrides of every GEMM (only a BLOCK_K other than the table's changes bits)."""
+    overrides of every GEMM (only a BLOCK_K other than the table's changes bits). ``fp8``: the routed experts run
+    the FP8 recipe, whose weight-gradient operands are gathered while they are quantized: no row-order copies."""
 
     rounds = 1
     keeps_shared_preact = True
     side = None
 
-    def __init__(self, num_experts: int, kernel_config: KernelConfig = DEFAULT_KERNELS):
-        self.num_experts, self.kernel_config = num_experts, kernel_config
+    def __init__(self, num_experts: int, kernel_config: KernelConfig = DEFAULT_KERNELS, *, fp8: bool = False):
+        self.num_experts, self.kernel_config, self.fp8 = num_experts, kernel_config, fp8
         self.tiles: dict = {}  # the m-tile offsets of each group-offset table, shared by the GEMMs of both passes
         self.one_2: torch.Tensor | None = None
 
@@ -224,8 +225,11 @@ class LocalDispatcher:
         G, F, N = w13_EGD.shape[1], w2_EDF.shape[2], self.row_token_N.shape[0]
         rows_est = N / max(w13_EGD.shape[0], 1)  # k_grouped_mm's own estimate: its kernel choice
         kc = self.kernel_config
-        self.copy_dy = need.w2 and k_grouped_wants_rows_in_order(D, F, w2_EDF.dtype, x_TD.device, rows_est, kc)
-        self.copy_x = need.w13 and k_grouped_wants_rows_in_order(G, D, w13_EGD.dtype, x_TD.device, rows_est, kc)
+        torch_rows = not self.fp8  # the FP8 weight gradients gather rows as they quantize them
+        self.copy_dy = torch_rows and need.w2 and k_grouped_wants_rows_in_order(D, F, w2_EDF.dtype, x_TD.device,
+                                                                                 rows_est, kc)
+        self.copy_x = torch_rows and need.w13 and k_grouped_wants_rows_in_order(G, D, w13_EGD.dtype, x_TD.device,
+                                                                                 rows_est, kc)
 
     def backward_rows(self, r: int, recompute: bool) -> RoundRows:
         # torch's weight-gradient kernel takes contiguous rows only: dout's rows copied into row order (then

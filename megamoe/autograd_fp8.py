@@ -1,0 +1,124 @@
+"""The FP8 recipe of the routed experts' GEMMs, for the one stage loop of megamoe.autograd.
+
+Legend: T tokens, D hidden, F expert FFN, G = 2F, E experts of the GEMMs, R rows of one round (N = T*K on one
+GPU), B = ceil(columns / 128) scale blocks of a row, P row-dot partials.
+
+:class:`Fp8Experts` is what ``MoEExpertsFunction`` is given (``fp8=``) when the layer runs in FP8: at each
+routed-expert GEMM of the stage order (megamoe.autograd's module docstring) the loop calls the recipe's method
+instead of the 16-bit launcher; the order of the stages, the dispatcher's rows and the combine / slot sums are
+the same. Block-scaled FP8 in the DeepSeek-V3 recipe (docs/fp8.md): e4m3 operands, fp32 power-of-two scales,
+fp32 accumulation promoted every 128 of K::
+
+  forward   weights: 128x128 blocks, once per weight version (megamoe.ops.fp8_weights cache)
+            x rows: 1x128, once per row buffer (on one GPU the T token rows; the GEMM gathers them)
+            gate/up: e4m3 x rows @ w13 blocks -> gu (x's dtype, kept), h quantized 1x128 in the epilogue
+            down: e4m3 h @ w2 blocks -> y (x's dtype)
+  backward  dout rows: 1x128, once per row buffer
+            dgrad + SwiGLU bwd: e4m3 dout @ w2 blocks (read transposed) -> dgu, hw, row dots; dgu quantized 1x128
+            in the epilogue
+            dx rows: e4m3 dgu @ w13 blocks (read transposed)
+            weight gradients: both operands quantized 128 rows x 1 column along the expert's rows, from the
+            16-bit values (dout rows and hw for w2, dgu and x rows for w13), fp32 sums, one cast to the weight dtype
+
+The backward reuses the forward's weight blocks (kept by the recipe between the passes), never requantizes.
+Extra memory kept between the passes: the weight blocks (shared with the cache). Tiles: the FP8 GEMMs' own table
+(megamoe.ops.fp8_gemm.fp8_config, BLOCK_K = 128 = the scale group); the 16-bit ``KernelConfig`` overrides apply to
+the shared expert only. Sync: none.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import fp8_gemm, fp8_quant
+from .ops.fp8_weights import WEIGHT_CACHE, Fp8WeightCache
+
+__all__ = ["Fp8Experts"]
+
+
+class Fp8Experts:
+    """The FP8 routed-expert GEMMs of one layer call (a fresh object per call; it carries the weight blocks
+    from the forward to the backward). ``cache``: where the weight blocks come from (default: the process-wide
+    :data:`megamoe.ops.fp8_weights.WEIGHT_CACHE`)."""
+
+    def __init__(self, cache: Fp8WeightCache = WEIGHT_CACHE):
+        self.cache = cache
+        self.w13 = self.w2 = None  # (q, s) 128x128 blocks
+        self._rows: dict = {}  # 1x128 blocks of the row buffers of the current pass, by buffer
+        self._dgu = None  # the dgrad epilogue's 1x128 blocks of dgu, for the dx GEMM of the same round
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _rows_1x128(self, t_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """1x128 blocks of a row buffer (token rows or a round's received rows), made once per pass."""
+        entry = self._rows.get(id(t_RC))
+        if entry is None or entry[0] is not t_RC:
+            entry = (t_RC, *fp8_quant.quantize_1x128(t_RC))
+            self._rows[id(t_RC)] = entry
+        return entry[1], entry[2]
+
+    @staticmethod
+    def _check_rows(rows, where: str) -> None:
+        if rows.pull is not None or rows.push is not None:
+            raise ValueError(f"fp8 {where}: the FP8 GEMMs take complete rows and return result rows: no pull beside "
+                             "the GEMM, no epilogue push (megamoe.functional_ep turns both off for fp8)")
+
+    # ------------------------------------------------------------------------------------------ forward
+    def open_forward(self, w13_EGD: torch.Tensor, w2_EDF: torch.Tensor) -> None:
+        """The weights' 128x128 blocks (cached per weight version)."""
+        self.w13, self.w2 = self.cache.get(w13_EGD), self.cache.get(w2_EDF)
+        self.dtype, self._rows = w13_EGD.dtype, {}
+
+    def gate_up(self, rows, save_preact: bool | None = None):
+        """Gate/up + SwiGLU on the round's x rows: (h as its 1x128 blocks (hq_RF, hs_RB), gu_RG or None)."""
+        self._check_rows(rows, "gate/up")
+        xq, xs = self._rows_1x128(rows.x_RD)
+        keep = rows.keep_preact if save_preact is None else save_preact
+        hq, hs, gu = fp8_gemm.fp8_gate_up_swiglu(xq, xs, *self.w13, rows.offsets_E1, gather_idx_R=rows.x_idx_R,
+                                                 out_dtype=self.dtype, save_preact=keep, tile_cache=rows.tiles)
+        return (hq, hs), gu
+
+    def down(self, h, rows) -> torch.Tensor:
+        """Down projection of the round's h blocks: y_RD in the weights' dtype."""
+        hq, hs = h
+        return fp8_gemm.fp8_grouped_mm_nt(hq, hs, *self.w2, rows.offsets_E1, out_dtype=self.dtype, kind="down",
+                                          tile_cache=rows.tiles)
+
+    def end_forward(self) -> None:
+        self._rows = {}
+
+    # ------------------------------------------------------------------------------------------ backward
+    def open_backward(self) -> None:
+        self._rows, self._dgu = {}, None
+
+    def dgrad_swiglu(self, rows, gu_RG: torch.Tensor):
+        """dout rows @ w2 blocks with the SwiGLU backward: (dgu_RG, hw_RF, part_RP or None); dgu's 1x128 blocks
+        are kept for :meth:`dx` when the round needs dx."""
+        self._check_rows(rows, "dgrad")
+        dq, ds = self._rows_1x128(rows.dy_RD)
+        dgu, hw, part, dgq, dgs = fp8_gemm.fp8_swiglu_dgrad(
+            dq, ds, *self.w2, rows.offsets_E1, gu_RG, gather_idx_R=rows.dy_idx_R, row_scale_R=rows.scale_R,
+            row_dot=rows.row_dot, tile_cache=rows.tiles)
+        self._dgu = (dgq, dgs) if rows.need_dx else None
+        return dgu, hw, part
+
+    def wgrad(self, rows, p, p_idx_R, q, q_idx_R, out_dtype: torch.dtype):
+        """Weight gradient ``sum over each expert's rows of P^T Q`` on 128x1 blocks of both operands, quantized
+        from their 16-bit rows (read through p_idx_R / q_idx_R where given): (E, M, N) in ``out_dtype``. The
+        128-row block table is the round's m-tile table for BLOCK_M = 128 (made once, in ``rows.tiles``)."""
+        off = rows.offsets_E1
+        blocks = fp8_gemm.table_for(off, fp8_gemm.QB, rows.tiles)
+        pq, ps = fp8_quant.quantize_128x1_grouped(p, off, p_idx_R, blocks)
+        qq, qs = fp8_quant.quantize_128x1_grouped(q, off, q_idx_R, blocks)
+        return fp8_gemm.fp8_k_grouped_mm(pq, ps, qq, qs, off, block_offsets_E1=blocks, out_dtype=out_dtype)
+
+    def dx(self, rows) -> torch.Tensor:
+        """dx rows = dgu blocks (from the dgrad epilogue) @ w13 blocks (read transposed): (R, D)."""
+        dgq, dgs = self._dgu
+        self._dgu = None
+        return fp8_gemm.fp8_grouped_mm_nn(dgq, dgs, *self.w13, rows.offsets_E1, out_dtype=self.dtype,
+                                          tile_cache=rows.tiles)
+
+    def end_backward(self) -> None:
+        """Drops the pass's row blocks; the weight blocks stay with the layer call (a retained graph's second
+        backward reads them again) until autograd frees it."""
+        self._rows, self._dgu = {}, None

@@ -1,0 +1,191 @@
+"""Block-scaled FP8 (e4m3) quantization: the jit helpers other kernels fuse, and the three quantizer kernels.
+
+The recipe is specified in megamoe.reference_fp8 (read it first); these produce its bytes and scales bit for
+bit. Scales are fp32 powers of two ``s = 2**e`` (dequantization multipliers), ``q = e4m3(x * 2**-e)``.
+
+Public helpers (``@triton.jit``; import them into a GEMM epilogue to quantize a tile where it is produced):
+  * :func:`as_fp32`: exact widening to fp32 (bf16 through its bits: the interpreter's bf16 -> fp32 conversion
+    is wrong for bf16 subnormals).
+  * :func:`abs_bits`: int32 bit patterns of ``|x|`` for fp32 x; their integer max is the block's amax, with
+    NaN > Inf > every finite value, so one max also detects non-finite blocks.
+  * :func:`pow2_scale`: the exponent rule on an amax bit pattern -> (inverse scale ``2**-e``, scale ``2**e``
+    or NaN for a non-finite block, finite flag). Integers only (no log2 / exp2, no division).
+  * :func:`e4m3_bytes`: fp32 -> e4m3 bit patterns (uint8), round to nearest even, for ``|y| <= 448``.
+  * :func:`quantize_block_rows` (1x128: one scale per row of a (rows, 128) tile),
+    :func:`quantize_block_cols` (128x1: one scale per column of a (128, cols) tile),
+    :func:`quantize_block` (128x128: one scale for the tile): (bytes uint8, scales fp32). The tile is fp32
+    with zeros where it is masked (zeros never raise an amax). A non-finite block gets scale NaN and bytes 0.
+    Bytes go to memory through a uint8 view of the e4m3 tensor; ``.to(tl.float8e4nv, bitcast=True)`` turns them
+    into e4m3 operands of ``tl.dot``.
+
+HW_CAST (constexpr): True on the GPU: ``.to(tl.float8e4nv)`` (cvt.rn.satfinite: round to nearest even,
+identical to the integer path since ``|y| <= 448``); False under the CPU interpreter, so :func:`e4m3_bytes`
+rounds with integer operations there. Both give the bytes of torch's ``.to(torch.float8_e4m3fn)``.
+The CPU interpreter and fp8 (Triton 3.6 and 3.9 alike): its fp32 -> fp8e4nv conversion adds the first cut bit
+(ties round up, not to even) and does not carry a rounded-up mantissa into the exponent (about 1% of uniform
+values in [0, 448] come out wrong); its bf16 -> fp32 conversion loses bits of bf16 subnormals (hence
+:func:`as_fp32`); fp8 -> fp32 is exact for every finite byte (0x7F / 0xFF read as +-480, not NaN); fp8 tensors
+are uint8 arrays inside it, and bitcasts uint8 <-> fp8e4nv are free. So bytes are stored through uint8
+pointers (a uint8 view of the e4m3 tensor) on both paths. (Its fp32 -> bf16 conversion does not round to nearest
+even either: about half of random values differ from torch's by one bf16 step, so an epilogue that rounds to
+bf16 before quantizing matches a torch reference bit for bit only on the GPU, or with fp32 outputs.)
+
+Kernels (one program per block group; no atomics; every output element written by exactly one program). The input is
+laid out like the output (contiguous; the launchers copy other inputs first) and each kernel loads and stores
+through the same offsets, so that Triton gives the loaded tile the store's layout and the bytes are cast in the
+layout that stores them. Where the load and the store differed (a column-major input, or row strides / alignments
+that vectorize the load and not the store), Triton (3.6, sm_90a) cast in the load's layout and then moved the e4m3
+bytes to the store's layout through shared memory (a ``ttg.convert_layout`` of the i8 tile after ``tt.fp_to_fp``),
+and on the GPU a column-major input got wrong bytes that way (the pattern of the fp8 layout-conversion bug triton-
+lang/triton#11111). tests/test_fp8_quant.py compiles each launch specialization and checks that no byte tile changes
+layout; a GEMM epilogue that fuses these helpers should be checked the same way.
+  * ``quantize_1x128_kernel``: x (R, C) -> q (R, C), s (R, ceil(C/128)); program = BLOCK_R rows x 128 columns.
+  * ``quantize_128x128_kernel``: w (E, N, K) -> q (E, N, K), s (E, ceil(N/128), ceil(K/128)).
+  * ``quantize_128x1_grouped_kernel``: 128-row blocks of an expert-grouped buffer (rows gathered through an
+    int32 index when GATHER; more than one column then, so that the store's rows are strided like the load's)
+    -> q (R, C) in the buffer's order, s (NB, C); program = one 128-row block x BLOCK_C
+    columns, its expert found from the m-tile table (BLOCK_M = 128; kernels.tiles.expert_of_tile). Programs past
+    the last real block return at once.
+"""
+
+import triton
+import triton.language as tl
+
+from .tiles import expert_of_tile
+
+SCALE_BLOCK: tl.constexpr = tl.constexpr(128)
+
+
+@triton.jit
+def as_fp32(x):
+    """x as fp32, exactly. bf16 is widened through its bits (the CPU interpreter's bf16 -> fp32 conversion
+    loses bits of bf16 subnormals; on the GPU this is the same shift the conversion does)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def abs_bits(x):
+    """int32 bit patterns of |x| (x fp32): ordered like |x| for finite values, Inf = 0x7F800000, NaN above."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def pow2_scale(amax_bits):
+    """The exponent rule: for amax bits ``a`` (from :func:`abs_bits`), ``e = max(E - 135 + (m > 0x600000), -126)``
+    (E, m: a's exponent field and mantissa), the smallest e >= -126 with ``amax * 2**-e <= 448``.
+
+    Returns (inv_scale ``2**-e``, scale ``2**e``, or NaN when the amax is Inf / NaN, finite flag), fp32 built
+    from their bit patterns. Zero and subnormal amaxes give e = -126: scale 2**-126, inverse 2**126, both finite."""
+    E = (amax_bits >> 23) & 0xFF
+    m = amax_bits & 0x7FFFFF
+    e = tl.maximum(E - 135 + (m > 0x600000).to(tl.int32), -126)
+    finite = amax_bits < 0x7F800000
+    inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(finite, ((127 + e) << 23).to(tl.float32, bitcast=True), float("nan"))
+    return inv_scale, scale, finite
+
+
+@triton.jit
+def e4m3_bytes(y, HW_CAST: tl.constexpr):
+    """e4m3 bit patterns (uint8) of fp32 ``y`` with ``|y| <= 448``, rounded to nearest even (torch's
+    ``.to(torch.float8_e4m3fn)``); -0.0 and negative values rounding to zero give 0x80, as torch does."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    if HW_CAST:  # the sign ORed in again: -0 for a negative fp32 subnormal even where the cast flushes it to +0
+        return (y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32) | sign).to(tl.uint8)
+    a = bits & 0x7FFFFFFF
+    exp32 = a >> 23
+    # normal e4m3 (|y| >= 2**-6): drop 20 mantissa bits, ties to even; a carry moves into the exponent field,
+    # and (exp32 << 3 | m3) - (120 << 3) rebiases the exponent (127 -> 7)
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
+    # subnormal e4m3 (|y| < 2**-6): k * 2**-9 with k = round-to-nearest-even(|y| * 2**9) in 0..8
+    mant = (a & 0x7FFFFF) | 0x800000
+    sh = tl.minimum(tl.maximum(141 - exp32, 1), 31)
+    half_m1 = (tl.full(sh.shape, 1, tl.int32) << (sh - 1)) - 1
+    sub = (mant + half_m1 + ((mant >> sh) & 1)) >> sh
+    byte = tl.where(exp32 >= 121, normal, sub) | sign
+    return byte.to(tl.uint8)
+
+
+@triton.jit
+def quantize_block_rows(x, HW_CAST: tl.constexpr):
+    """1x128 blocks: x (BLOCK_R, 128) fp32, zeros where masked -> (bytes uint8 (BLOCK_R, 128), scale (BLOCK_R,))."""
+    inv, scale, finite = pow2_scale(tl.max(abs_bits(x), axis=1))
+    y = tl.where(finite[:, None], x * inv[:, None], 0.0)
+    return e4m3_bytes(y, HW_CAST), scale
+
+
+@triton.jit
+def quantize_block_cols(x, HW_CAST: tl.constexpr):
+    """128x1 blocks: x (128, BLOCK_C) fp32, zeros where masked -> (bytes uint8 (128, BLOCK_C), scale (BLOCK_C,))."""
+    inv, scale, finite = pow2_scale(tl.max(abs_bits(x), axis=0))
+    y = tl.where(finite[None, :], x * inv[None, :], 0.0)
+    return e4m3_bytes(y, HW_CAST), scale
+
+
+@triton.jit
+def quantize_block(x, HW_CAST: tl.constexpr):
+    """One 128x128 block: x (128, 128) fp32, zeros where masked -> (bytes uint8 (128, 128), scalar scale)."""
+    inv, scale, finite = pow2_scale(tl.max(tl.max(abs_bits(x), axis=1), axis=0))
+    y = tl.where(finite, x * inv, 0.0)
+    return e4m3_bytes(y, HW_CAST), scale
+
+
+@triton.jit
+def quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, R, C, BLOCK_R: tl.constexpr, HW_CAST: tl.constexpr):
+    """Program (i, b): rows [i * BLOCK_R, ...) x columns [128b, 128b + 128) of x (R, C) contiguous -> q (R, C)
+    uint8 (e4m3 bytes), s (R, ceil(C / 128))."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    b = tl.program_id(1)
+    cols = b * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
+    mask_r = rows < R
+    mask = mask_r[:, None] & (cols < C)[None, :]
+    r64 = rows.to(tl.int64)
+    offs = r64[:, None] * C + cols[None, :]  # of x and q alike
+    q, s = quantize_block_rows(as_fp32(tl.load(x_ptr + offs, mask=mask, other=0.0)), HW_CAST)
+    tl.store(q_ptr + offs, q, mask=mask)
+    tl.store(s_ptr + r64 * tl.cdiv(C, SCALE_BLOCK) + b, s, mask=mask_r)
+
+
+@triton.jit
+def quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, N, K, HW_CAST: tl.constexpr):
+    """Program (n, k, e): the 128x128 block (n, k) of w[e] (N, K), w (E, N, K) contiguous -> q (E, N, K) uint8,
+    s (E, NB, KB)."""
+    n = tl.program_id(0)
+    k = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    rows = n * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
+    cols = k * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    offs = e * N * K + rows.to(tl.int64)[:, None] * K + cols[None, :]  # of w and q alike
+    q, s = quantize_block(as_fp32(tl.load(w_ptr + offs, mask=mask, other=0.0)), HW_CAST)
+    tl.store(q_ptr + offs, q, mask=mask)
+    tl.store(s_ptr + (e * tl.cdiv(N, SCALE_BLOCK) + n) * tl.cdiv(K, SCALE_BLOCK) + k, s)
+
+
+@triton.jit
+def quantize_128x1_grouped_kernel(x_ptr, idx_ptr, offsets_ptr, block_offsets_ptr, q_ptr, s_ptr, C, num_experts,
+                                  GATHER: tl.constexpr, E_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
+                                  HW_CAST: tl.constexpr):
+    """Program (b, j): global 128-row block b (of the m-tile table ``block_offsets``) x columns
+    [j * BLOCK_C, ...): its rows of x (.., C) contiguous (gathered through idx when GATHER) -> q rows (R, C) uint8,
+    s[b] (NB, C)."""
+    blk = tl.program_id(0)
+    if blk < tl.load(block_offsets_ptr + num_experts):
+        _, row_start, row_end = expert_of_tile(block_offsets_ptr, offsets_ptr, blk, num_experts, E_POW2,
+                                               SCALE_BLOCK)
+        rows = row_start + tl.arange(0, SCALE_BLOCK)
+        mask_r = rows < row_end
+        if GATHER:
+            src = tl.load(idx_ptr + rows, mask=mask_r, other=0).to(tl.int64)
+        else:
+            src = rows.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask_c = cols < C
+        mask = mask_r[:, None] & mask_c[None, :]
+        x = tl.load(x_ptr + src[:, None] * C + cols[None, :], mask=mask, other=0.0)
+        q, s = quantize_block_cols(as_fp32(x), HW_CAST)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + blk.to(tl.int64) * C + cols, s, mask=mask_c)

@@ -1,0 +1,172 @@
+"""Host launchers of the block-scaled FP8 quantizers: validate, allocate, grid, launch (no sync, no autograd).
+
+The formats are megamoe.reference_fp8's (the specification; bytes and scales equal its functions' bit for
+bit): e4m3 values (``torch.float8_e4m3fn``) with fp32 power-of-two scales that multiply on dequantization.
+
+Legend: R rows, C columns, B = ceil(C / 128), E experts (groups), N / K a weight's output / input size,
+T rows of a token matrix that rows are gathered from, NB = ceil(R / 128) + E (the static bound on the 128-row
+blocks of an expert-grouped buffer).
+
+  * :func:`quantize_1x128` (activations, output gradients): x (R, C) -> q (R, C), s (R, B).
+  * :func:`quantize_128x128` (weights): w (E, N, K) or (N, K) -> q like w, s (E, ceil(N/128), ceil(K/128)).
+  * :func:`quantize_128x1_grouped` (weight-gradient operands): rows of an expert-grouped buffer, cut into 128-row
+    blocks from each expert's first row -> q (R, C) in the buffer's row order, s (NB, C).
+
+Inputs: bf16, fp16 or fp32, any strides: read in place when contiguous and 16-byte aligned, otherwise first copied
+to such a tensor (one extra read and write of the input). The kernels read the input through the offsets they write
+the output with, so that each e4m3 byte tile is cast in the layout that stores it (kernels.fp8_quant says why).
+Outputs are contiguous and 16-byte aligned; pass ``out`` / ``scale_out`` to write into existing buffers (every
+element of the specified part is overwritten). Nothing reads device values on the host: no sync, CUDA-graph
+capturable (grids depend on shapes only). CPU tensors work when TRITON_INTERPRET=1 was set before triton was
+imported.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..kernels.fp8_quant import quantize_1x128_kernel, quantize_128x1_grouped_kernel, quantize_128x128_kernel
+from ._common import check_device, is_interpreted, pow2
+from .routing import tile_offsets_for
+
+__all__ = ["quantize_1x128", "quantize_128x128", "quantize_128x1_grouped", "E4M3", "SCALE_BLOCK"]
+
+E4M3 = torch.float8_e4m3fn
+SCALE_BLOCK = 128
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ROWS_PER_PROGRAM = 32  # 1x128: a (32, 128) tile per program
+_COLS_PER_PROGRAM = 64  # 128x1: a (128, 64) tile per program
+_ALIGN = 16  # bytes: the pointer alignment Triton specializes on
+
+
+def _check_input(name: str, x, dims: tuple[int, ...], where: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() not in dims:
+        raise ValueError(f"{where}: {name} must be {' or '.join(f'{d}-D' for d in dims)}, got shape {tuple(x.shape)}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"{where}: {name} dtype {x.dtype} not supported (bf16, fp16, fp32)")
+
+
+def _output(out, shape: tuple, dtype: torch.dtype, device, name: str, where: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if (tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device or not out.is_contiguous()
+            or (dtype == E4M3 and out.data_ptr() % _ALIGN)):
+        raise ValueError(f"{where}: {name} must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}"
+                         f"{f', {_ALIGN}-byte aligned' if dtype == E4M3 else ''}, got {out.dtype} {tuple(out.shape)} "
+                         f"on {out.device} at {out.data_ptr() % _ALIGN} bytes past an alignment")
+    return out
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """x itself when contiguous and 16-byte aligned (laid out like the kernels' outputs), else such a copy."""
+    if x.is_contiguous() and x.data_ptr() % _ALIGN == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _check_int32(name: str, t, shape: tuple, where: str) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous():
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{where}: {name} must be a contiguous int32 tensor of shape {shape}, got {got}")
+
+
+def quantize_1x128(x_RC: torch.Tensor, *, out: torch.Tensor | None = None,
+                   scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 block quantization of rows: x (R, C) -> (q_RC e4m3, s_RB fp32), as
+    megamoe.reference.quantize_1x128 (bit for bit). out / scale_out: optional (R, C) e4m3 / (R, B) fp32."""
+    where = "quantize_1x128"
+    _check_input("x_RC", x_RC, (2,), where)
+    dev = check_device(quantize_1x128_kernel, where, x_RC=x_RC, out=out, scale_out=scale_out)
+    x_RC = _dense(x_RC)
+    R, C = x_RC.shape
+    B = triton.cdiv(C, SCALE_BLOCK)
+    q = _output(out, (R, C), E4M3, dev, "out", where)
+    s = _output(scale_out, (R, B), torch.float32, dev, "scale_out", where)
+    if R and C:
+        grid = (triton.cdiv(R, _ROWS_PER_PROGRAM), B)
+        quantize_1x128_kernel[grid](x_RC, q.view(torch.uint8), s, R, C, BLOCK_R=_ROWS_PER_PROGRAM,
+                                    HW_CAST=not is_interpreted(quantize_1x128_kernel),
+                                    num_warps=4, enable_fp_fusion=True)
+    return q, s
+
+
+def quantize_128x128(w_ENK: torch.Tensor, *, out: torch.Tensor | None = None,
+                     scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 block quantization of weights: w (E, N, K) -> (q e4m3 (E, N, K), s fp32 (E, ceil(N/128),
+    ceil(K/128))); a 2-D (N, K) weight gives q (N, K), s (ceil(N/128), ceil(K/128)). As
+    megamoe.reference.quantize_128x128 (bit for bit). out / scale_out: optional, shaped like the results."""
+    where = "quantize_128x128"
+    _check_input("w", w_ENK, (2, 3), where)
+    dev = check_device(quantize_128x128_kernel, where, w=w_ENK, out=out, scale_out=scale_out)
+    w3 = _dense(w_ENK if w_ENK.dim() == 3 else w_ENK.unsqueeze(0))
+    E, N, K = w3.shape
+    lead = tuple(w_ENK.shape[:-2])
+    q = _output(out, (*lead, N, K), E4M3, dev, "out", where)
+    s = _output(scale_out, (*lead, triton.cdiv(N, SCALE_BLOCK), triton.cdiv(K, SCALE_BLOCK)), torch.float32, dev,
+                "scale_out", where)
+    if E and N and K:
+        grid = (triton.cdiv(N, SCALE_BLOCK), triton.cdiv(K, SCALE_BLOCK), E)
+        quantize_128x128_kernel[grid](w3, q.view(torch.uint8), s, N, K,
+                                      HW_CAST=not is_interpreted(quantize_128x128_kernel), num_warps=8,
+                                      enable_fp_fusion=True)
+    return q, s
+
+
+def quantize_128x1_grouped(x: torch.Tensor, offsets_E1: torch.Tensor, idx_R: torch.Tensor | None = None,
+                           block_offsets: torch.Tensor | None = None, *, num_rows: int | None = None,
+                           out: torch.Tensor | None = None,
+                           scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x1 block quantization along the rows of an expert-grouped buffer: (q_RC e4m3, s_BC fp32), as
+    megamoe.reference.quantize_128x1_grouped (bit for bit on the specified part).
+
+    Args:
+        x: (R, C) the buffer, or with ``idx_R`` a (T, C) token matrix whose rows are gathered (row r is
+            ``x[idx_R[r]]``).
+        offsets_E1: (E+1,) int32, non-decreasing, ``offsets_E1[E] <= R``: expert e owns rows
+            ``offsets[e]:offsets[e+1]``.
+        idx_R: optional (R,) int32 row index into x.
+        block_offsets: optional (E+1,) int32, the m-tile table for BLOCK_M = 128 of these offsets
+            (``megamoe.ops.tile_offsets_for(offsets_E1, 128)``, e.g. from a GEMM's tile cache); computed when
+            None.
+        num_rows: R when neither idx_R nor x gives it (default: idx_R's length, else x's rows).
+        out / scale_out: optional (R, C) e4m3 / (NB, C) fp32 buffers, NB = ceil(R / 128) + E.
+
+    Returns q (R, C): rows ``offsets[0]:offsets[E]`` written; s (NB, C): rows ``[0, block_offsets[E])``
+    written (expert e's block j is row ``block_offsets[e] + j``). Other rows are not written (unspecified).
+    Device values are trusted (offsets in range, idx in [0, T)), as by the grouped GEMMs: no sync.
+    """
+    where = "quantize_128x1_grouped"
+    _check_input("x", x, (2,), where)
+    if offsets_E1.dim() != 1 or offsets_E1.shape[0] < 1:
+        raise ValueError(f"{where}: offsets_E1 must be 1-D of E + 1 >= 1 entries, got {tuple(offsets_E1.shape)}")
+    E = offsets_E1.shape[0] - 1
+    _check_int32("offsets_E1", offsets_E1, (E + 1,), where)
+    R = num_rows if num_rows is not None else (idx_R.shape[0] if idx_R is not None else x.shape[0])
+    if idx_R is not None:
+        _check_int32("idx_R", idx_R, (R,), where)
+    elif R > x.shape[0]:
+        raise ValueError(f"{where}: num_rows={R} exceeds x's {x.shape[0]} rows (no idx_R)")
+    if block_offsets is not None:
+        _check_int32("block_offsets", block_offsets, (E + 1,), where)
+    dev = check_device(quantize_128x1_grouped_kernel, where, x=x, offsets_E1=offsets_E1, idx_R=idx_R,
+                       block_offsets=block_offsets, out=out, scale_out=scale_out)
+    if idx_R is not None and x.shape[1] == 1:  # one column: gathered here (the kernel's rows would differ)
+        x, idx_R = x.index_select(0, idx_R), None
+    x = _dense(x)
+    C = x.shape[1]
+    NB = triton.cdiv(R, SCALE_BLOCK) + E
+    q = _output(out, (R, C), E4M3, dev, "out", where)
+    s = _output(scale_out, (NB, C), torch.float32, dev, "scale_out", where)
+    if R == 0 or C == 0 or E == 0:
+        return q, s
+    if block_offsets is None:
+        block_offsets = tile_offsets_for(offsets_E1, SCALE_BLOCK)
+    grid = (NB, triton.cdiv(C, _COLS_PER_PROGRAM))
+    quantize_128x1_grouped_kernel[grid](
+        x, idx_R if idx_R is not None else offsets_E1, offsets_E1, block_offsets, q.view(torch.uint8), s, C, E,
+        GATHER=idx_R is not None, E_POW2=pow2(E), BLOCK_C=_COLS_PER_PROGRAM,
+        HW_CAST=not is_interpreted(quantize_128x1_grouped_kernel), num_warps=4, enable_fp_fusion=True)
+    return q, s
