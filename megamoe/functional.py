@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from . import custom_ops
 from .config import KernelConfig
 from .validation import check_expert_inputs, interpreter_active
 
@@ -59,6 +60,10 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
         raise TypeError(f"moe_experts: kernel_config must be a megamoe.config.KernelConfig or None, got "
                         f"{type(kernel_config).__name__}")
     check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
+    compiling = torch.compiler.is_compiling()
+    if backend == "reference" and compiling:  # one opaque op for torch.compile (the specification syncs)
+        return custom_ops.reference_moe_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD,
+                                                shared_w2_DS)
     if backend == "reference":
         from . import reference  # the plain-PyTorch specification, imported only when asked for
 
@@ -68,13 +73,15 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
     if x_TD.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"moe_experts: the fused backend runs on CUDA tensors (or CPU tensors under "
                          f"TRITON_INTERPRET=1), got x_TD on {x_TD.device}; backend='reference' runs on any device")
+    c = torch.Tensor.contiguous
+    shared = (None, None) if shared_w13_HD is None else (c(shared_w13_HD), c(shared_w2_DS))
+    args = (c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_EGD), c(w2_EDF), *shared)
+    if compiling:  # the same stage loop, as one custom op (megamoe.custom_ops)
+        return custom_ops.moe_experts(*args, kernel_config=kernel_config)
     from .autograd import MoEExpertsFunction  # lazy: importing megamoe.functional does not import triton
     from .ops.dispatch import LocalDispatcher
 
-    c = torch.Tensor.contiguous
-    shared = (None, None) if shared_w13_HD is None else (c(shared_w13_HD), c(shared_w2_DS))
-    return MoEExpertsFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_EGD), c(w2_EDF), *shared,
-                                    LocalDispatcher(w13_EGD.shape[0], kernel_config or KernelConfig()))
+    return MoEExpertsFunction.apply(*args, LocalDispatcher(w13_EGD.shape[0], kernel_config or KernelConfig()))
 
 
 def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:
@@ -96,6 +103,8 @@ def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor
         raise ValueError(f"router_logits: x_TD on {x_TD.device} but router_w_ED on {router_w_ED.device}")
     if x_TD.dtype not in FUSED_DTYPES:
         raise TypeError(f"router_logits: x_TD dtype {x_TD.dtype} not supported (bf16, fp16, fp32)")
+    if torch.compiler.is_compiling():
+        return custom_ops.router_logits(x_TD.contiguous(), router_w_ED.contiguous())
     from .autograd import RouterLogitsFunction
 
     return RouterLogitsFunction.apply(x_TD.contiguous(), router_w_ED.contiguous())
