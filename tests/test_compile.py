@@ -30,6 +30,15 @@ from megamoe.config import GemmConfig, KernelConfig
 from megamoe.custom_ops import kernel_config_from_text, kernel_config_text
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    """Tiny shapes: one CPU thread is faster than a contended pool."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
@@ -92,6 +101,30 @@ def check_layer_compiles_to_eager_bits(backend: str, dtype: torch.dtype, device=
 # ---------------------------------------------------------------------------------------------------
 def test_layer_reference_compiles_fullgraph_to_eager_bits():
     check_layer_compiles_to_eager_bits("reference", torch.bfloat16)
+
+
+def test_activation_checkpoint_inside_the_compiled_region_counts_once():
+    """torch.utils.checkpoint around the layer inside the compiled region (the layer's statistics are set by
+    the forward, not again by the compiled backward's recompute): eager's bits and counts."""
+    from torch.utils.checkpoint import checkpoint
+
+    moe = MoE(_config(torch.float32), seed=0)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = moe
+
+        def forward(self, x):
+            return checkpoint(self.moe, x, use_reentrant=False)
+
+    block = Block()
+    x = torch.randn(2, 8, D)
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        got = _layer_step(torch.compile(block, fullgraph=True, backend="aot_eager"), moe, x)
+    want = _layer_step(block, moe, x)
+    _assert_bitwise(got, want)
+    assert int(got["counted"].sum()) == x.shape[0] * x.shape[1] * moe.config.top_k
 
 
 def test_kernel_config_text_round_trip():
@@ -250,6 +283,7 @@ def test_layer_cuda_graphs_give_eager_bits_gpu():
     """The fused MoE layer compiled with the cudagraphs backend (graph capture of eager kernels, forward and
     backward replayed from CUDA graphs): two training steps bitwise eager's, no recompilation."""
     check_layer_compiles_to_eager_bits("fused", torch.bfloat16, device="cuda", compile_backend="cudagraphs")
+    assert _cudagraph_skips() == 0
 
 
 @pytest.mark.gpu
