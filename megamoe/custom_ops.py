@@ -138,7 +138,8 @@ def _moe_experts_backward_op(dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: Tensor,
     d = LocalDispatcher(w13_EGD.shape[0], kernel_config_from_text(kernel_config))
     grads = experts_backward(d, dout_TD, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD,
                              shared_w2_DS, gu_NG, _or_none(gus_TH), (offsets_E1, row_token_N, row_src_N, row_of_TK), n)
-    return tuple(_empty(x_TD) if g is None else g for g in grads)
+    # contiguous, as the fake gradients are (torch._grouped_mm may pad an output's rows for alignment)
+    return tuple(_empty(x_TD) if g is None else g.contiguous() for g in grads)
 
 
 def _grad_shapes(x_TD, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, need):
@@ -275,7 +276,7 @@ def _router_logits_backward_op(dlogits_TE: Tensor, x_TD: Tensor, router_w_ED: Te
     from .autograd import router_logits_backward
 
     dx, dw = router_logits_backward(dlogits_TE, x_TD, router_w_ED, need_x, need_w)
-    return _empty(x_TD) if dx is None else dx, _empty(x_TD) if dw is None else dw
+    return _empty(x_TD) if dx is None else dx.contiguous(), _empty(x_TD) if dw is None else dw.contiguous()
 
 
 @_router_logits_backward_op.register_fake
