@@ -340,3 +340,39 @@ def test_transformers_experts_reduce_overhead_gives_eager_bits_gpu():
     x = torch.randn(2, 16, 64, generator=g, device="cuda").to(torch.bfloat16)
     torch.compiler.cudagraph_mark_step_begin()
     _assert_bitwise(_decoder_step(compiled_layer, layer, rotary, x), _decoder_step(layer, layer, rotary, x))
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: expert parallelism runs eagerly inside a compiled function (a graph break)
+# ---------------------------------------------------------------------------------------------------
+def _ep_worker(rank, W, buffers, spec_args, T, K, E, F):
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+    from megamoe.functional_ep import moe_experts_ep_workspace
+
+    spec = WorkspaceSpec(*spec_args)
+    ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)
+    g = torch.Generator().manual_seed(rank)
+    L = E // W
+    leaves = [torch.randn(T, spec.hidden, generator=g), torch.rand(T, K, generator=g),
+              torch.randn(L, 2 * F, spec.hidden, generator=g) / 8, torch.randn(L, spec.hidden, F, generator=g) / 8]
+    ids = torch.randint(0, E, (T, K), generator=g)
+
+    def f(x, w, w13, w2):
+        return moe_experts_ep_workspace(x * 2, ids, w, w13, w2, workspace=ws, timeout_s=60) + 1
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="expert parallelism"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves)
+    return torch.equal(torch.compile(f, backend="aot_eager")(*leaves), f(*leaves))
+
+
+def test_expert_parallelism_runs_eagerly_inside_a_compiled_function():
+    """moe_experts_ep inside torch.compile: a graph break around it, eager's bits on each of 2 simulated ranks
+    (Triton interpreter, shared-memory workspace; forward only: the backward of a graph break is eager
+    autograd); fullgraph=True names the reason."""
+    from ep_utils import spawn_ranks
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+
+    W, T, K, E, F = 2, 4, 2, 4, 16
+    spec = WorkspaceSpec(W, T, D, K, E, torch.float32)
+    assert spawn_ranks(_ep_worker, W, EPWorkspace.allocate_shared(spec), (W, T, D, K, E, torch.float32), T, K, E, F,
+                       env={"TRITON_INTERPRET": "1"}) == [True, True]
