@@ -7,6 +7,10 @@ S shared-expert FFN size, H = 2S.
   weights (backends "fused": megamoe's Triton kernels, megamoe.autograd.MoEExpertsFunction;
   "reference": megamoe.reference.moe_experts).
 * :func:`router_logits`: fp32 router logits through megamoe's own batch-invariant Triton GEMM.
+
+While torch.compile traces them, both call megamoe's custom ops (megamoe.custom_ops: the same stage loop, one
+opaque node each, so no graph break and no recompilation when only the routing changes); eager calls go
+straight to the autograd Functions of megamoe.autograd.
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
 
     Determinism ("fused"): bitwise identical run to run; every token's output and input gradient is
         independent of the other tokens in the batch; weight gradients reduce each expert's rows in
-        (token, slot) order; no float atomics. Sync ("fused"): none; CUDA-graph capturable.
+        (token, slot) order; no float atomics. Sync ("fused"): none; CUDA-graph capturable. Under
+        torch.compile: the same bits, through the custom ops of megamoe.custom_ops (ids then checked when
+        the op runs).
     """
     if backend not in ("fused", "reference"):
         raise ValueError(f"moe_experts: backend must be 'fused' or 'reference', got {backend!r}")
