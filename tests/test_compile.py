@@ -41,7 +41,10 @@ def _one_cpu_thread():
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     yield
     torch._dynamo.reset()
 
@@ -49,9 +52,9 @@ def _fresh_dynamo():
 D = 32
 
 
-def _config(dtype):
+def _config(dtype, hidden=D, ffn=16):
     """Sigmoid, group-limited routing with the expert bias, a shared expert, the balance loss: every path."""
-    return MoEConfig(D, 16, 4, 2, "sigmoid", n_group=2, topk_group=1, n_shared_experts=1, seq_aux_loss_coef=1e-2,
+    return MoEConfig(hidden, ffn, 4, 2, "sigmoid", n_group=2, topk_group=1, n_shared_experts=1, seq_aux_loss_coef=1e-2,
                      dtype=dtype)
 
 
@@ -82,13 +85,13 @@ def _assert_bitwise(got: dict, want: dict):
 
 
 def check_layer_compiles_to_eager_bits(backend: str, dtype: torch.dtype, device="cpu", compile_backend="aot_eager",
-                                       **compile_kw):
+                                       hidden=D, ffn=16):
     """Two training steps of a compiled MoE, each bitwise the eager step's; the second with other tokens and a
     new expert bias (other routing, same shapes) and no recompilation."""
-    moe = MoE(_config(dtype), backend=backend, seed=0, device=device)
-    compiled = torch.compile(moe, fullgraph=True, backend=compile_backend, **compile_kw)
+    moe = MoE(_config(dtype, hidden, ffn), backend=backend, seed=0, device=device)
+    compiled = torch.compile(moe, fullgraph=True, backend=compile_backend)
     g = torch.Generator(device=device).manual_seed(1)
-    x1, x2 = (torch.randn(2, 8, D, generator=g, device=device).to(dtype) for _ in range(2))
+    x1, x2 = (torch.randn(2, 8, hidden, generator=g, device=device).to(dtype) for _ in range(2))
     _assert_bitwise(_layer_step(compiled, moe, x1), want := _layer_step(moe, moe, x1))
     moe.update_expert_bias()
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -283,7 +286,8 @@ def test_functional_reduce_overhead_gives_eager_bits_gpu():
 def test_layer_cuda_graphs_give_eager_bits_gpu():
     """The fused MoE layer compiled with the cudagraphs backend (graph capture of eager kernels, forward and
     backward replayed from CUDA graphs): two training steps bitwise eager's, no recompilation."""
-    check_layer_compiles_to_eager_bits("fused", torch.bfloat16, device="cuda", compile_backend="cudagraphs")
+    check_layer_compiles_to_eager_bits("fused", torch.bfloat16, device="cuda", compile_backend="cudagraphs", hidden=64,
+                                       ffn=32)
     assert _cudagraph_skips() == 0
 
 
@@ -294,11 +298,11 @@ def test_layer_inductor_reduce_overhead_gpu():
     are. Same routing as eager; outputs and gradients within two bf16 rounding steps of the largest entry (a
     routing weight an fp32 ulp off moves a bf16 result by at most one rounding step; the output's gradient is
     the same fixed tensor in both runs)."""
-    moe = MoE(_config(torch.bfloat16), backend="fused", seed=0, device="cuda")
+    moe = MoE(_config(torch.bfloat16, 64, 32), backend="fused", seed=0, device="cuda")
     compiled = torch.compile(moe, fullgraph=True, mode="reduce-overhead")
     g = torch.Generator(device="cuda").manual_seed(1)
     for i in range(3):
-        x = torch.randn(2, 8, D, generator=g, device="cuda").to(torch.bfloat16)
+        x = torch.randn(2, 8, 64, generator=g, device="cuda").to(torch.bfloat16)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             got = _layer_step(compiled, moe, x)
         want = _layer_step(moe, moe, x)
