@@ -8,8 +8,9 @@ experts and router logits are custom ops, megamoe.custom_ops); a training step (
 parameter's gradient, ``last_stats``, the bias counters) is bitwise the eager step's; a second call whose
 routing differs (same shapes, new expert bias) does not recompile (``error_on_recompile``); the ops pass
 ``torch.library.opcheck`` (schema, fake shapes, autograd registration); bad ids and NaN logits still fail
-clearly when compiled. A transformers Qwen3-MoE decoder layer with ``experts_implementation="megamoe"`` and one
-whose block is swapped (``swap_moe_blocks``) compile fullgraph to eager's bits too.
+clearly when compiled. A transformers Qwen3-MoE decoder layer with ``experts_implementation="megamoe"``, and a
+whole Qwen3-MoE training step with its blocks swapped (``swap_moe_blocks``), compile fullgraph to eager's bits
+too. Expert parallelism runs eagerly inside a compiled function (a graph break that fullgraph=True names).
 
 CPU: ``backend="aot_eager"`` (torch's graph capture, eager kernels: a bitwise comparison); the fused backend under
 the Triton interpreter. GPU (marked gpu): inductor with ``mode="reduce-overhead"`` (CUDA graphs) for the
@@ -196,12 +197,13 @@ def test_fused_ops_pass_opcheck_and_take_a_kernel_config():
 # ---------------------------------------------------------------------------------------------------
 # CPU: transformers' Qwen3-MoE decoder layer with megamoe's experts implementation, and with the block swap
 # ---------------------------------------------------------------------------------------------------
-def _qwen3_decoder_layer(device="cpu", dtype=torch.float32, swap=False):
+def _qwen3(device="cpu", dtype=torch.float32, swap=False, layers=1):
+    """A tiny Qwen3-MoE causal LM with the "megamoe" experts implementation (or its MoE blocks swapped)."""
     transformers = pytest.importorskip("transformers", minversion="5.0")
     import megamoe.integrations.transformers as mt
 
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=96, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
         num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, experts_implementation="megamoe",
         attn_implementation="eager")  # deterministic attention backward on the GPU too
@@ -209,7 +211,7 @@ def _qwen3_decoder_layer(device="cpu", dtype=torch.float32, swap=False):
     model = transformers.Qwen3MoeForCausalLM(cfg).to(device=device, dtype=dtype)
     if swap:
         mt.swap_moe_blocks(model)
-    return model.model.layers[0], model.model.rotary_emb
+    return model
 
 
 def _decoder_step(fn, layer, rotary, x):
@@ -223,10 +225,18 @@ def _decoder_step(fn, layer, rotary, x):
     return {name: t.detach().clone() for name, t in got.items()}
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["experts_implementation", "block_swap"])
-def test_transformers_decoder_layer_compiles_fullgraph_to_eager_bits(swap):
-    layer, rotary = _qwen3_decoder_layer(swap=swap)
-    assert (type(layer.mlp).__name__ == "MegaMoEBlock") == swap
+def _model_step(fn, model, ids):
+    model.zero_grad(set_to_none=True)
+    out = fn(input_ids=ids, labels=ids)
+    out.loss.backward()
+    got = {"loss": out.loss, "logits": out.logits, **{n: p.grad for n, p in model.named_parameters()}}
+    return {name: t.detach().clone() for name, t in got.items()}
+
+
+def test_transformers_decoder_layer_compiles_fullgraph_to_eager_bits():
+    """A Qwen3-MoE decoder layer with experts_implementation="megamoe" (its experts on megamoe's reference op)."""
+    model = _qwen3()
+    layer, rotary = model.model.layers[0], model.model.rotary_emb
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     g = torch.Generator().manual_seed(2)
     x1, x2 = torch.randn(2, 5, 64, generator=g), torch.randn(2, 5, 64, generator=g)
@@ -234,6 +244,21 @@ def test_transformers_decoder_layer_compiles_fullgraph_to_eager_bits(swap):
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = _decoder_step(compiled, layer, rotary, x2)
     _assert_bitwise(got, _decoder_step(layer, layer, rotary, x2))
+
+
+def test_transformers_model_with_swapped_blocks_compiles_fullgraph_to_eager_bits():
+    """A whole 2-layer Qwen3-MoE training step (loss, logits, every parameter gradient) with its MoE blocks
+    swapped for megamoe's. (transformers' own output capturing, ``output_router_logits=True``, breaks the graph
+    whatever the experts implementation, so it is off here.)"""
+    model = _qwen3(swap=True, layers=2)
+    assert all(type(layer.mlp).__name__ == "MegaMoEBlock" for layer in model.model.layers)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(3)
+    ids1, ids2 = torch.randint(3, 96, (2, 12), generator=g), torch.randint(3, 96, (2, 12), generator=g)
+    _assert_bitwise(_model_step(compiled, model, ids1), _model_step(model, model, ids1))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = _model_step(compiled, model, ids2)
+    _assert_bitwise(got, _model_step(model, model, ids2))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -319,7 +344,8 @@ def test_layer_inductor_reduce_overhead_gpu():
 def test_transformers_experts_reduce_overhead_gives_eager_bits_gpu():
     """transformers' Qwen3-MoE experts module with the "megamoe" implementation (fused kernels) under inductor with
     CUDA graphs, bitwise eager's; the whole decoder layer with the cudagraphs backend, bitwise eager's."""
-    layer, rotary = _qwen3_decoder_layer(device="cuda", dtype=torch.bfloat16)
+    model = _qwen3(device="cuda", dtype=torch.bfloat16)
+    layer, rotary = model.model.layers[0], model.model.rotary_emb
     experts = layer.mlp.experts
     T, K, E = 64, 2, 8
     g = torch.Generator(device="cuda").manual_seed(3)
