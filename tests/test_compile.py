@@ -316,18 +316,17 @@ def test_layer_cuda_graphs_give_eager_bits_gpu():
     assert _cudagraph_skips() == 0
 
 
-@pytest.mark.gpu
-def test_layer_inductor_reduce_overhead_gpu():
-    """The fused MoE layer under inductor with CUDA graphs: inductor compiles the router's plain-PyTorch math
-    into its own kernels (their fp32 rounding may differ from eager's by an ulp), megamoe's ops run as they
-    are. Same routing as eager; outputs and gradients within two bf16 rounding steps of the largest entry (a
-    routing weight an fp32 ulp off moves a bf16 result by at most one rounding step; the output's gradient is
-    the same fixed tensor in both runs)."""
-    moe = MoE(_config(torch.bfloat16, 64, 32), backend="fused", seed=0, device="cuda")
-    compiled = torch.compile(moe, fullgraph=True, mode="reduce-overhead")
-    g = torch.Generator(device="cuda").manual_seed(1)
+def check_layer_under_inductor(backend: str, device: str, hidden: int, ffn: int, **compile_kw):
+    """A bf16 MoE under inductor: inductor compiles the router's plain-PyTorch math into its own kernels (their
+    fp32 rounding may differ from eager's by an ulp), megamoe's ops run as they are. Three training steps with
+    new tokens and expert bias, no recompilation; each with eager's routing and counts, and outputs and gradients
+    within two bf16 rounding steps of the largest entry (a routing weight an fp32 ulp off moves a bf16 result by
+    at most one rounding step; the output's gradient is the same fixed tensor in both runs)."""
+    moe = MoE(_config(torch.bfloat16, hidden, ffn), backend=backend, seed=0, device=device)
+    compiled = torch.compile(moe, fullgraph=True, **compile_kw)
+    g = torch.Generator(device=device).manual_seed(1)
     for i in range(3):
-        x = torch.randn(2, 8, 64, generator=g, device="cuda").to(torch.bfloat16)
+        x = torch.randn(2, 8, hidden, generator=g, device=device).to(torch.bfloat16)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             got = _layer_step(compiled, moe, x)
         want = _layer_step(moe, moe, x)
@@ -337,6 +336,18 @@ def test_layer_inductor_reduce_overhead_gpu():
             tol = 2 * 2 ** -8 * w.float().abs().max().item() + 1e-6
             assert (got[name].float() - w.float()).abs().max().item() <= tol, name
         moe.update_expert_bias()
+
+
+@pytest.mark.slow
+def test_layer_reference_under_inductor_on_cpu():
+    """Inductor's CPU code generation around megamoe's reference op (about half a minute of C++ compilation)."""
+    check_layer_under_inductor("reference", "cpu", D, 16)
+
+
+@pytest.mark.gpu
+def test_layer_inductor_reduce_overhead_gpu():
+    """The fused layer under inductor with CUDA graphs (check_layer_under_inductor), nothing left uncaptured."""
+    check_layer_under_inductor("fused", "cuda", 64, 32, mode="reduce-overhead")
     assert _cudagraph_skips() == 0
 
 
