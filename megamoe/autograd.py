@@ -83,7 +83,8 @@ from .ops import (
 )
 from .ops.dispatch import Needs
 
-__all__ = ["MoEExpertsFunction", "RouterLogitsFunction"]
+__all__ = ["MoEExpertsFunction", "RouterLogitsFunction", "experts_backward", "experts_forward",
+           "router_logits_backward", "router_logits_forward"]
 
 
 def _shared_forward(d, x_TD, shared_w13_HD, shared_w2_DS):
@@ -206,6 +207,65 @@ def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs, fp8=None):
     return dw13, dw2
 
 
+def experts_forward(d, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS,
+                    keep: bool, fp8=None):
+    """The forward stage loop on a dispatcher ``d``: (out_TD, gu0_RG, gus_TH, saved), where gu0_RG / gus_TH are
+    the kept routed / shared pre-activations (or None) and ``saved`` the dispatcher's tensors for the backward
+    (``d.saved()``). ``keep``: a backward will follow. ``fp8``: the FP8 recipe of the routed experts
+    (megamoe.autograd_fp8.Fp8Experts; it keeps the weight blocks for the backward), or None (16-bit). Shared by
+    :class:`MoEExpertsFunction` and the custom ops of megamoe.custom_ops."""
+    has_shared = shared_w13_HD is not None and x_TD.shape[0] > 0
+    d.open_forward(x_TD, topk_ids_TK, w2_EDF.shape[2], keep, has_shared)
+    shared_TD = gus_TH = None
+    try:  # the join also on an error, so that nothing the side stream still reads is freed under it
+        if has_shared:
+            shared_TD, gus_TH = _shared_forward(d, x_TD, shared_w13_HD, shared_w2_DS)
+        d.start_exchange()
+    finally:
+        d.join()
+    if fp8 is not None:
+        fp8.open_forward(w13_EGD, w2_EDF)
+    gu0_RG = _routed_forward(d, w13_EGD, w2_EDF, fp8)
+    if fp8 is not None:
+        fp8.end_forward()
+    rows_RD, row_of_TK = d.finish_forward()
+    out_TD = combine_fwd(rows_RD, row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype)
+    return out_TD, gu0_RG, gus_TH, tuple(d.saved())
+
+
+def experts_backward(d, dout_TD, x_TD, ids_TK, w_TK, w13_EGD, w2_EDF, sw13_HD, sw2_DS, gu0_RG, gus_TH, saved,
+                     need: Needs, fp8=None):
+    """The backward stage loop on a dispatcher ``d``: (dx_TD, dw_TK, dw13, dw2, ds13, ds2), None where ``need``
+    says not wanted. ``saved``, gu0_RG, gus_TH: what :func:`experts_forward` returned; ``fp8``: the recipe object
+    the forward ran with (holding that pass's weight blocks), or None."""
+    T, D = x_TD.shape
+    dout_TD = dout_TD.contiguous()
+    if dout_TD.dtype != x_TD.dtype:
+        dout_TD = dout_TD.to(x_TD.dtype)
+    has_shared = sw13_HD is not None and T > 0 and (need.x or need.shared_w13 or need.shared_w2)
+    d.open_backward(tuple(saved), x_TD, ids_TK, w_TK, dout_TD, w13_EGD, w2_EDF, gu0_RG is not None, need, has_shared)
+    dxs_TD = shared_wgrads = None
+    try:  # the join also on an error (as in the forward)
+        if has_shared:
+            dxs_TD, shared_wgrads = _shared_backward(d, x_TD, dout_TD, sw13_HD, sw2_DS, gus_TH, need)
+        d.start_exchange()
+    finally:
+        d.join()
+    ds13, ds2 = shared_wgrads() if shared_wgrads is not None else (None, None)
+    if sw13_HD is not None and T == 0:  # no rows: exact zeros
+        ds13 = torch.zeros_like(sw13_HD) if need.shared_w13 else None
+        ds2 = torch.zeros_like(sw2_DS) if need.shared_w2 else None
+    if fp8 is not None:
+        fp8.open_backward()
+    dw13, dw2 = _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need, fp8)
+    if fp8 is not None:
+        fp8.end_backward()
+    rows_RD, row_of_TK, dots_RP = d.finish_backward(dw13, dw2)
+    dx_TD, dw_TK = slot_sum_bwd(rows_RD, row_of_TK, dxs_TD, dots_RP if need.weights else None, num_cols=D,
+                                dx_dtype=x_TD.dtype, dw_dtype=w_TK.dtype)
+    return dx_TD if need.x else None, dw_TK if need.weights else None, dw13, dw2, ds13, ds2
+
+
 class MoEExpertsFunction(torch.autograd.Function):
     """Routed + shared experts and combine, in the stage order above. Inputs must already be validated and
     contiguous (megamoe.functional.moe_experts, megamoe.functional_ep); ``dispatcher`` is a fresh
@@ -216,26 +276,12 @@ class MoEExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, dispatcher,
                 fp8=None):
-        d = dispatcher
-        has_shared = shared_w13_HD is not None and x_TD.shape[0] > 0
-        d.open_forward(x_TD, topk_ids_TK, w2_EDF.shape[2], any(ctx.needs_input_grad), has_shared)
-        shared_TD = gus_TH = None
-        try:  # the join also on an error, so that nothing the side stream still reads is freed under it
-            if has_shared:
-                shared_TD, gus_TH = _shared_forward(d, x_TD, shared_w13_HD, shared_w2_DS)
-            d.start_exchange()
-        finally:
-            d.join()
-        if fp8 is not None:
-            fp8.open_forward(w13_EGD, w2_EDF)
-        gu0_RG = _routed_forward(d, w13_EGD, w2_EDF, fp8)
-        if fp8 is not None:
-            fp8.end_forward()
-        rows_RD, row_of_TK = d.finish_forward()
-        out_TD = combine_fwd(rows_RD, row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype)
-        ctx.dispatcher, ctx.fp8 = d, fp8
+        out_TD, gu0_RG, gus_TH, saved = experts_forward(dispatcher, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD,
+                                                        w2_EDF, shared_w13_HD, shared_w2_DS,
+                                                        any(ctx.needs_input_grad), fp8)
+        ctx.dispatcher, ctx.fp8 = dispatcher, fp8
         ctx.save_for_backward(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS,
-                              gu0_RG, gus_TH, *d.saved())
+                              gu0_RG, gus_TH, *saved)
         return out_TD
 
     @staticmethod
@@ -243,35 +289,30 @@ class MoEExpertsFunction(torch.autograd.Function):
         x_TD, ids_TK, w_TK, w13_EGD, w2_EDF, sw13_HD, sw2_DS, gu0_RG, gus_TH, *saved = ctx.saved_tensors
         n = ctx.needs_input_grad
         need = Needs(x=n[0], weights=n[2], w13=n[3], w2=n[4], shared_w13=n[5], shared_w2=n[6])
-        d = ctx.dispatcher
-        T, D = x_TD.shape
-        dout_TD = dout_TD.contiguous()
-        if dout_TD.dtype != x_TD.dtype:
-            dout_TD = dout_TD.to(x_TD.dtype)
-        has_shared = sw13_HD is not None and T > 0 and (need.x or need.shared_w13 or need.shared_w2)
-        d.open_backward(tuple(saved), x_TD, ids_TK, w_TK, dout_TD, w13_EGD, w2_EDF, gu0_RG is not None, need,
-                        has_shared)
-        dxs_TD = shared_wgrads = None
-        try:  # the join also on an error (as in the forward)
-            if has_shared:
-                dxs_TD, shared_wgrads = _shared_backward(d, x_TD, dout_TD, sw13_HD, sw2_DS, gus_TH, need)
-            d.start_exchange()
-        finally:
-            d.join()
-        ds13, ds2 = shared_wgrads() if shared_wgrads is not None else (None, None)
-        if sw13_HD is not None and T == 0:  # no rows: exact zeros
-            ds13 = torch.zeros_like(sw13_HD) if need.shared_w13 else None
-            ds2 = torch.zeros_like(sw2_DS) if need.shared_w2 else None
-        fp8 = ctx.fp8
-        if fp8 is not None:
-            fp8.open_backward()
-        dw13, dw2 = _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need, fp8)
-        if fp8 is not None:
-            fp8.end_backward()
-        rows_RD, row_of_TK, dots_RP = d.finish_backward(dw13, dw2)
-        dx_TD, dw_TK = slot_sum_bwd(rows_RD, row_of_TK, dxs_TD, dots_RP if need.weights else None, num_cols=D,
-                                    dx_dtype=x_TD.dtype, dw_dtype=w_TK.dtype)
-        return dx_TD if need.x else None, None, dw_TK if need.weights else None, dw13, dw2, ds13, ds2, None, None
+        dx_TD, dw_TK, dw13, dw2, ds13, ds2 = experts_backward(ctx.dispatcher, dout_TD, x_TD, ids_TK, w_TK, w13_EGD,
+                                                              w2_EDF, sw13_HD, sw2_DS, gu0_RG, gus_TH, saved, need,
+                                                              ctx.fp8)
+        return dx_TD, None, dw_TK, dw13, dw2, ds13, ds2, None, None
+
+
+def router_logits_forward(x_TD, router_w_ED):
+    """fp32 logits ``x.float() @ router_w.float().T`` (T, E) in megamoe's Triton GEMM (IEEE fp32 dots)."""
+    w_1ED = router_w_ED.float().unsqueeze(0)
+    one_2 = single_group_offsets(x_TD.shape[0], x_TD.device)
+    return grouped_mm_nt(x_TD, w_1ED, one_2, out_dtype=torch.float32)
+
+
+def router_logits_backward(dlogits_TE, x_TD, router_w_ED, need_x: bool, need_w: bool):
+    """(dx_TD or None, dW_ED or None) of :func:`router_logits_forward`: dx = cast(dlogits @ W),
+    dW = dlogits^T @ x (fp32, rows reduced in token order)."""
+    dlogits_TE = dlogits_TE.float().contiguous()
+    one_2 = single_group_offsets(x_TD.shape[0], x_TD.device)
+    dx = dw = None
+    if need_x:
+        dx = grouped_mm_nn(dlogits_TE, router_w_ED.float().unsqueeze(0), one_2, out_dtype=x_TD.dtype)
+    if need_w:
+        dw = k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=torch.float32)[0].to(router_w_ED.dtype)
+    return dx, dw
 
 
 class RouterLogitsFunction(torch.autograd.Function):
@@ -283,21 +324,10 @@ class RouterLogitsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TD, router_w_ED):
-        T = x_TD.shape[0]
-        w_1ED = router_w_ED.float().unsqueeze(0)
-        one_2 = single_group_offsets(T, x_TD.device)
-        logits_TE = grouped_mm_nt(x_TD, w_1ED, one_2, out_dtype=torch.float32)
         ctx.save_for_backward(x_TD, router_w_ED)
-        return logits_TE
+        return router_logits_forward(x_TD, router_w_ED)
 
     @staticmethod
     def backward(ctx, dlogits_TE):
         x_TD, router_w_ED = ctx.saved_tensors
-        dlogits_TE = dlogits_TE.float().contiguous()
-        one_2 = single_group_offsets(x_TD.shape[0], x_TD.device)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = grouped_mm_nn(dlogits_TE, router_w_ED.float().unsqueeze(0), one_2, out_dtype=x_TD.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=torch.float32)[0].to(router_w_ED.dtype)
-        return dx, dw
+        return router_logits_backward(dlogits_TE, x_TD, router_w_ED, *ctx.needs_input_grad[:2])

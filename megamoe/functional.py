@@ -8,12 +8,17 @@ S shared-expert FFN size, H = 2S.
   "reference": megamoe.reference.moe_experts); ``fp8=True``: the routed experts in block-scaled FP8
   (megamoe.autograd_fp8; reference: megamoe.reference.moe_experts_fp8).
 * :func:`router_logits`: fp32 router logits through megamoe's own batch-invariant Triton GEMM.
+
+While torch.compile traces them, both call megamoe's custom ops (megamoe.custom_ops: the same stage loop, one
+opaque node each, so no graph break and no recompilation when only the routing changes); eager calls go
+straight to the autograd Functions of megamoe.autograd.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import custom_ops
 from .config import KernelConfig
 from .validation import check_expert_inputs, check_fp8, interpreter_active
 
@@ -59,7 +64,9 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
 
     Determinism ("fused"): bitwise identical run to run; every token's output and input gradient is
         independent of the other tokens in the batch; weight gradients reduce each expert's rows in
-        (token, slot) order; no float atomics. Sync ("fused"): none; CUDA-graph capturable.
+        (token, slot) order; no float atomics. Sync ("fused"): none; CUDA-graph capturable. Under
+        torch.compile: the same bits, through the custom ops of megamoe.custom_ops (ids then checked when
+        the op runs).
     """
     if backend not in ("fused", "reference"):
         raise ValueError(f"moe_experts: backend must be 'fused' or 'reference', got {backend!r}")
@@ -69,9 +76,14 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
     if not isinstance(fp8, bool):
         raise TypeError(f"moe_experts: fp8 must be a bool, got {fp8!r}")
     check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
-    if fp8:
+    compiling = torch.compiler.is_compiling()
+    if fp8:  # the GPU's FP8 support is checked by the op itself while compiling
         check_fp8("moe_experts", x_TD.shape[1], w2_EDF.shape[2], x_TD.dtype,
-                  x_TD.device if backend == "fused" else None)
+                  x_TD.device if backend == "fused" and not compiling else None)
+    recipe = "fp8" if fp8 else "native"
+    if backend == "reference" and compiling:  # one opaque op for torch.compile (the specification syncs)
+        return custom_ops.reference_moe_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD,
+                                                shared_w2_DS, recipe=recipe)
     if backend == "reference":
         from . import reference  # the plain-PyTorch specification, imported only when asked for
 
@@ -82,19 +94,21 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
     if x_TD.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"moe_experts: the fused backend runs on CUDA tensors (or CPU tensors under "
                          f"TRITON_INTERPRET=1), got x_TD on {x_TD.device}; backend='reference' runs on any device")
+    c = torch.Tensor.contiguous
+    shared = (None, None) if shared_w13_HD is None else (c(shared_w13_HD), c(shared_w2_DS))
+    args = (c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_EGD), c(w2_EDF), *shared)
+    if compiling:  # the same stage loop, as one custom op (megamoe.custom_ops)
+        return custom_ops.moe_experts(*args, kernel_config=kernel_config, recipe=recipe)
     from .autograd import MoEExpertsFunction  # lazy: importing megamoe.functional does not import triton
     from .ops.dispatch import LocalDispatcher
 
-    c = torch.Tensor.contiguous
-    shared = (None, None) if shared_w13_HD is None else (c(shared_w13_HD), c(shared_w2_DS))
-    recipe = None
+    fp8_experts = None
     if fp8:
         from .autograd_fp8 import Fp8Experts
 
-        recipe = Fp8Experts()
-    return MoEExpertsFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_EGD), c(w2_EDF), *shared,
-                                    LocalDispatcher(w13_EGD.shape[0], kernel_config or KernelConfig(), fp8=fp8),
-                                    recipe)
+        fp8_experts = Fp8Experts()
+    dispatcher = LocalDispatcher(w13_EGD.shape[0], kernel_config or KernelConfig(), fp8=fp8)
+    return MoEExpertsFunction.apply(*args, dispatcher, fp8_experts)
 
 
 def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:
@@ -116,6 +130,8 @@ def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor
         raise ValueError(f"router_logits: x_TD on {x_TD.device} but router_w_ED on {router_w_ED.device}")
     if x_TD.dtype not in FUSED_DTYPES:
         raise TypeError(f"router_logits: x_TD dtype {x_TD.dtype} not supported (bf16, fp16, fp32)")
+    if torch.compiler.is_compiling():
+        return custom_ops.router_logits(x_TD.contiguous(), router_w_ED.contiguous())
     from .autograd import RouterLogitsFunction
 
     return RouterLogitsFunction.apply(x_TD.contiguous(), router_w_ED.contiguous())

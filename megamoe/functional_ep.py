@@ -21,8 +21,12 @@ from .validation import check_expert_inputs, check_fp8
 __all__ = ["moe_experts_ep", "moe_experts_ep_workspace"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# torch.compile runs the exchange eagerly (a graph break; fullgraph=True names this reason): it keeps state across
+# the pass (workspaces, a dispatcher per call) that is not a custom op (docs/hf.md, torch.compile)
+_NOT_COMPILED = dict(reason="megamoe: expert parallelism (moe_experts_ep) runs eagerly under torch.compile")
 
 
+@torch.compiler.disable(**_NOT_COMPILED)
 def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                    w13_LGD: torch.Tensor, w2_LDF: torch.Tensor, shared_w13_HD: torch.Tensor | None = None,
                    shared_w2_DS: torch.Tensor | None = None, *, group, capacity_rows: int | None = None,
@@ -107,6 +111,7 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
                                     kernel_config=kernel_config, fp8=fp8, validated=True)
 
 
+@torch.compiler.disable(**_NOT_COMPILED)
 def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD=None,
                              shared_w2_DS=None, *, workspace, capacity_rows: int | None = None,
                              timeout_s: float = 10.0, save_preact: bool = True, save_dispatched: bool = True,

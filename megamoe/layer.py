@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import custom_ops
 from .config import EPOptions, KernelConfig, MoEConfig
 from .functional import FUSED_DTYPES
 from .router import route, router_logits, seq_balance_loss, tokens_per_expert, update_expert_bias_
@@ -35,7 +36,13 @@ def in_backward() -> bool:
     does nothing else in a training step; FSDP2 tells its own recompute forwards apart the same way
     (``torch.distributed.fsdp._fully_shard._fsdp_common.is_bw``). ``torch._C._current_graph_task_id`` is
     private (present in every torch this package supports, tested in tests/test_training_loop.py); without it a
-    recompute cannot be told apart, which :meth:`MoE.forward` warns about once."""
+    recompute cannot be told apart, which :meth:`MoE.forward` warns about once.
+
+    False while torch.compile traces: a checkpoint inside the compiled region is recomputed by the compiled
+    backward, which runs no Python (its statistics are not set again); a compiled module checkpointed from
+    outside counts its recompute like a forward (docs/hf.md, torch.compile)."""
+    if torch.compiler.is_compiling():
+        return False
     graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
     if graph_task_id is None:
         warnings.warn("megamoe.MoE: this torch has no torch._C._current_graph_task_id, so an activation-checkpoint "
@@ -158,6 +165,8 @@ class RoutedExperts(nn.Module):
             return moe_experts_ep(*args, group=self.group, save_preact=self.ep_save_preact,
                                   save_dispatched=self.ep_save_dispatched, options=self.ep_options,
                                   kernel_config=self.kernel_config, **fp8)
+        if self.backend == "reference" and torch.compiler.is_compiling():  # one opaque op (the spec syncs)
+            return custom_ops.reference_moe_experts(*args, recipe="fp8" if self.fp8 else "native")
         if self.backend == "reference":
             from . import reference
             return (reference.moe_experts_fp8 if self.fp8 else reference.moe_experts)(*args)

@@ -57,6 +57,7 @@ __all__ = [
     "dequantize_128x128",
     "dequantize_1x128",
     "moe_experts_fp8",
+    "moe_experts_fp8_backward",
     "pow2_exponent",
     "quantize_128x1_grouped",
     "quantize_128x128",
@@ -255,99 +256,115 @@ def _swiglu_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, acc: torch.d
 
 
 def _shared_grads(x_TD, sw13_HD, sw2_DS, dout_TD):
-    """The shared expert's (bf16 path) gradients by autograd through megamoe.reference's expert_ffn."""
+    """The shared expert's (bf16 path) gradients: the vector-Jacobian product of megamoe.reference's shared_expert
+    (``torch.func.vjp``: also inside a custom op, where autograd does not record)."""
     from .reference import shared_expert
 
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in (x_TD, sw13_HD, sw2_DS)]
-        out = shared_expert(*leaves)
-        return torch.autograd.grad(out, leaves, dout_TD)
+    _, vjp = torch.func.vjp(shared_expert, x_TD, sw13_HD, sw2_DS)
+    return vjp(dout_TD)
+
+
+def _fp8_forward(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, acc):
+    """:func:`moe_experts_fp8`'s forward: (out_TD, what the backward reads: w13d, w2d, gu_RG, token_R, order_R,
+    offsets list)."""
+    from .reference import combine, shared_expert, swiglu
+
+    T, K = topk_ids_TK.shape
+    E, _, D = w13_EGD.shape
+    Fdim = w2_EDF.shape[2]
+    dt = x_TD.dtype
+    token_R, order_R, off = _expert_rows(topk_ids_TK, E)
+    w13q, w13s = quantize_128x128(w13_EGD)
+    w2q, w2s = quantize_128x128(w2_EDF)
+    w13d, w2d = dequantize_128x128(w13q, w13s).to(acc), dequantize_128x128(w2q, w2s).to(acc)
+    xd_TD = _deq_1x128(x_TD, acc)
+    gu_RG = x_TD.new_empty(T * K, 2 * Fdim)
+    y_RD = x_TD.new_zeros(T * K, D)
+    for e in range(E):
+        lo, hi = off[e], off[e + 1]
+        if lo == hi:
+            continue
+        gu_RG[lo:hi] = (xd_TD[token_R[lo:hi]] @ w13d[e].t()).to(dt)
+        h = swiglu(gu_RG[lo:hi, :Fdim], gu_RG[lo:hi, Fdim:])
+        y_RD[lo:hi] = (_deq_1x128(h, acc) @ w2d[e].t()).to(dt)
+    y_ND = torch.empty_like(y_RD)
+    y_ND[order_R] = y_RD
+    out = combine(y_ND.view(T, K, D), topk_weights_TK, shared_expert(x_TD, shared_w13_HD, shared_w2_DS), dt)
+    return out, (w13d, w2d, gu_RG, token_R, order_R, off)
+
+
+def _fp8_backward(dout_TD, x_TD, w_TK, w13_EGD, w2_EDF, sw13_HD, sw2_DS, saved, acc, need_w13: bool, need_w2: bool):
+    """:func:`moe_experts_fp8`'s hand-written backward on what :func:`_fp8_forward` returned:
+    (dx_TD, dw_TK, dw13 or None, dw2 or None, ds13, ds2)."""
+    from .reference import swiglu
+
+    w13d, w2d, gu_RG, token_R, order_R, off = saved
+    T, D = x_TD.shape
+    K = w_TK.shape[1]
+    Fdim = w2_EDF.shape[2]
+    dt = x_TD.dtype
+    dout_TD = dout_TD.to(dt).contiguous()
+    dd_TD = _deq_1x128(dout_TD, acc)  # dout quantized 1x128 once (T rows)
+    w_R = w_TK.reshape(-1)[order_R].to(acc)
+    dgu_RG = x_TD.new_zeros(T * K, 2 * Fdim)
+    hw_RF = x_TD.new_zeros(T * K, Fdim)
+    dx_RD = torch.zeros(T * K, D, dtype=acc, device=x_TD.device)
+    dw_R = torch.zeros(T * K, dtype=acc, device=x_TD.device)
+    for e in range(len(off) - 1):
+        lo, hi = off[e], off[e + 1]
+        if lo == hi:
+            continue
+        a = dd_TD[token_R[lo:hi]] @ w2d[e]  # (rows, F): dout @ w2, before the routing weight
+        g, u = gu_RG[lo:hi, :Fdim], gu_RG[lo:hi, Fdim:]
+        h = swiglu(g, u).to(acc)  # recomputed bitwise as the forward did
+        dw_R[lo:hi] = (a * h).sum(dim=1)
+        dgu_RG[lo:hi] = _swiglu_bwd((a * w_R[lo:hi, None]).to(dt), g, u, acc, dt)
+        hw_RF[lo:hi] = (h * w_R[lo:hi, None]).to(dt)
+        dx_RD[lo:hi] = (_deq_1x128(dgu_RG[lo:hi], acc) @ w13d[e]).to(dt).to(acc)
+    offsets = torch.tensor(off)
+    dw13 = dw2 = None
+    if need_w2:
+        p = dequantize_128x1_grouped(*quantize_128x1_grouped(dout_TD, offsets, token_R), offsets).to(acc)
+        q = dequantize_128x1_grouped(*quantize_128x1_grouped(hw_RF, offsets), offsets).to(acc)
+        dw2 = torch.stack([p[lo:hi].t() @ q[lo:hi] for lo, hi in zip(off[:-1], off[1:])]).to(w2_EDF.dtype)
+    if need_w13:
+        p = dequantize_128x1_grouped(*quantize_128x1_grouped(dgu_RG, offsets), offsets).to(acc)
+        q = dequantize_128x1_grouped(*quantize_128x1_grouped(x_TD, offsets, token_R), offsets).to(acc)
+        dw13 = torch.stack([p[lo:hi].t() @ q[lo:hi] for lo, hi in zip(off[:-1], off[1:])]).to(w13_EGD.dtype)
+    dx_ND = torch.empty_like(dx_RD)
+    dx_ND[order_R] = dx_RD
+    dw_TK = torch.empty_like(dw_R)
+    dw_TK[order_R] = dw_R
+    dxs = ds13 = ds2 = None
+    if sw13_HD is not None:
+        dxs, ds13, ds2 = _shared_grads(x_TD, sw13_HD, sw2_DS, dout_TD)
+    sum_TD = torch.zeros(T, D, dtype=acc, device=x_TD.device)
+    for k in range(K):  # slot order, the shared expert last, one cast
+        sum_TD = sum_TD + dx_ND.view(T, K, D)[:, k]
+    if dxs is not None:
+        sum_TD = sum_TD + dxs.to(acc)
+    return sum_TD.to(dt), dw_TK.view(T, K).to(w_TK.dtype), dw13, dw2, ds13, ds2
 
 
 class _FP8ExpertsFunction(torch.autograd.Function):
-    """Forward and hand-written backward of :func:`moe_experts_fp8` (the recipe's numerics, module doc)."""
+    """:func:`_fp8_forward` and its hand-written backward :func:`_fp8_backward`."""
 
     @staticmethod
     def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, acc):
-        from .reference import combine, shared_expert, swiglu
-
-        T, K = topk_ids_TK.shape
-        E, _, D = w13_EGD.shape
-        Fdim = w2_EDF.shape[2]
-        dt = x_TD.dtype
-        token_R, order_R, off = _expert_rows(topk_ids_TK, E)
-        w13q, w13s = quantize_128x128(w13_EGD)
-        w2q, w2s = quantize_128x128(w2_EDF)
-        w13d, w2d = dequantize_128x128(w13q, w13s).to(acc), dequantize_128x128(w2q, w2s).to(acc)
-        xd_TD = _deq_1x128(x_TD, acc)
-        gu_RG = x_TD.new_empty(T * K, 2 * Fdim)
-        y_RD = x_TD.new_zeros(T * K, D)
-        for e in range(E):
-            lo, hi = off[e], off[e + 1]
-            if lo == hi:
-                continue
-            gu_RG[lo:hi] = (xd_TD[token_R[lo:hi]] @ w13d[e].t()).to(dt)
-            h = swiglu(gu_RG[lo:hi, :Fdim], gu_RG[lo:hi, Fdim:])
-            y_RD[lo:hi] = (_deq_1x128(h, acc) @ w2d[e].t()).to(dt)
-        y_ND = torch.empty_like(y_RD)
-        y_ND[order_R] = y_RD
-        out = combine(y_ND.view(T, K, D), topk_weights_TK, shared_expert(x_TD, shared_w13_HD, shared_w2_DS), dt)
-        ctx.acc, ctx.off = acc, off
-        ctx.save_for_backward(x_TD, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, w13d, w2d,
-                              gu_RG, token_R, order_R)
+        out, saved = _fp8_forward(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS,
+                                  acc)
+        *tensors, ctx.off = saved
+        ctx.acc = acc
+        ctx.save_for_backward(x_TD, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, *tensors)
         return out
 
     @staticmethod
     def backward(ctx, dout_TD):
-        from .reference import swiglu
-
-        x_TD, w_TK, w13_EGD, w2_EDF, sw13_HD, sw2_DS, w13d, w2d, gu_RG, token_R, order_R = ctx.saved_tensors
-        acc, off = ctx.acc, ctx.off
-        T, D = x_TD.shape
-        K = w_TK.shape[1]
-        Fdim = w2_EDF.shape[2]
-        dt = x_TD.dtype
-        dout_TD = dout_TD.to(dt).contiguous()
-        dd_TD = _deq_1x128(dout_TD, acc)  # dout quantized 1x128 once (T rows)
-        w_R = w_TK.reshape(-1)[order_R].to(acc)
-        dgu_RG = x_TD.new_zeros(T * K, 2 * Fdim)
-        hw_RF = x_TD.new_zeros(T * K, Fdim)
-        dx_RD = torch.zeros(T * K, D, dtype=acc, device=x_TD.device)
-        dw_R = torch.zeros(T * K, dtype=acc, device=x_TD.device)
-        for e in range(len(off) - 1):
-            lo, hi = off[e], off[e + 1]
-            if lo == hi:
-                continue
-            a = dd_TD[token_R[lo:hi]] @ w2d[e]  # (rows, F): dout @ w2, before the routing weight
-            g, u = gu_RG[lo:hi, :Fdim], gu_RG[lo:hi, Fdim:]
-            h = swiglu(g, u).to(acc)  # recomputed bitwise as the forward did
-            dw_R[lo:hi] = (a * h).sum(dim=1)
-            dgu_RG[lo:hi] = _swiglu_bwd((a * w_R[lo:hi, None]).to(dt), g, u, acc, dt)
-            hw_RF[lo:hi] = (h * w_R[lo:hi, None]).to(dt)
-            dx_RD[lo:hi] = (_deq_1x128(dgu_RG[lo:hi], acc) @ w13d[e]).to(dt).to(acc)
-        offsets = torch.tensor(off)
-        dw13 = dw2 = None
-        if ctx.needs_input_grad[4]:
-            p = dequantize_128x1_grouped(*quantize_128x1_grouped(dout_TD, offsets, token_R), offsets).to(acc)
-            q = dequantize_128x1_grouped(*quantize_128x1_grouped(hw_RF, offsets), offsets).to(acc)
-            dw2 = torch.stack([p[lo:hi].t() @ q[lo:hi] for lo, hi in zip(off[:-1], off[1:])]).to(w2_EDF.dtype)
-        if ctx.needs_input_grad[3]:
-            p = dequantize_128x1_grouped(*quantize_128x1_grouped(dgu_RG, offsets), offsets).to(acc)
-            q = dequantize_128x1_grouped(*quantize_128x1_grouped(x_TD, offsets, token_R), offsets).to(acc)
-            dw13 = torch.stack([p[lo:hi].t() @ q[lo:hi] for lo, hi in zip(off[:-1], off[1:])]).to(w13_EGD.dtype)
-        dx_ND = torch.empty_like(dx_RD)
-        dx_ND[order_R] = dx_RD
-        dw_TK = torch.empty_like(dw_R)
-        dw_TK[order_R] = dw_R
-        dxs = ds13 = ds2 = None
-        if sw13_HD is not None:
-            dxs, ds13, ds2 = _shared_grads(x_TD, sw13_HD, sw2_DS, dout_TD)
-        sum_TD = torch.zeros(T, D, dtype=acc, device=x_TD.device)
-        for k in range(K):  # slot order, the shared expert last, one cast
-            sum_TD = sum_TD + dx_ND.view(T, K, D)[:, k]
-        if dxs is not None:
-            sum_TD = sum_TD + dxs.to(acc)
-        return (sum_TD.to(dt), None, dw_TK.view(T, K).to(w_TK.dtype), dw13, dw2, ds13, ds2, None)
+        x_TD, w_TK, w13_EGD, w2_EDF, sw13_HD, sw2_DS, *tensors = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        dx, dw_TK, dw13, dw2, ds13, ds2 = _fp8_backward(dout_TD, x_TD, w_TK, w13_EGD, w2_EDF, sw13_HD, sw2_DS,
+                                                        (*tensors, ctx.off), ctx.acc, n[3], n[4])
+        return dx, None, dw_TK, dw13, dw2, ds13, ds2, None
 
 
 def moe_experts_fp8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
@@ -379,3 +396,17 @@ def moe_experts_fp8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
     acc = acc_dtype or (torch.float64 if x_TD.dtype == torch.float64 else torch.float32)
     return _FP8ExpertsFunction.apply(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD,
                                      shared_w2_DS, acc)
+
+
+def moe_experts_fp8_backward(dout_TD: torch.Tensor, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                             topk_weights_TK: torch.Tensor, w13_EGD: torch.Tensor, w2_EDF: torch.Tensor,
+                             shared_w13_HD: torch.Tensor | None = None, shared_w2_DS: torch.Tensor | None = None, *,
+                             need_w13: bool = True, need_w2: bool = True, acc_dtype: torch.dtype | None = None):
+    """The gradients :func:`moe_experts_fp8`'s backward gives for the output gradient ``dout_TD``, without autograd
+    (the forward rerun for what its backward reads; also inside a custom op, where autograd does not record):
+    (dx_TD, dw_TK, dw13 or None, dw2 or None, dshared_w13 or None, dshared_w2 or None)."""
+    check_fp8_sizes(x_TD.shape[1], w2_EDF.shape[2], "moe_experts_fp8_backward")
+    acc = acc_dtype or (torch.float64 if x_TD.dtype == torch.float64 else torch.float32)
+    _, saved = _fp8_forward(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, acc)
+    return _fp8_backward(dout_TD, x_TD, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, saved, acc,
+                         need_w13, need_w2)
