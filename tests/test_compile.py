@@ -310,10 +310,11 @@ def _cudagraph_skips() -> int:
 
 
 @pytest.mark.gpu
-def test_functional_reduce_overhead_gives_eager_bits_gpu():
-    """moe_experts (routed + shared) and router_logits under inductor with CUDA graphs: forward and every
-    gradient bitwise eager's, three routings (random, half the experts empty, all on one expert) without a
-    recompilation."""
+@pytest.mark.parametrize("fp8", [False, True])
+def test_functional_reduce_overhead_gives_eager_bits_gpu(fp8):
+    """moe_experts (routed + shared; 16-bit and FP8) and router_logits under inductor with CUDA graphs: forward
+    and every gradient bitwise eager's, three routings (random, half the experts empty, all on one expert) without
+    a recompilation."""
     T, D, F, E, K, S = 256, 256, 128, 16, 4, 128
     bf16, dev = torch.bfloat16, "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -326,7 +327,7 @@ def test_functional_reduce_overhead_gives_eager_bits_gpu():
     leaves = (x, w13, w2, s13, s2, router_w)
 
     def f(x, ids, w, w13, w2, s13, s2, router_w):
-        return mf.moe_experts(x, ids, w, w13, w2, s13, s2), mf.router_logits(x, router_w)
+        return mf.moe_experts(x, ids, w, w13, w2, s13, s2, fp8=fp8), mf.router_logits(x, router_w)
 
     compiled = torch.compile(f, fullgraph=True, mode="reduce-overhead")
     routings = [torch.randint(0, E, (T, K), generator=g, device=dev),
@@ -348,11 +349,13 @@ def test_functional_reduce_overhead_gives_eager_bits_gpu():
 
 
 @pytest.mark.gpu
-def test_layer_cuda_graphs_give_eager_bits_gpu():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_layer_cuda_graphs_give_eager_bits_gpu(fp8):
     """The fused MoE layer compiled with the cudagraphs backend (graph capture of eager kernels, forward and
     backward replayed from CUDA graphs): two training steps bitwise eager's, no recompilation."""
-    check_layer_compiles_to_eager_bits("fused", torch.bfloat16, device="cuda", compile_backend="cudagraphs", hidden=64,
-                                       ffn=32)
+    hidden, ffn = (128, 128) if fp8 else (64, 32)  # FP8: multiples of 128
+    check_layer_compiles_to_eager_bits("fused", torch.bfloat16, device="cuda", compile_backend="cudagraphs",
+                                       hidden=hidden, ffn=ffn, fp8=fp8)
     assert _cudagraph_skips() == 0
 
 
