@@ -47,8 +47,8 @@ def test_single_process_all_cpu_providers(tmp_path):
     _trace(trace)
     out = tmp_path / "out"
     assert main(FAST + ["--cases", "tiny:37", "--routing", "uniform", "zipf:1.5", f"trace:{trace}",
-                        "--providers", "reference", "torch", "megamoe", "nccl", "megamoe-ep", "megamoe-fp8", "torch-fp8",
-                        "--out", str(out)]) == 0
+                        "--providers", "reference", "torch", "megamoe", "nccl", "megamoe-ep", "megamoe-fp8",
+                        "torch-fp8", "--out", str(out)]) == 0
     rows, js = _read(out)
     assert len(rows) == 3 * 7
     by = {(r["routing"], r["provider"]): r for r in rows}
