@@ -14,14 +14,13 @@ import os
 import pytest
 import torch
 
-from ep_utils import spawn_ranks
+from ep_utils import free_port, spawn_ranks
 from megamoe.bench.__main__ import build_parser, main
 from megamoe.bench.check import check_provider
 from megamoe.bench.problem import make_problem
 from megamoe.bench.providers import torch_moe_experts
 from megamoe.bench.routing_models import fit_trace, load_stats, make_routing
 from megamoe.config import get_preset
-from megamoe.distributed import free_port
 
 FAST = ["--device", "cpu", "--iters", "2", "--round-iters", "1", "--warmup", "1", "--quiet"]
 
@@ -49,8 +48,7 @@ def test_single_process_all_cpu_providers(tmp_path):
     out = tmp_path / "out"
     assert main(FAST + ["--cases", "tiny:37", "--routing", "uniform", "zipf:1.5", f"trace:{trace}",
                         "--providers", "reference", "torch", "megamoe", "nccl", "megamoe-ep", "megamoe-fp8",
-                        "torch-fp8",
-                        "--out", str(out)]) == 0
+                        "torch-fp8", "--out", str(out)]) == 0
     rows, js = _read(out)
     assert len(rows) == 3 * 7
     by = {(r["routing"], r["provider"]): r for r in rows}
