@@ -2,18 +2,19 @@
 (megamoe.ops.fp8_quant), the kernels run on CPU under the Triton interpreter (tests/interpreter.py) and, marked
 ``gpu``, on CUDA.
 
-Proves: the exponent rule (property test over random fp32 amaxes including subnormals: ``a * 2**-e <= 448`` and
-``a * 2**-(e-1) > 448`` unless ``e = -126``); the reference round trip is within e4m3's rounding of x; its 128x1
-grouped blocks equal 1x128 blocks of each expert's transposed rows and its 128x128 blocks transpose with their
-scale grid. The kernels' e4m3 bytes (compared as uint8) and scales equal the reference's BIT-EXACTLY on a grid of
-edge cases: all-zero 1x128 / 128x1 / 128x128 blocks (zero bytes, finite scales, no NaN), amax exactly
-``448 * 2**k`` (byte 0x7E, scale 2**k) and just above (scale 2**(k+1)), never a 0x7F / 0xFF byte for finite
-input, tiny amaxes (1e-30, 1e-38, a subnormal: finite scales with finite inverses), e4m3 rounding ties, NaN /
-Inf blocks (scale NaN, bytes 0, the other blocks unaffected), experts of 0, 1, 127, 128, 129 and 300 rows with
-all-zero channels, rows and columns not multiples of the tile, rows gathered through idx_R, non-contiguous
-input (read in place), prefilled outputs fully overwritten (and unspecified rows left alone); the integer
-e4m3 rounding and the exponent-rule helper on every fp32 exponent; bad input raises a clear error; the kernels
-compile for sm_90a.
+Proves: the exponent rule (property test over random fp32 amaxes including subnormals: ``a * 2**-e <= 448`` and ``a
+* 2**-(e-1) > 448`` unless ``e = -126``); the reference round trip is within e4m3's rounding of x; its 128x1 grouped
+blocks equal 1x128 blocks of each expert's transposed rows and its 128x128 blocks transpose with their scale grid.
+The kernels' e4m3 bytes (compared as uint8) and scales equal the reference's BIT-EXACTLY on a grid of edge cases:
+all-zero 1x128 / 128x1 / 128x128 blocks (zero bytes, finite scales, no NaN), amax exactly ``448 * 2**k`` (byte 0x7E,
+scale 2**k) and just above (scale 2**(k+1)), never a 0x7F / 0xFF byte for finite input, tiny amaxes (1e-30, 1e-38, a
+subnormal: finite scales with finite inverses), e4m3 rounding ties, NaN / Inf blocks (scale NaN, bytes 0, the other
+blocks unaffected), experts of 0, 1, 127, 128, 129 and 300 rows with all-zero channels, rows and columns not
+multiples of the tile, rows gathered through idx_R, non-contiguous or misaligned input (copied first), one row or
+column, prefilled outputs fully overwritten (and unspecified rows left alone); the integer e4m3 rounding and the
+exponent-rule helper on every fp32 exponent; bad input raises a clear error; the kernels compile for sm_90a, and in
+every launch specialization their e4m3 bytes are stored from the layout they are cast in (no byte tile moves between
+layouts). On CUDA every case runs and the failing ones are listed together.
 
 Run: python -m pytest tests/test_fp8_quant.py -q (interpreted cases fork from one TRITON_INTERPRET=1 host).
 """
