@@ -47,10 +47,15 @@ def _deq_w(q, s):
 
 def _m_ref(a64, w64, ex, nt):
     """fp64 and fp32 ``a[r] @ W[e(r)]^T`` (nt) or ``a[r] @ W[e(r)]`` per row, and the fp64 ``|a| @ |W|``."""
-    eq = "rk,rnk->rn" if nt else "rk,rkn->rn"
-    w = w64[ex]
-    return (torch.einsum(eq, a64, w), torch.einsum(eq, a64.float(), w.float()).double(),
-            torch.einsum(eq, a64.abs(), w.abs()))
+    N = w64.shape[1] if nt else w64.shape[2]
+    outs = [a64.new_zeros(a64.shape[0], N) for _ in range(3)]
+    for e in range(w64.shape[0]):
+        rows = ex == e
+        w = w64[e].T if nt else w64[e]
+        outs[0][rows] = a64[rows] @ w
+        outs[1][rows] = (a64[rows].float() @ w.float()).double()
+        outs[2][rows] = a64[rows].abs() @ w.abs()
+    return tuple(outs)
 
 
 def _close(name, got, want64, want32, blocks, out_dtype=torch.float32, abs_ref=None, roundings=1):
