@@ -20,7 +20,8 @@ One case per command keeps each run to a few minutes; a sweep of one case's GEMM
 
 What to expect (design, not yet measured): every K-block of 128 is one fresh FP8 dot whose result Triton waits for
 before the promotion FMAs, so within one CTA the tensor cores idle during the promotion; the table's 64 x 128
-one-warpgroup tiles fit two CTAs per SM so that one's promotion runs beside the other's dot. The dgrad GEMMs read
+one-warpgroup tiles fit two CTAs per SM so that one's promotion runs beside the other's dot (the promotion is one FMA
+per element with 128-column tiles; the next K-block's scales load during the current one). The dgrad GEMMs read
 the forward's weight bytes N-major, which FP8 wgmma cannot take from shared memory (Triton loads them through
 registers): the *_kmaj rows show what a K-major weight copy gains; likewise *_kpad for the weight gradients.
 """

@@ -77,15 +77,22 @@ def promote(a, b, sa, sb, acc, FP32_DOT: tl.constexpr, ONE_SB: tl.constexpr):
 
 
 @triton.jit
+def _load_scales(as_ptrs, bs_ptrs, mask_n, valid, EVEN_N: tl.constexpr, ONE_SB: tl.constexpr):
+    """One K-block's scales: A's per row, B's per column (ONE_SB: one scalar for the tile); zeros unless valid."""
+    sa = tl.load(as_ptrs, mask=valid, other=0.0)
+    if ONE_SB:  # one scale for the tile's 128 columns (bs_ptrs a scalar pointer)
+        sb = tl.load(bs_ptrs, mask=valid, other=0.0)
+    else:
+        sb = tl.load(bs_ptrs, mask=mask_n & valid, other=0.0)
+    return sa, sb
+
+
+@triton.jit
 def _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N: tl.constexpr, ONE_SB: tl.constexpr):
     """One K-block's operands: A tile + row scales, B tile + column scales (one per 128 columns)."""
     a = tl.load(a_ptrs)  # rows clamped into the buffer, K a multiple of 128
-    sa = tl.load(as_ptrs)
     b = load_2d(b_ptrs, mask_n, mask_n, True, EVEN_N)  # all K rows valid (FULL_R): only columns masked
-    if ONE_SB:  # one scale for the tile's 128 columns (bs_ptrs a scalar pointer)
-        sb = tl.load(bs_ptrs)
-    else:
-        sb = load_vec(bs_ptrs, mask_n, EVEN_N)
+    sa, sb = _load_scales(as_ptrs, bs_ptrs, mask_n, True, EVEN_N, ONE_SB)
     return a, sa, b, sb
 
 
@@ -94,22 +101,30 @@ def _k_loop(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, N, stride_bn, stride_bk, s
             K: tl.constexpr, UP: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, ONE_SB: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One tile's K loop in K-blocks of 128 from the pointers of K-block 0: ``acc = deq(A) @ deq(B)``; with UP
-    also ``acc_up`` over columns N + n of B (else ``acc_up`` is ``acc``'s initial zeros, unused)."""
+    also ``acc_up`` over columns N + n of B (else ``acc_up`` is ``acc``'s initial zeros, unused). The scales of
+    K-block k + 1 are loaded during K-block k (they are small loads the pipeline does not prefetch)."""
     up_cols = N // 128 * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = acc
     if UP:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, K, 128):
-        a, sa, b, sb = _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N, ONE_SB)
+    sa, sb = _load_scales(as_ptrs, bs_ptrs, mask_n, True, EVEN_N, ONE_SB)
+    sb_up = sb
+    if UP:
+        sa, sb_up = _load_scales(as_ptrs, bs_ptrs + up_cols, mask_n, True, EVEN_N, ONE_SB)
+    for k0 in range(0, K, 128):
+        a = tl.load(a_ptrs)  # rows clamped into the buffer, K a multiple of 128
+        b = load_2d(b_ptrs, mask_n, mask_n, True, EVEN_N)  # all K rows valid (FULL_R): only columns masked
+        more = k0 + 128 < K
+        sa_next, sb_next = _load_scales(as_ptrs + 1, bs_ptrs + stride_bsk, mask_n, more, EVEN_N, ONE_SB)
         acc = promote(a, b, sa, sb, acc, FP32_DOT, ONE_SB)
+        sb_up_next = sb_next
         if UP:
             b_up = load_2d(b_ptrs + N * stride_bn, mask_n, mask_n, True, EVEN_N)
-            if ONE_SB:
-                sb_up = tl.load(bs_ptrs + up_cols)
-            else:
-                sb_up = load_vec(bs_ptrs + up_cols, mask_n, EVEN_N)
+            sa_next, sb_up_next = _load_scales(as_ptrs + 1, bs_ptrs + stride_bsk + up_cols, mask_n, more, EVEN_N,
+                                               ONE_SB)
             acc_up = promote(a, b_up, sa, sb_up, acc_up, FP32_DOT, ONE_SB)
+        sa, sb, sb_up = sa_next, sb_next, sb_up_next
         a_ptrs += 128
         as_ptrs += 1
         b_ptrs += 128 * stride_bk
