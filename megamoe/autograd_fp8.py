@@ -44,6 +44,7 @@ class Fp8Experts:
     def __init__(self, cache: Fp8WeightCache = WEIGHT_CACHE):
         self.cache = cache
         self.w13 = self.w2 = None  # (q, s) 128x128 blocks
+        self.w13_k = self.w2_k = None  # the same blocks K-major, for the backward's input-gradient GEMMs
         self._rows: dict = {}  # 1x128 blocks of the row buffers of the current pass, by buffer
         self._dgu = None  # the dgrad epilogue's 1x128 blocks of dgu, for the dx GEMM of the same round
 
@@ -88,7 +89,9 @@ class Fp8Experts:
 
     # ------------------------------------------------------------------------------------------ backward
     def open_backward(self) -> None:
+        """The forward's weight blocks in K-major order for the input-gradient GEMMs (cached with the blocks)."""
         self._rows, self._dgu = {}, None
+        self.w13_k, self.w2_k = self.cache.kmajor(self.w13), self.cache.kmajor(self.w2)
 
     def dgrad_swiglu(self, rows, gu_RG: torch.Tensor):
         """dout rows @ w2 blocks with the SwiGLU backward: (dgu_RG, hw_RF, part_RP or None); dgu's 1x128 blocks
@@ -96,7 +99,7 @@ class Fp8Experts:
         self._check_rows(rows, "dgrad")
         dq, ds = self._rows_1x128(rows.dy_RD)
         dgu, hw, part, dgq, dgs = fp8_gemm.fp8_swiglu_dgrad(
-            dq, ds, *self.w2, rows.offsets_E1, gu_RG, gather_idx_R=rows.dy_idx_R, row_scale_R=rows.scale_R,
+            dq, ds, *self.w2_k, rows.offsets_E1, gu_RG, gather_idx_R=rows.dy_idx_R, row_scale_R=rows.scale_R,
             row_dot=rows.row_dot, tile_cache=rows.tiles)
         self._dgu = (dgq, dgs) if rows.need_dx else None
         return dgu, hw, part
@@ -115,10 +118,11 @@ class Fp8Experts:
         """dx rows = dgu blocks (from the dgrad epilogue) @ w13 blocks (read transposed): (R, D)."""
         dgq, dgs = self._dgu
         self._dgu = None
-        return fp8_gemm.fp8_grouped_mm_nn(dgq, dgs, *self.w13, rows.offsets_E1, out_dtype=self.dtype,
+        return fp8_gemm.fp8_grouped_mm_nn(dgq, dgs, *self.w13_k, rows.offsets_E1, out_dtype=self.dtype,
                                           tile_cache=rows.tiles)
 
     def end_backward(self) -> None:
         """Drops the pass's row blocks; the weight blocks stay with the layer call (a retained graph's second
-        backward reads them again) until autograd frees it."""
+        backward reads them again) until autograd frees it; the K-major copies stay with the cache."""
         self._rows, self._dgu = {}, None
+        self.w13_k = self.w2_k = None

@@ -204,6 +204,27 @@ def test_weight_cache_hits_until_the_weight_changes():
     assert len(cache) == 1
 
 
+def test_weight_cache_kmajor_copy_has_the_same_values_swapped_order_and_is_kept_with_its_blocks(monkeypatch):
+    import megamoe.ops.fp8_weights as fw
+
+    cache = Fp8WeightCache(lambda w: (w.to(torch.float8_e4m3fn), torch.randn(w.shape[0], 2, 1)))
+    w = torch.randn(3, 256, 128)
+    blocks = cache.get(w)
+    qk, sk = cache.kmajor(blocks)
+    assert torch.equal(qk.view(torch.uint8), blocks[0].view(torch.uint8)) and torch.equal(sk, blocks[1])
+    assert qk.stride() == (256 * 128, 1, 256) and qk.transpose(1, 2).is_contiguous()  # K-major per expert
+    assert cache.kmajor(blocks)[0] is qk  # kept with the blocks
+    with torch.no_grad():
+        w.add_(1.0)
+    fresh = cache.get(w)
+    assert cache.kmajor(fresh)[0] is not qk  # new blocks, a new copy
+    monkeypatch.setattr(fw, "_capturing", lambda t: True)
+    assert cache.kmajor(fresh)[0] is not cache.kmajor(fresh)[0]  # recorded into the graph every time
+    monkeypatch.undo()
+    with fw.uncached():
+        assert cache.kmajor(fresh)[0] is not cache.kmajor(fresh)[0]
+
+
 def test_weight_cache_never_hits_while_capturing_or_for_inference_tensors(monkeypatch):
     import megamoe.ops.fp8_weights as fw
 

@@ -23,7 +23,8 @@ CUDA graphs: while the current stream is being captured, the weights are always 
 graph) and the cache is neither read nor written, so a replay after an optimizer step quantizes the updated
 weights, never replays stale blocks.
 
-Memory: one byte per weight element plus one fp32 per 128x128 block, per cached weight, held until the weight
+Memory: one byte per weight element plus one fp32 per 128x128 block, per cached weight (twice that once a
+backward has asked for the K-major copy, :meth:`Fp8WeightCache.kmajor`), held until the weight
 tensor is freed or :meth:`Fp8WeightCache.clear` is called. Sync: none (host metadata only).
 """
 
@@ -59,6 +60,11 @@ def _default_quantize(w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8_quant.quantize_128x128(w_ENK)
 
 
+def _swap_order(t: torch.Tensor) -> torch.Tensor:
+    """The same values, the last two dimensions' memory order swapped (a transposed copy, viewed back)."""
+    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
 def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -72,6 +78,7 @@ class Fp8WeightCache:
     def __init__(self, quantize: Callable | None = None):
         self._quantize = quantize or _default_quantize
         self._entries = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
+        self._kmajor = WeakIdKeyDictionary()  # blocks' q -> their K-major copy (goes with the blocks)
         self.hits = self.misses = 0
 
     @staticmethod
@@ -94,9 +101,25 @@ class Fp8WeightCache:
             self._entries[w_ENK] = (key, q, s)
         return q, s
 
+    def kmajor(self, blocks: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``blocks`` (q_ENK, s_E_NB_KB) with each expert's two dimensions stored in the other order: the same
+        values (a byte copy, no requantization), for the input-gradient GEMMs, which read w[e] transposed (as
+        (K, N)): the FP8 tensor cores take K-major operands only, and a tile of the forward's layout would go
+        through registers, unpipelined. Made once per blocks and kept as long as they are (not while a CUDA graph
+        is captured, nor inside :func:`uncached`); the same bits as the forward's layout."""
+        q, s = blocks
+        if getattr(_LOCAL, "off", False) or _capturing(q):
+            return _swap_order(q), _swap_order(s)
+        hit = self._kmajor.get(q)
+        if hit is None or hit[0] is not s:
+            hit = (s, _swap_order(q), _swap_order(s))
+            self._kmajor[q] = hit
+        return hit[1], hit[2]
+
     def clear(self) -> None:
         """Drop every cached entry (their memory is freed once no layer call still holds them)."""
         self._entries.clear()
+        self._kmajor.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
