@@ -14,10 +14,11 @@ model computes what the eager one does, kernel for kernel. Ops (namespace ``mega
   backward reads: gu_NG, gus_TH (empty without a shared expert), the routing plan's offsets_E1, row_token_N,
   row_src_N, row_of_TK); ``moe_experts_backward(...)`` -> the six gradients (an empty tensor where not needed).
   One GPU (the local dispatcher); expert parallelism (megamoe.functional_ep) is not a custom op.
-* ``moe_experts_reference`` / ``moe_experts_reference_backward``: the plain-PyTorch specification
+* ``moe_experts_reference(..., recipe)`` / ``moe_experts_reference_backward``: the plain-PyTorch specification
   (megamoe.reference.moe_experts, host-synchronous: it loops over the experts present), run eagerly inside the
   op; its backward is that function's vector-Jacobian product (``torch.func.vjp``), the gradients eager
-  autograd computes.
+  autograd computes. Recipe "fp8": megamoe.reference.moe_experts_fp8, and as backward its hand-written one
+  (megamoe.reference.moe_experts_fp8_backward, the forward rerun for what it reads).
 * ``router_logits(x, router_w)`` / ``router_logits_backward``: the fp32 router GEMM.
 
 Arguments beyond tensors: ``kernel_config`` is the text of a :class:`megamoe.config.KernelConfig`
