@@ -27,13 +27,13 @@ experts' GEMMs (:data:`RECIPES`): "native" (x's dtype) or "fp8" (block-scaled FP
 megamoe.reference.moe_experts_fp8 and its hand-written backward). FP8 changes no output shape or dtype (gu stays in
 x's dtype), so the fake implementations are the same for every recipe.
 
-FP8 in the fused ops: each op builds its own megamoe.autograd_fp8.Fp8Experts. The forward op takes the weights'
-128x128 blocks from the weight cache (megamoe.ops.fp8_weights), as eager does; the backward op cannot receive the
-forward's recipe object, so it fetches the blocks again (``open_forward(w13, w2)``). They are the forward's blocks:
-a cache hit returns the very tensors; a miss (another tensor object for the same weight under compile, a cleared
-cache, CUDA-graph capture) quantizes the same values again, and quantization is deterministic (bit-exact, no
-atomics); the values are the same because autograd's version check refuses a backward after an in-place change of
-a saved weight.
+FP8 in the fused ops: each op builds its own megamoe.autograd_fp8.Fp8Experts with a weight cache of that call
+only, so an op keeps no tensor beyond its outputs (CUDA-graph trees refuse allocations in their pool that live on
+and are not outputs): compiled, the forward op quantizes the weights at every call, and the backward op, which
+cannot receive the forward's recipe object, quantizes them again (``open_forward(w13, w2)``). Those are the
+forward's blocks: quantization is deterministic (bit-exact, no atomics), and autograd's version check refuses a
+backward after an in-place change of a saved weight. The eager path's cross-call cache (one quantization per
+weight version) does not apply under compile.
 
 Shapes come from shapes only (fake implementations): every routing-dependent size stays inside the ops.
 Sync: none on CUDA (ids are checked with a device-side assertion); CUDA-graph capturable
@@ -102,8 +102,11 @@ def _fused_recipe(recipe: str, w13_EGD: Tensor | None = None, w2_EDF: Tensor | N
     if recipe == "native":
         return None
     from .autograd_fp8 import Fp8Experts
+    from .ops.fp8_weights import Fp8WeightCache
 
-    fp8 = Fp8Experts()
+    # a cache of this call only: an op keeps no tensor beyond its outputs (CUDA-graph trees refuse live
+    # allocations in their pool that are not outputs), so compiled FP8 quantizes the weights at every call
+    fp8 = Fp8Experts(cache=Fp8WeightCache())
     if w13_EGD is not None:
         fp8.open_forward(w13_EGD, w2_EDF)
         fp8.end_forward()
