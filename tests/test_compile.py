@@ -204,6 +204,7 @@ def test_fused_ops_pass_opcheck_and_take_a_kernel_config():
     assert torch.equal(f(*args), mf.moe_experts(*args, kernel_config=kc))
 
 
+@pytest.mark.slow  # ~25 s on 2 CPU cores; the FP8 ops' compile-vs-eager bits are also checked by the next test
 @interpreted
 def test_layer_fused_fp8_compiles_fullgraph_to_eager_bits():
     """MoE(..., fp8=True): the fused ops with recipe "fp8" (D = F = 128, the smallest FP8 sizes; no shared expert,

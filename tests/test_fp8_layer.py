@@ -100,6 +100,7 @@ def test_fused_fp8_matches_the_fp8_reference(case):
         assert not dw13.any() and not dw2.any()
 
 
+@pytest.mark.slow  # ~12 s on 2 CPU cores; on the GPU test_gpu_bf16_fp8_matches_the_fp8_reference repeats bitwise
 @interpreted
 def test_fused_fp8_is_bitwise_repeatable():
     """Two calls, and a second backward of a retained graph, give the same bits."""
