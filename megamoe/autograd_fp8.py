@@ -20,7 +20,8 @@ fp32 accumulation promoted every 128 of K::
             weight gradients: both operands quantized 128 rows x 1 column along the expert's rows, from the
             16-bit values (dout rows and hw for w2, dgu and x rows for w13), fp32 sums, one cast to the weight dtype
 
-The backward reuses the forward's weight blocks (kept by the recipe between the passes), never requantizes.
+The backward reuses the forward's weight blocks (kept by the recipe between the passes; the compiled ops of
+megamoe.custom_ops quantize them again instead) and reads K-major copies of them for the input gradients.
 Extra memory kept between the passes: the weight blocks (shared with the cache). Tiles: the FP8 GEMMs' own table
 (megamoe.ops.fp8_gemm.fp8_config, BLOCK_K = 128 = the scale group); the 16-bit ``KernelConfig`` overrides apply to
 the shared expert only. Sync: none.

@@ -205,6 +205,18 @@ def test_weight_cache_hits_until_the_weight_changes():
     assert len(cache) == 1
 
 
+def test_weight_cache_misses_after_a_fused_optimizer_step_which_keeps_the_version_counter():
+    cache, calls = _counting_cache()
+    w = torch.nn.Parameter(torch.randn(2, 256, 128))
+    opt = torch.optim.AdamW([w], lr=1e-2, fused=True)
+    q1, _ = cache.get(w)
+    w.grad = torch.randn_like(w)
+    opt.step()  # writes w without bumping w._version
+    assert cache.get(w)[0] is not q1 and len(calls) == 2, "stale blocks after a fused optimizer step"
+    cache.get(w)
+    assert len(calls) == 2  # until the next step, the blocks are reused
+
+
 def test_weight_cache_kmajor_copy_has_the_same_values_swapped_order_and_is_kept_with_its_blocks(monkeypatch):
     import megamoe.ops.fp8_weights as fw
 

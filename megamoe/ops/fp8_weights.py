@@ -7,10 +7,16 @@ A weight changes once per optimizer step but is read by every micro-batch's forw
 input-gradient GEMM): quantizing it once per step instead of once per layer call saves a pass over the weights
 per micro-batch. :class:`Fp8WeightCache` keeps, per weight tensor (weakly: an entry goes with its tensor),
 the blocks ``(q_ENK e4m3, s_E_NB_KB fp32)`` of :func:`megamoe.ops.fp8_quant.quantize_128x128` and the key they
-were made for: ``(data_ptr, _version, shape, dtype, device)``. Any in-place change of the tensor (an optimizer
-step, ``add_``, ``copy_`` under ``no_grad``) bumps its version counter, and a ``.data`` swap changes the data
-pointer, so the next call requantizes; nothing stale is ever returned. Tensors made under
+were made for: ``(data_ptr, _version, shape, dtype, device, optimizer steps so far)``. An in-place change of
+the tensor through autograd's view of it (``add_``, ``copy_`` under ``no_grad``, the for-each optimizers) bumps
+its version counter, a ``.data`` swap changes the data pointer, and every ``optimizer.step()`` of any
+``torch.optim`` optimizer counts in the key (a step post-hook, registered on the first lookup): the fused
+optimizers (``AdamW(fused=True)``) write without bumping the version counter. Tensors made under
 ``torch.inference_mode()`` have no version counter: they are quantized at every call.
+
+Writers that neither bump the version counter nor run through ``torch.optim``: in-place writes to ``p.data`` (an
+EMA, a hand-written update) and other frameworks' optimizers; after them call :meth:`Fp8WeightCache.clear` on
+:data:`WEIGHT_CACHE`, or run the layer inside :func:`uncached`.
 
 Writers that keep the version counter: FSDP2 copies its all-gathered parameters into the unsharded parameter
 under ``torch.autograd._unsafe_preserve_version_counter``, and the caching allocator may hand the same address
@@ -40,6 +46,20 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["Fp8WeightCache", "WEIGHT_CACHE", "quantized_weight", "uncached"]
 
 _LOCAL = threading.local()  # per thread: the forward that quantizes runs on the caller's thread
+_STEPS = [0, None]  # optimizer steps seen by the post-hook, and the hook's handle once registered
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _STEPS[0] += 1
+
+
+def _optimizer_steps() -> int:
+    """torch.optim optimizer steps so far (a global step post-hook, registered on the first call)."""
+    if _STEPS[1] is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEPS[1] = register_optimizer_step_post_hook(_count_step)
+    return _STEPS[0]
 
 
 @contextlib.contextmanager
@@ -85,7 +105,7 @@ class Fp8WeightCache:
     def _key(w: torch.Tensor) -> tuple | None:
         if getattr(_LOCAL, "off", False) or w.is_inference() or _capturing(w):
             return None
-        return (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device)
+        return (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device, _optimizer_steps())
 
     def get(self, w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_ENK, s_E_NB_KB) of ``w_ENK``'s current values: cached, or quantized now (and cached)."""
@@ -106,7 +126,7 @@ class Fp8WeightCache:
         values (a byte copy, no requantization), for the input-gradient GEMMs, which read w[e] transposed (as
         (K, N)): the FP8 tensor cores take K-major operands only, and a tile of the forward's layout would go
         through registers, unpipelined. Made once per blocks and kept as long as they are (not while a CUDA graph
-        is captured, nor inside :func:`uncached`); the same bits as the forward's layout."""
+        is captured, nor inside :func:`uncached` on the calling thread); the same bits as the forward's layout."""
         q, s = blocks
         if getattr(_LOCAL, "off", False) or _capturing(q):
             return _swap_order(q), _swap_order(s)
