@@ -402,9 +402,13 @@ def run_ranks(target, world: int, *args, timeout_s: float = 1800.0, what: str = 
                 rank, status, payload = q.get(timeout=5.0)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"{what}: rank {dead[0] if dead else '?'} of {world} "
-                                       f"{'exited without a result' if dead else 'timed out'}") from None
+                if dead:
+                    raise RuntimeError(f"{what}: rank {dead[0]} of {world} exited without a result (exit code "
+                                       f"{procs[dead[0]].exitcode})") from None
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(world) if r not in results]
+                    raise RuntimeError(f"{what}: ranks {missing} of {world} did not finish within {timeout_s} s") \
+                        from None
                 continue
             if status != "ok":
                 raise RuntimeError(f"{what}: rank {rank} of {world} failed:\n{payload}")
@@ -414,4 +418,5 @@ def run_ranks(target, world: int, *args, timeout_s: float = 1800.0, what: str = 
             p.join(timeout=60 if len(results) == world else 1)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
     return [results[r] for r in range(world)]
