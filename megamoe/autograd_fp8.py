@@ -18,7 +18,8 @@ fp32 accumulation promoted every 128 of K::
             in the epilogue
             dx rows: e4m3 dgu @ w13 blocks (read transposed)
             weight gradients: both operands quantized 128 rows x 1 column along the expert's rows, from the
-            16-bit values (dout rows and hw for w2, dgu and x rows for w13), fp32 sums, one cast to the weight dtype
+            16-bit values (dout rows and hw for w2, dgu and x rows for w13), written transposed in 128-row blocks
+            padded with zeros (K-major for the tensor cores), fp32 sums, one cast to the weight dtype
 
 The backward reuses the forward's weight blocks (kept by the recipe between the passes; the compiled ops of
 megamoe.custom_ops quantize them again instead) and reads K-major copies of them for the input gradients.
@@ -108,12 +109,14 @@ class Fp8Experts:
     def wgrad(self, rows, p, p_idx_R, q, q_idx_R, out_dtype: torch.dtype):
         """Weight gradient ``sum over each expert's rows of P^T Q`` on 128x1 blocks of both operands, quantized
         from their 16-bit rows (read through p_idx_R / q_idx_R where given): (E, M, N) in ``out_dtype``. The
-        128-row block table is the round's m-tile table for BLOCK_M = 128 (made once, in ``rows.tiles``)."""
+        128-row block table is the round's m-tile table for BLOCK_M = 128 (made once, in ``rows.tiles``). The
+        operands are written block-padded and transposed (K-major, the layout the FP8 tensor cores read)."""
         off = rows.offsets_E1
         blocks = fp8_gemm.table_for(off, fp8_gemm.QB, rows.tiles)
-        pq, ps = fp8_quant.quantize_128x1_grouped(p, off, p_idx_R, blocks)
-        qq, qs = fp8_quant.quantize_128x1_grouped(q, off, q_idx_R, blocks)
-        return fp8_gemm.fp8_k_grouped_mm(pq, ps, qq, qs, off, block_offsets_E1=blocks, out_dtype=out_dtype)
+        pq, ps = fp8_quant.quantize_128x1_grouped(p, off, p_idx_R, blocks, kmajor=True)
+        qq, qs = fp8_quant.quantize_128x1_grouped(q, off, q_idx_R, blocks, kmajor=True)
+        return fp8_gemm.fp8_k_grouped_mm(pq, ps, qq, qs, off, block_offsets_E1=blocks, padded=True,
+                                         out_dtype=out_dtype)
 
     def dx(self, rows) -> torch.Tensor:
         """dx rows = dgu blocks (from the dgrad epilogue) @ w13 blocks (read transposed): (R, D)."""

@@ -39,6 +39,9 @@ Layouts (all row-major, contiguous):
     BLOCK_M = 128) -> q (R, C) in the buffer's row order, s (NB, C) with the static bound
     ``NB = ceil(R / 128) + E``. Rows outside every expert and scale rows past the last block are unspecified
     (here: zeros) and never read.
+  * 128x1 block-padded (the same bytes as the weight-gradient GEMM reads them, :func:`pad_128x1_blocks`):
+    (NB * 128, C), block b = rows [128b, 128b + 128), the block's rows past its expert's last row zeros; stored
+    transposed by the kernels (``buf.t()`` of a (C, NB * 128) buffer: each column's rows contiguous).
 
 Inputs are converted to fp32 first (exact for bf16, fp16 and fp32).
 """
@@ -58,6 +61,7 @@ __all__ = [
     "dequantize_1x128",
     "moe_experts_fp8",
     "moe_experts_fp8_backward",
+    "pad_128x1_blocks",
     "pow2_exponent",
     "quantize_128x1_grouped",
     "quantize_128x128",
@@ -203,6 +207,20 @@ def quantize_128x1_grouped(x: torch.Tensor, offsets_E1: torch.Tensor,
         s[b0:b0 + nb] = se.view(nb, C)
         b0 += nb
     return q, s
+
+
+def pad_128x1_blocks(q_RC: torch.Tensor, offsets_E1: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """The block-padded layout of 128x1 grouped bytes (R, C): (num_blocks * 128, C) e4m3, expert e's j-th block
+    of rows at rows ``128 b:128 b + 128``, ``b = block_offsets_for(offsets)[e] + j``, zeros elsewhere (the
+    block's rows past the expert, and blocks past the last). Contiguous here (the kernels store it transposed)."""
+    off = [int(v) for v in offsets_E1.tolist()]
+    out = torch.zeros((num_blocks * SCALE_BLOCK, q_RC.shape[1]), dtype=torch.uint8, device=q_RC.device)
+    b0 = 0
+    for e in range(len(off) - 1):
+        n = off[e + 1] - off[e]
+        out[b0 * SCALE_BLOCK:b0 * SCALE_BLOCK + n] = q_RC[off[e]:off[e + 1]].view(torch.uint8)
+        b0 += _cdiv(n, SCALE_BLOCK)
+    return out.view(E4M3)
 
 
 def dequantize_128x1_grouped(q_RC: torch.Tensor, s_BC: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from megamoe import reference as ref
 from megamoe.config import get_preset
 from megamoe.ops import build_routing_plan, down_proj, gate_up_swiglu, grouped_mm_nn, k_grouped_mm, swiglu_dgrad
 from megamoe.ops import fp8_gemm as F8
+from megamoe.ops import fp8_quant as Q
 
 # without a GPU (a dry run of this script: TRITON_INTERPRET=1, tiny cases such as E4K2D256F256:64) on CPU
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -133,10 +134,11 @@ def _kmajor(t):
 def fp8_gemms(c):
     """name -> (fn(config) -> outputs, flops). ``*_kmaj``: the dgrad GEMMs on K-major copies of the weights (the
     forward's bytes are N-major for them); ``*_kpad``: the weight gradients on block-padded K-major operands
-    (``block_padded_kmajor``), to measure what the layouts cost."""
+    (``quantize_128x1_grouped(..., kmajor=True)``, the layer's), to measure what the layouts cost."""
     R, D, F, off, tok, kc = c["R"], c["D"], c["F"], c["off"], c["tok"], c["cache"]
     w2k, w2ks, w13k, w13ks = (_kmajor(c[k]) for k in ("w2q", "w2s", "w13q", "w13s"))
-    p13k, q13k, p2k, q2k = (F8.block_padded_kmajor(c[k], off, c[k + "s"].shape[0]) for k in ("p13", "q13", "p2", "q2"))
+    p13k, q13k, p2k, q2k = (Q.quantize_128x1_grouped(src, off, idx, kmajor=True)[0] for src, idx in (
+        (c["dgu"], None), (c["x"], tok), (c["dy"], tok), (c["hw"], None)))
     return {
         "gate_up": (lambda cfg: F8.fp8_gate_up_swiglu(c["xq"], c["xs"], c["w13q"], c["w13s"], off, gather_idx_R=tok,
                                                       tile_cache=kc, config=cfg), 4 * R * D * F),

@@ -5,7 +5,8 @@ deepseek-v3:8192; one H200: well under a minute)
 
 Per case, with uniform random routing (K distinct experts per token): quantize_1x128 of x (T, D) and of h
 (T*K, F); quantize_128x128 of w13 (E, 2F, D) and w2 (E, D, F); quantize_128x1_grouped of the gathered x rows
-(T*K, D, through the rows' token index) and of hw (T*K, F).
+(T*K, D, through the rows' token index) and of hw (T*K, F), in the buffer's row order and (" K") block-padded and
+transposed, as the weight-gradient GEMM reads them.
 Each is checked bit-exact against megamoe.reference first (the weights on their first 4 experts), then timed
 (megamoe.bench.timing: CUDA events, L2 flushed, median of 30); the table gives ms, the bytes moved (read +
 written, ideal) per second, and the same for a plain ``x.to(torch.float8_e4m3fn)`` of the same input (a
@@ -54,14 +55,25 @@ def _case(name: str):
          lambda: reference.quantize_128x1_grouped(x, off, tok), 3 * T * K * D + 4 * nb(T * K) * D, None),
         ("128x1 hw", lambda: fp8_quant.quantize_128x1_grouped(h, off), lambda: reference.quantize_128x1_grouped(h, off),
          3 * h.numel() + 4 * nb(T * K) * F, h),
+        # the same, written block-padded and transposed (the layout the weight-gradient GEMM reads)
+        ("128x1 x rows K", lambda: fp8_quant.quantize_128x1_grouped(x, off, tok, kmajor=True),
+         lambda: _padded(reference.quantize_128x1_grouped(x, off, tok), off), 3 * T * K * D + 4 * nb(T * K) * D, None),
+        ("128x1 hw K", lambda: fp8_quant.quantize_128x1_grouped(h, off, kmajor=True),
+         lambda: _padded(reference.quantize_128x1_grouped(h, off), off), 3 * h.numel() + 4 * nb(T * K) * F, h),
     ], off
+
+
+def _padded(qs, off):
+    q, s = qs
+    return reference.pad_128x1_blocks(q, off, s.shape[0]), s
 
 
 def _same(got, want, off, grouped):
     (qg, sg), (qw, sw) = got, want
     qg, sg = qg[:qw.shape[0]], sg[:sw.shape[0]]  # the weights: the experts checked
-    if grouped:
-        n, b = int(off[-1]), int(reference.block_offsets_for(off)[-1])
+    if grouped:  # the rows in the buffer's order, or (" K") block-padded
+        b = int(reference.block_offsets_for(off)[-1])
+        n = 128 * b if grouped == "kmajor" else int(off[-1])
         qg, qw, sg, sw = qg[:n], qw[:n], sg[:b], sw[:b]
     return torch.equal(qg.view(torch.uint8), qw.view(torch.uint8)) and torch.equal(sg.view(torch.int32),
                                                                                    sw.view(torch.int32))
@@ -73,7 +85,7 @@ def main(cases: list[str]) -> None:
     for name in cases:
         rows, off = _case(name)
         for label, run, ref_fn, nbytes, cast_in in rows:
-            ok = _same(run(), ref_fn(), off, label.startswith("128x1"))
+            ok = _same(run(), ref_fn(), off, label.startswith("128x1") and ("kmajor" if label.endswith(" K") else True))
             ms = summarize(timer.time(lambda _, f=run: f(), 30)).median
             line = f"{name:28s} {label:14s} {ms:8.3f} {nbytes / ms / 1e6:7.0f}"
             if cast_in is not None:

@@ -15,12 +15,15 @@ block makes exactly its dependent rows NaN; results are bitwise repeatable; bad 
 Run: python -m pytest tests/test_fp8_gemm.py -q
 """
 
+import contextlib
+
 import pytest
 import torch
 
 from interpreter import interpreted
 from megamoe import reference as ref
 from megamoe.ops import fp8_gemm as F8
+from megamoe.ops import fp8_quant as Q
 
 E4M3 = torch.float8_e4m3fn
 U24 = 2.0 ** -24
@@ -243,14 +246,29 @@ def _check_wgrad(device, out_dtype, runs):
     pt, qt = pq.t().contiguous().t(), qq.t().contiguous().t()
     assert torch.equal(F8.fp8_k_grouped_mm(pt, ps, qt, qs, off, out_dtype=out_dtype), c)
     nb = ps.shape[0]
-    pp, qp = F8.block_padded_kmajor(pq, off, nb), F8.block_padded_kmajor(qq, off, nb)
-    assert pp.shape == (128 * nb, M) and pp.stride() == (1, 128 * nb + 16)
+    pp, qp = (ref.pad_128x1_blocks(t, off, nb).t().contiguous().t() for t in (pq, qq))  # stored transposed
     assert torch.equal(F8.fp8_k_grouped_mm(pp, ps, qp, qs, off, padded=True, out_dtype=out_dtype), c)
+    # the quantizer's block-padded transposed bytes (blocks past the experts' left unwritten: poisoned here)
+    with _poisoned_allocations():
+        pk, psk = Q.quantize_128x1_grouped(p, off, kmajor=True)
+        qk, qsk = Q.quantize_128x1_grouped(q, off, idx, kmajor=True)
+        assert torch.equal(F8.fp8_k_grouped_mm(pk, psk, qk, qsk, off, padded=True, out_dtype=out_dtype), c)
 
 
 @interpreted
 def test_wgrad_matches_reference_edge_experts_zero_channels_repeatable():
     _check_wgrad("cpu", torch.float32, runs=1)
+
+
+@contextlib.contextmanager
+def _poisoned_allocations():
+    """Within: torch.empty as :func:`_poisoned_empty` makes it."""
+    real = torch.empty
+    torch.empty = _poisoned_empty(real)
+    try:
+        yield
+    finally:
+        torch.empty = real
 
 
 def _poisoned_empty(real):
@@ -376,7 +394,7 @@ def test_gpu_tile_configs_give_the_same_bits():
 
 @pytest.mark.gpu
 def test_gpu_launchers_capture_in_a_cuda_graph():
-    """No host sync: the five launchers (and block_padded_kmajor) record into a CUDA graph; the replay gives the
+    """No host sync: the five launchers (and the K-major 128x1 quantizer) record into a CUDA graph; the replay gives the
     eager run's bits."""
     counts, D, F = [0, 1, 127, 128, 129, 300], 512, 256
     x, w13, w2, idx, off = _case(counts, D, F, T=700, device="cuda")
@@ -384,14 +402,13 @@ def test_gpu_launchers_capture_in_a_cuda_graph():
     w13q, w13s = _quant_w(w13)
     w2q, w2s = _quant_w(w2)
     rs = torch.rand(sum(counts), device="cuda")
-    pq, ps = ref.quantize_128x1_grouped(x.bfloat16(), off, idx)
 
     def step():
         hq, hs, gu = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off, gather_idx_R=idx)
         y = F8.fp8_grouped_mm_nt(hq, hs, w2q, w2s, off, row_scale_R=rs)
         dgu, hw, part, dgq, dgs = F8.fp8_swiglu_dgrad(xq, xs, w2q, w2s, off, gu, gather_idx_R=idx, row_scale_R=rs)
         dx = F8.fp8_grouped_mm_nn(dgq, dgs, w13q, w13s, off)
-        pp = F8.block_padded_kmajor(pq, off, ps.shape[0])
+        pp, ps = Q.quantize_128x1_grouped(x.bfloat16(), off, idx, kmajor=True)
         dw = F8.fp8_k_grouped_mm(pp, ps, pp, ps, off, padded=True)
         return [hq.view(torch.uint8), hs, gu, y, dgu, hw, part, dgq.view(torch.uint8), dgs, dx, dw]
 

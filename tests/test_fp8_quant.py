@@ -319,6 +319,36 @@ def _grouped_specified(got, want, off, what):
     _assert_same((got[0][:n], got[1][:nb]), (want[0][:n], want[1][:nb]), what)
 
 
+@contextlib.contextmanager
+def _poisoned_allocations():
+    """torch.empty fills what it returns with 0x7F bytes (e4m3 NaN, fp32 3.4e38): bytes a kernel should write
+    and does not show up."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        t.view(U8).fill_(0x7F)
+        return t
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+def _kmajor_specified(x, off, idx, what):
+    """The block-padded transposed bytes (kmajor=True) are the reference's bytes in the reference's padded layout
+    (zeros past each expert's rows, written into poisoned memory), the scales the row-order call's."""
+    with _poisoned_allocations():
+        q, s = ops.quantize_128x1_grouped(x, off, idx, kmajor=True)
+    qw, sw = ref.quantize_128x1_grouped(x, off, idx)
+    nb, used = sw.shape[0], int(ref.block_offsets_for(off)[-1])
+    assert q.shape == (128 * nb, x.shape[1]) and q.stride() == (1, 128 * nb) and q.t().is_contiguous(), what
+    padded = ref.pad_128x1_blocks(qw, off, nb)
+    _assert_same((q[:128 * used], s[:used]), (padded[:128 * used], sw[:used]), f"{what} kmajor")
+
+
 def kernel_grouped_cases(device, failures=None, all_views=False):
     for dtype in DTYPES:
         for gather in (False, True):
@@ -332,10 +362,13 @@ def kernel_grouped_cases(device, failures=None, all_views=False):
                 check_grouped_properties(*got, off)
                 table = ref.block_offsets_for(off).to(torch.int32)
                 _grouped_specified(ops.quantize_128x1_grouped(x, off, idx, block_offsets=table), want, off, "table")
+                _kmajor_specified(x, off, idx, f"128x1 {dtype} gather={gather}")
     with _case(failures, "128x1 no rows"):
         off = torch.zeros(3, dtype=torch.int32, device=device)  # two experts, no rows
         q, s = ops.quantize_128x1_grouped(torch.randn(8, 5, device=device), off)
         assert q.shape == (8, 5) and s.shape == (3, 5)
+        q, s = ops.quantize_128x1_grouped(torch.randn(8, 5, device=device), off, kmajor=True)
+        assert q.shape == (128 * 3, 5) and s.shape == (3, 5)
     for gather in (False, True) if all_views else (False,):
         x, off, idx = grouped_case(C=130, gather=gather)
         x, off, idx = x.to(device), off.to(device), idx.to(device) if gather else None
@@ -345,6 +378,7 @@ def kernel_grouped_cases(device, failures=None, all_views=False):
             with _case(failures, what):
                 _grouped_specified(ops.quantize_128x1_grouped(xv, off, idx), ref.quantize_128x1_grouped(xv, off, idx),
                                    off, what)
+                _kmajor_specified(xv, off, idx, what)
 
 
 def poisoned_output_cases(device):
@@ -429,6 +463,8 @@ def bad_input_cases(device):
         ops.quantize_128x1_grouped(x, off, block_offsets=off[:1])
     with pytest.raises(ValueError, match="num_rows"):
         ops.quantize_128x1_grouped(x, off, num_rows=5)
+    with pytest.raises(ValueError, match="out is not taken with kmajor"):
+        ops.quantize_128x1_grouped(x, off, kmajor=True, out=torch.empty(4, 256, device=device).to(ref.E4M3))
 
 
 # --------------------------------------------------------------------------- interpreter (CPU, CI)
@@ -522,8 +558,11 @@ def test_byte_tiles_are_stored_from_the_layout_they_are_cast_in(width):
     compiled = [_compile_sm90(k.quantize_1x128_kernel, dict(R=300, C=width), X_PTRS, {"BLOCK_R": 32, "HW_CAST": True}),
                 _compile_sm90(k.quantize_128x128_kernel, dict(N=300, K=width), W_PTRS, {"HW_CAST": True}, num_warps=8)]
     for gather in (False, True) if width > 1 else (False,):  # one column is gathered by the launcher
-        compiled.append(_compile_sm90(k.quantize_128x1_grouped_kernel, dict(C=width, num_experts=7), G_PTRS,
-                                      {"GATHER": gather, "E_POW2": 8, "BLOCK_C": 64, "HW_CAST": True}))
+        for kmajor in (False, True):  # kmajor: the bytes are packed into int32 words before they change layout
+            compiled.append(_compile_sm90(k.quantize_128x1_grouped_kernel, dict(C=width, num_experts=7, ld_q=128 * 9),
+                                          {**G_PTRS, "q_ptr": "*i32" if kmajor else "*u8"},
+                                          {"GATHER": gather, "E_POW2": 8, "BLOCK_C": 64, "KMAJOR": kmajor,
+                                           "HW_CAST": True}))
     for c in compiled:
         assert "tt.fp_to_fp" in c.asm["ttgir"] and not BYTE_RELAYOUT.search(c.asm["ttgir"]), c.name
 

@@ -169,12 +169,25 @@ def quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, N, K, HW_CAST: tl.constexpr):
 
 
 @triton.jit
+def pack_rows_4(q):
+    """Bytes (uint8, (R, C), R a multiple of 4) as int32 words: word (w, c) holds rows 4w .. 4w + 3 of column c,
+    little-endian (row 4w in its low byte), i.e. the bytes of a column stored contiguously."""
+    R: tl.constexpr = q.shape[0]
+    C: tl.constexpr = q.shape[1]
+    q4 = tl.reshape(q.to(tl.int32), (R // 4, 4, C))
+    shifts = (tl.arange(0, 4) * 8)[None, :, None]
+    return tl.sum(q4 << shifts, axis=1)  # disjoint bits: the sum is the bitwise or
+
+
+@triton.jit
 def quantize_128x1_grouped_kernel(x_ptr, idx_ptr, offsets_ptr, block_offsets_ptr, q_ptr, s_ptr, C, num_experts,
-                                  GATHER: tl.constexpr, E_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
-                                  HW_CAST: tl.constexpr):
+                                  ld_q, GATHER: tl.constexpr, E_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
+                                  KMAJOR: tl.constexpr, HW_CAST: tl.constexpr):
     """Program (b, j): global 128-row block b (of the m-tile table ``block_offsets``) x columns
-    [j * BLOCK_C, ...): its rows of x (.., C) contiguous (gathered through idx when GATHER) -> q rows (R, C) uint8,
-    s[b] (NB, C)."""
+    [j * BLOCK_C, ...): its rows of x (.., C) contiguous (gathered through idx when GATHER) -> s[b] (NB, C) and
+    the bytes: q rows (R, C) uint8 in the buffer's order, or KMAJOR the block-padded transposed layout, column c's
+    block b at ``q[c * ld_q + 128 b:][:128]`` (int32 words: q_ptr is the buffer as int32, ld_q in bytes), rows past
+    the expert's written as zeros."""
     blk = tl.program_id(0)
     if blk < tl.load(block_offsets_ptr + num_experts):
         _, row_start, row_end = expert_of_tile(block_offsets_ptr, offsets_ptr, blk, num_experts, E_POW2,
@@ -190,5 +203,11 @@ def quantize_128x1_grouped_kernel(x_ptr, idx_ptr, offsets_ptr, block_offsets_ptr
         mask = mask_r[:, None] & mask_c[None, :]
         x = tl.load(x_ptr + src[:, None] * C + cols[None, :], mask=mask, other=0.0)
         q, s = quantize_block_cols(as_fp32(x), HW_CAST)
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], q, mask=mask)
+        if KMAJOR:  # the words of (column c, rows 4w .. 4w + 3): moved between layouts as int32, never as bytes
+            words = pack_rows_4(q)
+            w = tl.arange(0, SCALE_BLOCK // 4)
+            w_ptrs = q_ptr + cols.to(tl.int64)[None, :] * (ld_q // 4) + blk * (SCALE_BLOCK // 4) + w[:, None]
+            tl.store(w_ptrs, words, mask=mask_c[None, :])
+        else:
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], q, mask=mask)
         tl.store(s_ptr + blk.to(tl.int64) * C + cols, s, mask=mask_c)

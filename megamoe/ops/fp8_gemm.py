@@ -33,7 +33,7 @@ from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .routing import tile_offsets_for
 
 __all__ = ["fp8_gate_up_swiglu", "fp8_grouped_mm_nt", "fp8_grouped_mm_nn", "fp8_swiglu_dgrad", "fp8_k_grouped_mm",
-           "fp8_config", "Fp8GemmConfig", "FP8_KINDS", "QB", "block_padded_kmajor"]
+           "fp8_config", "Fp8GemmConfig", "FP8_KINDS", "QB"]
 
 QB = 128  # the scale group
 _PLAIN, _SWIGLU, _SWIGLU_BWD = 0, 1, 2
@@ -349,7 +349,8 @@ def fp8_k_grouped_mm(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor, qs: t
         qq, qs: (R, N) e4m3 + (NB, N) fp32.
         padded: the operands are block-padded instead: block b is rows [128b, 128b + 128) of pq / qq, (NB * 128,
             M) / (NB * 128, N), zeros past each expert's rows (nothing masked; stored transposed, e.g.
-            ``buf.t()`` of a (M, NB * 128) buffer, this is the layout the FP8 tensor cores read directly).
+            ``buf.t()`` of a (M, NB * 128) buffer, this is the layout the FP8 tensor cores read directly; what
+            ``megamoe.ops.fp8_quant.quantize_128x1_grouped(..., kmajor=True)`` writes).
         offsets_E1: (E + 1,) int32 group offsets into the R rows.
         block_offsets_E1: optional (E + 1,) int32 block table (``tile_offsets_for(offsets_E1, 128)``; computed,
             or taken from ``tile_cache``, when None).
@@ -399,24 +400,3 @@ def fp8_k_grouped_mm(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor, qs: t
     )
     return c
 
-
-def block_padded_kmajor(q_RC: torch.Tensor, offsets_E1: torch.Tensor, num_blocks: int,
-                        tile_cache: dict | None = None) -> torch.Tensor:
-    """The 128x1 operand layout :func:`fp8_k_grouped_mm` reads fastest (``padded=True``), from the row-order
-    bytes: (num_blocks * 128, C) e4m3, a transposed view of a (C, num_blocks * 128) buffer (rows contiguous: the FP8
-    tensor cores' K-major layout), block b = rows [128b, 128b + 128) holding expert e's j-th block of rows
-    (b = block_offsets[e] + j), zeros past each expert's rows. num_blocks: the scales' rows (>= the real blocks,
-    e.g. cdiv(R, 128) + E). One gather-copy on the device, no sync (a quantizer can write this layout directly)."""
-    where = "block_padded_kmajor"
-    _check_q(where, "q_RC", q_RC, 2)
-    R, C = q_RC.shape
-    E = offsets_E1.shape[0] - 1
-    blocks = table_for(offsets_E1, QB, tile_cache).long()
-    rows = torch.arange(R, device=q_RC.device, dtype=offsets_E1.dtype)
-    expert = torch.searchsorted(offsets_E1[1:].contiguous(), rows, right=True)  # E: past the last expert
-    dest = rows.long() - offsets_E1.long()[expert] + QB * blocks[expert]
-    dest = torch.where(expert < E, dest, num_blocks * QB)  # rows past the experts go to dropped columns
-    # 16 dropped columns keep the buffer's rows 16-byte aligned (vector loads)
-    buf = torch.zeros((C, num_blocks * QB + 16), dtype=torch.uint8, device=q_RC.device)
-    buf.index_copy_(1, dest, q_RC.view(torch.uint8).t())
-    return buf[:, :num_blocks * QB].view(_E4M3).t()

@@ -117,7 +117,7 @@ def quantize_128x128(w_ENK: torch.Tensor, *, out: torch.Tensor | None = None,
 
 def quantize_128x1_grouped(x: torch.Tensor, offsets_E1: torch.Tensor, idx_R: torch.Tensor | None = None,
                            block_offsets: torch.Tensor | None = None, *, num_rows: int | None = None,
-                           out: torch.Tensor | None = None,
+                           kmajor: bool = False, out: torch.Tensor | None = None,
                            scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """128x1 block quantization along the rows of an expert-grouped buffer: (q_RC e4m3, s_BC fp32), as
     megamoe.reference.quantize_128x1_grouped (bit for bit on the specified part).
@@ -132,10 +132,16 @@ def quantize_128x1_grouped(x: torch.Tensor, offsets_E1: torch.Tensor, idx_R: tor
             (``megamoe.ops.tile_offsets_for(offsets_E1, 128)``, e.g. from a GEMM's tile cache); computed when
             None.
         num_rows: R when neither idx_R nor x gives it (default: idx_R's length, else x's rows).
-        out / scale_out: optional (R, C) e4m3 / (NB, C) fp32 buffers, NB = ceil(R / 128) + E.
+        kmajor: write the bytes block-padded and transposed (the layout the FP8 weight-gradient GEMM reads fastest,
+            ``megamoe.ops.fp8_gemm.fp8_k_grouped_mm(..., padded=True)``) instead of in the buffer's row order.
+        out / scale_out: optional (R, C) e4m3 / (NB, C) fp32 buffers, NB = ceil(R / 128) + E (``out`` not with
+            kmajor).
 
-    Returns q (R, C): rows ``offsets[0]:offsets[E]`` written; s (NB, C): rows ``[0, block_offsets[E])``
-    written (expert e's block j is row ``block_offsets[e] + j``). Other rows are not written (unspecified).
+    Returns q (R, C): rows ``offsets[0]:offsets[E]`` written; or with kmajor q (NB * 128, C), the transposed view
+    ``buf.t()`` of a contiguous (C, NB * 128) buffer, block b = rows [128b, 128b + 128): expert e's block j at
+    b = ``block_offsets[e] + j``, its rows past the expert's last written as zeros, blocks from
+    ``block_offsets[E]`` on not written; s (NB, C): rows ``[0, block_offsets[E])`` written (expert e's block j
+    is row ``block_offsets[e] + j``). Other rows are not written (unspecified).
     Device values are trusted (offsets in range, idx in [0, T)), as by the grouped GEMMs: no sync.
     """
     where = "quantize_128x1_grouped"
@@ -158,7 +164,13 @@ def quantize_128x1_grouped(x: torch.Tensor, offsets_E1: torch.Tensor, idx_R: tor
     x = _dense(x)
     C = x.shape[1]
     NB = triton.cdiv(R, SCALE_BLOCK) + E
-    q = _output(out, (R, C), E4M3, dev, "out", where)
+    if kmajor and out is not None:
+        raise ValueError(f"{where}: out is not taken with kmajor=True (the bytes go to a new transposed buffer)")
+    if kmajor:
+        q_buf = torch.empty((C, NB * SCALE_BLOCK), dtype=E4M3, device=dev)  # rows of 128 * NB bytes: aligned
+        q = q_buf.t()
+    else:
+        q = q_buf = _output(out, (R, C), E4M3, dev, "out", where)
     s = _output(scale_out, (NB, C), torch.float32, dev, "scale_out", where)
     if R == 0 or C == 0 or E == 0:
         return q, s
@@ -166,7 +178,8 @@ def quantize_128x1_grouped(x: torch.Tensor, offsets_E1: torch.Tensor, idx_R: tor
         block_offsets = tile_offsets_for(offsets_E1, SCALE_BLOCK)
     grid = (NB, triton.cdiv(C, _COLS_PER_PROGRAM))
     quantize_128x1_grouped_kernel[grid](
-        x, idx_R if idx_R is not None else offsets_E1, offsets_E1, block_offsets, q.view(torch.uint8), s, C, E,
-        GATHER=idx_R is not None, E_POW2=pow2(E), BLOCK_C=_COLS_PER_PROGRAM,
+        x, idx_R if idx_R is not None else offsets_E1, offsets_E1, block_offsets,
+        q_buf.view(torch.int32) if kmajor else q_buf.view(torch.uint8), s, C, E, q_buf.shape[1],
+        GATHER=idx_R is not None, E_POW2=pow2(E), BLOCK_C=_COLS_PER_PROGRAM, KMAJOR=kmajor,
         HW_CAST=not is_interpreted(quantize_128x1_grouped_kernel), num_warps=4, enable_fp_fusion=True)
     return q, s
