@@ -169,14 +169,47 @@ def quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, N, K, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def pack_rows_4(q):
-    """Bytes (uint8, (R, C), R a multiple of 4) as int32 words: word (w, c) holds rows 4w .. 4w + 3 of column c,
-    little-endian (row 4w in its low byte), i.e. the bytes of a column stored contiguously."""
-    R: tl.constexpr = q.shape[0]
-    C: tl.constexpr = q.shape[1]
-    q4 = tl.reshape(q.to(tl.int32), (R // 4, 4, C))
-    shifts = (tl.arange(0, 4) * 8)[None, :, None]
-    return tl.sum(q4 << shifts, axis=1)  # disjoint bits: the sum is the bitwise or
+def _load_rows(x_ptr, idx_ptr, rows, row_end, cols, mask_c, C, GATHER: tl.constexpr):
+    """fp32 rows ``rows`` (< row_end, else zeros) x columns ``cols`` of x (.., C) contiguous, read through idx when
+    GATHER."""
+    mask_r = rows < row_end
+    if GATHER:
+        src = tl.load(idx_ptr + rows, mask=mask_r, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    return as_fp32(tl.load(x_ptr + src[:, None] * C + cols[None, :], mask=mask_r[:, None] & mask_c[None, :],
+                           other=0.0))
+
+
+@triton.jit
+def _quantize_128x1_kmajor(x_ptr, idx_ptr, q_ptr, blk, row_start, row_end, cols, mask_c, C, ld_q,
+                           GATHER: tl.constexpr, HW_CAST: tl.constexpr):
+    """One 128-row block x the columns ``cols`` written transposed: column c's 128 bytes at
+    ``q[c * ld_q + 128 blk:]`` (q_ptr the buffer as int32 words, ld_q in bytes), rows past row_end as zeros;
+    returns the scales. The rows are read as four (32, cols) tiles, rows 4w + k, so that word w of a column packs
+    bytes k = 0..3 (little-endian) without reshaping a tile, and the words, not the bytes, change layout."""
+    w = tl.arange(0, SCALE_BLOCK // 4)
+    r0 = row_start + 4 * w
+    x0 = _load_rows(x_ptr, idx_ptr, r0, row_end, cols, mask_c, C, GATHER)
+    x1 = _load_rows(x_ptr, idx_ptr, r0 + 1, row_end, cols, mask_c, C, GATHER)
+    x2 = _load_rows(x_ptr, idx_ptr, r0 + 2, row_end, cols, mask_c, C, GATHER)
+    x3 = _load_rows(x_ptr, idx_ptr, r0 + 3, row_end, cols, mask_c, C, GATHER)
+    amax = tl.maximum(tl.maximum(tl.max(abs_bits(x0), axis=0), tl.max(abs_bits(x1), axis=0)),
+                      tl.maximum(tl.max(abs_bits(x2), axis=0), tl.max(abs_bits(x3), axis=0)))
+    inv, scale, finite = pow2_scale(amax)
+    words = _byte_of(x0, inv, finite, HW_CAST)
+    words |= _byte_of(x1, inv, finite, HW_CAST) << 8
+    words |= _byte_of(x2, inv, finite, HW_CAST) << 16
+    words |= _byte_of(x3, inv, finite, HW_CAST) << 24
+    w_ptrs = q_ptr + cols.to(tl.int64)[None, :] * (ld_q // 4) + blk * (SCALE_BLOCK // 4) + w[:, None]
+    tl.store(w_ptrs, words, mask=mask_c[None, :])
+    return scale
+
+
+@triton.jit
+def _byte_of(x, inv, finite, HW_CAST: tl.constexpr):
+    """e4m3 bytes of a (rows, cols) fp32 tile under per-column inverse scales, as int32 values 0..255."""
+    return e4m3_bytes(tl.where(finite[None, :], x * inv[None, :], 0.0), HW_CAST).to(tl.int32)
 
 
 @triton.jit
@@ -186,28 +219,21 @@ def quantize_128x1_grouped_kernel(x_ptr, idx_ptr, offsets_ptr, block_offsets_ptr
     """Program (b, j): global 128-row block b (of the m-tile table ``block_offsets``) x columns
     [j * BLOCK_C, ...): its rows of x (.., C) contiguous (gathered through idx when GATHER) -> s[b] (NB, C) and
     the bytes: q rows (R, C) uint8 in the buffer's order, or KMAJOR the block-padded transposed layout, column c's
-    block b at ``q[c * ld_q + 128 b:][:128]`` (int32 words: q_ptr is the buffer as int32, ld_q in bytes), rows past
-    the expert's written as zeros."""
+    block b at ``q[c * ld_q + 128 b:][:128]`` (q_ptr the buffer as int32 words, ld_q in bytes), rows past the
+    expert's written as zeros."""
     blk = tl.program_id(0)
     if blk < tl.load(block_offsets_ptr + num_experts):
         _, row_start, row_end = expert_of_tile(block_offsets_ptr, offsets_ptr, blk, num_experts, E_POW2,
                                                SCALE_BLOCK)
-        rows = row_start + tl.arange(0, SCALE_BLOCK)
-        mask_r = rows < row_end
-        if GATHER:
-            src = tl.load(idx_ptr + rows, mask=mask_r, other=0).to(tl.int64)
-        else:
-            src = rows.to(tl.int64)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         mask_c = cols < C
-        mask = mask_r[:, None] & mask_c[None, :]
-        x = tl.load(x_ptr + src[:, None] * C + cols[None, :], mask=mask, other=0.0)
-        q, s = quantize_block_cols(as_fp32(x), HW_CAST)
-        if KMAJOR:  # the words of (column c, rows 4w .. 4w + 3): moved between layouts as int32, never as bytes
-            words = pack_rows_4(q)
-            w = tl.arange(0, SCALE_BLOCK // 4)
-            w_ptrs = q_ptr + cols.to(tl.int64)[None, :] * (ld_q // 4) + blk * (SCALE_BLOCK // 4) + w[:, None]
-            tl.store(w_ptrs, words, mask=mask_c[None, :])
+        if KMAJOR:
+            s = _quantize_128x1_kmajor(x_ptr, idx_ptr, q_ptr, blk, row_start, row_end, cols, mask_c, C, ld_q, GATHER,
+                                       HW_CAST)
         else:
-            tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], q, mask=mask)
+            rows = row_start + tl.arange(0, SCALE_BLOCK)
+            x = _load_rows(x_ptr, idx_ptr, rows, row_end, cols, mask_c, C, GATHER)
+            q, s = quantize_block_cols(x, HW_CAST)
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], q,
+                     mask=(rows < row_end)[:, None] & mask_c[None, :])
         tl.store(s_ptr + blk.to(tl.int64) * C + cols, s, mask=mask_c)
