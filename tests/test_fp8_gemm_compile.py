@@ -91,6 +91,11 @@ def report(k):
                 fresh_dots=len(re.findall(r"ttng\.warp_group_dot [^\n]*%cst", loop)))
 
 
+# The one table entry chosen with spills: the SwiGLU-backward epilogue of a 64 x 128 one-warpgroup tile spills ~300
+# bytes, and that tile, two CTAs per SM, still measured fastest (qwen3-30b-a3b:16384, H200: 1.40 ms against 1.75 for
+# the best tile without spills, scripts/fp8_gemm_bench.py --sweep). A larger spill means the epilogue changed.
+SPILL_BYTES_MEASURED = {"dgrad_swiglu": 512}
+
 CASES = [(p, kind, km) for p in SHAPES for kind in KINDS for km in ((False, True) if kind.startswith("dgrad") else
                                                                    (False,))]
 
@@ -101,7 +106,7 @@ def test_m_grouped_table_configs_compile(preset, kind, kmajor):
     r = report(k)
     assert r["wgmma"] == ["k32.f32.e4m3.e4m3"] and not r["other_mma"], r
     assert r["fresh_dots"] >= 1, f"each K-block's dot must start from zero (promotion every 128 of K): {r}"
-    assert r["spill"] == 0 and r["shared"] <= HOPPER_SMEM, r
+    assert r["spill"] <= SPILL_BYTES_MEASURED.get(kind, 0) and r["shared"] <= HOPPER_SMEM, r
     if kind in ("gate_up", "down") or kmajor:  # K-major weights: no operand tile through registers
         assert r["sync_tile_loads"] == 0 and r["async_loads"] >= 2, r
 

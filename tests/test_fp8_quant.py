@@ -558,13 +558,16 @@ def test_byte_tiles_are_stored_from_the_layout_they_are_cast_in(width):
     compiled = [_compile_sm90(k.quantize_1x128_kernel, dict(R=300, C=width), X_PTRS, {"BLOCK_R": 32, "HW_CAST": True}),
                 _compile_sm90(k.quantize_128x128_kernel, dict(N=300, K=width), W_PTRS, {"HW_CAST": True}, num_warps=8)]
     for gather in (False, True) if width > 1 else (False,):  # one column is gathered by the launcher
-        for kmajor in (False, True):  # kmajor: the bytes are packed into int32 words before they change layout
-            compiled.append(_compile_sm90(k.quantize_128x1_grouped_kernel, dict(C=width, num_experts=7, ld_q=128 * 9),
-                                          {**G_PTRS, "q_ptr": "*i32" if kmajor else "*u8"},
-                                          {"GATHER": gather, "E_POW2": 8, "BLOCK_C": 64, "KMAJOR": kmajor,
-                                           "HW_CAST": True}))
+        compiled.append(_compile_sm90(k.quantize_128x1_grouped_kernel, dict(C=width, num_experts=7, ld_q=128 * 9),
+                                      G_PTRS, {"GATHER": gather, "E_POW2": 8, "BLOCK_C": 64, "KMAJOR": False,
+                                               "HW_CAST": True}))
     for c in compiled:
         assert "tt.fp_to_fp" in c.asm["ttgir"] and not BYTE_RELAYOUT.search(c.asm["ttgir"]), c.name
+    for gather in (False, True) if width > 1 else (False,):  # K-major: integer rounding, words (not bytes) moved
+        c = _compile_sm90(k.quantize_128x1_grouped_kernel, dict(C=width, num_experts=7, ld_q=128 * 9),
+                          {**G_PTRS, "q_ptr": "*i32"}, {"GATHER": gather, "E_POW2": 8, "BLOCK_C": 64, "KMAJOR": True,
+                                                       "HW_CAST": False})
+        assert "tt.fp_to_fp" not in c.asm["ttgir"] and not BYTE_RELAYOUT.search(c.asm["ttgir"]), c.name
 
 
 # --------------------------------------------------------------------------- CUDA (the hardware e4m3 cast)

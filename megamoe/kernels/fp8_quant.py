@@ -48,7 +48,11 @@ layout; a GEMM epilogue that fuses these helpers should be checked the same way.
     int32 index when GATHER; more than one column then, so that the store's rows are strided like the load's)
     -> q (R, C) in the buffer's order, s (NB, C); program = one 128-row block x BLOCK_C
     columns, its expert found from the m-tile table (BLOCK_M = 128; kernels.tiles.expert_of_tile). Programs past
-    the last real block return at once.
+    the last real block return at once. KMAJOR: the bytes go block-padded and transposed (the weight-gradient GEMM's
+    K-major operand), packed four to an int32 word before they change layout; its launcher rounds with the
+    integer path (HW_CAST False) on the GPU as well: with the hardware cast (Triton 3.6, sm_90a, H200) this
+    variant stored garbage bytes (0xFC) in 8 of every 64 zero-padded rows, while the integer path gave the
+    reference's bytes exactly (tests/test_fp8_quant.py's GPU cases check both layouts bit for bit).
 """
 
 import triton

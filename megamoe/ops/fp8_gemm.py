@@ -77,9 +77,9 @@ _INTERPRET = Fp8GemmConfig(16, 128, 4, 1)
 _TABLE = {
     "gate_up": Fp8GemmConfig(64, 128, 8, 3),
     "down": Fp8GemmConfig(64, 128, 4, 4, programs_per_sm=2),
-    "dgrad_swiglu": Fp8GemmConfig(64, 128, 8, 3),
-    "dgrad": Fp8GemmConfig(64, 128, 4, 4, programs_per_sm=2),
-    "wgrad": Fp8GemmConfig(128, 128, 8, 3),
+    "dgrad_swiglu": Fp8GemmConfig(64, 128, 4, 4, programs_per_sm=2),
+    "dgrad": Fp8GemmConfig(64, 128, 4, 3, programs_per_sm=2),
+    "wgrad": Fp8GemmConfig(64, 128, 4, 3),
 }
 FP8_KINDS = tuple(_TABLE)
 
