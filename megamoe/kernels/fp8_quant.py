@@ -49,10 +49,10 @@ layout; a GEMM epilogue that fuses these helpers should be checked the same way.
     -> q (R, C) in the buffer's order, s (NB, C); program = one 128-row block x BLOCK_C
     columns, its expert found from the m-tile table (BLOCK_M = 128; kernels.tiles.expert_of_tile). Programs past
     the last real block return at once. KMAJOR: the bytes go block-padded and transposed (the weight-gradient GEMM's
-    K-major operand), packed four to an int32 word before they change layout; its launcher rounds with the
-    integer path (HW_CAST False) on the GPU as well: with the hardware cast (Triton 3.6, sm_90a, H200) this
-    variant stored garbage bytes (0xFC) in 8 of every 64 zero-padded rows, while the integer path gave the
-    reference's bytes exactly (tests/test_fp8_quant.py's GPU cases check both layouts bit for bit).
+    K-major operand), packed four to an int32 word before they change layout. Its hardware cast is inline PTX on
+    fp32 pairs: with Triton's cast of the tiles and the bytes packed into words (Triton 3.6, sm_90a, H200) this
+    variant stored wrong bytes (0xFC in 8 of every 64 rows); tests/test_fp8_quant.py's GPU cases check both
+    layouts bit for bit.
 """
 
 import triton
@@ -201,19 +201,46 @@ def _quantize_128x1_kmajor(x_ptr, idx_ptr, q_ptr, blk, row_start, row_end, cols,
     amax = tl.maximum(tl.maximum(tl.max(abs_bits(x0), axis=0), tl.max(abs_bits(x1), axis=0)),
                       tl.maximum(tl.max(abs_bits(x2), axis=0), tl.max(abs_bits(x3), axis=0)))
     inv, scale, finite = pow2_scale(amax)
-    words = _byte_of(x0, inv, finite, HW_CAST)
-    words |= _byte_of(x1, inv, finite, HW_CAST) << 8
-    words |= _byte_of(x2, inv, finite, HW_CAST) << 16
-    words |= _byte_of(x3, inv, finite, HW_CAST) << 24
+    words = _e4m3_word(_scaled(x0, inv, finite), _scaled(x1, inv, finite), _scaled(x2, inv, finite),
+                       _scaled(x3, inv, finite), HW_CAST)
     w_ptrs = q_ptr + cols.to(tl.int64)[None, :] * (ld_q // 4) + blk * (SCALE_BLOCK // 4) + w[:, None]
     tl.store(w_ptrs, words, mask=mask_c[None, :])
     return scale
 
 
 @triton.jit
-def _byte_of(x, inv, finite, HW_CAST: tl.constexpr):
-    """e4m3 bytes of a (rows, cols) fp32 tile under per-column inverse scales, as int32 values 0..255."""
-    return e4m3_bytes(tl.where(finite[None, :], x * inv[None, :], 0.0), HW_CAST).to(tl.int32)
+def _scaled(x, inv, finite):
+    """x * inv per column, zeros in a non-finite column (its bytes are 0, its scale NaN)."""
+    return tl.where(finite[None, :], x * inv[None, :], 0.0)
+
+
+@triton.jit
+def _e4m3_pair(lo, hi):
+    """The hardware e4m3 cast of two fp32 tiles (|values| <= 448) as int32: byte 0 e4m3(lo), byte 1 e4m3(hi).
+    One ``cvt.rn.satfinite.e4m3x2.f32`` per pair in inline PTX, so no 8-bit values reach the compiler (Triton's own
+    cast feeding the packed words stored wrong bytes in this kernel on the GPU)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $2, $1; cvt.u32.u16 $0, t; }",
+        "=r,r,r", [lo, hi], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _sign_byte(y, shift: tl.constexpr):
+    """y's sign bit (fp32) as bit 7 of byte ``shift // 8`` of an int32."""
+    return ((y.to(tl.int32, bitcast=True) >> 24) & 0x80) << shift
+
+
+@triton.jit
+def _e4m3_word(y0, y1, y2, y3, HW_CAST: tl.constexpr):
+    """int32 words of four fp32 tiles' e4m3 bytes (|values| <= 448), y0 in the low byte: e4m3_bytes's bytes
+    (round to nearest even; the sign ORed in again, so a negative value rounding to zero gives 0x80 as torch's cast
+    does)."""
+    if HW_CAST:
+        words = _e4m3_pair(y0, y1) | (_e4m3_pair(y2, y3) << 16)
+        return words | _sign_byte(y0, 0) | _sign_byte(y1, 8) | _sign_byte(y2, 16) | _sign_byte(y3, 24)
+    else:
+        words = e4m3_bytes(y0, False).to(tl.int32) | (e4m3_bytes(y1, False).to(tl.int32) << 8)
+        return words | (e4m3_bytes(y2, False).to(tl.int32) << 16) | (e4m3_bytes(y3, False).to(tl.int32) << 24)
 
 
 @triton.jit

@@ -181,6 +181,5 @@ def quantize_128x1_grouped(x: torch.Tensor, offsets_E1: torch.Tensor, idx_R: tor
         x, idx_R if idx_R is not None else offsets_E1, offsets_E1, block_offsets,
         q_buf.view(torch.int32) if kmajor else q_buf.view(torch.uint8), s, C, E, q_buf.shape[1],
         GATHER=idx_R is not None, E_POW2=pow2(E), BLOCK_C=_COLS_PER_PROGRAM, KMAJOR=kmajor,
-        # kmajor: integer rounding on the GPU too (the hardware cast gave wrong bytes there: kernels.fp8_quant)
-        HW_CAST=not (kmajor or is_interpreted(quantize_128x1_grouped_kernel)), num_warps=4, enable_fp_fusion=True)
+        HW_CAST=not is_interpreted(quantize_128x1_grouped_kernel), num_warps=4, enable_fp_fusion=True)
     return q, s
