@@ -8,7 +8,7 @@ megamoe's bf16 kernel (megamoe.ops.grouped_gemm) and ``torch._scaled_grouped_mm`
 rows sorted by expert, its own operand layouts; "n/a" where this torch rejects the call). The operands are
 quantized once before the timings (torch code here, the formats of megamoe.ops.fp8_gemm), so only the GEMMs
 are timed. ``--sweep`` also times every tile config of a small grid (BLOCK_M 64/128, BLOCK_N 128/256, 4/8
-warps, 3/4 stages; skewed promotion) and checks that each gives the table config's bits.
+warps, 3/4 stages, two programs per SM) and checks that each gives the table config's bits.
 
 Usage: python scripts/fp8_gemm_bench.py [preset:T ...] [--only=GEMM ...] [--sweep] [--out=DIR]
 Default cases: qwen3-30b-a3b:16384 deepseek-v3:8192; a case may also be E<e>K<k>D<d>F<f>:T.
@@ -271,8 +271,6 @@ def sweep_configs(kind):
                                                                                      (3, 4))]
     if kind != "wgrad":  # two CTAs per SM (one's promotion beside the other's dot)
         grid += [F8.Fp8GemmConfig(64, 128, 4, st, programs_per_sm=2) for st in (3, 4)]
-    if kind not in ("gate_up", "wgrad"):  # the skewed promotion
-        grid += [F8.Fp8GemmConfig(128, 128, 8, st, skew=True) for st in (3, 4)]
     return grid
 
 
@@ -322,7 +320,7 @@ def run_case(case, only, sweep, log):
                                            b.view(torch.uint8) if b.dtype == E4M3 else b) for a, b in zip(base, got))
                     ms = timeit(lambda fn=fn, cfg=cfg: fn(cfg), iters=6, warm=2)
                     log(f"      {gname:17s} {cfg.block_m:4d}x{cfg.block_n:<4d} w{cfg.num_warps} s{cfg.num_stages}"
-                        f"{' skew' if cfg.skew else '     '}{' 2/SM' if cfg.programs_per_sm > 1 else '     '} "
+                        f"{' 2/SM' if cfg.programs_per_sm > 1 else '     '} "
                         f"{ms:8.3f} ms {flop / ms / 1e9:6.0f} TF/s  bits {'==' if same else 'DIFFERENT'}")
                 except Exception as exc:  # noqa: BLE001
                     log(f"      {gname:17s} {cfg} FAILED {type(exc).__name__}: {str(exc)[:160]}")

@@ -7,7 +7,8 @@ step's wall time from CUDA events; then where the GPU idles between kernels when
 (as the benchmark runs them: no sync between steps), the host time to enqueue one step, and the step
 replayed as a CUDA graph (no host launches at all). Writes OUT_DIR/profile_layer.json.
 
-Usage: python scripts/profile_layer.py OUT_DIR [preset:T ...]   (needs a CUDA GPU; installs nothing)
+Usage: python scripts/profile_layer.py OUT_DIR [preset:T ...] [--fp8]   (needs a CUDA GPU; installs nothing)
+With --fp8 the routed experts run in block-scaled FP8 (``moe_experts(..., fp8=True)``).
 With PROFILE_EP1=1 it profiles the EP path instead (``functional_ep.moe_experts_ep`` on a one-rank group,
 the benchmark's ``megamoe-ep`` provider): the exchange kernels next to the GEMMs, on one GPU.
 With PROFILE_HOST=1 it also runs the host-enqueue loop under cProfile and prints the 30 functions with the
@@ -37,6 +38,7 @@ STEPS = 5
 
 
 EP1 = os.environ.get("PROFILE_EP1") == "1"
+FP8 = "--fp8" in sys.argv  # the routed experts in block-scaled FP8 (moe_experts(..., fp8=True))
 
 
 def _layer(*args):
@@ -44,7 +46,7 @@ def _layer(*args):
         from megamoe.bench.providers_ep import one_rank_group
         from megamoe.functional_ep import moe_experts_ep
         return moe_experts_ep(*args, group=one_rank_group(args[0].device))
-    return moe_experts(*args, backend="fused")
+    return moe_experts(*args, backend="fused", fp8=FP8)
 
 
 def _step(prob):
@@ -176,7 +178,7 @@ def main():
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         return
-    cases = sys.argv[2:] or ["qwen3-30b-a3b:16384", "deepseek-v3:4096"]
+    cases = [a for a in sys.argv[2:] if a != "--fp8"] or ["qwen3-30b-a3b:16384", "deepseek-v3:4096"]
     res = []
     for c in cases:
         name, T = c.split(":")
@@ -185,7 +187,7 @@ def main():
     if EP1:
         from megamoe.bench.providers_ep import close_one_rank_group
         close_one_rank_group()
-    with open(f"{sys.argv[1]}/profile_layer{'_ep1' if EP1 else ''}.json", "w") as f:
+    with open(f"{sys.argv[1]}/profile_layer{'_ep1' if EP1 else ''}{'_fp8' if FP8 else ''}.json", "w") as f:
         json.dump(res, f, indent=1)
 
 

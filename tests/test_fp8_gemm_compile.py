@@ -59,7 +59,7 @@ def compile_m(kind, D, F, kmajor):
                aux_ptr="*bf16", dot_ptr="*fp32", q_ptr="*u8", qs_ptr="*fp32")
     const = dict(K=K, EPILOGUE=ep, HAS_GATHER=kind in ("gate_up", "dgrad_swiglu"), HAS_SCALE=kind == "dgrad_swiglu",
                  SAVE_AUX=ep != 0, HAS_DOT=ep == 2, FP32_DOT=False, HW_CAST=True, EVEN_N=N % cfg.block_n == 0,
-                 E_POW2=128, SKEW=cfg.skew, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+                 E_POW2=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
     _ints(sig, const, num_rows=131072, N=N, num_experts=128, stride_am=K, stride_asm=K // 128,
           stride_cm={"dgrad_swiglu": 2 * N}.get(kind, N), stride_gm=2 * N, stride_xm=2 * N if ep == 1 else N,
           stride_qm=2 * N if ep == 2 else N, stride_qsm=(2 * N if ep == 2 else N) // 128, **b)

@@ -88,15 +88,6 @@ def _load_scales(as_ptrs, bs_ptrs, mask_n, valid, EVEN_N: tl.constexpr, ONE_SB: 
 
 
 @triton.jit
-def _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N: tl.constexpr, ONE_SB: tl.constexpr):
-    """One K-block's operands: A tile + row scales, B tile + column scales (one per 128 columns)."""
-    a = tl.load(a_ptrs)  # rows clamped into the buffer, K a multiple of 128
-    b = load_2d(b_ptrs, mask_n, mask_n, True, EVEN_N)  # all K rows valid (FULL_R): only columns masked
-    sa, sb = _load_scales(as_ptrs, bs_ptrs, mask_n, True, EVEN_N, ONE_SB)
-    return a, sa, b, sb
-
-
-@triton.jit
 def _k_loop(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, N, stride_bn, stride_bk, stride_bsn, stride_bsk,
             K: tl.constexpr, UP: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, ONE_SB: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -130,28 +121,6 @@ def _k_loop(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, N, stride_bn, stride_bk, s
         b_ptrs += 128 * stride_bk
         bs_ptrs += stride_bsk
     return acc, acc_up
-
-
-@triton.jit
-def _k_loop_skewed(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, stride_bk, stride_bsk, K: tl.constexpr,
-                   FP32_DOT: tl.constexpr, EVEN_N: tl.constexpr, ONE_SB: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """``_k_loop`` (no UP) with K-block k + 1's dot issued before K-block k is promoted, so the promotion can
-    overlap the tensor cores' next dot; the same additions in the same order, hence the same bits."""
-    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    a, sa_prev, b, sb_prev = _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N, ONE_SB)
-    p_prev = mma(a, b, zero, FP32_DOT)
-    acc = zero
-    for _ in range(128, K, 128):
-        a_ptrs += 128
-        as_ptrs += 1
-        b_ptrs += 128 * stride_bk
-        bs_ptrs += stride_bsk
-        a, sa, b, sb = _load_kb(a_ptrs, as_ptrs, b_ptrs, bs_ptrs, mask_n, EVEN_N, ONE_SB)
-        p = mma(a, b, zero, FP32_DOT)
-        acc = add_scaled(acc, p_prev, sa_prev, sb_prev, ONE_SB)
-        p_prev, sa_prev, sb_prev = p, sa, sb
-    return add_scaled(acc, p_prev, sa_prev, sb_prev, ONE_SB)
 
 
 @triton.jit
@@ -318,7 +287,7 @@ def fp8_m_grouped_kernel(
     # variant
     EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr,
     HAS_DOT: tl.constexpr, FP32_DOT: tl.constexpr, HW_CAST: tl.constexpr, EVEN_N: tl.constexpr,
-    E_POW2: tl.constexpr, SKEW: tl.constexpr,
+    E_POW2: tl.constexpr,
     # tile config (BLOCK_K is 128)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -349,14 +318,9 @@ def fp8_m_grouped_kernel(
             bs_ptrs = bs_ptr + e64 * stride_bse + n_tile * stride_bsn
         else:
             bs_ptrs = bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
-        if SKEW and EPILOGUE != SWIGLU:
-            acc = _k_loop_skewed(a_ptrs, as_ptr + a_rows * stride_asm, b_ptrs, bs_ptrs, mask_n, stride_bk,
-                                 stride_bsk, K, FP32_DOT, EVEN_N, BLOCK_N == 128, BLOCK_M, BLOCK_N)
-            acc_up = acc
-        else:
-            acc, acc_up = _k_loop(a_ptrs, as_ptr + a_rows * stride_asm, b_ptrs, bs_ptrs, mask_n, N, stride_bn,
-                                  stride_bk, stride_bsn, stride_bsk, K, EPILOGUE == SWIGLU, FP32_DOT, EVEN_N,
-                                  BLOCK_N == 128, BLOCK_M, BLOCK_N)
+        acc, acc_up = _k_loop(a_ptrs, as_ptr + a_rows * stride_asm, b_ptrs, bs_ptrs, mask_n, N, stride_bn,
+                              stride_bk, stride_bsn, stride_bsk, K, EPILOGUE == SWIGLU, FP32_DOT, EVEN_N,
+                              BLOCK_N == 128, BLOCK_M, BLOCK_N)
         _epilogue(acc, acc_up, n_tile, rows, offs_m.to(tl.int64), mask_m, offs_n, mask_n, scale_ptr, gu_ptr, c_ptr,
                   aux_ptr, dot_ptr, q_ptr, qs_ptr, N, stride_cm, stride_gm, stride_xm, stride_qm, stride_qsm,
                   EPILOGUE, HAS_SCALE, SAVE_AUX, HAS_DOT, HW_CAST, BLOCK_M, BLOCK_N)

@@ -47,15 +47,12 @@ class Fp8GemmConfig:
     """One FP8 GEMM launch config (BLOCK_K is always the scale group, 128, so no config changes bits).
 
     block_m / block_n: the output tile (m-grouped: block_n a multiple of 128, at most 256 with a SwiGLU
-    epilogue); num_warps / num_stages: Triton's; skew (m-grouped, PLAIN and SWIGLU_BWD epilogues): issue
-    K-block k + 1's dot before promoting K-block k (the same additions in the same order); programs_per_sm: the
-    persistent m-grouped grid."""
+    epilogue); num_warps / num_stages: Triton's; programs_per_sm: the persistent m-grouped grid."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    skew: bool = False
     programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
@@ -198,7 +195,7 @@ def _launch_m(*, kind, epilogue, a, sa, a_idx, b, sb, nt, R, N, K, offsets_E1, c
         EPILOGUE=epilogue, HAS_GATHER=a_idx is not None, HAS_SCALE=scale is not None,
         SAVE_AUX=aux is not None if save_aux is None else save_aux,
         HAS_DOT=dot is not None, FP32_DOT=interpret, HW_CAST=not interpret, EVEN_N=N % cfg.block_n == 0,
-        E_POW2=pow2(E), SKEW=cfg.skew, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        E_POW2=pow2(E), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True,
     )
 
