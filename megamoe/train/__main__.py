@@ -15,6 +15,8 @@ Examples::
     python -m megamoe.train --out runs/lm-mini-ep1 --resume  # continue from the run's checkpoint
     python -m megamoe.train --check                       # fused vs reference, and two runs bitwise equal
     python -m megamoe.train --attention fast              # SDPA's own attention kernel: faster, not repeatable
+    python -m megamoe.train --fp8                         # routed experts' GEMMs in block-scaled FP8
+    python -m megamoe.train --fp8-vs-bf16 --steps 200     # the same run in bf16 and in FP8, both curves in one plot
     torchrun --nproc-per-node 2 -m megamoe.train --check
     torchrun --nproc-per-node 4 -m megamoe.train --ep-size 2   # 2 replicas of an EP=2 group
     torchrun --nproc-per-node 4 -m megamoe.train --ep-size 2 --fsdp   # ... with FSDP2 sharding the replicas
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..validation import interpreter_active
+from ..validation import check_fp8, interpreter_active
 from .data import load_corpus
 from .loop import Dist, ResumeError, RunConfig, layout, train
 from .model import ATTENTION_MODES, MODEL_PRESETS, get_model_preset
@@ -76,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=ATTENTION_MODES, default="deterministic",
                    help="attention kernel: deterministic (default; flash with a deterministic backward on CUDA, "
                    "so runs repeat bit for bit) or fast (SDPA's own choice, non-deterministic backward)")
+    p.add_argument("--fp8", action="store_true",
+                   help="the routed experts' GEMMs in block-scaled FP8 (DeepSeek-V3 recipe, docs/fp8.md); the "
+                        "hidden and expert sizes must be multiples of 128 (lm-mini and larger presets)")
+    p.add_argument("--fp8-vs-bf16", action="store_true",
+                   help="train the run twice with the same seed, the experts' own dtype then FP8 (OUT/bf16 on a GPU, "
+                        "OUT/fp32 on the CPU, then OUT/fp8), plot both loss curves (OUT/fp8_vs_bf16.png) and compare "
+                        "the final losses and tokens/s; exit status 1 if the FP8 final loss is more than 1%% off")
     p.add_argument("--check", action="store_true",
                    help="compare backends (and EP=W with EP=1), check that two runs from one seed are bitwise "
                    "equal at EP=1 and EP=2, and exit")
@@ -134,8 +143,17 @@ def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
                          f"the EP size {dctx.ep_size}")
     out = args.out if args.out is not None else (f"runs/{cfg.name}-ep{dctx.ep_size}"
                                                       + (f"-dp{dctx.replicas}" if dctx.replicas > 1 else ""))
+    if args.fp8 or args.fp8_vs_bf16:
+        try:
+            check_fp8("--fp8", cfg.moe.hidden_size, cfg.moe.moe_intermediate_size, cfg.moe.dtype, device)
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"error: {e} (preset {cfg.name!r})") from None
+    if (args.fp8 or args.fp8_vs_bf16) and (args.check or args.resume):
+        raise SystemExit("error: --fp8 / --fp8-vs-bf16 do not combine with --check or --resume (a resumed run keeps "
+                         "its own recipe)")
     return RunConfig(model=cfg, backend=backend, device=device, seed=args.seed, data=args.data, fsdp=args.fsdp,
-                     out_dir=out or None, log_every=max(1, args.log_every), ckpt_every=args.ckpt_every,
+                     fp8=args.fp8 and not args.fp8_vs_bf16, out_dir=out or None, log_every=max(1, args.log_every),
+                     ckpt_every=args.ckpt_every,
                      stop_after=args.stop_after, progress=not args.no_progress and dctx.main,
                      catch_interrupt=True, attention=args.attention)
 
@@ -150,6 +168,7 @@ def _resume_config(rc: RunConfig) -> RunConfig:
                                   for k, v in saved["model"].pop("moe").items()})
     model = get_model_preset(saved["model"]["name"]).replace(**saved["model"], moe=moe)
     keep = {k: saved[k] for k in ("backend", "seed", "data", "log_every", "ckpt_every")}
+    keep["fp8"] = saved.get("fp8", False)  # the run's own recipe
     keep["attention"] = saved.get("attention", "deterministic")  # the run's own attention kernel
     keep["fsdp"] = saved.get("fsdp", False)  # the run's own sharding (its checkpoints hold local shards)
     return dataclasses.replace(rc, model=model, **keep)
@@ -187,8 +206,11 @@ def main(argv: list[str] | None = None) -> int:
                 rc.model.warmup, steps)))
             ok = run_check(rc, dctx, corpus, atol=args.check_atol, strict=args.check_strict, say=say)
             return _all_ranks_done(0 if ok else 1)
+        if args.fp8_vs_bf16:
+            return _all_ranks_done(_fp8_vs_bf16(rc, dctx, corpus, say=say))
         try:
-            return _all_ranks_done(_train_and_report(rc, dctx, corpus, resume=args.resume, say=say))
+            _train_and_report(rc, dctx, corpus, resume=args.resume, say=say)
+            return _all_ranks_done(0)
         except ResumeError as e:
             raise SystemExit(f"error: {e}") from None
     finally:
@@ -205,7 +227,38 @@ def _all_ranks_done(code: int) -> int:
     return code
 
 
-def _train_and_report(rc: RunConfig, dctx: Dist, corpus, *, resume: bool, say) -> int:
+def _fp8_vs_bf16(rc: RunConfig, dctx: Dist, corpus, *, say) -> int:
+    """The run twice with the same seed and data, with the experts' own dtype (RUN/bf16 on a GPU, RUN/fp32 on the
+    CPU) then FP8 GEMMs (RUN/fp8); both loss curves in RUN/fp8_vs_bf16.png; 1 when the FP8 run's final loss is more
+    than 1% off the other's."""
+    from .plots import plot_compare
+    from .report import final_loss
+
+    base = Path(rc.out_dir) if rc.out_dir else None
+    runs = {}
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(rc.model.moe.dtype, "fp32")  # the experts' own
+    for label, fp8 in ((dtype, False), ("fp8", True)):
+        sub = dataclasses.replace(rc, fp8=fp8, out_dir=str(base / label) if base else None)
+        runs[label] = (sub, _train_and_report(sub, dctx, corpus, resume=False, say=say))
+    (lb, (_, res_b)), (lf, (_, res_f)) = runs.items()
+    loss_b, loss_f = final_loss(res_b), final_loss(res_f)
+    gap = abs(loss_f - loss_b) / abs(loss_b)
+    say(f"{lf} vs {lb}: final train loss {loss_f:.4f} vs {loss_b:.4f} ({100 * gap:.2f}% apart; the bound is 1%), "
+        f"tokens/s {_rate(res_f):,.0f} vs {_rate(res_b):,.0f}")
+    if dctx.main and base is not None:
+        say(f"plot: {plot_compare({k: Path(v[0].out_dir) for k, v in runs.items()}, base / 'fp8_vs_bf16.png')}")
+    return 0 if gap <= 0.01 else 1
+
+
+def _rate(res) -> float:
+    """Steady tokens/s of a run: the median over log intervals after the first (as the summary reports it)."""
+    import statistics
+
+    steady = res.tokens_per_s[1:] or res.tokens_per_s
+    return statistics.median(steady) if steady else float("nan")
+
+
+def _train_and_report(rc: RunConfig, dctx: Dist, corpus, *, resume: bool, say):
     from .plots import plot_run
     from .report import ProgressBar, summary
 
@@ -227,7 +280,7 @@ def _train_and_report(rc: RunConfig, dctx: Dist, corpus, *, resume: bool, say) -
         except ValueError as e:  # e.g. a resumed run with nothing left to do
             say(f"(no plot: {e})")
     say(summary(rc, res, world=dctx.world, device_name=device_name, layout=lay, ep_size=dctx.ep_size))
-    return 0
+    return res
 
 
 if __name__ == "__main__":

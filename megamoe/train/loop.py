@@ -117,6 +117,7 @@ class RunConfig:
     fsdp: bool = False           # under torchrun: FSDP2 shards the parameters (megamoe/train/fsdp.py)
     init_dtype: torch.dtype | None = None  # init experts in this dtype, then cast (same start, other dtype)
     attention: str = "deterministic"  # or "fast": SDPA's own choice, non-deterministic backward (model.py)
+    fp8: bool = False            # the routed experts' GEMMs in block-scaled FP8 (MoE(..., fp8=True), docs/fp8.md)
     progress: bool = True
     catch_interrupt: bool = False  # Ctrl-C ends the step, checkpoints and stops also without a progress bar (CLI)
     save_trace: bool = True
@@ -150,14 +151,14 @@ def build_model(rc: RunConfig, dctx: Dist, device: torch.device) -> GPT:
 
     def moe_factory(i: int):
         return MoE(cfg.moe, backend=rc.backend, group=group, dp_group=dp_group, device="cpu",
-                   seed=rc.seed * 1000 + i)
+                   seed=rc.seed * 1000 + i, fp8=rc.fp8)
 
     model = GPT(cfg, moe_factory, seed=rc.seed, attention=rc.attention)
     if rc.init_dtype is not None and rc.init_dtype != cfg.moe.dtype:
         # Same initial values as a run with init_dtype experts (random draws depend on the dtype).
         init_cfg = cfg.replace(moe=cfg.moe.replace(dtype=rc.init_dtype))
         init = GPT(init_cfg, lambda i: MoE(init_cfg.moe, backend=rc.backend, group=group, dp_group=dp_group,
-                                           device="cpu", seed=rc.seed * 1000 + i), seed=rc.seed)
+                                           device="cpu", seed=rc.seed * 1000 + i, fp8=rc.fp8), seed=rc.seed)
         model.load_state_dict(init.state_dict())  # copy_ casts to each parameter's own dtype
     model = model.to(device)
     if rc.fsdp and dctx.world > 1:

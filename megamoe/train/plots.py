@@ -3,7 +3,8 @@
 Legend: P logged steps, L_ MoE layers, E experts.
 
 Reads ``metrics.jsonl`` (so a resumed run plots its whole history) and writes ``training.png`` with
-matplotlib's non-interactive Agg backend. Load is shown as count / mean count per (layer, expert):
+matplotlib's non-interactive Agg backend; :func:`plot_compare` draws the loss curves of several runs in one plot
+(``--fp8-vs-bf16``). Load is shown as count / mean count per (layer, expert):
 1.0 is perfect balance; the aux-loss-free bias should pull every row toward it over the run.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["read_metrics", "plot_run"]
+__all__ = ["read_metrics", "plot_compare", "plot_run"]
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
@@ -79,3 +80,34 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_compare(runs: dict[str, Path], path: Path, title: str = "") -> Path:
+    """One plot of the train (smoothed) and validation losses of several runs, e.g. ``{"bf16": dir, "fp8": dir}``
+    (each a run folder with metrics.jsonl); written to ``path``, returned."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for (label, run_dir), color in zip(runs.items(), ("tab:blue", "tab:red", "tab:green", "tab:purple")):
+        train, val = read_metrics(Path(run_dir) / "metrics.jsonl")
+        if not train:
+            raise ValueError(f"plot_compare: {run_dir}/metrics.jsonl has no training records")
+        steps = [r["step"] + 1 for r in train]
+        loss = [r["loss"] for r in train]
+        ax.plot(steps, loss, color=color, alpha=0.2, lw=0.8)
+        ax.plot(steps, _smooth(loss, max(1, len(loss) // 50)), color=color, lw=1.6, label=f"{label} train")
+        if val:
+            ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o--", color=color, lw=1.2,
+                    label=f"{label} validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_title(title or "loss, same seed and data")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -11,7 +11,7 @@ import torch
 
 from .loop import RunConfig, RunResult
 
-__all__ = ["ProgressBar", "param_counts", "summary"]
+__all__ = ["ProgressBar", "final_loss", "param_counts", "summary"]
 
 
 class ProgressBar:
@@ -73,6 +73,16 @@ def _balance(loads_LE: list[list[int]]) -> float:
     return sum(vals) / len(vals)
 
 
+def final_loss(res: RunResult) -> float:
+    """The run's final train loss: the mean of its last k logged steps, k = min(10, steps / 5) (as in the
+    summary)."""
+    n = len(res.losses)
+    if not n:
+        raise ValueError("final_loss: the run has no logged steps")
+    k = max(1, min(10, n // 5))
+    return statistics.fmean(res.losses[-k:])
+
+
 def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str, layout: str | None = None,
             ep_size: int | None = None) -> str:
     """The one-screen end-of-run report (plain text); ``layout`` e.g. "EP=2 x DP=2" (default "EP=<world>");
@@ -84,7 +94,8 @@ def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str, layo
              f"megamoe.train  preset={cfg.name}  backend={rc.backend}  device={device_name}  {layout or f'EP={world}'}",
              f"model: {cfg.n_layer} layers, D={cfg.d_model}, {cfg.n_head} heads; MoE E={moe.num_experts} "
              f"K={moe.top_k} F={moe.moe_intermediate_size} shared S={moe.shared_intermediate_size} "
-             f"groups {moe.topk_group}/{moe.n_group}, experts in {str(moe.dtype).replace('torch.', '')}",
+             f"groups {moe.topk_group}/{moe.n_group}, experts in {str(moe.dtype).replace('torch.', '')}"
+             + (" (GEMMs in block-scaled FP8)" if rc.fp8 else ""),
              f"params: {total / 1e6:.2f} M total, {active / 1e6:.2f} M active per token",
              f"data: {cfg.batch_size} x {cfg.seq_len} bytes per rank per step, "
              f"{cfg.batch_size * cfg.seq_len * world * rc.virtual_ranks:,} tokens per step"]
@@ -94,7 +105,7 @@ def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str, layo
     if n:
         k = max(1, min(10, n // 5))
         first = statistics.fmean(res.losses[:k])
-        last = statistics.fmean(res.losses[-k:])
+        last = final_loss(res)
         lines.append(f"train loss: {first:.3f} -> {last:.3f} (mean of first / last {k} logged steps; "
                      f"uniform bytes = {torch.log(torch.tensor(256.0)).item():.3f})")
     if res.val:
