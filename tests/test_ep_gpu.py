@@ -22,6 +22,8 @@ below assert on it. Proves, for each W, bf16:
     entry of the KernelConfig, case "torch_wgrad") and where the table picks it on the EP path's contiguous receive
     buffers (case "torch_table", 256 rows and more per local expert); call counts show which kernel ran on which
     side;
+  * the FP8 routed experts (``fp8=True``, one round at the worst case's capacity, a rank with zero tokens):
+    output and every gradient bitwise equal to the fused FP8 path on the global batch;
   * result rows stored from the GEMM epilogue into the owners' slots (the default) and through the separate
     push kernel (``EPOptions(push_kernel=True)``, case "push_kernel") give the same bits;
   * the shared expert inline on one stream (the default), beside the exchange on the side stream with 16 SMs
@@ -69,7 +71,8 @@ def _inputs(Ts, kind, seed, dev, dtype=torch.bfloat16):
 TORCH_WGRAD = KernelConfig({"wgrad": GemmConfig(128, 128, 64, 8, 3, torch_mm=True)})
 
 
-def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, options=None, kernels=None, save=(True, True)):
+def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, options=None, kernels=None, save=(True, True),
+          fp8=False):
     """One routing case; with the EP ``options`` (EPOptions) and ``kernels`` (KernelConfig, both sides), and
     ``save`` = (save_preact, save_dispatched) of the EP calls (the defaults: both kept). Counts the calls of
     torch's weight-gradient kernel (megamoe.ops.grouped_gemm.torch_wgrad) on the EP side ("ep_torch_calls": the
@@ -98,7 +101,7 @@ def _case(rank, W, group, Ts, kind, seed, capacity=None, repeats=1, options=None
     real_pull, pulls = ec.pull_beside, []  # round 0's pulls beside a GEMM (EPOptions.pull_programs): programs
     ec.pull_beside = lambda *a, **kw: pulls.append(kw["programs"]) or real_pull(*a, **kw)
     try:
-        r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save, options, kernels)
+        r = _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save, options, kernels, fp8)
         r["fused_torch_calls"] = len(calls) - r["ep_torch_calls"]
         r["row_copies"] = sum(row_copies)
         r["pulls_beside"] = pulls
@@ -126,7 +129,7 @@ def _within(a, b) -> bool:
     return bool((a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max() + 1e-30)
 
 
-def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save, options, kernels):
+def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save, options, kernels, fp8=False):
     from megamoe import reference as ref
     from megamoe.functional import moe_experts
     from megamoe.functional_ep import moe_experts_ep
@@ -140,14 +143,15 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save, op
     runs = []
     for _ in range(repeats):
         out = moe_experts_ep(x, ids[rank], w, l13, l2, p13, p2, group=group, capacity_rows=capacity,
-                             save_preact=save[0], save_dispatched=save[1], options=options, kernel_config=kernels)
+                             save_preact=save[0], save_dispatched=save[1], options=options, kernel_config=kernels,
+                             fp8=fp8)
         runs.append((out.detach(), torch.autograd.grad(out, params, gos[rank])))
     ep_calls = len(calls)
     same = all(torch.equal(runs[0][0], o) and all(torch.equal(a, b) for a, b in zip(runs[0][1], g)) for o, g in runs)
     out, grads = runs[0]
     # EP=1 fused on the global batch
     X, Wt, G13, G2, P13, P2 = (_leaf(t) for t in (torch.cat(xs), torch.cat(ws), w13, w2, s13, s2))
-    o1 = moe_experts(X, torch.cat(ids), Wt, G13, G2, P13, P2, backend="fused", kernel_config=kernels)
+    o1 = moe_experts(X, torch.cat(ids), Wt, G13, G2, P13, P2, backend="fused", kernel_config=kernels, fp8=fp8)
     g1 = torch.autograd.grad(o1, (X, Wt, G13, G2, P13, P2), torch.cat(gos))
     lo = sum(Ts[:rank])
     sl, el = slice(lo, lo + Ts[rank]), slice(rank * L, (rank + 1) * L)
@@ -174,7 +178,8 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save, op
     obf = ref.moe_experts(torch.cat(xs), torch.cat(ids), torch.cat(ws), w13, w2, s13, s2)
     err = (out.double() - o64[sl]).abs().max().item() if Ts[rank] else 0.0
     err_t = (obf.double() - o64).abs().max().item() if sum(Ts) else 0.0
-    r["tol_ok"] = err <= 2 * err_t + 1e-6
+    # FP8: bitwise against the fused FP8 path above; its error bound is tests/test_fp8_layer.py's
+    r["tol_ok"] = fp8 or err <= 2 * err_t + 1e-6
     r["err"] = (err, err_t)
     return r
 
@@ -292,7 +297,11 @@ def _suite(rank, W):
              "pull_beside_repeat50": (per_rank(64, 48), "uniform", None, 50),
              "pull_beside_rounds": (per_rank(64), "one_rank", 128 * W, 1),
              "pull_beside_big": (per_rank(1024), "uniform", None, 2),
-             "pull_beside_big_1": (per_rank(1024), "uniform", None, 2)}  # one program: the GEMM outruns it
+             "pull_beside_big_1": (per_rank(1024), "uniform", None, 2),  # one program: the GEMM outruns it
+             # the FP8 experts (one round: the capacity of the worst case, W T_cap K rows with the workspace's
+             # token capacity T_cap = 4096), a rank with no tokens
+             "fp8": (per_rank(80, 40), "zipf", W * 4096 * K, 2),
+             "fp8_zero_tokens": (per_rank(96, 0), "hot", W * 4096 * K, 1)}
     saves = {"keep_nothing": (False, False), "keep_gu_only": (True, False), "keep_x_only": (False, True),
              "rounds_keep_x_only": (False, True)}
     opts = {"push_kernel": EPOptions(push_kernel=True),  # result rows by the separate push kernel, not the epilogue
@@ -308,7 +317,7 @@ def _suite(rank, W):
     kernels = {"torch_wgrad": TORCH_WGRAD}  # both sides (EP and EP=1 fused) through torch's kernel
     for name, (Ts, kind, cap, reps) in cases.items():
         rep[name] = _case(rank, W, group, Ts, kind, seed=len(name), capacity=cap, repeats=reps, options=opts.get(name),
-                          kernels=kernels.get(name), save=saves.get(name, (True, True)))
+                          kernels=kernels.get(name), save=saves.get(name, (True, True)), fp8=name.startswith("fp8"))
     dev = rank_device(rank)
     w13, w2, s13, s2, xs, ids, ws, gos = _inputs([64] * W, "uniform", 7, dev)
     L = E // W
@@ -354,7 +363,8 @@ def report(request):
 
 CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50", "torch_wgrad", "torch_table",
          "push_kernel", "overlap", "comm_sms_64", "overlap_repeat50", "keep_nothing", "keep_gu_only", "keep_x_only",
-         "pull_beside", "pull_beside_1", "pull_beside_repeat50", "pull_beside_big", "pull_beside_big_1"]
+         "pull_beside", "pull_beside_1", "pull_beside_repeat50", "pull_beside_big", "pull_beside_big_1", "fp8",
+         "fp8_zero_tokens"]
 
 
 @pytest.mark.parametrize("case", CASES)
