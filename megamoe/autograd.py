@@ -77,6 +77,7 @@ from .ops import (
     grouped_mm_nn,
     grouped_mm_nt,
     k_grouped_mm,
+    router_kernel_config,
     single_group_offsets,
     slot_sum_bwd,
     swiglu_dgrad,
@@ -295,39 +296,67 @@ class MoEExpertsFunction(torch.autograd.Function):
         return dx_TD, None, dw_TK, dw13, dw2, ds13, ds2, None, None
 
 
-def router_logits_forward(x_TD, router_w_ED):
-    """fp32 logits ``x.float() @ router_w.float().T`` (T, E) in megamoe's Triton GEMM (IEEE fp32 dots)."""
-    w_1ED = router_w_ED.float().unsqueeze(0)
+def router_logits_forward(x_TD, router_w_ED, router_dtype: str = "fp32"):
+    """Router logits (T, E) in megamoe's Triton GEMM, one group of all T rows. router_dtype "fp32": fp32 logits
+    ``x.float() @ router_w.float().T`` (IEEE fp32 dots). "model": ``x @ router_w.T`` with the operands in x's
+    dtype (router_w must already have it), tensor cores with fp32 accumulation, logits rounded once to x's dtype,
+    the tiles of ``ops.tile_config.router_kernel_config`` (a function of E and D only)."""
     one_2 = single_group_offsets(x_TD.shape[0], x_TD.device)
-    return grouped_mm_nt(x_TD, w_1ED, one_2, out_dtype=torch.float32)
+    if router_dtype == "fp32":
+        return grouped_mm_nt(x_TD, router_w_ED.float().unsqueeze(0), one_2, out_dtype=torch.float32)
+    _check_model_dtype(x_TD, router_w_ED)
+    E, D = router_w_ED.shape
+    return grouped_mm_nt(x_TD, router_w_ED.unsqueeze(0), one_2, out_dtype=x_TD.dtype,
+                         kernel_config=router_kernel_config(E, D))
 
 
-def router_logits_backward(dlogits_TE, x_TD, router_w_ED, need_x: bool, need_w: bool):
-    """(dx_TD or None, dW_ED or None) of :func:`router_logits_forward`: dx = cast(dlogits @ W),
-    dW = dlogits^T @ x (fp32, rows reduced in token order)."""
-    dlogits_TE = dlogits_TE.float().contiguous()
+def _check_model_dtype(x_TD, router_w_ED) -> None:
+    if router_w_ED.dtype != x_TD.dtype:
+        raise TypeError(f"router_logits (router_dtype 'model'): router_w_ED must have x_TD's dtype {x_TD.dtype} "
+                        f"(megamoe.functional.router_logits casts it), got {router_w_ED.dtype}")
+
+
+def router_logits_backward(dlogits_TE, x_TD, router_w_ED, need_x: bool, need_w: bool, router_dtype: str = "fp32"):
+    """(dx_TD or None, dW_ED or None) of :func:`router_logits_forward`. "fp32": dx = cast(dlogits @ W),
+    dW = dlogits^T @ x (fp32, rows reduced in token order), both from fp32 operands. "model": the same products
+    with dlogits, x and W in x's dtype on tensor cores (fp32 accumulation, one cast to x's dtype), dW from
+    megamoe's per-tile kernel (all T rows in token order, no split-K): what autograd of ``F.linear`` in x's dtype
+    computes, up to the accumulation order."""
     one_2 = single_group_offsets(x_TD.shape[0], x_TD.device)
     dx = dw = None
+    if router_dtype == "fp32":
+        dlogits_TE = dlogits_TE.float().contiguous()
+        if need_x:
+            dx = grouped_mm_nn(dlogits_TE, router_w_ED.float().unsqueeze(0), one_2, out_dtype=x_TD.dtype)
+        if need_w:
+            dw = k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=torch.float32)[0].to(router_w_ED.dtype)
+        return dx, dw
+    _check_model_dtype(x_TD, router_w_ED)
+    dlogits_TE = dlogits_TE.to(x_TD.dtype).contiguous()
+    kc = router_kernel_config(*router_w_ED.shape)
     if need_x:
-        dx = grouped_mm_nn(dlogits_TE, router_w_ED.float().unsqueeze(0), one_2, out_dtype=x_TD.dtype)
+        dx = grouped_mm_nn(dlogits_TE, router_w_ED.unsqueeze(0), one_2, out_dtype=x_TD.dtype, kernel_config=kc)
     if need_w:
-        dw = k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=torch.float32)[0].to(router_w_ED.dtype)
+        dw = k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=x_TD.dtype, kernel_config=kc)[0]
     return dx, dw
 
 
 class RouterLogitsFunction(torch.autograd.Function):
-    """fp32 router logits ``x.float() @ router_w.float().T`` in megamoe's Triton GEMM (IEEE fp32 dots).
+    """Router logits in megamoe's Triton GEMM (:func:`router_logits_forward`; ``router_dtype`` "fp32": IEEE fp32
+    dots, fp32 logits; "model": x's dtype on tensor cores, router_w already in x's dtype).
 
-    Saved: x and router_w (no activation memory beyond the inputs). Backward: dx = cast(dlogits @ W),
-    dW = dlogits^T @ x (fp32, rows reduced in token order). Deterministic, no sync.
+    Saved: x and router_w (no activation memory beyond the inputs). Backward: :func:`router_logits_backward`
+    (dx = cast(dlogits @ W), dW = dlogits^T @ x, rows reduced in token order). Deterministic, no sync.
     """
 
     @staticmethod
-    def forward(ctx, x_TD, router_w_ED):
+    def forward(ctx, x_TD, router_w_ED, router_dtype="fp32"):
         ctx.save_for_backward(x_TD, router_w_ED)
-        return router_logits_forward(x_TD, router_w_ED)
+        ctx.router_dtype = router_dtype
+        return router_logits_forward(x_TD, router_w_ED, router_dtype)
 
     @staticmethod
     def backward(ctx, dlogits_TE):
         x_TD, router_w_ED = ctx.saved_tensors
-        return router_logits_backward(dlogits_TE, x_TD, router_w_ED, *ctx.needs_input_grad[:2])
+        dx, dw = router_logits_backward(dlogits_TE, x_TD, router_w_ED, *ctx.needs_input_grad[:2], ctx.router_dtype)
+        return dx, dw, None

@@ -23,10 +23,13 @@ from typing import Literal
 
 import torch
 
-__all__ = ["MoEConfig", "PRESETS", "get_preset", "GemmConfig", "KernelConfig", "EPOptions", "GEMM_KINDS"]
+__all__ = ["MoEConfig", "PRESETS", "get_preset", "GemmConfig", "KernelConfig", "EPOptions", "GEMM_KINDS",
+           "ROUTER_DTYPES"]
 
 ScoreFunc = Literal["sigmoid", "softmax"]
 NanPolicy = Literal["raise", "propagate"]
+RouterDtype = Literal["fp32", "model"]
+ROUTER_DTYPES = ("fp32", "model")
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,14 @@ class MoEConfig:
             host check on CPU, a sync-free device assert on CUDA). ``"propagate"``: ids stay in range (a NaN score ranks
             last, ties to the lower index) and a token with any non-finite logit gets NaN combine
             weights, so its output is NaN: visible, never a silent reroute.
-        dtype: parameter / activation dtype of the experts (router math is always fp32).
+        dtype: parameter / activation dtype of the experts.
+        router_dtype: the router logits GEMM ``x @ router_w.T``. ``"fp32"`` (default): x and the weight in fp32,
+            fp32 logits (IEEE fp32 dots on the fused backend; as transformers' DeepSeek-V3 and GLM-4.5 routers).
+            ``"model"``: x and the weight in ``dtype`` (the weight cast to it), tensor cores with fp32
+            accumulation, the logits rounded once to ``dtype``, and the gradients of that product in ``dtype``
+            (as transformers' Qwen3-MoE and Mixtral routers, ``F.linear`` in the model dtype). Either way the
+            scores and everything after them are computed in fp32 (fp64 for fp64 inputs), and the fused
+            backend's logits are batch invariant.
     """
 
     hidden_size: int
@@ -73,6 +83,7 @@ class MoEConfig:
     seq_aux_loss_coef: float = 0.0
     nan_policy: NanPolicy = "raise"
     dtype: torch.dtype = torch.bfloat16
+    router_dtype: RouterDtype = "fp32"
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -118,6 +129,9 @@ class MoEConfig:
             bad(f"nan_policy must be 'raise' or 'propagate', got {self.nan_policy!r}")
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
             bad(f"dtype {self.dtype} is not supported")
+        if self.router_dtype not in ROUTER_DTYPES:
+            bad(f"router_dtype must be 'fp32' (fp32 logits) or 'model' (logits in dtype, tensor cores), got "
+                f"{self.router_dtype!r}")
 
     def replace(self, **changes) -> MoEConfig:
         """A copy with some fields changed (validated again)."""

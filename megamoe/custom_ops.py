@@ -19,7 +19,8 @@ model computes what the eager one does, kernel for kernel. Ops (namespace ``mega
   op; its backward is that function's vector-Jacobian product (``torch.func.vjp``), the gradients eager
   autograd computes. Recipe "fp8": megamoe.reference.moe_experts_fp8, and as backward its hand-written one
   (megamoe.reference.moe_experts_fp8_backward, the forward rerun for what it reads).
-* ``router_logits(x, router_w)`` / ``router_logits_backward``: the fp32 router GEMM.
+* ``router_logits(x, router_w, router_dtype)`` / ``router_logits_backward``: the router GEMM, ``router_dtype``
+  "fp32" (fp32 logits) or "model" (x's dtype on tensor cores; the fake output then has x's dtype).
 
 Arguments beyond tensors: ``kernel_config`` is the text of a :class:`megamoe.config.KernelConfig`
 (:func:`kernel_config_text`; "" for the checked-in table); ``recipe`` names the number format of the routed
@@ -48,7 +49,7 @@ import functools
 import torch
 from torch import Tensor
 
-from .config import GemmConfig, KernelConfig
+from .config import ROUTER_DTYPES, GemmConfig, KernelConfig
 from .validation import check_expert_ids, check_fp8
 
 __all__ = ["RECIPES", "kernel_config_from_text", "kernel_config_text", "moe_experts", "reference_moe_experts",
@@ -299,47 +300,57 @@ def reference_moe_experts(x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Te
 # ---------------------------------------------------------------------------------------------------
 # router logits
 # ---------------------------------------------------------------------------------------------------
+def _check_router_dtype(router_dtype: str) -> None:
+    if router_dtype not in ROUTER_DTYPES:
+        raise ValueError(f"megamoe: router_dtype must be one of {ROUTER_DTYPES}, got {router_dtype!r}")
+
+
 @torch.library.custom_op("megamoe::router_logits", mutates_args=())
-def _router_logits_op(x_TD: Tensor, router_w_ED: Tensor) -> Tensor:
+def _router_logits_op(x_TD: Tensor, router_w_ED: Tensor, router_dtype: str = "fp32") -> Tensor:
     from .autograd import router_logits_forward
 
-    return router_logits_forward(x_TD, router_w_ED)
+    _check_router_dtype(router_dtype)
+    return router_logits_forward(x_TD, router_w_ED, router_dtype)
 
 
 @_router_logits_op.register_fake
-def _(x_TD, router_w_ED):
-    return x_TD.new_empty(x_TD.shape[0], router_w_ED.shape[0], dtype=torch.float32)
+def _(x_TD, router_w_ED, router_dtype="fp32"):
+    _check_router_dtype(router_dtype)
+    dtype = torch.float32 if router_dtype == "fp32" else x_TD.dtype
+    return x_TD.new_empty(x_TD.shape[0], router_w_ED.shape[0], dtype=dtype)
 
 
 @torch.library.custom_op("megamoe::router_logits_backward", mutates_args=())
 def _router_logits_backward_op(dlogits_TE: Tensor, x_TD: Tensor, router_w_ED: Tensor, need_x: bool,
-                               need_w: bool) -> tuple[Tensor, Tensor]:
+                               need_w: bool, router_dtype: str = "fp32") -> tuple[Tensor, Tensor]:
     from .autograd import router_logits_backward
 
-    dx, dw = router_logits_backward(dlogits_TE, x_TD, router_w_ED, need_x, need_w)
+    dx, dw = router_logits_backward(dlogits_TE, x_TD, router_w_ED, need_x, need_w, router_dtype)
     return _empty(x_TD) if dx is None else dx.contiguous(), _empty(x_TD) if dw is None else dw.contiguous()
 
 
 @_router_logits_backward_op.register_fake
-def _(dlogits_TE, x_TD, router_w_ED, need_x, need_w):
+def _(dlogits_TE, x_TD, router_w_ED, need_x, need_w, router_dtype="fp32"):
     return (torch.empty_like(x_TD) if need_x else _empty(x_TD),
             torch.empty_like(router_w_ED) if need_w else _empty(x_TD))
 
 
 def _router_logits_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    x_TD, router_w_ED, ctx.router_dtype = inputs
+    ctx.save_for_backward(x_TD, router_w_ED)
 
 
 def _router_logits_backward(ctx, dlogits_TE):
     need_x, need_w = (bool(n) for n in ctx.needs_input_grad[:2])
-    dx, dw = _router_logits_backward_op(dlogits_TE, *ctx.saved_tensors, need_x, need_w)
-    return dx if need_x else None, dw if need_w else None
+    dx, dw = _router_logits_backward_op(dlogits_TE, *ctx.saved_tensors, need_x, need_w, ctx.router_dtype)
+    return dx if need_x else None, dw if need_w else None, None
 
 
 _router_logits_op.register_autograd(_router_logits_backward, setup_context=_router_logits_setup)
 
 
-def router_logits(x_TD: Tensor, router_w_ED: Tensor) -> Tensor:
+def router_logits(x_TD: Tensor, router_w_ED: Tensor, *, router_dtype: str = "fp32") -> Tensor:
     """:func:`megamoe.functional.router_logits` through the ``megamoe::router_logits`` custom op (inputs validated
-    and contiguous)."""
-    return _router_logits_op(x_TD, router_w_ED)
+    and contiguous; for "model", router_w_ED already in x_TD's dtype)."""
+    _check_router_dtype(router_dtype)
+    return _router_logits_op(x_TD, router_w_ED, router_dtype)

@@ -7,7 +7,8 @@ S shared-expert FFN size, H = 2S.
   weights (backends "fused": megamoe's Triton kernels, megamoe.autograd.MoEExpertsFunction;
   "reference": megamoe.reference.moe_experts); ``fp8=True``: the routed experts in block-scaled FP8
   (megamoe.autograd_fp8; reference: megamoe.reference.moe_experts_fp8).
-* :func:`router_logits`: fp32 router logits through megamoe's own batch-invariant Triton GEMM.
+* :func:`router_logits`: router logits (fp32, or the model dtype on tensor cores) through megamoe's own
+  batch-invariant Triton GEMM.
 
 While torch.compile traces them, both call megamoe's custom ops (megamoe.custom_ops: the same stage loop, one
 opaque node each, so no graph break and no recompilation when only the routing changes); eager calls go
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import custom_ops
-from .config import KernelConfig
+from .config import ROUTER_DTYPES, KernelConfig
 from .validation import check_expert_inputs, check_fp8, interpreter_active
 
 __all__ = ["moe_experts", "router_logits"]
@@ -111,13 +112,22 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
     return MoEExpertsFunction.apply(*args, dispatcher, fp8_experts)
 
 
-def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:
-    """fp32 router logits ``x.float() @ router_w.float().T``: (T, D) x (E, D) -> (T, E) fp32.
+def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor, *, router_dtype: str = "fp32") -> torch.Tensor:
+    """Router logits ``x @ router_w.T`` in megamoe's batch-invariant Triton GEMM: (T, D) x (E, D) -> (T, E).
 
-    Runs in megamoe's Triton GEMM with IEEE fp32 dots and a tile config that depends only on (D, E), so
-    a token's logits do not depend on the rest of the batch (bitwise equal for EP=1 and EP=W).
-    Differentiable w.r.t. x and router_w. CUDA tensors (or CPU under TRITON_INTERPRET=1). No sync.
-    Raises TypeError / ValueError naming the argument for wrong types, shapes or devices.
+    router_dtype (:class:`megamoe.MoEConfig`'s field of that name):
+        "fp32" (default): ``x.float() @ router_w.float().T`` in IEEE fp32 dots (no tensor cores), fp32 logits.
+        "model": ``F.linear(x, router_w.to(x.dtype))``, as transformers' Qwen3-MoE and Mixtral routers compute
+            them: operands in x's dtype (router_w cast to it, differentiably), tensor cores with fp32
+            accumulation, logits rounded once to x's dtype; backward dx = dlogits @ W and dW = dlogits^T @ x in
+            x's dtype on tensor cores (fp32 accumulation, dW reducing all T rows in token order, no split-K).
+            The same function as autograd of ``F.linear`` in x's dtype, up to the accumulation order. With fp32
+            x, the same bits as "fp32".
+
+    Either way the tile config depends only on (D, E), so a token's logits do not depend on the rest of the
+    batch (bitwise equal for EP=1 and EP=W), and results are bitwise reproducible. Differentiable w.r.t. x and
+    router_w. CUDA tensors (or CPU under TRITON_INTERPRET=1). No sync.
+    Raises TypeError / ValueError naming the argument for wrong types, shapes, devices or router_dtype.
     """
     for name, t in (("x_TD", x_TD), ("router_w_ED", router_w_ED)):
         if not isinstance(t, torch.Tensor):
@@ -130,8 +140,12 @@ def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor
         raise ValueError(f"router_logits: x_TD on {x_TD.device} but router_w_ED on {router_w_ED.device}")
     if x_TD.dtype not in FUSED_DTYPES:
         raise TypeError(f"router_logits: x_TD dtype {x_TD.dtype} not supported (bf16, fp16, fp32)")
+    if router_dtype not in ROUTER_DTYPES:
+        raise ValueError(f"router_logits: router_dtype must be one of {ROUTER_DTYPES}, got {router_dtype!r}")
+    if router_dtype == "model":
+        router_w_ED = router_w_ED.to(x_TD.dtype)  # (its backward hands dW, made in x's dtype, to the weight's)
     if torch.compiler.is_compiling():
-        return custom_ops.router_logits(x_TD.contiguous(), router_w_ED.contiguous())
+        return custom_ops.router_logits(x_TD.contiguous(), router_w_ED.contiguous(), router_dtype=router_dtype)
     from .autograd import RouterLogitsFunction
 
-    return RouterLogitsFunction.apply(x_TD.contiguous(), router_w_ED.contiguous())
+    return RouterLogitsFunction.apply(x_TD.contiguous(), router_w_ED.contiguous(), router_dtype)

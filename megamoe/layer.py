@@ -88,15 +88,17 @@ def _collective_device(group) -> torch.device:
 class Router(nn.Module):
     """The router of :class:`MoE` (``moe.router``): weight ``w_ED`` (fp32 [E, D]).
 
-    forward(x_TD) -> fp32 logits [T, E]: megamoe's batch-invariant Triton GEMM on the fused backend
+    forward(x_TD) -> logits [T, E] as ``router_dtype`` (``MoEConfig.router_dtype``) says: fp32 logits for "fp32";
+    for "model", logits in x's dtype from the weight cast to it (tensor cores; the fp32 weight is the master copy,
+    its gradient the cast's). megamoe's batch-invariant Triton GEMM on the fused backend
     (:func:`megamoe.functional.router_logits`), :func:`megamoe.router.router_logits` otherwise. A submodule of its
     own because its weight is fp32 while the rest of the layer is in the config's dtype, and FSDP2 wants
     one dtype per wrapped module (``fully_shard(moe.router, mesh=...)``; see :class:`MoE`).
     """
 
-    def __init__(self, num_experts: int, hidden: int, *, device, backend: str):
+    def __init__(self, num_experts: int, hidden: int, *, device, backend: str, router_dtype: str = "fp32"):
         super().__init__()
-        self.backend = backend
+        self.backend, self.router_dtype = backend, router_dtype
         self.w_ED = nn.Parameter(torch.empty(num_experts, hidden, device=device, dtype=torch.float32))
 
     def _apply(self, fn, recurse=True):
@@ -107,8 +109,8 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.backend == "fused":
             from .functional import router_logits as fused_router_logits
-            return fused_router_logits(x_TD, self.w_ED)
-        return router_logits(x_TD, self.w_ED)
+            return fused_router_logits(x_TD, self.w_ED, router_dtype=self.router_dtype)
+        return router_logits(x_TD, self.w_ED, self.router_dtype)
 
 
 class SharedExpert(nn.Module):
@@ -256,12 +258,12 @@ class MoE(nn.Module):
     mesh=all_ranks)``, ``fully_shard(moe.experts, mesh=dp_mesh)``, then ``fully_shard(moe, mesh=all_ranks)``
     (the shared expert), with gradient divide factors chosen by the caller (docs/ep.md).
 
-    Forward: ``x [..., D]`` of any float dtype -> same shape and dtype. ``x`` is cast to
-    ``config.dtype`` for the experts (router math is fp32). Sequences for the balance loss are the
-    second-to-last dimension of ``x`` (all tokens form one sequence for 2-D input). A training-mode forward
-    adds its routing counts to ``counts_since_update_E`` for :meth:`update_expert_bias` and sets
-    ``last_stats``; an activation-checkpoint recompute (a forward run inside the backward) does neither, so
-    checkpointed and plain forwards count alike (docs/design.md, "Training loop").
+    Forward: ``x [..., D]`` of any float dtype -> same shape and dtype. ``x`` is cast to ``config.dtype`` for
+    the experts and the router (logits as ``config.router_dtype`` says; scores in fp32). Sequences for the
+    balance loss are the second-to-last dimension of ``x`` (all tokens form one sequence for 2-D input). A
+    training-mode forward adds its routing counts to ``counts_since_update_E`` for :meth:`update_expert_bias`
+    and sets ``last_stats``; an activation-checkpoint recompute (a forward run inside the backward) does
+    neither, so checkpointed and plain forwards count alike (docs/design.md, "Training loop").
 
     Dtype casts of the module or of a model holding it (``.to(dtype)``, ``.bfloat16()``, ``.half()``,
     ``.float()``, ``.double()``): the experts and the shared expert follow the cast and ``config`` follows
@@ -337,7 +339,7 @@ class MoE(nn.Module):
                 hint=" (ranks numbered within dp_group). Pass one rank per EP group, each with this rank's EP "
                      "rank, e.g. mesh['dp'].get_group() of a DeviceMesh with dims ('dp', 'ep'); docs/ep.md, DP x EP")
         # registered in this order, so parameters() keeps the order of the earlier flat layout
-        self.router = Router(E, D, device=device, backend=backend)
+        self.router = Router(E, D, device=device, backend=backend, router_dtype=c.router_dtype)
         self.experts = RoutedExperts(L, D, F, device=device, dtype=c.dtype, backend=backend, group=group,
                                      ep_save_preact=ep_save_preact, ep_save_dispatched=ep_save_dispatched,
                                      kernel_config=kernel_config, ep_options=ep_options, fp8=fp8)
@@ -408,8 +410,8 @@ class MoE(nn.Module):
         return (f"D={c.hidden_size}, F={c.moe_intermediate_size}, E={c.num_experts}, K={c.top_k}, "
                 f"local_experts={self.num_local_experts} (EP rank {self.ep_rank}/{self.ep_size}), "
                 f"shared_S={c.shared_intermediate_size}, score={c.score_func}, groups={c.n_group}/{c.topk_group}, "
-                f"scale={c.routed_scaling_factor}, dtype={c.dtype}, backend={self.backend}"
-                + (", fp8=True" if self.fp8 else ""))
+                f"scale={c.routed_scaling_factor}, dtype={c.dtype}, router_dtype={c.router_dtype}, "
+                f"backend={self.backend}" + (", fp8=True" if self.fp8 else ""))
 
     @staticmethod
     def _check_fp8(fp8, config: MoEConfig, backend: str, group, device) -> None:

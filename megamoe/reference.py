@@ -8,8 +8,9 @@ Legend: T tokens, D hidden size, F routed-expert FFN size, G = 2F (gate rows the
 E routed experts, K top-k, S shared-expert FFN size, H = 2S, N groups (n_group), B sequences.
 
 Numerics (what every backend must match up to GEMM accumulation order):
-  * Router (megamoe.router): fp32 logits ``x.float() @ router_w_ED.float().T``; scores sigmoid or softmax
-    in fp32 (fp64 throughout for fp64 inputs, so that gradchecks are meaningful).
+  * Router (megamoe.router): logits as ``MoEConfig.router_dtype`` says: "fp32", ``x.float() @
+    router_w_ED.float().T``; "model", ``F.linear(x, router_w_ED.to(x.dtype))`` in x's dtype. Scores sigmoid or
+    softmax in fp32 (fp64 throughout for fp64 inputs, so that gradchecks are meaningful).
   * Expert e on rows X: ``h = silu(X @ W13[e, :F].T) * (X @ W13[e, F:].T)`` rounded to the
     activation dtype; ``y = h @ W2[e].T`` rounded to the activation dtype (one row per (token, slot)).
   * Combine: ``out[t] = cast(sum_{k=0..K-1} w[t,k] * float(y[t,k]) + float(shared[t]))`` with fp32

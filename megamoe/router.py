@@ -3,14 +3,16 @@ losses and the aux-loss-free bias update.
 
 The layer (megamoe.layer), the transformers integration and the specification (megamoe.reference, which
 re-exports these names) all use this module: its code is both the production router and its spec (the only
-kernel on the router's path is the fp32 logits GEMM, megamoe.functional.router_logits, which matches
+kernel on the router's path is the logits GEMM, megamoe.functional.router_logits, which matches
 :func:`router_logits` here).
 
 Legend: T tokens, D hidden size, E routed experts, K top-k, N groups (n_group), B sequences, S sequence length
 (in :func:`seq_balance_loss`).
 
-Numerics: fp32 logits ``x.float() @ router_w_ED.float().T``; scores sigmoid or softmax in fp32 (fp64
-throughout for fp64 inputs, so that gradchecks are meaningful). No host sync on CUDA.
+Numerics: logits as ``MoEConfig.router_dtype`` says: "fp32", ``x.float() @ router_w_ED.float().T``; "model",
+``F.linear(x, router_w_ED.to(x.dtype))`` in x's dtype (fp32 accumulation, one rounding to x's dtype). Scores
+sigmoid or softmax in fp32 either way (fp64 throughout for fp64 inputs, so that gradchecks are meaningful). No
+host sync on CUDA.
 
 Sources: DeepSeek-V3 technical report (arXiv 2412.19437) §2.1.2 (sigmoid gating, normalised top-k,
 aux-loss-free bias that affects selection only, bias update rule, sequence-wise balance loss eq. 17-20);
@@ -25,8 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F_
 
-from .config import MoEConfig
+from .config import ROUTER_DTYPES, MoEConfig
 
 __all__ = [
     "RouterOutput",
@@ -71,8 +74,16 @@ def _check_finite(logits_TE: torch.Tensor) -> None:
         raise FloatingPointError(msg)
 
 
-def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:
-    """Router logits ``x @ router_w.T`` in fp32 (fp64 for fp64 inputs): (T, D) x (E, D) -> (T, E)."""
+def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor, router_dtype: str = "fp32") -> torch.Tensor:
+    """Router logits ``x @ router_w.T``: (T, D) x (E, D) -> (T, E).
+
+    router_dtype "fp32": in fp32 (fp64 for fp64 inputs). "model": ``F.linear(x, router_w.to(x.dtype))``, in x's
+    dtype (the weight cast to it, differentiably), as transformers' Qwen3-MoE and Mixtral routers compute them.
+    """
+    if router_dtype not in ROUTER_DTYPES:
+        raise ValueError(f"router_logits: router_dtype must be one of {ROUTER_DTYPES}, got {router_dtype!r}")
+    if router_dtype == "model":
+        return F_.linear(x_TD, router_w_ED.to(x_TD.dtype))
     acc = _acc_dtype(x_TD.dtype)
     return x_TD.to(acc) @ router_w_ED.to(acc).t()
 
@@ -84,14 +95,16 @@ def route(x_TD: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Te
     The correction bias ``expert_bias_E`` (no gradient) only changes *which* experts are selected; the
     combine weights come from the unbiased scores. Group-limited routing keeps the ``topk_group`` best
     groups (non-kept experts are masked with -inf) before the expert top-k. No host sync on CUDA.
-    ``logits_TE`` (fp32 [T, E]) may be passed precomputed (e.g. by a batch-invariant kernel).
+    ``logits_TE`` ([T, E], as ``cfg.router_dtype`` makes them: fp32, or x's dtype for "model") may be passed
+    precomputed (e.g. by a batch-invariant kernel); the scores are computed from them in fp32 (fp64 for fp64).
     """
     E, K = cfg.num_experts, cfg.top_k
     if logits_TE is None:
-        logits_TE = router_logits(x_TD, router_w_ED)
+        logits_TE = router_logits(x_TD, router_w_ED, cfg.router_dtype)
     if cfg.nan_policy == "raise":
         _check_finite(logits_TE)
-    scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, dim=-1)
+    acc_TE = logits_TE.to(_acc_dtype(logits_TE.dtype))  # model-dtype logits are scored in fp32, as transformers does
+    scores_TE = torch.sigmoid(acc_TE) if cfg.score_func == "sigmoid" else torch.softmax(acc_TE, dim=-1)
     sel_TE = scores_TE.detach()
     if expert_bias_E is not None:
         sel_TE = sel_TE + expert_bias_E.detach().to(sel_TE.dtype)

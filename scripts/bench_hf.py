@@ -20,18 +20,20 @@ implementations interleaved round by round; each implementation's results checke
    parameter): transformers' block with ``grouped_mm`` and with ``megamoe`` experts, and megamoe's block
    swap (megamoe.integrations.transformers.MegaMoEBlock, on the same parameters). Check: on the tokens
    whose top-k experts both routers pick alike, the swap's output matches transformers' block to bf16
-   rounding (the fraction of such tokens is printed: Qwen3's router computes logits in bf16, the swap in
-   fp32). Target: the swap beats the block with the ``megamoe`` experts implementation.
+   rounding (the fraction of such tokens is printed: both compute the logits in the family's dtype, bf16 for
+   Qwen3-MoE and fp32 for DeepSeek-V3, in GEMMs of other accumulation orders, and break exact ties of the K-th
+   score their own ways). Target: the swap beats the block with the ``megamoe`` experts implementation.
 3. A training step (forward, backward, AdamW) of a 2-layer Qwen3-MoE model at the Qwen3-30B-A3B layer
    widths (vocab 32768, 4 sequences of 4096 tokens), in tokens/s, for ``grouped_mm``, ``megamoe`` and the
    swap (``eager`` too: slow). Check: the first step's loss agrees across them.
 
 With ``--profile DIR``, for each block after part 2, where the swap's time differs from the block with the
 ``megamoe`` experts implementation (the experts' call is the same in both; the routers differ):
-2b. the routers alone, fwd + bwd: transformers' router, the swap's router (megamoe's fp32 logits GEMM, then
-    megamoe's routing) and its two halves, and cuBLAS's fp32 and bf16 linear at the same shape;
-2c. the swap router's three fp32 GEMMs (logits, dx, dW) with the table's tile and other tiles of the same
-    BLOCK_K, each checked bitwise against the table's (a faster one can go into megamoe.ops.tile_config as is);
+2b. the routers alone, fwd + bwd: transformers' router, the swap's router (megamoe's logits GEMM in the family's
+    dtype, then megamoe's routing) and its two halves, and cuBLAS's fp32 and bf16 linear at the same shape;
+2c. the swap router's three GEMMs (logits, dx, dW; IEEE fp32 for DeepSeek-V3, bf16 tensor cores for Qwen3-MoE)
+    with the table's tile and other tiles of the same BLOCK_K, each checked bitwise against the table's (a faster
+    one can go into megamoe.ops.tile_config as is: the fp32 rows, or ``router_kernel_config`` for bf16);
 2d. torch.profiler's CUDA kernels of both blocks' fwd + bwd, grouped by name, with the difference per kernel
     (DIR/<block>_kernels.txt and .json).
 """
@@ -170,14 +172,15 @@ def experts_part(label: str, block, x, timer: Timer, iters: dict, rounds: int, u
 
 class CublasLogitsSwap(mt.MegaMoEBlock):
     """A what-if, not a megamoe option: the swap with the router logits from transformers' own GEMM (cuBLAS
-    ``F.linear``: in the model dtype for Qwen3-MoE, in fp32 for DeepSeek-V3, as their routers compute them), then
-    megamoe's routing and fused experts as in the swap. Not batch invariant, and other bits than the swap; it
-    measures what the swap's logits GEMM (megamoe's IEEE fp32 kernel and its two backward GEMMs) costs."""
+    ``F.linear``: in the model dtype for Qwen3-MoE, in fp32 for DeepSeek-V3, as their routers compute them and as
+    the swap's ``moe_config.router_dtype`` says), then megamoe's routing and fused experts as in the swap. Not
+    batch invariant, and other bits than the swap; it measures what the swap's logits GEMM (megamoe's kernel and
+    its two backward GEMMs) costs."""
 
     def route(self, x_TD):
         w_ED = self.gate.weight
-        fp32 = self.moe_config.score_func == "sigmoid"  # (DeepSeek-V3's router computes fp32 logits)
-        logits_TE = F.linear(x_TD.float(), w_ED.float()) if fp32 else F.linear(x_TD, w_ED).float()
+        fp32 = self.moe_config.router_dtype == "fp32"  # (DeepSeek-V3's router computes fp32 logits)
+        logits_TE = F.linear(x_TD.float(), w_ED.float()) if fp32 else F.linear(x_TD, w_ED.to(x_TD.dtype))
         r = ref.route(x_TD, w_ED, getattr(self.gate, "e_score_correction_bias", None), self.moe_config,
                          logits_TE=logits_TE)
         r.topk_ids_TK = r.topk_ids_TK.contiguous()
@@ -246,7 +249,8 @@ def _grad_of(fn, inputs, seed: int = 7):
 def router_part(label: str, block, x, timer: Timer, rounds: int) -> dict:
     """Part 2b: the routers alone, fwd + bwd (gradients of x and the router weight), to split the block
     difference: transformers' router (``block.gate``; its top-k weights get the gradient), the swap's router
-    (:meth:`MegaMoEBlock.route`: megamoe's fp32 logits GEMM, then megamoe's routing) and its two halves, the same
+    (:meth:`MegaMoEBlock.route`: megamoe's logits GEMM in the family's dtype, then megamoe's routing) and its two
+    halves, the same
     routing on transformers' own logits GEMM (:class:`CublasLogitsSwap`), and cuBLAS's fp32 and bf16 ``F.linear``
     at the same shape (what an IEEE fp32 and a bf16 GEMM cost there)."""
     swapped, cublas = mt.MegaMoEBlock(block), CublasLogitsSwap(block)
@@ -263,7 +267,7 @@ def router_part(label: str, block, x, timer: Timer, rounds: int) -> dict:
                                                    swapped.moe_config, logits_TE=logits_TE).topk_weights_TK,
                               [logits_TE]),
         "cuBLAS fp32 linear": _grad_of(lambda: F.linear(x_TD.float(), w_ED.float()), [x_TD, w_ED]),
-        "cuBLAS bf16 linear": _grad_of(lambda: F.linear(x_TD, w_ED), [x_TD, w_ED]),
+        "cuBLAS bf16 linear": _grad_of(lambda: F.linear(x_TD, w_ED.to(x_TD.dtype)), [x_TD, w_ED]),
     }
     stats = time_interleaved(timer, works, dict.fromkeys(works, 5), rounds)
     T, D, E = x_TD.shape[0], x_TD.shape[1], w_ED.shape[0]
@@ -273,41 +277,66 @@ def router_part(label: str, block, x, timer: Timer, rounds: int) -> dict:
     return {name.strip(): s.median for name, s in stats.items()}
 
 
-_FP32_TILES = {  # the table's own tile first (None), then others; BLOCK_K stays the table's 32 (the K order)
-    "m": [None, (64, 64, 32, 4, 3, 2), (128, 64, 32, 8, 3, 2), (64, 128, 32, 8, 3, 2), (64, 128, 32, 4, 3, 2),
-          (128, 128, 32, 8, 2)],
-    "k": [None, (64, 64, 32, 4, 3), (32, 32, 32, 2, 3), (16, 64, 32, 2, 3)],
+_ROUTER_TILES = {  # the table's own tile first (None), then others; BLOCK_K stays the table's (the K order)
+    "fp32": {"m": [None, (64, 64, 32, 4, 3, 2), (128, 64, 32, 8, 3, 2), (64, 128, 32, 8, 3, 2), (64, 128, 32, 4, 3, 2),
+                   (128, 128, 32, 8, 2)],
+             "k": [None, (64, 64, 32, 4, 3), (32, 32, 32, 2, 3), (16, 64, 32, 2, 3)]},
+    "model": {"m": [None, (128, 128, 64, 8, 3, 1, True), (128, 256, 64, 8, 3, 1, True), (64, 128, 64, 4, 3, 2, True),
+                    (128, 64, 64, 4, 4, 2, True), (128, 128, 64, 8, 4)],
+              "k": [None, (64, 128, 64, 4, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 2)]},
 }
 
 
-def fp32_tile_sweep(label: str, block, x, timer: Timer, rounds: int) -> dict:
-    """Part 2c: the three fp32 GEMMs of megamoe's router (logits ``x @ W.T``; backward ``dlogits @ W`` and
-    ``dlogits.T @ x``), as megamoe.autograd.RouterLogitsFunction launches them, with the table's tile (first)
-    and other tiles of the same BLOCK_K; each result compared bitwise with the table's. Prints ms per tile."""
-    import megamoe.ops.grouped_gemm as gg
-    from megamoe.ops import GemmConfig, single_group_offsets
+def _tile_config(tile):
+    """GemmConfig of a sweep entry (BM, BN, BK, warps, stages[, programs per SM[, TMA for A and B]])."""
+    from megamoe.ops import GemmConfig
 
+    tma = len(tile) > 6 and tile[6]
+    return GemmConfig(*tile[:5], programs_per_sm=tile[5] if len(tile) > 5 else 1, tma_a=tma, tma_b=tma)
+
+
+def router_tile_sweep(label: str, block, x, timer: Timer, rounds: int) -> dict:
+    """Part 2c: the three GEMMs of the swap's router (logits ``x @ W.T``; backward ``dlogits @ W`` and
+    ``dlogits.T @ x``) in its router dtype (``moe_config.router_dtype``: "fp32", IEEE fp32 dots; "model", bf16 on
+    tensor cores), as megamoe.autograd.RouterLogitsFunction launches them, with the table's tile (first) and
+    other tiles of the same BLOCK_K; each result compared bitwise with the table's. Prints ms per tile."""
+    import megamoe.ops.grouped_gemm as gg
+    from megamoe.config import KernelConfig
+    from megamoe.ops import router_kernel_config, single_group_offsets
+
+    mode = mt.moe_config_of(block).router_dtype
     x_TD = x.detach().view(-1, x.shape[-1])
-    T = x_TD.shape[0]
-    w_1ED = block.gate.weight.detach().float().unsqueeze(0)
+    T, D = x_TD.shape
+    dtype = torch.float32 if mode == "fp32" else x_TD.dtype
+    w_1ED = block.gate.weight.detach().to(dtype).unsqueeze(0)
+    E = w_1ED.shape[1]
     one_2 = single_group_offsets(T, x_TD.device)
-    dlogits_TE = torch.randn(T, w_1ED.shape[1], generator=torch.Generator(x.device).manual_seed(8), device=x.device)
-    gemms = {
-        "logits x @ W.T": ("m", lambda: gg.grouped_mm_nt(x_TD, w_1ED, one_2, out_dtype=torch.float32)),
-        "dx dlogits @ W": ("m", lambda: gg.grouped_mm_nn(dlogits_TE, w_1ED, one_2, out_dtype=x_TD.dtype)),
-        "dW dlogits.T @ x": ("k", lambda: gg.k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=torch.float32)),
-    }
+    dlogits_TE = torch.randn(T, E, generator=torch.Generator(x.device).manual_seed(8), device=x.device).to(dtype)
+    table = router_kernel_config(E, D) if mode == "model" else None
+    keys = {"m": [("down", E, D), ("dgrad", D, E)], "k": [("wgrad", E, D)]}
+
+    def gemms(kc):
+        kw = {} if kc is None else {"kernel_config": kc}
+        return {"logits x @ W.T": ("m", lambda: gg.grouped_mm_nt(x_TD, w_1ED, one_2, out_dtype=dtype, **kw)),
+                "dx dlogits @ W": ("m", lambda: gg.grouped_mm_nn(dlogits_TE, w_1ED, one_2, out_dtype=x_TD.dtype,
+                                                                 **kw)),
+                "dW dlogits.T @ x": ("k", lambda: gg.k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=dtype, **kw))}
+
     m_table, k_table = gg.m_grouped_config, gg.k_grouped_config
     out = {}
-    print(f"\n{label} router fp32 GEMMs by tile (BM, BN, BK, warps, stages[, programs per SM]), ms; "
+    print(f"\n{label} router {mode} GEMMs by tile (BM, BN, BK, warps, stages[, programs per SM[, TMA]]), ms; "
           "bits vs the table's tile")
-    for gemm, (kind, fn) in gemms.items():
+    for gemm, (kind, _) in gemms(table).items():
         base, row = None, []
-        for tile in _FP32_TILES[kind]:
-            if tile is not None:
-                cfg = GemmConfig(*tile[:5], programs_per_sm=tile[5] if len(tile) > 5 else 1)
+        for tile in _ROUTER_TILES[mode][kind]:
+            kc = table
+            if tile is not None and mode == "model":  # the router's own entries, replaced for this GEMM's kind
+                kc = KernelConfig({**dict(table.tiles), **{key: _tile_config(tile) for key in keys[kind]}})
+            elif tile is not None:
+                cfg = _tile_config(tile)
                 gg.m_grouped_config = lambda *a, _c=cfg, **kw: _c if a[3] == torch.float32 else m_table(*a, **kw)
                 gg.k_grouped_config = lambda *a, _c=cfg, **kw: _c if a[2] == torch.float32 else k_table(*a, **kw)
+            fn = gemms(kc)[gemm][1]
             try:
                 res = fn()
                 same = True if base is None else torch.equal(res, base)
@@ -449,7 +478,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes (a smoke run; CPU works)")
     ap.add_argument("--json", help="write the medians here")
-    ap.add_argument("--profile", metavar="DIR", help="also time the routers alone and the router's fp32 GEMMs by "
+    ap.add_argument("--profile", metavar="DIR", help="also time the routers alone and the router's GEMMs by "
                     "tile, and profile the whole block's kernels (megamoe experts implementation vs the swap; CUDA "
                     "only), writing the kernel tables under DIR")
     ap.add_argument("--no-train-step", action="store_true", help="leave out part 3 (the training step)")
@@ -478,7 +507,7 @@ def main() -> None:
         if args.profile:
             results[label]["router"] = router_part(name, block, x.view(1, T, -1), timer, 3)
             if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-                results[label]["router_fp32_tiles"] = fp32_tile_sweep(name, block, x, timer, 2)
+                results[label]["router_tiles"] = router_tile_sweep(name, block, x, timer, 2)
             results[label]["profile_ms"] = profile_part(name, block, x.view(1, T, -1), args.profile)
         del block, x
         if device.type == "cuda":

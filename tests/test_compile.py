@@ -198,10 +198,32 @@ def test_fused_ops_pass_opcheck_and_take_a_kernel_config():
     torch.library.opcheck(torch.ops.megamoe.moe_experts, (x, ids, w, w13, w2, s13, s2, "", "native"),
                           test_utils=utils)
     torch.library.opcheck(torch.ops.megamoe.router_logits, (x, w13[0].detach().requires_grad_()), test_utils=utils)
+    xb, wb = (t.detach().bfloat16().requires_grad_() for t in (x, w13[0]))
+    torch.library.opcheck(torch.ops.megamoe.router_logits, (xb, wb, "model"), test_utils=utils)
     kc = KernelConfig({"gate_up": GemmConfig(32, 32, 32, 4, 2), ("wgrad", 64, 64): GemmConfig(32, 32, 32, 4, 2)})
     f = torch.compile(lambda *a: mf.moe_experts(*a, kernel_config=kc), fullgraph=True, backend="aot_eager")
     args = (x.detach(), ids, w.detach(), w13.detach(), w2.detach())
     assert torch.equal(f(*args), mf.moe_experts(*args, kernel_config=kc))
+
+
+@interpreted
+def test_model_dtype_router_logits_compile_fullgraph_to_eager_bits():
+    """functional.router_logits with router_dtype="model" (bf16 x, an fp32 and a bf16 weight): one custom op whose
+    fake output is bf16, no graph break, logits and both gradients bitwise eager's, a new token count without a
+    graph break either."""
+    g = torch.Generator().manual_seed(4)
+    f = torch.compile(lambda x, w: mf.router_logits(x, w, router_dtype="model"), fullgraph=True,
+                      backend="aot_eager")
+    for T, w_dtype in ((13, torch.float32), (13, torch.bfloat16), (6, torch.float32)):
+        x = torch.randn(T, D, generator=g).bfloat16().requires_grad_()
+        w = (torch.randn(5, D, generator=g) * D ** -0.5).to(w_dtype).requires_grad_()
+        dl = torch.randn(T, 5, generator=g).bfloat16()
+        results = []
+        for fn in (f, lambda x, w: mf.router_logits(x, w, router_dtype="model")):
+            out = fn(x, w)
+            results.append([out, *torch.autograd.grad(out, [x, w], dl)])
+        assert results[0][0].dtype == torch.bfloat16 and results[0][2].dtype == w_dtype
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.mark.slow  # ~25 s on 2 CPU cores; the FP8 ops' compile-vs-eager bits are also checked by the next test
@@ -288,11 +310,13 @@ def test_transformers_decoder_layer_compiles_fullgraph_to_eager_bits():
     _assert_bitwise(got, _decoder_step(layer, layer, rotary, x2))
 
 
-def test_transformers_model_with_swapped_blocks_compiles_fullgraph_to_eager_bits():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transformers_model_with_swapped_blocks_compiles_fullgraph_to_eager_bits(dtype):
     """A whole 2-layer Qwen3-MoE training step (loss, logits, every parameter gradient) with its MoE blocks
-    swapped for megamoe's. (transformers' own output capturing, ``output_router_logits=True``, breaks the graph
-    whatever the experts implementation, so it is off here.)"""
-    model = _qwen3(swap=True, layers=2)
+    swapped for megamoe's (in bf16, the router's logits in bf16, Qwen3-MoE's router_dtype "model"). (transformers'
+    own output capturing, ``output_router_logits=True``, breaks the graph whatever the experts implementation, so
+    it is off here.)"""
+    model = _qwen3(dtype=dtype, swap=True, layers=2)
     assert all(type(layer.mlp).__name__ == "MegaMoEBlock" for layer in model.model.layers)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     g = torch.Generator().manual_seed(3)
@@ -314,9 +338,9 @@ def _cudagraph_skips() -> int:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_functional_reduce_overhead_gives_eager_bits_gpu(fp8):
-    """moe_experts (routed + shared; 16-bit and FP8) and router_logits under inductor with CUDA graphs: forward
-    and every gradient bitwise eager's, three routings (random, half the experts empty, all on one expert) without
-    a recompilation."""
+    """moe_experts (routed + shared; 16-bit and FP8) and router_logits (fp32 and model dtype) under inductor with
+    CUDA graphs: forward and every gradient bitwise eager's, three routings (random, half the experts empty, all on
+    one expert) without a recompilation."""
     T, D, F, E, K, S = 256, 256, 128, 16, 4, 128
     bf16, dev = torch.bfloat16, "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -329,7 +353,8 @@ def test_functional_reduce_overhead_gives_eager_bits_gpu(fp8):
     leaves = (x, w13, w2, s13, s2, router_w)
 
     def f(x, ids, w, w13, w2, s13, s2, router_w):
-        return mf.moe_experts(x, ids, w, w13, w2, s13, s2, fp8=fp8), mf.router_logits(x, router_w)
+        return (mf.moe_experts(x, ids, w, w13, w2, s13, s2, fp8=fp8), mf.router_logits(x, router_w),
+                mf.router_logits(x, router_w, router_dtype="model"))
 
     compiled = torch.compile(f, fullgraph=True, mode="reduce-overhead")
     routings = [torch.randint(0, E, (T, K), generator=g, device=dev),
@@ -342,9 +367,9 @@ def test_functional_reduce_overhead_gives_eager_bits_gpu(fp8):
         for fn in (compiled, f):
             torch.compiler.cudagraph_mark_step_begin()
             with torch._dynamo.config.patch(error_on_recompile=i > 0):
-                out, logits = fn(x, ids, w, *leaves[1:])
-            grads = torch.autograd.grad((out, logits), (*leaves, w), (go, gl))
-            results.append([out.clone(), logits.clone(), *(gr.clone() for gr in grads)])
+                out, logits, logits_bf16 = fn(x, ids, w, *leaves[1:])
+            grads = torch.autograd.grad((out, logits, logits_bf16), (*leaves, w), (go, gl, gl.to(bf16)))
+            results.append([out.clone(), logits.clone(), logits_bf16.clone(), *(gr.clone() for gr in grads)])
         for got, want in zip(*results):
             assert torch.equal(got, want)
     assert _cudagraph_skips() == 0

@@ -42,6 +42,8 @@ def test_routed_flops():
     (dict(num_experts=1024, top_k=2), "> 512"),
     (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
     (dict(nan_policy="ignore"), "nan_policy"),
+    (dict(router_dtype="bf16"), "router_dtype must be 'fp32'"),
+    (dict(router_dtype=torch.bfloat16), "router_dtype"),
     (dict(dtype=torch.int8), "dtype"),
 ])
 def test_config_rejects_bad_values(kwargs, match):
@@ -57,6 +59,7 @@ def test_config_frozen_and_replace():
         c.top_k = 3
     c2 = c.replace(moe_intermediate_size=48)
     assert c2.shared_intermediate_size == 48 and c.shared_intermediate_size == 32
+    assert c.router_dtype == "fp32" and c.replace(router_dtype="model").router_dtype == "model"
     with pytest.raises(KeyError, match="valid presets"):
         get_preset("nope")
 

@@ -6,7 +6,8 @@ gradient, all tokens on one expert, T = 0, T = 1, T not a multiple of any block,
 D = 7168, non-contiguous input); routing plan bitwise equal to a torch construction; NaN-poisoned output
 buffers fully overwritten; 50 repeated fwd + bwd bitwise equal; batch invariance (a token's output and
 input gradients do not depend on the rest of the batch); no host sync (set_sync_debug_mode("error"));
-CUDA-graph capture + replay bitwise equal to eager; router logits.
+CUDA-graph capture + replay bitwise equal to eager; router logits (fp32, and in the model dtype on tensor cores:
+within PyTorch's bf16 error, batch invariant, independent of the tiles around BLOCK_K).
 
 Run: python -m pytest tests/test_fused_gpu.py -q   (skipped without a CUDA GPU)
 """
@@ -258,6 +259,72 @@ def test_router_bits_do_not_depend_on_tile(monkeypatch, T, D, E):
                             else k_table(*a, **kw))
         for name, a, b in zip(("logits", "dx", "dW"), run(), base):
             assert torch.equal(a, b), f"router {name} changed bits under tile {tile}"
+
+
+@pytest.mark.parametrize("T,D,E", [(1000, 2048, 128), (333, 512, 8), (77, 7168, 256)])
+def test_router_logits_model_dtype(T, D, E):
+    """router_dtype="model" (bf16 tensor cores, fp32 accumulation): logits, dx and dW (an fp32 master weight, as
+    megamoe.MoE keeps it) within 2x PyTorch's own bf16 error (autograd of ``F.linear`` in bf16, cuBLAS) against
+    fp64, plus a tiny absolute term; the dtypes autograd of that reference gives; a token's logits bitwise the
+    same in batches of 1, 17 (not multiples of any block), T and 4T + 5 rows; bitwise repeatable; T = 0."""
+    import torch.nn.functional as F
+
+    from megamoe.functional import router_logits
+    g = torch.Generator(device=DEV).manual_seed(13)
+    x = torch.randn(T, D, generator=g, device=DEV).to(BF16).requires_grad_()
+    rw = (torch.randn(E, D, generator=g, device=DEV) * D ** -0.5).requires_grad_()
+    dl = torch.randn(T, E, generator=g, device=DEV).to(BF16)
+    lg = router_logits(x, rw, router_dtype="model")
+    grads = torch.autograd.grad(lg, [x, rw], dl)
+    pt = F.linear(x, rw.to(BF16))
+    pt_grads = torch.autograd.grad(pt, [x, rw], dl)
+    x64, rw64 = x.detach().double().requires_grad_(), rw.detach().double().requires_grad_()
+    l64 = F.linear(x64, rw64)
+    grads64 = torch.autograd.grad(l64, [x64, rw64], dl.double())
+    assert lg.dtype == grads[0].dtype == BF16 and grads[1].dtype == torch.float32
+    for name, a, b, c in (("logits", lg, pt, l64), ("dx", grads[0], pt_grads[0], grads64[0]),
+                          ("dW", grads[1], pt_grads[1], grads64[1])):
+        err, err_pt, scale = ((a.double() - c).abs().max().item(), (b.double() - c).abs().max().item(),
+                              c.abs().max().item())
+        assert err <= 2 * err_pt + 1e-3 * scale, f"{name}: err {err:.3g} vs torch bf16 {err_pt:.3g} (max {scale:.3g})"
+    again = router_logits(x, rw, router_dtype="model")
+    assert torch.equal(again, lg)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(again, [x, rw], dl), grads))
+    bigger = torch.cat([x.detach(), torch.randn(3 * T + 5, D, generator=g, device=DEV).to(BF16)])
+    assert torch.equal(router_logits(bigger, rw.detach(), router_dtype="model")[:T], lg)
+    for lo, hi in ((T // 2, T // 2 + 1), (T // 3, T // 3 + 17), (T, T)):
+        assert torch.equal(router_logits(x[lo:hi].detach(), rw.detach(), router_dtype="model"), lg[lo:hi])
+
+
+def test_router_model_dtype_bits_do_not_depend_on_tile(monkeypatch):
+    """The router's three bf16 GEMMs (logits, dx, dW) give bitwise the same results whatever the tiles around
+    BLOCK_K 64 (block sizes, warps, stages, TMA or pointer loads, programs per SM), so
+    ops.tile_config.router_kernel_config can change for speed without changing results."""
+    import megamoe.autograd as ag
+    from megamoe.config import GemmConfig as G
+    from megamoe.config import KernelConfig
+    from megamoe.functional import router_logits
+
+    T, D, E = 1000, 2048, 128
+    g = torch.Generator(device=DEV).manual_seed(14)
+    x = torch.randn(T, D, generator=g, device=DEV).to(BF16).requires_grad_()
+    rw = (torch.randn(E, D, generator=g, device=DEV) * D ** -0.5).to(BF16).requires_grad_()
+    dl = torch.randn(T, E, generator=g, device=DEV).to(BF16)
+
+    def run():
+        lg = router_logits(x, rw, router_dtype="model")
+        return (lg, *torch.autograd.grad(lg, [x, rw], dl))
+    base = run()
+    for down, dgrad, wgrad in [
+            (G(64, 128, 64, 4, 3), G(128, 128, 64, 8, 3), G(128, 128, 64, 8, 3)),
+            (G(128, 256, 64, 8, 3, tma_b=True, tma_a=True), G(64, 256, 64, 8, 3, programs_per_sm=2),
+             G(64, 128, 64, 4, 2)),
+            (G(128, 64, 64, 4, 4, programs_per_sm=2), G(128, 128, 64, 8, 4, tma_b=True, tma_a=True),
+             G(128, 64, 64, 8, 4))]:
+        kc = KernelConfig({("down", E, D): down, ("dgrad", D, E): dgrad, ("wgrad", E, D): wgrad})
+        monkeypatch.setattr(ag, "router_kernel_config", lambda e, d, _kc=kc: _kc)
+        for name, a, b in zip(("logits", "dx", "dW"), run(), base):
+            assert torch.equal(a, b), f"router {name} (bf16) changed bits under {kc}"
 
 
 

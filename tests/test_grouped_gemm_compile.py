@@ -110,3 +110,35 @@ def test_pull_wait_compiles_like_the_plain_one(preset, tokens, gemm):
     assert ("fence.proxy.async.global" in ptx) == bool(cfg.tma_a), "TMA reads of pulled rows need the proxy fence"
     assert any(cfg.tma_a for _, _, g in PULL_CASES
                for cfg in [m_grouped_config(g.kind, g.N, g.K, torch.bfloat16, interpret=False, gathered=False)])
+
+
+# the router's GEMMs in the model dtype (MoEConfig.router_dtype="model"): one group of all T rows, the tiles of
+# ops.tile_config.router_kernel_config: logits x @ W.T ("down", N = E, K = D), dx = dlogits @ W ("dgrad", N = D,
+# K = E), dW = dlogits^T @ x (the per-tile weight-gradient kernel, M = E, N = D)
+ROUTER_SHAPES = {"qwen3-30b-a3b": (128, 2048), "mixtral-8x7b": (8, 4096)}
+
+
+@pytest.mark.parametrize("model", sorted(ROUTER_SHAPES))
+def test_router_model_dtype_gemms_compile_to_wgmma(model):
+    """On tensor cores (wgmma of the tile's width), within shared memory, without spills; at Qwen3-MoE's shape
+    (E = 128) every operand tile arrives asynchronously (TMA or cp.async). Mixtral's E = 8 is narrower than
+    BLOCK_K: its dx GEMM runs one masked K step, its dW reads the 8-column dlogits rows synchronously."""
+    from megamoe.bench.kernel_inventory import GemmShape, WgradShape
+    from megamoe.ops import k_grouped_config, router_kernel_config
+
+    E, D = ROUTER_SHAPES[model]
+    T = 16384
+    kc = router_kernel_config(E, D)
+    rows = []
+    for g in (GemmShape("down", E, D, T, 1, False), GemmShape("dgrad", D, E, T, 1, False)):
+        cfg = m_grouped_config(g.kind, g.N, g.K, torch.bfloat16, interpret=False, kernel_config=kc)
+        rows.append(inventory_row(g, cfg))
+    w = WgradShape("router dW", E, D, T, 1, False, False)
+    cfg = k_grouped_config(E, D, torch.bfloat16, interpret=False, rows_per_group=T, kernel_config=kc)
+    assert not (cfg.torch_mm or cfg.gluon or cfg.resident_chunks), cfg  # megamoe's per-tile kernel, any T
+    rows.append(inventory_row(w, cfg))
+    for r in rows:
+        assert r["wgmma"] == [f"m64n{r['config'].block_n}k16"], r
+        assert r["shared_bytes"] <= HOPPER_SMEM and r["spill_bytes"] == 0, r
+        if E >= 64:
+            assert r["sync_tile_loads"] == 0 and r["tma_loads"] + r["cp_async_loads"] == 2, r

@@ -8,12 +8,15 @@ eager run of the same model on the same inputs (the error of eager bf16 vs eager
 term), for Qwen3-MoE, DeepSeek-V3, GLM-4.5 (Glm4Moe) and Mixtral: on CPU through megamoe's reference
 path, on a GPU (tests marked gpu) through the fused kernels; eval / generate without gradients; the
 model's own parameter tensors reach megamoe (no copies); state_dict keys and tensors unchanged by the
-swap, and save_pretrained / from_pretrained round trips; router hooks (transformers' router_logits and
-load-balancing loss) still fed; the aux-loss-free bias update, counted once under gradient
+swap, and save_pretrained / from_pretrained round trips; the swap's router logits are eager's (in the family's
+dtype: bf16 for Qwen3-MoE and Mixtral, fp32 for DeepSeek-V3 and GLM-4.5; bitwise on CPU) and every token gets
+eager's top-k experts but for exact ties; router hooks (transformers' router_logits and load-balancing loss) still
+fed, with eager's bits on CPU; the aux-loss-free bias update, counted once under gradient
 checkpointing; families and modules megamoe cannot run exactly (GPT-OSS, other activations, non-gated
 experts, post-expert norms, transformers' expert parallelism, quantized experts, router jitter, adapters
 on the shared expert) refused with an error naming the reason. GPU (fused kernels): bitwise
-reproducible steps, generation, and the experts implementation giving the functional call's bits.
+reproducible steps, generation, the experts implementation giving the functional call's bits, and the swap's
+router logits within one rounding step of eager's, routing alike but for near-ties.
 
 Run: python -m pytest -q tests/test_hf_integration.py   (skipped without transformers >= 5)
 """
@@ -27,6 +30,7 @@ import torch
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
 import megamoe.integrations.transformers as mt  # noqa: E402 - after the skip: it needs transformers
+from interpreter import interpreted  # noqa: E402
 from megamoe import reference as ref  # noqa: E402
 
 BF16, F64 = torch.bfloat16, torch.float64
@@ -228,10 +232,12 @@ def _moe_block(model):
 def _megamoe_by_hand(block, x, backend):
     """megamoe's own calls on a transformers block's tensors, written out: the function MegaMoEBlock computes."""
     from megamoe.functional import moe_experts, router_logits
-    x_TD, w_ED = x.reshape(-1, x.shape[-1]), block.gate.weight
-    logits_TE = router_logits(x_TD, w_ED) if backend == "fused" else ref.router_logits(x_TD, w_ED)
-    r = ref.route(x_TD, w_ED, getattr(block.gate, "e_score_correction_bias", None), mt.moe_config_of(block),
-                  logits_TE=logits_TE)
+    x_TD, w_ED, cfg = x.reshape(-1, x.shape[-1]), block.gate.weight, mt.moe_config_of(block)
+    if backend == "fused":
+        logits_TE = router_logits(x_TD, w_ED, router_dtype=cfg.router_dtype)
+    else:
+        logits_TE = ref.router_logits(x_TD, w_ED, cfg.router_dtype)
+    r = ref.route(x_TD, w_ED, getattr(block.gate, "e_score_correction_bias", None), cfg, logits_TE=logits_TE)
     sh = getattr(block, "shared_experts", None)
     shared = () if sh is None else (torch.cat([sh.gate_proj.weight, sh.up_proj.weight]), sh.down_proj.weight)
     out = moe_experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, block.experts.gate_up_proj, block.experts.down_proj,
@@ -270,7 +276,7 @@ def check_swap_is_megamoe_bitwise(block, backend, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads)), \
         [n for n, a, b in zip(names, got_grads, want_grads) if not torch.equal(a, b)]
     logits_TE, r2 = swapped.route(x.detach().reshape(-1, D))
-    assert r2.topk_ids_TK.is_contiguous() and logits_TE.dtype == torch.float32
+    assert r2.topk_ids_TK.is_contiguous() and logits_TE.dtype == _router_dtype(block)
     assert torch.equal(r2.topk_ids_TK, r.topk_ids_TK) and torch.equal(r2.topk_weights_TK, r.topk_weights_TK)
     assert torch.equal(swapped.last_stats.topk_ids_TK, r.topk_ids_TK)
 
@@ -304,31 +310,118 @@ def test_bench_rel_rms_in_blocks_is_the_fp64_formula():
     assert bench.rel_rms(want, want, chunk=100) == 0.0
 
 
-def test_bench_profile_parts_run_on_cpu(tmp_path):
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])  # the router in fp32 / in the model dtype
+def test_bench_profile_parts_run_on_cpu(family, tmp_path):
     """bench_hf --profile's block timing with the what-if swap, routers-alone timing and the block's op table, at
-    a tiny shape on the CPU."""
+    a tiny shape on the CPU; the what-if's logits are the swap's (the same dtype, here the same bits). DeepSeek-V3's
+    router weight stays fp32, as transformers creates it and the benchmark builds it."""
     bench = _bench_hf()
-    block = _moe_block(build("deepseek_v3")).to(BF16)
+    block = _moe_block(build(family)).to(BF16)
+    if family == "deepseek_v3":
+        block.gate.weight = torch.nn.Parameter(block.gate.weight.detach().float())
     x = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(4)).to(BF16).requires_grad_()
+    x_TD = x.detach().view(-1, 64)
+    assert torch.equal(bench.CublasLogitsSwap(block).route(x_TD)[0], mt.MegaMoEBlock(block).route(x_TD)[0])
     timer = bench.Timer(torch.device("cpu"))
-    times = bench.router_part("dsv3", block, x, timer, rounds=1)
+    times = bench.router_part(family, block, x, timer, rounds=1)
     assert {"transformers router", "swap router", "logits GEMM", "cuBLAS logits + routing", "routing"} <= set(times)
-    medians = bench.block_part("dsv3", block, x, timer, dict.fromkeys(("grouped_mm", "megamoe", "swap"), 1), 1, True)
+    medians = bench.block_part(family, block, x, timer, dict.fromkeys(("grouped_mm", "megamoe", "swap"), 1), 1, True)
     assert set(medians) == {"grouped_mm", "megamoe", "swap", "swap, cuBLAS logits (what-if)"}
-    totals = bench.profile_part("dsv3 tiny", block, x, str(tmp_path), steps=1)
+    totals = bench.profile_part(f"{family} tiny", block, x, str(tmp_path), steps=1)
     assert set(totals) == {"megamoe", "swap"} and all(t["wall_ms"] >= t["host_ms"] > 0 for t in totals.values())
-    assert (tmp_path / "dsv3_kernels.txt").read_text().startswith("dsv3 tiny:")
+    assert (tmp_path / f"{family}_kernels.txt").read_text().startswith(f"{family} tiny:")
 
 
-def test_swap_feeds_router_logits_and_aux_loss():
+@interpreted
+def test_bench_router_tile_sweep_runs_interpreted(monkeypatch):
+    """bench_hf --profile's sweep of the swap router's three GEMMs in Qwen3-MoE's router dtype (the model dtype,
+    bf16) runs every tile and compares its bits with the table's (the interpreter keeps its own tile for 16-bit
+    GEMMs, so all agree). Each timing runs its work once here."""
+    import types
+
+    bench = _bench_hf()
+    monkeypatch.setattr(bench, "time_interleaved", lambda timer, works, iters, rounds: {
+        name: types.SimpleNamespace(median=float(bool(fn() is not None))) for name, fn in works.items()})
+    block = _moe_block(build("qwen3_moe")).to(BF16)
+    assert mt.moe_config_of(block).router_dtype == "model"
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)).to(BF16)
+    rows = bench.router_tile_sweep("qwen3", block, x, bench.Timer(torch.device("cpu")), rounds=1)
+    kinds = {"logits x @ W.T": "m", "dx dlogits @ W": "m", "dW dlogits.T @ x": "k"}
+    assert set(rows) == set(kinds)
+    for gemm, row in rows.items():
+        assert len(row) == len(bench._ROUTER_TILES["model"][kinds[gemm]]), (gemm, row)
+        assert all(r["same_bits"] and r["ms"] == 1.0 for r in row), (gemm, row)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_swap_feeds_router_logits_and_aux_loss(dtype):
+    """transformers records the swap's router logits (through the gate's forward hooks) and computes its
+    load-balancing loss from them: on CPU eager's bits and dtype (Qwen3-MoE's logits are in the model dtype)."""
     model = build("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.01)
     ids = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(3))
-    want = variant(model, torch.float32, "eager")(input_ids=ids, labels=ids)
-    got = variant(model, torch.float32, "swap")(input_ids=ids, labels=ids)
+    want = variant(model, dtype, "eager")(input_ids=ids, labels=ids)
+    got = variant(model, dtype, "swap")(input_ids=ids, labels=ids)
     assert len(got.router_logits) == len(want.router_logits) == 1
     for a, b in zip(got.router_logits, want.router_logits):
-        torch.testing.assert_close(a, b.float(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-5, atol=1e-7)
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b)
+    assert torch.equal(got.aux_loss, want.aux_loss)
+
+
+def _router_dtype(block) -> torch.dtype:
+    """The dtype transformers' router of ``block`` computes its logits in: the model's for Qwen3-MoE and Mixtral,
+    fp32 for DeepSeek-V3 and GLM-4.5."""
+    fp32 = type(block).__name__ in ("DeepseekV3MoE", "Glm4MoeMoE")
+    return torch.float32 if fp32 else block.experts.gate_up_proj.dtype
+
+
+def _gate_outputs(model, ids):
+    """(logits [T, E], top-k ids [T, K]) that the MoE block's router hands its forward hooks in a forward of
+    ``ids`` without gradients (transformers' router, or the swapped block's)."""
+    seen = []
+    handle = _moe_block(model).gate.register_forward_hook(lambda m, a, out: seen.append((out[0], out[2])))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        handle.remove()
+    return seen[-1]
+
+
+def check_swap_routes_like_eager(family, model, ids, exact: bool):
+    """The swap's router logits against eager's in the same dtype (the family's: MoEConfig.router_dtype), and its
+    top-k experts on every token; returns which tokens got eager's top-k. ``exact`` (CPU, the reference path:
+    transformers' own ``F.linear``): the logits are eager's bits, and the top-k sets differ only where eager's K-th
+    and (K+1)-th logits tie exactly, where megamoe takes the lower id (softmax routers: the stable top-k of the
+    logits; torch.topk leaves the choice unspecified). Otherwise (the fused kernels, another accumulation order
+    than cuBLAS): logits within one rounding step of their dtype, top-k sets equal except where the K-th and
+    (K+1)-th logits are within two such steps."""
+    eager = variant(model, model.dtype, "eager")
+    want_logits, want_ids = _gate_outputs(eager, ids)
+    got_logits, got_ids = _gate_outputs(variant(model, model.dtype, "swap"), ids)
+    assert got_logits.dtype == want_logits.dtype == _router_dtype(_moe_block(eager))
+    got, want = got_logits.float(), want_logits.float()
+    # one bf16 ulp at the token's largest logit; for fp32 logits, an accumulation-order difference over D terms
+    step = 0.0 if exact else (2.0 ** -7 if want_logits.dtype == BF16 else 2.0 ** -14) * want.abs().amax(-1)
+    assert ((got - want).abs() <= step[:, None] if not exact else got == want).all()
+    K = want_ids.shape[1]
+    top = want.sort(-1, descending=True).values
+    near_tie = top[:, K - 1] - top[:, K] <= 2 * step
+    same = (got_ids.sort(-1).values == want_ids.sort(-1).values).all(-1)
+    assert (same | near_tie).all(), f"{family}: {int((~same & ~near_tie).sum())} tokens routed differently"
+    if exact and family in ("qwen3_moe", "mixtral"):
+        stable = got.sort(dim=-1, descending=True, stable=True).indices[:, :K]
+        assert torch.equal(got_ids.sort(-1).values, stable.sort(-1).values)
+    return same
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_swap_router_logits_are_eagers_and_route_alike(family):
+    """bf16, 512 tokens, the reference path (CPU): the swapped block's router logits are eager's bits, in the
+    family's dtype (Qwen3-MoE and Mixtral: bf16, as their routers' ``F.linear`` in the model dtype; DeepSeek-V3 and
+    GLM-4.5: fp32), and each token gets eager's top-k experts, but for exact ties of the K-th logit."""
+    ids = torch.randint(3, 96, (8, 64), generator=torch.Generator().manual_seed(1))
+    same = check_swap_routes_like_eager(family, build(family).to(BF16), ids, exact=True)
+    assert same.float().mean() > 0.99
 
 
 def test_swap_stats_and_expert_bias_update():
@@ -456,5 +549,16 @@ def test_gpu_backend_is_the_functional_call():
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_gpu_swap_is_megamoe_route_and_experts_bitwise(family, monkeypatch):
-    """On the fused kernels: megamoe's batch-invariant fp32 router GEMM, its routing, its fused experts."""
+    """On the fused kernels: megamoe's batch-invariant router GEMM (bf16 for Qwen3-MoE, fp32 for DeepSeek-V3), its
+    routing, its fused experts."""
     check_swap_is_megamoe_bitwise(_moe_block(_gpu_model(family, all_experts=False)).to(BF16), "fused", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_gpu_swap_router_logits_match_eager(family):
+    """On the fused kernels (bf16 model, 256 tokens, D = 256): the swapped block's router logits in the family's
+    dtype within one rounding step of eager's (cuBLAS), and eager's top-k experts on every token but near-ties."""
+    ids = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(8)).cuda()
+    same = check_swap_routes_like_eager(family, _gpu_model(family, all_experts=False).to(BF16), ids, exact=False)
+    assert same.float().mean() > 0.98

@@ -1,8 +1,11 @@
-"""megamoe.MoE (nn.Module) on the reference backend: API, errors, statistics, init."""
+"""megamoe.MoE (nn.Module) on the reference backend: API, errors, statistics, init; the router in the model dtype
+(``router_dtype="model"``) on both backends (the fused one under the Triton interpreter)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from interpreter import interpreted
 from megamoe import MoE, get_preset
 from megamoe import reference as ref
 
@@ -41,6 +44,57 @@ def test_backward_matches_the_reference_for_every_parameter(cfg):
     for name, p in m.named_parameters():
         assert p.grad is not None and torch.equal(p.grad, params[name].grad), name
     assert torch.equal(x.grad, xr.grad)
+
+
+def test_model_dtype_router_is_the_reference_and_keeps_an_fp32_weight(cfg):
+    """router_dtype="model" in a bf16 layer: the router's logits are ``F.linear`` in bf16 from the fp32 weight cast
+    to bf16, routing as the specification routes them, the weight and its gradient stay fp32; the whole step's
+    gradients are bitwise the functional reference's; the repr names the mode."""
+    cfg = cfg.replace(dtype=torch.bfloat16, router_dtype="model")
+    m = MoE(cfg, seed=0)
+    x = torch.randn(2, 7, cfg.hidden_size).bfloat16()
+    assert m.router_w_ED.dtype == torch.float32 and "router_dtype=model" in repr(m)
+    x_TD = x.reshape(-1, cfg.hidden_size)
+    logits = m.router(x_TD)
+    assert logits.dtype == torch.bfloat16 and torch.equal(logits, F.linear(x_TD, m.router_w_ED.bfloat16()))
+    xg = x.clone().requires_grad_()
+    (m(xg).float().square().sum() + m.last_stats.aux_loss).backward()
+    params = {n: p.detach().clone().requires_grad_() for n, p in m.named_parameters()}
+    xr = x_TD.clone().requires_grad_()
+    out, r = ref.moe_layer(xr, params["router.w_ED"], m.expert_bias_E, params["experts.w13_LGD"],
+                           params["experts.w2_LDF"], params["shared_expert.w13_HD"], params["shared_expert.w2_DS"], cfg)
+    assert torch.equal(m.last_stats.topk_ids_TK, r.topk_ids_TK)
+    aux = ref.seq_balance_loss(r.scores_TE, r.topk_ids_TK, 7, cfg.top_k, cfg.seq_aux_loss_coef)
+    (out.float().square().sum() + aux).backward()
+    assert m.router_w_ED.grad.dtype == torch.float32
+    for name, p in m.named_parameters():
+        assert torch.equal(p.grad, params[name].grad), name
+    assert torch.equal(xg.grad.reshape(-1, cfg.hidden_size), xr.grad)
+
+
+@interpreted
+def test_fused_layer_runs_the_model_dtype_router():
+    """The fused layer with router_dtype="model" (bf16): its router is megamoe's model-dtype GEMM (bf16 logits,
+    bitwise megamoe.functional.router_logits), its routing the specification's on those logits, and the fp32
+    router weight gets an fp32 gradient within bf16 error of the reference backend's (same weights)."""
+    from megamoe.functional import router_logits
+
+    cfg = get_preset("tiny").replace(dtype=torch.bfloat16, router_dtype="model")
+    fused, spec = MoE(cfg, backend="fused", seed=0), MoE(cfg, seed=0)
+    x = torch.randn(2, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x_TD = x.reshape(-1, cfg.hidden_size)
+    logits = fused.router(x_TD)
+    assert logits.dtype == torch.bfloat16
+    assert torch.equal(logits, router_logits(x_TD, fused.router_w_ED, router_dtype="model"))
+    for m in (fused, spec):
+        (m(x).float().square().sum() + m.last_stats.aux_loss).backward()
+    r = ref.route(x_TD, fused.router_w_ED, fused.expert_bias_E, cfg, logits_TE=logits)
+    assert torch.equal(fused.last_stats.topk_ids_TK, r.topk_ids_TK)
+    got, want = fused.router_w_ED.grad, spec.router_w_ED.grad
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    # (fixed inputs with no top-k tie within bf16 rounding: both backends route alike)
+    assert torch.equal(fused.last_stats.topk_ids_TK, spec.last_stats.topk_ids_TK)
+    torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
 
 
 def test_dtype_roundtrip_and_noncontiguous(cfg):

@@ -1,10 +1,15 @@
-"""Router edge cases, checked against an independent per-token brute-force implementation."""
+"""Router edge cases, checked against an independent per-token brute-force implementation; the router logits in
+the model dtype (``MoEConfig.router_dtype="model"``): the reference is ``F.linear`` in that dtype, and megamoe's
+fused GEMM (under the Triton interpreter here, on a GPU in tests/test_fused_gpu.py) matches it within PyTorch's own
+error, batch invariant and repeatable bit for bit."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from interpreter import interpreted
 from megamoe import get_preset
-from megamoe.reference import route
+from megamoe.reference import route, router_logits
 
 
 def brute_route(logits_E, bias_E, cfg):
@@ -159,3 +164,104 @@ def test_router_module_is_the_spec_and_production_paths_do_not_import_the_refere
             "bad = sorted(m for m in sys.modules if m.startswith('megamoe.reference'))\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+# ---------------------------------------------------------------------------------------------------
+# router logits in the model dtype (MoEConfig.router_dtype="model")
+# ---------------------------------------------------------------------------------------------------
+def test_model_dtype_reference_is_f_linear_and_scores_are_fp32():
+    """The specification: logits ``F.linear(x, w.to(x.dtype))`` in x's dtype (the fp32 weight's gradient is the
+    cast's), then the scores in fp32 from those rounded logits; "fp32" keeps the fp32 product; bad names refused."""
+    cfg = get_preset("small").replace(score_func="softmax", n_group=1, topk_group=1, use_expert_bias=False,
+                                      dtype=torch.bfloat16, router_dtype="model")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(11, cfg.hidden_size, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(cfg.num_experts, cfg.hidden_size, generator=g) * cfg.hidden_size ** -0.5).requires_grad_()
+    logits = router_logits(x, w, "model")
+    want = F.linear(x, w.bfloat16())
+    assert logits.dtype == torch.bfloat16 and torch.equal(logits, want)
+    dl = torch.randn(logits.shape, generator=g).bfloat16()
+    got_g, want_g = torch.autograd.grad(logits, [x, w], dl), torch.autograd.grad(want, [x, w], dl)
+    assert got_g[1].dtype == torch.float32 and all(torch.equal(a, b) for a, b in zip(got_g, want_g))
+    assert router_logits(x, w).dtype == torch.float32  # the default: "fp32"
+    r = route(x, w, None, cfg)
+    assert r.scores_TE.dtype == r.topk_weights_TK.dtype == torch.float32
+    torch.testing.assert_close(r.scores_TE, torch.softmax(want.float(), -1), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="router_dtype"):
+        router_logits(x, w, "bf16")
+
+
+def _bf16_errors(got, torch_bf16, want64):
+    """(max error of got, of PyTorch's own bf16 result, half a bf16 ulp at the largest magnitude) vs fp64."""
+    scale = want64.abs().max().item()
+    half_ulp = 2.0 ** (torch.tensor(max(scale, 1e-30)).log2().floor().item() - 8)
+    return ((got.double() - want64).abs().max().item(), (torch_bf16.double() - want64).abs().max().item(), half_ulp)
+
+
+def _fused_model_logits(x, w):
+    from megamoe.functional import router_logits as fused
+
+    return fused(x, w, router_dtype="model")
+
+
+@interpreted
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_fused_model_dtype_logits_and_gradients_match_torch(w_dtype):
+    """Logits, dx and dW of the fused model-dtype GEMM (bf16 x; an fp32 master weight or a bf16 one) within 2x
+    PyTorch's own bf16 error against fp64 (``F.linear`` in bf16 and its autograd), plus half a bf16 ulp: the
+    interpreter rounds fp32 to bf16 toward zero (the GPU to nearest). Dtypes as autograd of the reference gives.
+    T = 45 (not a multiple of any block), D = 80 (not a multiple of BLOCK_K), E = 6."""
+    g = torch.Generator().manual_seed(5)
+    T, D, E = 45, 80, 6
+    x = torch.randn(T, D, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(E, D, generator=g) * D ** -0.5).to(w_dtype).requires_grad_()
+    dl = torch.randn(T, E, generator=g).bfloat16()
+    got = _fused_model_logits(x, w)
+    got_g = torch.autograd.grad(got, [x, w], dl)
+    pt = F.linear(x, w.bfloat16())
+    pt_g = torch.autograd.grad(pt, [x, w], dl)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    l64 = F.linear(x64, w64)
+    want_g = torch.autograd.grad(l64, [x64, w64], dl.double())
+    assert got.dtype == torch.bfloat16 and got_g[0].dtype == torch.bfloat16 and got_g[1].dtype == w_dtype
+    for name, a, b, c in (("logits", got, pt, l64), ("dx", got_g[0], pt_g[0], want_g[0]),
+                          ("dW", got_g[1], pt_g[1], want_g[1])):
+        err, err_pt, half_ulp = _bf16_errors(a, b, c)
+        assert err <= 2 * err_pt + half_ulp, f"{name}: err {err:.3g} vs torch bf16 {err_pt:.3g}"
+
+
+@interpreted
+def test_fused_model_dtype_logits_are_batch_invariant_and_repeatable():
+    """A token's logits (bf16 and fp16) are bitwise the same whatever the batch around it: row blocks of a batch of
+    T = 53 against batches of 1, 17 (not multiples of any block) and 0 rows; a second call gives the same bits,
+    gradients included. fp32 x: the "model" mode is bitwise the "fp32" mode."""
+    from megamoe.functional import router_logits as fused
+
+    g = torch.Generator().manual_seed(6)
+    D, E = 48, 5
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(53, D, generator=g).to(dtype).requires_grad_()
+        w = (torch.randn(E, D, generator=g) * D ** -0.5).requires_grad_()
+        full = _fused_model_logits(x, w)
+        for lo, hi in ((7, 8), (30, 47), (53, 53)):
+            part = _fused_model_logits(x[lo:hi].detach(), w.detach())
+            assert part.shape == (hi - lo, E) and torch.equal(part, full[lo:hi]), (dtype, lo, hi)
+        dl = torch.randn(full.shape, generator=g).to(dtype)
+        grads = torch.autograd.grad(full, [x, w], dl)
+        again = _fused_model_logits(x, w)
+        assert torch.equal(again, full)
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(again, [x, w], dl), grads))
+        empty = x[:0].detach().requires_grad_()
+        out0 = _fused_model_logits(empty, w)
+        dx0, dw0 = torch.autograd.grad(out0, [empty, w], torch.zeros(0, E, dtype=dtype))
+        assert out0.shape == (0, E) and dx0.shape == (0, D) and torch.equal(dw0, torch.zeros_like(w))
+    x = torch.randn(19, D, generator=g).requires_grad_()
+    w = (torch.randn(E, D, generator=g) * D ** -0.5).requires_grad_()
+    dl = torch.randn(19, E, generator=g)
+    results = []
+    for mode in ("fp32", "model"):
+        out = fused(x, w, router_dtype=mode)
+        results.append([out, *torch.autograd.grad(out, [x, w], dl)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    with pytest.raises(ValueError, match="router_dtype"):
+        fused(x, w, router_dtype="bf16")

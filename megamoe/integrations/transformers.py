@@ -20,15 +20,19 @@ optimizers built before or after, and ``save_pretrained`` are unchanged):
 2. :func:`swap_moe_blocks` replaces each MoE block whose router megamoe implements exactly (Qwen3-MoE and
    Mixtral: softmax top-k, renormalised; DeepSeek-V3 and GLM-4.5: sigmoid, group-limited top-k with the
    ``e_score_correction_bias`` selection bias and ``routed_scaling_factor``) by a :class:`MegaMoEBlock`:
-   router logits in megamoe's batch-invariant fp32 GEMM, megamoe's routing, and the routed plus shared
-   experts in one fused call. It keeps the block's ``gate``, ``experts`` and ``shared_experts``
-   submodules, so parameter names and tensors are the model's.
+   router logits in megamoe's batch-invariant GEMM, in the dtype the family's router computes them
+   (``MoEConfig.router_dtype``: the model dtype on tensor cores for Qwen3-MoE and Mixtral, fp32 for
+   DeepSeek-V3 and GLM-4.5), megamoe's routing (scores in fp32), and the routed plus shared experts in one
+   fused call. It keeps the block's ``gate``, ``experts`` and ``shared_experts`` submodules, so parameter names
+   and tensors are the model's.
 
 Numerics: megamoe rounds where :mod:`megamoe.reference` says (SwiGLU in fp32 rounded once, weighted sum
 over the K experts in fp32, one cast), where transformers' ``eager`` rounds each product and sum to the
-model dtype: the results agree within bf16 rounding, not bit for bit. The swapped router computes its
-logits in fp32 (transformers' Qwen3-MoE and Mixtral in the model dtype), so a token whose top-k scores
-tie within bf16 rounding may pick a different expert than ``eager``.
+model dtype: the results agree within bf16 rounding, not bit for bit. The swapped router computes its logits
+in the family's dtype: on the reference path (CPU) with transformers' own ``F.linear``, so the logits are
+eager's bits; on the fused kernels megamoe's GEMM accumulates in another order than cuBLAS, so a logit may
+differ by one rounding step and a token whose top-k scores tie that closely may pick another expert. Exact
+ties go to the lower expert id in megamoe (``torch.topk`` leaves their order unspecified).
 """
 
 from __future__ import annotations
@@ -158,12 +162,14 @@ register()
 # ---------------------------------------------------------------------------------------------------
 # 2. the whole-block swap
 # ---------------------------------------------------------------------------------------------------
-#: MoE block classes whose router megamoe implements exactly: block class -> (router class, score function)
+#: MoE block classes whose router megamoe implements exactly: block class -> (router class, score function,
+#: router logits dtype as :class:`megamoe.MoEConfig`'s ``router_dtype``: "model" where the router computes
+#: ``F.linear(x, weight)`` in the model dtype, "fp32" where it casts both to fp32 first)
 BLOCKS = {
-    "Qwen3MoeSparseMoeBlock": ("Qwen3MoeTopKRouter", "softmax"),
-    "MixtralSparseMoeBlock": ("MixtralTopKRouter", "softmax"),
-    "DeepseekV3MoE": ("DeepseekV3TopkRouter", "sigmoid"),
-    "Glm4MoeMoE": ("Glm4MoeTopkRouter", "sigmoid"),
+    "Qwen3MoeSparseMoeBlock": ("Qwen3MoeTopKRouter", "softmax", "model"),
+    "MixtralSparseMoeBlock": ("MixtralTopKRouter", "softmax", "model"),
+    "DeepseekV3MoE": ("DeepseekV3TopkRouter", "sigmoid", "fp32"),
+    "Glm4MoeMoE": ("Glm4MoeTopkRouter", "sigmoid", "fp32"),
 }
 
 
@@ -213,7 +219,8 @@ def moe_config_of(block: nn.Module, *, nan_policy: str = "propagate", bias_updat
     """The :class:`megamoe.MoEConfig` of a transformers MoE block megamoe can swap (see :data:`BLOCKS`).
 
     Read from the block's modules (router top-k, groups, normalisation, scaling, correction bias; expert
-    and shared-expert widths; the experts' dtype). Raises UnsupportedModelError naming every reason otherwise.
+    and shared-expert widths; the experts' dtype); ``router_dtype`` is the family's (:data:`BLOCKS`). Raises
+    UnsupportedModelError naming every reason otherwise.
     """
     _refuse(type(block).__name__, "a megamoe block", _block_problems(block))
     gate, experts = block.gate, block.experts
@@ -221,13 +228,15 @@ def moe_config_of(block: nn.Module, *, nan_policy: str = "propagate", bias_updat
     shared = getattr(block, "shared_experts", None)
     S = shared.gate_proj.weight.shape[0] if shared is not None else 0
     bias = getattr(gate, "e_score_correction_bias", None)
+    _, score_func, router_dtype = BLOCKS[type(block).__name__]
     return MoEConfig(
         hidden_size=D, moe_intermediate_size=G // 2, num_experts=E, top_k=gate.top_k,
-        score_func=BLOCKS[type(block).__name__][1], n_group=getattr(gate, "num_group", 1),
+        score_func=score_func, n_group=getattr(gate, "num_group", 1),
         topk_group=getattr(gate, "topk_group", 1), norm_topk_prob=bool(getattr(gate, "norm_topk_prob", True)),
         routed_scaling_factor=float(getattr(gate, "routed_scaling_factor", 1.0)),
         n_shared_experts=1 if S else 0, shared_intermediate_size=S, use_expert_bias=bias is not None,
-        bias_update_rate=bias_update_rate, nan_policy=nan_policy, dtype=experts.gate_up_proj.dtype)
+        bias_update_rate=bias_update_rate, nan_policy=nan_policy, dtype=experts.gate_up_proj.dtype,
+        router_dtype=router_dtype)
 
 
 class MegaMoEBlock(nn.Module):
@@ -240,20 +249,24 @@ class MegaMoEBlock(nn.Module):
     [D, S]) where the block has one, so ``state_dict()`` keys and tensors are the model's.
 
     forward(hidden_states [..., D]) -> [..., D] in hidden_states' dtype (cast to the experts' dtype for the
-    experts): fp32 router logits (megamoe's batch-invariant Triton GEMM on the fused backend),
-    :func:`megamoe.router.route` (softmax or sigmoid scores, group-limited top-k with the selection bias,
-    normalised, scaled once), then routed + shared experts and their fp32 sum in one
-    :func:`megamoe.functional.moe_experts` call. :meth:`route` runs the router part alone. The shared
-    expert's gate and up weights stay two parameters; each forward concatenates them into megamoe's [gate; up]
-    layout (one copy of 2 * S * D elements, kept for the backward; gradients reach both parameters).
+    router and the experts): router logits in the family's dtype (``moe_config.router_dtype``: the model dtype,
+    on tensor cores, for Qwen3-MoE and Mixtral; fp32 for DeepSeek-V3 and GLM-4.5, as transformers computes them;
+    megamoe's batch-invariant Triton GEMM on the fused backend), :func:`megamoe.router.route` (softmax or
+    sigmoid scores in fp32, group-limited top-k with the selection bias, normalised, scaled once), then routed +
+    shared experts and their fp32 sum in one :func:`megamoe.functional.moe_experts` call. :meth:`route` runs
+    the router part alone. The shared expert's gate and up weights stay two parameters; each forward
+    concatenates them into megamoe's [gate; up] layout (one copy of 2 * S * D elements, kept for the backward;
+    gradients reach both parameters).
 
     Forward hooks on ``gate`` (transformers records ``router_logits`` through them, e.g. for Qwen3-MoE's
-    and Mixtral's load-balancing loss) are called with ``(logits [T, E] fp32, weights [T, K], ids [T, K])``
-    as if the router had run. ``last_stats`` (:class:`megamoe.layer.RouterStats`; ``aux_loss`` is a zero tensor:
-    the model computes its own load-balancing loss) holds the last forward's expert counts and ids;
-    :meth:`update_expert_bias` applies megamoe's aux-loss-free update to ``e_score_correction_bias``
-    (transformers never changes it; nothing does unless called). A forward run again inside a backward (an
-    activation-checkpoint recompute) leaves both alone.
+    and Mixtral's load-balancing loss) are called with ``(logits [T, E], weights [T, K] fp32, ids [T, K])``
+    as if the router had run, the logits in the dtype transformers' router returns them (the model dtype for
+    Qwen3-MoE and Mixtral, fp32 for DeepSeek-V3 and GLM-4.5). ``last_stats``
+    (:class:`megamoe.layer.RouterStats`; ``aux_loss`` is a zero tensor: the model computes its own
+    load-balancing loss) holds the last forward's expert counts and ids; :meth:`update_expert_bias` applies
+    megamoe's aux-loss-free update to ``e_score_correction_bias`` (transformers never changes it; nothing does
+    unless called). A forward run again inside a backward (an activation-checkpoint recompute) leaves both
+    alone.
 
     Not a :class:`megamoe.MoE`: that module owns its parameters under its own names (an fp32 ``router.w_ED``,
     one [gate; up] shared weight), which would change the model's parameters and checkpoint keys. This one
@@ -279,7 +292,8 @@ class MegaMoEBlock(nn.Module):
         c = self.moe_config
         return (f"{self.block_class}: D={c.hidden_size}, F={c.moe_intermediate_size}, E={c.num_experts}, "
                 f"K={c.top_k}, S={c.shared_intermediate_size}, score={c.score_func}, groups={c.n_group}/"
-                f"{c.topk_group}, scale={c.routed_scaling_factor}, backend={self.backend}")
+                f"{c.topk_group}, scale={c.routed_scaling_factor}, router_dtype={c.router_dtype}, "
+                f"backend={self.backend}")
 
     def _shared_weights(self):
         shared = getattr(self, "shared_experts", None)
@@ -292,12 +306,15 @@ class MegaMoEBlock(nn.Module):
         return _backend_for(x_TD) if self.backend == "auto" else self.backend
 
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, routing.RouterOutput]:
-        """The router alone, as :meth:`forward` runs it: ``x_TD`` [T, D] in the experts' dtype -> (fp32 logits
-        [T, E], :class:`megamoe.router.RouterOutput`), the top-k ids made contiguous once (the experts'
-        call, the counts and ``last_stats`` all read them; the values are the router's)."""
-        router_w_ED = self.gate.weight
-        fused = self._backend_of(x_TD) == "fused"
-        logits_TE = router_logits(x_TD, router_w_ED) if fused else routing.router_logits(x_TD, router_w_ED)
+        """The router alone, as :meth:`forward` runs it: ``x_TD`` [T, D] in the experts' dtype -> (logits [T, E]
+        in ``moe_config.router_dtype``'s dtype, :class:`megamoe.router.RouterOutput`), the top-k ids made
+        contiguous once (the experts' call, the counts and ``last_stats`` all read them; the values are the
+        router's)."""
+        router_w_ED, router_dtype = self.gate.weight, self.moe_config.router_dtype
+        if self._backend_of(x_TD) == "fused":
+            logits_TE = router_logits(x_TD, router_w_ED, router_dtype=router_dtype)
+        else:
+            logits_TE = routing.router_logits(x_TD, router_w_ED, router_dtype)
         r = routing.route(x_TD, router_w_ED, getattr(self.gate, "e_score_correction_bias", None), self.moe_config,
                       logits_TE=logits_TE)
         r.topk_ids_TK = r.topk_ids_TK.contiguous()

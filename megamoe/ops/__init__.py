@@ -13,7 +13,8 @@ Public pieces (the EP path calls these on rows received from peers):
                 k_grouped_wants_rows_in_order (whether a weight gradient wants its gathered rows copied)
   EP stores:    RowPush, row_push_deltas (plain-epilogue GEMMs storing rows straight into (token, slot) rows
                 of several ranks' buffers)
-  configs:      GemmConfig, KernelConfig (megamoe.config), m_grouped_config, k_grouped_config
+  configs:      GemmConfig, KernelConfig (megamoe.config), m_grouped_config, k_grouped_config,
+                router_kernel_config (the router's 16-bit GEMMs)
 """
 
 from .combine import combine_fwd, slot_sum_bwd
@@ -28,11 +29,12 @@ from .grouped_gemm import (
                            swiglu_dgrad,
 )
 from .routing import PoolPlan, RoutingPlan, build_routing_plan, single_group_offsets, tile_offsets_for
-from .tile_config import GemmConfig, KernelConfig, k_grouped_config, m_grouped_config
+from .tile_config import GemmConfig, KernelConfig, k_grouped_config, m_grouped_config, router_kernel_config
 
 __all__ = [
     "RoutingPlan", "PoolPlan", "build_routing_plan", "tile_offsets_for", "single_group_offsets",
     "gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm",
     "k_grouped_wants_rows_in_order", "RowPush", "row_push_deltas",
     "combine_fwd", "slot_sum_bwd", "GemmConfig", "KernelConfig", "m_grouped_config", "k_grouped_config",
+    "router_kernel_config",
 ]

@@ -26,13 +26,14 @@ chose them (docs/perf.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from ..config import GemmConfig, KernelConfig
 
 __all__ = ["GemmConfig", "KernelConfig", "m_grouped_config", "k_grouped_config", "ws_wgrad_config", "combine_block",
-           "parse_tiles", "DEFAULT_KERNELS"]
+           "parse_tiles", "router_kernel_config", "DEFAULT_KERNELS"]
 
 DEFAULT_KERNELS = KernelConfig()  # no overrides: the table below
 
@@ -253,6 +254,23 @@ def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool,
     if allow_gluon and rows_per_group is not None and 0 < rows_per_group <= _GLUON_MAX_ROWS:
         return _K_GROUPED_GLUON
     return _K_GROUPED_PER_TILE.get((m, n), _K_GROUPED_BF16)
+
+
+@functools.lru_cache(maxsize=64)
+def router_kernel_config(num_experts: int, hidden: int) -> KernelConfig:
+    """Tiles of the router's 16-bit GEMMs (``MoEConfig.router_dtype="model"``, one group of all T rows): the
+    logits ``x @ W.T`` ("down", N = E, K = D), dx = dlogits @ W ("dgrad", N = D, K = E: the table's entry) and
+    dW = dlogits^T @ x ("wgrad", an [E, D] output reducing all T rows). A pure function of (E, D), never of T:
+    the weight gradient gets megamoe's per-tile Triton kernel (one program per output tile, the rows in order
+    in BLOCK_K chunks, no split-K), never the table's row-count-dependent choice of torch._grouped_mm or the
+    Gluon kernels. BLOCK_K stays the table's 64 (the K order, hence the bits). The tile shapes are first guesses,
+    not measured (``scripts/bench_hf.py --profile`` sweeps them): BLOCK_N fitted to E for the logits (Qwen3-MoE
+    E = 128: one column of 128 x 128 tiles), 64 x 64 weight-gradient tiles (qwen3-30b-a3b: 64 programs, each
+    reducing all T rows)."""
+    block_n = min(128, max(16, 1 << (max(num_experts, 1) - 1).bit_length()))
+    logits = GemmConfig(128, block_n, 64, 8 if block_n >= 128 else 4, 3, tma_b=True, tma_a=True)
+    return KernelConfig({("down", num_experts, hidden): logits,
+                         ("wgrad", num_experts, hidden): GemmConfig(64, 64, 64, 4, 3)})
 
 
 def combine_block(d: int, *, interpret: bool) -> tuple[int, int]:
