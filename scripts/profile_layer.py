@@ -45,7 +45,7 @@ def _layer(*args):
     if EP1:
         from megamoe.bench.providers_ep import one_rank_group
         from megamoe.functional_ep import moe_experts_ep
-        return moe_experts_ep(*args, group=one_rank_group(args[0].device))
+        return moe_experts_ep(*args, group=one_rank_group(args[0].device), fp8=FP8)
     return moe_experts(*args, backend="fused", fp8=FP8)
 
 

@@ -15,8 +15,6 @@ block makes exactly its dependent rows NaN; results are bitwise repeatable; bad 
 Run: python -m pytest tests/test_fp8_gemm.py -q
 """
 
-import contextlib
-
 import pytest
 import torch
 
@@ -24,6 +22,7 @@ from interpreter import interpreted
 from megamoe import reference as ref
 from megamoe.ops import fp8_gemm as F8
 from megamoe.ops import fp8_quant as Q
+from poison import poisoned_allocations, poisoned_empty
 
 E4M3 = torch.float8_e4m3fn
 U24 = 2.0 ** -24
@@ -249,7 +248,7 @@ def _check_wgrad(device, out_dtype, runs):
     pp, qp = (ref.pad_128x1_blocks(t, off, nb).t().contiguous().t() for t in (pq, qq))  # stored transposed
     assert torch.equal(F8.fp8_k_grouped_mm(pp, ps, qp, qs, off, padded=True, out_dtype=out_dtype), c)
     # the quantizer's block-padded transposed bytes (blocks past the experts' left unwritten: poisoned here)
-    with _poisoned_allocations():
+    with poisoned_allocations():
         pk, psk = Q.quantize_128x1_grouped(p, off, kmajor=True)
         qk, qsk = Q.quantize_128x1_grouped(q, off, idx, kmajor=True)
         assert torch.equal(F8.fp8_k_grouped_mm(pk, psk, qk, qsk, off, padded=True, out_dtype=out_dtype), c)
@@ -258,29 +257,6 @@ def _check_wgrad(device, out_dtype, runs):
 @interpreted
 def test_wgrad_matches_reference_edge_experts_zero_channels_repeatable():
     _check_wgrad("cpu", torch.float32, runs=1)
-
-
-@contextlib.contextmanager
-def _poisoned_allocations():
-    """Within: torch.empty as :func:`_poisoned_empty` makes it."""
-    real = torch.empty
-    torch.empty = _poisoned_empty(real)
-    try:
-        yield
-    finally:
-        torch.empty = real
-
-
-def _poisoned_empty(real):
-    """torch.empty that fills its result with NaN (floating point) or 0x7F bytes (e4m3 NaN)."""
-    def empty(*args, **kwargs):
-        t = real(*args, **kwargs)
-        if t.dtype == E4M3:
-            t.view(torch.uint8).fill_(0x7F)
-        elif t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-    return empty
 
 
 @interpreted
@@ -293,7 +269,7 @@ def test_poisoned_outputs_rows_past_the_experts_and_nonfinite_blocks(monkeypatch
     w2q, w2s = _quant_w(w2)
     clean = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off)
     clean_y = F8.fp8_grouped_mm_nt(clean[0], clean[1], w2q, w2s, off)
-    monkeypatch.setattr(torch, "empty", _poisoned_empty(torch.empty))
+    monkeypatch.setattr(torch, "empty", poisoned_empty(torch.empty))
     hq, hs, gu = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off)
     y = F8.fp8_grouped_mm_nt(hq, hs, w2q, w2s, off)
     for a, b in zip((hq, hs, gu, y), (*clean, clean_y)):

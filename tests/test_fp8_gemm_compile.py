@@ -72,7 +72,7 @@ def compile_w(M, N, padded):
                block_offsets_ptr="*i32", c_ptr="*bf16")
     const = dict(FP32_DOT=False, INTERPRET=False, PADDED=padded, EVEN_M=M % cfg.block_m == 0,
                  EVEN_N=N % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
-    nb_rows = 128 * 1152 + 16  # block-padded, transposed: rows contiguous
+    nb_rows = 128 * 1152  # block-padded, transposed (rows contiguous): a column's stride is the buffer's rows
     strides = dict(stride_pr=1, stride_pm=nb_rows, stride_qr=1, stride_qn=nb_rows) if padded else dict(
         stride_pr=M, stride_pm=1, stride_qr=N, stride_qn=1)
     _ints(sig, const, M=M, N=N, stride_psb=M, stride_qsb=N, stride_ce=M * N, stride_cm=N, **strides)
@@ -118,3 +118,8 @@ def test_weight_gradient_compiles(padded):
     assert r["wgmma"] == ["k32.f32.e4m3.e4m3"] and not r["other_mma"] and r["spill"] == 0, r
     if padded:
         assert r["sync_tile_loads"] == 0 and r["async_loads"] >= 2, r
+        # column offsets (column index x the buffer's rows) in int64: at deepseek-v3's D = 7168 an int32 product
+        # overflows from ~2.4e5 buffer rows (~33k tokens on one GPU, fewer per rank under EP)
+        ttir = k.asm["ttir"]
+        assert not re.search(r"arith\.muli %\S+, %\S+ : tensor<1x\d+xi32>", ttir), "int32 column offsets"
+        assert re.search(r"arith\.muli %\S+, %\S+ : tensor<\d+xi64>", ttir), "no int64 column offsets found"

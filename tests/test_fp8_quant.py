@@ -12,16 +12,16 @@ subnormal: finite scales with finite inverses), e4m3 rounding ties, NaN / Inf bl
 blocks unaffected), experts of 0, 1, 127, 128, 129 and 300 rows with all-zero channels, rows and columns not
 multiples of the tile, rows gathered through idx_R, non-contiguous or misaligned input (copied first), one row or
 column, prefilled outputs fully overwritten (and unspecified rows left alone); the integer e4m3 rounding and the
-exponent-rule helper on every fp32 exponent; bad input raises a clear error; the kernels compile for sm_90a, and in
-every launch specialization their e4m3 bytes are stored from the layout they are cast in (no byte tile moves between
-layouts). On CUDA every case runs and the failing ones are listed together.
+exponent-rule helper on every fp32 exponent; bad input raises a clear error (the sm_90a compile checks are in
+tests/test_fp8_quant_compile.py). The 128x1 quantizer's K-major output (``kmajor=True``) is the reference's bytes in
+the reference's block-padded layout (zeros past each expert's rows, written into poisoned memory), on every case of
+the row-order grid. On CUDA every case runs and the failing ones are listed together.
 
 Run: python -m pytest tests/test_fp8_quant.py -q (interpreted cases fork from one TRITON_INTERPRET=1 host).
 """
 
 import contextlib
 import math
-import re
 
 import pytest
 import torch
@@ -34,6 +34,7 @@ from interpreter import interpreted
 from megamoe import reference as ref
 from megamoe.kernels.fp8_quant import e4m3_bytes, pow2_scale
 from megamoe.ops import fp8_quant as ops
+from poison import poisoned_allocations
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COUNTS = (0, 1, 127, 128, 129, 0, 300)  # rows per expert of the grouped buffer
@@ -319,28 +320,10 @@ def _grouped_specified(got, want, off, what):
     _assert_same((got[0][:n], got[1][:nb]), (want[0][:n], want[1][:nb]), what)
 
 
-@contextlib.contextmanager
-def _poisoned_allocations():
-    """torch.empty fills what it returns with 0x7F bytes (e4m3 NaN, fp32 3.4e38): bytes a kernel should write
-    and does not show up."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real(*args, **kwargs)
-        t.view(U8).fill_(0x7F)
-        return t
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = real
-
-
 def _kmajor_specified(x, off, idx, what):
     """The block-padded transposed bytes (kmajor=True) are the reference's bytes in the reference's padded layout
     (zeros past each expert's rows, written into poisoned memory), the scales the row-order call's."""
-    with _poisoned_allocations():
+    with poisoned_allocations():
         q, s = ops.quantize_128x1_grouped(x, off, idx, kmajor=True)
     qw, sw = ref.quantize_128x1_grouped(x, off, idx)
     nb, used = sw.shape[0], int(ref.block_offsets_for(off)[-1])
@@ -508,70 +491,6 @@ def test_cpu_tensors_need_the_interpreter():
         ops.quantize_1x128(torch.randn(2, 128))
 
 
-def _compile_sm90(kernel, ints: dict, types: dict, const: dict, num_warps: int = 4):
-    """kernel compiled for sm_90a as a launch with these integer arguments specializes it (1 -> constexpr,
-    multiples of 16 and pointers -> divisible by 16)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = list(kernel.arg_names)
-    sig = {**types, **dict.fromkeys(const, "constexpr")}
-    const = dict(const)
-    divisible = {n for n, t in types.items() if t.startswith("*")}
-    for n, v in ints.items():
-        sig[n] = "constexpr" if v == 1 else "i32"
-        if v == 1:
-            const[n] = 1
-        elif v % 16 == 0:
-            divisible.add(n)
-    assert set(sig) == set(names), set(names) ^ set(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    return triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, enable_fp_fusion=True))
-
-
-BYTE_RELAYOUT = re.compile(r"ttg\.convert_layout %\S+ : tensor<[0-9x]+xi8, #[^>]*> -> ")
-
-
-def test_kernels_compile_for_sm90():
-    from megamoe.kernels import fp8_quant as k
-
-    for hw in (True, False):
-        c = _compile_sm90(k.quantize_1x128_kernel, dict(R=300, C=7168), X_PTRS, {"BLOCK_R": 32, "HW_CAST": hw})
-        assert ("cvt.rn.satfinite.e4m3x2.f32" in c.asm["ptx"]) == hw
-
-
-X_PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
-W_PTRS = {"w_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
-G_PTRS = {"x_ptr": "*bf16", "idx_ptr": "*i32", "offsets_ptr": "*i32", "block_offsets_ptr": "*i32", "q_ptr": "*u8",
-          "s_ptr": "*fp32"}
-
-
-@pytest.mark.parametrize("width", (7168, 130, 1))
-def test_byte_tiles_are_stored_from_the_layout_they_are_cast_in(width):
-    """The specializations a launch makes (widths multiples of 16, not, and 1; the input's and output's pointers
-    both 16-byte aligned, as the launchers ensure): the e4m3 bytes never change layout between the cast and the
-    store (a ``ttg.convert_layout`` of the i8 tile, through shared memory, after ``tt.fp_to_fp``: a column-major
-    load gave one, and on the GPU it stored wrong bytes)."""
-    from megamoe.kernels import fp8_quant as k
-
-    compiled = [_compile_sm90(k.quantize_1x128_kernel, dict(R=300, C=width), X_PTRS, {"BLOCK_R": 32, "HW_CAST": True}),
-                _compile_sm90(k.quantize_128x128_kernel, dict(N=300, K=width), W_PTRS, {"HW_CAST": True}, num_warps=8)]
-    for gather in (False, True) if width > 1 else (False,):  # one column is gathered by the launcher
-        compiled.append(_compile_sm90(k.quantize_128x1_grouped_kernel, dict(C=width, num_experts=7, ld_q=128 * 9),
-                                      G_PTRS, {"GATHER": gather, "E_POW2": 8, "BLOCK_C": 64, "KMAJOR": False,
-                                               "HW_CAST": True}))
-    for c in compiled:
-        assert "tt.fp_to_fp" in c.asm["ttgir"] and not BYTE_RELAYOUT.search(c.asm["ttgir"]), c.name
-    for gather in (False, True) if width > 1 else (False,):  # K-major: the cast in inline PTX, int32 words moved
-        c = _compile_sm90(k.quantize_128x1_grouped_kernel, dict(C=width, num_experts=7, ld_q=128 * 9),
-                          {**G_PTRS, "q_ptr": "*i32"}, {"GATHER": gather, "E_POW2": 8, "BLOCK_C": 64, "KMAJOR": True,
-                                                       "HW_CAST": True})
-        ttgir = c.asm["ttgir"]
-        assert "tt.fp_to_fp" not in ttgir and not re.search(r"tensor<[0-9x]+xi8", ttgir), c.name
-        assert "cvt.rn.satfinite.e4m3x2.f32" in c.asm["ptx"], c.name
-
-
 # --------------------------------------------------------------------------- CUDA (the hardware e4m3 cast)
 
 @pytest.mark.gpu
@@ -602,6 +521,7 @@ def test_gpu_large_grouped_and_weights_bitexact():
     off = off.cuda()
     _grouped_specified(ops.quantize_128x1_grouped(x, off, idx), ref.quantize_128x1_grouped(x, off, idx), off,
                        "128x1 large")
+    _kmajor_specified(x, off, idx, "128x1 large")  # the inline-PTX cast on every byte position of a word
     w = torch.randn(8, 4096, 7168, generator=g).to(torch.bfloat16).cuda()
     _assert_same(ops.quantize_128x128(w), ref.quantize_128x128(w), "128x128 large")
 

@@ -328,12 +328,13 @@ def fp8_m_grouped_kernel(
 
 
 @triton.jit
-def _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n, mask_m,
-                 mask_n, stride_pr, stride_pm, stride_psb, stride_qr, stride_qn, stride_qsb, FP32_DOT: tl.constexpr,
+def _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n, p_cols,
+                 q_cols, mask_m, mask_n, stride_pr, stride_psb, stride_qr, stride_qsb, FP32_DOT: tl.constexpr,
                  PADDED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     """``acc + (P_j^T @ Q_j) * (ps[b, m] * qs[b, n])`` for the expert's j-th block of 128 rows (b its global
     block); rows past the expert load as zeros (PADDED: block b is rows [128b, 128b + 128), zero-padded by its
-    producer, so no row is masked)."""
+    producer, so no row is masked). p_cols / q_cols: the tile's column offsets in elements (int64: with
+    transposed operands a column's stride is the buffer's row count)."""
     b = (first_block + j).to(tl.int64)
     if PADDED:
         rows = b * 128 + tl.arange(0, 128)
@@ -342,8 +343,8 @@ def _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, 
         rows = row_start + j * 128 + tl.arange(0, 128)
         mask_r = rows < row_end
         rows = rows.to(tl.int64)
-    p = load_2d(p_ptr + rows[:, None] * stride_pr + offs_m[None, :] * stride_pm, mask_r, mask_m, PADDED, EVEN_M)
-    q = load_2d(q_ptr + rows[:, None] * stride_qr + offs_n[None, :] * stride_qn, mask_r, mask_n, PADDED, EVEN_N)
+    p = load_2d(p_ptr + rows[:, None] * stride_pr + p_cols[None, :], mask_r, mask_m, PADDED, EVEN_M)
+    q = load_2d(q_ptr + rows[:, None] * stride_qr + q_cols[None, :], mask_r, mask_n, PADDED, EVEN_N)
     ps = load_vec(ps_ptr + b * stride_psb + offs_m, mask_m, EVEN_M)
     qs = load_vec(qs_ptr + b * stride_qsb + offs_n, mask_n, EVEN_N)
     return promote(tl.trans(p), q, ps, qs, acc, FP32_DOT, False)
@@ -379,18 +380,20 @@ def fp8_k_grouped_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    p_cols = offs_m.to(tl.int64) * stride_pm
+    q_cols = offs_n.to(tl.int64) * stride_qn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if INTERPRET:  # the interpreter cannot range() over a loaded bound
         j = 0
         while j < num_blocks:
             acc = _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n,
-                               mask_m, mask_n, stride_pr, stride_pm, stride_psb, stride_qr, stride_qn, stride_qsb,
+                               p_cols, q_cols, mask_m, mask_n, stride_pr, stride_psb, stride_qr, stride_qsb,
                                FP32_DOT, PADDED, EVEN_M, EVEN_N)
             j += 1
     else:
         for j in range(0, num_blocks):
             acc = _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n,
-                               mask_m, mask_n, stride_pr, stride_pm, stride_psb, stride_qr, stride_qn, stride_qsb,
+                               p_cols, q_cols, mask_m, mask_n, stride_pr, stride_psb, stride_qr, stride_qsb,
                                FP32_DOT, PADDED, EVEN_M, EVEN_N)
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])

@@ -4,7 +4,8 @@ The recipe is specified in megamoe.reference_fp8 (read it first); these produce 
 bit. Scales are fp32 powers of two ``s = 2**e`` (dequantization multipliers), ``q = e4m3(x * 2**-e)``.
 
 Legend: R rows, C columns of the tensor quantized; E experts; N x K one expert's weight; B = ceil(C / 128) scale
-blocks of a row; NB 128-row blocks of an expert-grouped buffer; q the e4m3 bytes (stored as uint8), s the scales.
+blocks of a row; NB 128-row blocks of an expert-grouped buffer; q the e4m3 bytes (stored as uint8, or four to an
+int32 word by the K-major 128x1 variant), s the scales.
 
 Public helpers (``@triton.jit``; import them into a GEMM epilogue to quantize a tile where it is produced):
   * :func:`as_fp32`: exact widening to fp32 (bf16 through its bits: the interpreter's bf16 -> fp32 conversion

@@ -141,8 +141,9 @@ def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
     if cfg.moe.num_experts % dctx.ep_size:
         raise SystemExit(f"error: preset {cfg.name!r} has {cfg.moe.num_experts} experts, not divisible by "
                          f"the EP size {dctx.ep_size}")
+    recipe = "-fp8-vs-bf16" if args.fp8_vs_bf16 else "-fp8" if args.fp8 else ""
     out = args.out if args.out is not None else (f"runs/{cfg.name}-ep{dctx.ep_size}"
-                                                      + (f"-dp{dctx.replicas}" if dctx.replicas > 1 else ""))
+                                                      + (f"-dp{dctx.replicas}" if dctx.replicas > 1 else "") + recipe)
     if args.fp8 or args.fp8_vs_bf16:
         try:
             check_fp8("--fp8", cfg.moe.hidden_size, cfg.moe.moe_intermediate_size, cfg.moe.dtype, device)
@@ -151,6 +152,9 @@ def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
     if (args.fp8 or args.fp8_vs_bf16) and (args.check or args.resume):
         raise SystemExit("error: --fp8 / --fp8-vs-bf16 do not combine with --check or --resume (a resumed run keeps "
                          "its own recipe)")
+    if (args.fp8 or args.fp8_vs_bf16) and dctx.ep_size > 1 and (backend != "fused" or dctx.ep_size > 2):
+        raise SystemExit(f"error: --fp8 with expert parallelism needs the fused backend and an EP size of at most 2 "
+                         f"(FP8 exchanges run in one round; got backend {backend}, EP={dctx.ep_size})")
     return RunConfig(model=cfg, backend=backend, device=device, seed=args.seed, data=args.data, fsdp=args.fsdp,
                      fp8=args.fp8 and not args.fp8_vs_bf16, out_dir=out or None, log_every=max(1, args.log_every),
                      ckpt_every=args.ckpt_every,
@@ -240,6 +244,9 @@ def _fp8_vs_bf16(rc: RunConfig, dctx: Dist, corpus, *, say) -> int:
     for label, fp8 in ((dtype, False), ("fp8", True)):
         sub = dataclasses.replace(rc, fp8=fp8, out_dir=str(base / label) if base else None)
         runs[label] = (sub, _train_and_report(sub, dctx, corpus, resume=False, say=say))
+        if runs[label][1].stopped_at < rc.model.steps:  # interrupted (Ctrl-C, --stop-after): nothing to compare
+            say(f"the {label} run stopped after {runs[label][1].stopped_at} of {rc.model.steps} steps: no comparison")
+            return 1
     (lb, (_, res_b)), (lf, (_, res_f)) = runs.items()
     loss_b, loss_f = final_loss(res_b), final_loss(res_f)
     gap = abs(loss_f - loss_b) / abs(loss_b)
