@@ -45,6 +45,10 @@ def _case(name: str):
     return [("down", T * k, E, D, F, off), ("dx", T * k, E, D, 2 * F, off)], g
 
 
+def _ms(timer, fn, args, cache) -> float:
+    return summarize(timer.time(lambda _: fn(*args, tile_cache=cache), 30)).median
+
+
 def main(cases: list[str]) -> None:
     timer = Timer(torch.device("cuda"))
     print(f"{'case':24s} {'gemm':5s} {'K':>5s} {'N':>5s} {'triton ms':>9s} {'TFLOP/s':>8s} {'gluon ms':>9s} "
@@ -58,16 +62,15 @@ def main(cases: list[str]) -> None:
             got = fp8_grouped_mm_nt_gluon(aq, as_, bq, bs, off, tile_cache=cache)
             n = int(off[-1])
             ok = torch.equal(got[:n].view(torch.int16), want[:n].view(torch.int16))
-            tri = summarize(timer.time(lambda _: fp8_grouped_mm_nt(aq, as_, bq, bs, off, tile_cache=cache), 30)).median
-            glu = summarize(timer.time(lambda _: fp8_grouped_mm_nt_gluon(aq, as_, bq, bs, off, tile_cache=cache),
-                                       30)).median
+            args = (aq, as_, bq, bs, off)
+            tri = _ms(timer, fp8_grouped_mm_nt, args, cache)
+            glu = _ms(timer, fp8_grouped_mm_nt_gluon, args, cache)
             flop = 2 * n * N * K
             print(f"{name:24s} {label:5s} {K:5d} {N:5d} {tri:9.3f} {flop / tri / 1e9:8.0f} {glu:9.3f} "
                   f"{flop / glu / 1e9:8.0f} {tri / glu:7.2f}  {ok}")
             if not ok:
                 diff = (got[:n].view(torch.int16) != want[:n].view(torch.int16)).sum().item()
                 raise SystemExit(f"{name} {label}: Gluon differs from the Triton kernel in {diff} elements")
-            del aq, as_, bq, bs, want, got
 
 
 if __name__ == "__main__":
