@@ -1,0 +1,160 @@
+"""Host launcher of the warp-specialized Gluon FP8 m-grouped GEMM (megamoe/kernels/fp8_gemm_gluon.py), plain
+epilogue, K-major ("nt") operands: the down projection and the dgrad dx GEMM on K-major weight copies.
+
+Legend: R rows of an expert-grouped row buffer (expert e owns rows ``offsets_E1[e]:offsets_E1[e+1]``; rows past
+``offsets_E1[E]`` are never written), E experts, N output columns, K reduction size, KB = K / 128 scale blocks.
+
+Same contract and bits as :func:`megamoe.ops.fp8_gemm.fp8_grouped_mm_nt` without a row gather or row scale (the
+K-blocks of 128 promoted in increasing order, one fused multiply-add each); what differs is the schedule (the
+next K-block's wgmma runs during a promotion, a TMA load warp fills the ring). Gluon is Triton's experimental
+lower-level language: where it is missing, or the device is not a Hopper (sm_90) GPU, the launcher raises
+(the Triton kernel of megamoe.ops.fp8_gemm computes the same bits everywhere). No host sync: the grid is sized
+from R, E and N alone; CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ._common import pow2, sm_budget
+from .routing import tile_offsets_for
+
+try:  # Gluon is experimental: keep the library importable without it
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..kernels.fp8_gemm_gluon import fp8_m_grouped_ws_kernel
+    from ..kernels.gluon_compat import MISSING as _GLUON_MISSING
+
+    if _GLUON_MISSING:  # this Triton lacks a builtin the kernel calls: it would fail to compile at run time
+        fp8_m_grouped_ws_kernel = None
+except Exception:  # noqa: BLE001 - any import problem means: no Gluon kernel
+    fp8_m_grouped_ws_kernel = None
+
+__all__ = ["fp8_grouped_mm_nt_gluon", "FP8_GLUON_AVAILABLE", "fp8_gluon_stages", "fp8_gluon_unroll"]
+
+FP8_GLUON_AVAILABLE = fp8_m_grouped_ws_kernel is not None
+QB = 128
+_BLOCK_M = _BLOCK_N = QB
+_E4M3 = torch.float8_e4m3fn
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_SMEM = 227 * 1024  # a Hopper block's shared memory
+_WS_MAXNREG = 168  # registers per thread at launch (12 warps); the partitions then trade (232 / 40)
+
+
+def fp8_gluon_stages(out_dtype: torch.dtype) -> int:
+    """Ring depth (pure function): the most 32 KiB (A + B) slots that fit beside the two staging buffers of
+    the output tile (64 x 128 of out_dtype each) and the barriers, at most 6."""
+    staging = 2 * (_BLOCK_M // 2) * _BLOCK_N * torch.empty((), dtype=out_dtype).element_size()
+    slot = (_BLOCK_M + _BLOCK_N) * QB
+    return min(6, (_SMEM - staging - 1024) // slot)
+
+
+def fp8_gluon_unroll(K: int) -> int:
+    """K-blocks per unrolled chunk of the K loop (pure function): the largest divisor of K / 128 up to 8 (a
+    chunk's last promotion is not overlapped with a wgmma of the same warpgroup; more unrolling lets the
+    compiler hoist more address arithmetic into registers)."""
+    kb = K // QB
+    return max(u for u in range(1, 9) if kb % u == 0)
+
+
+def _check(where: str, name: str, t, dims: int, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims or t.dtype != dtype:
+        raise ValueError(f"{where}: {name} must be a {dims}-D {dtype} tensor, got {t.dtype} {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{where}: {name} must be contiguous (K-major operands), strides {t.stride()}")
+
+
+def _validate(where, aq, as_, bq, bs, offsets_E1, out_dtype) -> tuple[int, int, int, int]:
+    """(R, E, N, K) after checking every argument (clear errors naming it)."""
+    _check(where, "aq", aq, 2, _E4M3)
+    _check(where, "as_", as_, 2, torch.float32)
+    _check(where, "bq", bq, 3, _E4M3)
+    _check(where, "bs", bs, 3, torch.float32)
+    E, N, K = bq.shape
+    R = aq.shape[0]
+    if N % QB or K % QB or K == 0:
+        raise ValueError(f"{where}: FP8 block scaling needs N and K positive multiples of 128, got bq "
+                         f"{tuple(bq.shape)}")
+    if tuple(bs.shape) != (E, N // QB, K // QB):
+        raise ValueError(f"{where}: bs must be ({E}, {N // QB}, {K // QB}), got {tuple(bs.shape)}")
+    if aq.shape[1] != K or tuple(as_.shape) != (R, K // QB):
+        raise ValueError(f"{where}: aq must be (., {K}) with as_ (., {K // QB}), got {tuple(aq.shape)} and "
+                         f"{tuple(as_.shape)}")
+    if not isinstance(offsets_E1, torch.Tensor) or offsets_E1.dtype != torch.int32 or (
+            tuple(offsets_E1.shape) != (E + 1,)) or not offsets_E1.is_contiguous():
+        raise ValueError(f"{where}: offsets_E1 must be a contiguous int32 tensor of shape ({E + 1},), got "
+                         f"{getattr(offsets_E1, 'dtype', type(offsets_E1).__name__)} "
+                         f"{tuple(getattr(offsets_E1, 'shape', ()))}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"{where}: out_dtype {out_dtype} not supported (bf16, fp16, fp32)")
+    devs = {t.device for t in (aq, as_, bq, bs, offsets_E1)}
+    if len(devs) > 1:
+        raise ValueError(f"{where}: tensors on different devices: {sorted(map(str, devs))}")
+    dev = devs.pop()
+    if not FP8_GLUON_AVAILABLE:
+        raise RuntimeError(f"{where}: Gluon (triton.experimental.gluon, Hopper TMA / wgmma builtins) is not "
+                           f"available in Triton {triton.__version__}; use megamoe.ops.fp8_gemm.fp8_grouped_mm_nt "
+                           f"(the same bits)")
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
+        raise RuntimeError(f"{where}: the Gluon FP8 kernel needs a Hopper (sm_90) CUDA device, got {dev}; use "
+                           f"megamoe.ops.fp8_gemm.fp8_grouped_mm_nt (the same bits)")
+    for name, t in (("aq", aq), ("bq", bq)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"{where}: {name} must be 16-byte aligned (TMA), got address {t.data_ptr():#x}")
+    return R, E, N, K
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+
+
+def fp8_grouped_mm_nt_gluon(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tensor, bs: torch.Tensor,
+                            offsets_E1: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                            tile_cache: dict | None = None) -> torch.Tensor:
+    """FP8 m-grouped ``C[r] = cast(deq(A)[r] @ deq(B)[e]^T)`` for every row r of expert e, B[e] stored (N, K)
+    (K-major), on Hopper with the warp-specialized Gluon kernel; bitwise :func:`fp8_grouped_mm_nt` (no gather,
+    no row scale).
+
+    Args:
+        aq, as_: (R, K) e4m3 + (R, K / 128) fp32, contiguous (1x128 row blocks).
+        bq, bs: (E, N, K) e4m3 + (E, N / 128, K / 128) fp32, contiguous (128x128 blocks).
+        offsets_E1: (E + 1,) int32 expert row offsets (device).
+        out_dtype: C's dtype (bf16, fp16, fp32).
+        tile_cache: a dict shared by the GEMMs of one set of offsets (the m-tile table for 128 rows computed once;
+            the key of megamoe.ops.fp8_gemm's launchers, so one dict serves both).
+    Returns:
+        (R, N) out_dtype; rows past offsets_E1[E] are left uninitialized (never written).
+    """
+    where = "fp8_grouped_mm_nt_gluon"
+    R, E, N, K = _validate(where, aq, as_, bq, bs, offsets_E1, out_dtype)
+    c = torch.empty((R, N), dtype=out_dtype, device=aq.device)
+    if R == 0 or N == 0 or E == 0:
+        return c
+    key = (offsets_E1.data_ptr(), offsets_E1.shape[0], _BLOCK_M)
+    tiles = tile_cache.get(key) if tile_cache is not None else None
+    if tiles is None:
+        tiles = tile_offsets_for(offsets_E1, _BLOCK_M)
+        if tile_cache is not None:
+            tile_cache[key] = tiles
+    ab_layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, QB], gl.float8e4nv)
+    a_desc = TensorDescriptor(aq, [R, K], [K, 1], [_BLOCK_M, QB], ab_layout)
+    b_desc = TensorDescriptor(bq.view(E * N, K), [E * N, K], [K, 1], [_BLOCK_N, QB], ab_layout)
+    c_block = [_BLOCK_M // 2, _BLOCK_N]  # one MMA warpgroup's rows
+    c_desc = TensorDescriptor(c, [R, N], [N, 1], c_block,
+                              gl.NVMMASharedLayout.get_default_for(c_block, _gl_dtype(out_dtype)))
+    bound = (triton.cdiv(R, _BLOCK_M) + E) * (N // _BLOCK_N)
+    grid = (max(1, min(sm_budget(c.device), bound)),)
+    # num_warps 4 is the default partition (MMA warpgroup 0); the second MMA warpgroup and the load warp are the
+    # worker partitions (12 warps in all, 168 registers each at launch, then 232 per MMA thread, 40 for the loader)
+    fp8_m_grouped_ws_kernel[grid](
+        a_desc, b_desc, as_, bs, offsets_E1, tiles, c, c_desc,
+        R, N, E, as_.stride(0), bs.stride(0), bs.stride(1), c.stride(0), K,
+        E_POW2=pow2(E), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=fp8_gluon_stages(out_dtype),
+        UNROLL=fp8_gluon_unroll(K), num_warps=4,
+        maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
+    )
+    return c
