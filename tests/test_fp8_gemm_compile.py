@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from megamoe.bench.kernel_inventory import HOPPER_SMEM, _ptxas
+from megamoe.bench.kernel_inventory import HOPPER_SMEM, ptxas_report
 from megamoe.kernels.fp8_gemm import fp8_k_grouped_kernel, fp8_m_grouped_kernel
 from megamoe.ops.fp8_gemm import fp8_config
 
@@ -81,7 +81,7 @@ def compile_w(M, N, padded):
 
 def report(k):
     ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
-    spill = re.search(r"(\d+) bytes spill stores", _ptxas(ptx))
+    spill = re.search(r"(\d+) bytes spill stores", ptxas_report(ptx))
     dot = ttgir.find("ttng.warp_group_dot ")
     loop = ttgir[ttgir.rfind("scf.for", 0, dot):ttgir.find("scf.yield", dot)]
     return dict(wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+(k\d+\.f32\.e4m3\.e4m3)", ptx))),

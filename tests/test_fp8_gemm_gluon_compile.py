@@ -11,14 +11,13 @@ chunk (``wait_group 0``); ptxas neither serializes the wgmmas nor spills; shared
 """
 
 import re
-import subprocess
 
 import pytest
 import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from megamoe.bench.kernel_inventory import HOPPER_SMEM
+from megamoe.bench.kernel_inventory import HOPPER_SMEM, ptxas_report
 from megamoe.ops.fp8_gemm_gluon import (
     FP8_GLUON_AVAILABLE,
     fp8_gluon_stages,
@@ -65,23 +64,12 @@ def _compile(K, N, out_dtype):
                           options=dict(num_warps=4, maxnreg=168, enable_fp_fusion=True))
 
 
-def _ptxas(ptx: str, tmp_path) -> str:
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    tool = get_ptxas(90)
-    path = tmp_path / "k.ptx"
-    path.write_text(ptx)
-    out = subprocess.run([getattr(tool, "path", tool), "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.o")],
-                         capture_output=True, text=True, check=True)
-    return out.stdout + out.stderr
-
-
 CASES = [(name, torch.bfloat16) for name in SHAPES] + [
     pytest.param("qwen3-down", torch.float32, marks=pytest.mark.slow)]  # fp32 output: a shallower ring
 
 
 @pytest.mark.parametrize("shape, out_dtype", CASES, ids=[*SHAPES, "qwen3-down-fp32"])
-def test_compiles_with_promotion_overlapping_the_next_wgmma(tmp_path, shape, out_dtype):
+def test_compiles_with_promotion_overlapping_the_next_wgmma(shape, out_dtype):
     K, N = SHAPES[shape]
     k = _compile(K, N, out_dtype)
     ptx = k.asm["ptx"]
@@ -101,7 +89,7 @@ def test_compiles_with_promotion_overlapping_the_next_wgmma(tmp_path, shape, out
     assert loads >= 2 and loads % 2 == 0, loads  # A and B blocks of a step (the load loop may be unrolled)
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", ptx)) == 2  # a store per warpgroup
     assert "ld.local" not in ptx and "st.local" not in ptx
-    report = _ptxas(ptx, tmp_path)
+    report = ptxas_report(ptx)
     assert "serialized" not in report, report  # ptxas C7512-C7515: wgmmas serialized (in-flight registers touched)
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
     assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"

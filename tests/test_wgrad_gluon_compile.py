@@ -10,7 +10,6 @@ speed are measured on the GPU (tests/test_wgrad_gluon_gpu.py, docs/perf.md).
 """
 
 import re
-import subprocess
 
 import pytest
 
@@ -18,6 +17,7 @@ pytest.importorskip("triton.experimental.gluon")
 
 from triton.backends.compiler import GPUTarget
 
+from megamoe.bench.kernel_inventory import ptxas_report
 from megamoe.ops.wgrad_gluon import GLUON_AVAILABLE
 from triton_versions import expected
 
@@ -54,18 +54,7 @@ def _compile(tma_c, p_gather, q_gather, block_n, stages, res, dt="bf16", out="bf
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
     src = GluonASTSource(kernel, sig, const, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
-
-
-def _ptxas_report(ptx: str, tmp_path) -> str:
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    tool = get_ptxas(90)
-    path = tmp_path / "k.ptx"
-    path.write_text(ptx)
-    out = subprocess.run([getattr(tool, "path", tool), "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.o")],
-                         capture_output=True, text=True, check=True)
-    return out.stdout + out.stderr
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, enable_fp_fusion=True))
 
 
 @pytest.mark.parametrize("tma_c,p_gather,q_gather,block_n,stages,res,dt,out", [
@@ -77,7 +66,7 @@ def _ptxas_report(ptx: str, tmp_path) -> str:
     (True, False, True, 128, 5, 5, "fp16", "fp16"),   # fp16 operands and output
     (False, False, True, 128, 5, 5, "bf16", "fp32"),  # fp32 output (masked stores; 128-wide tiles only)
 ])
-def test_compiles_to_wgmma_cp_async_without_spills(tmp_path, tma_c, p_gather, q_gather, block_n, stages, res, dt,
+def test_compiles_to_wgmma_cp_async_without_spills(tma_c, p_gather, q_gather, block_n, stages, res, dt,
                                                    out):
     k = _compile(tma_c, p_gather, q_gather, block_n, stages, res, dt, out)
     ptx = k.asm["ptx"]
@@ -88,7 +77,7 @@ def test_compiles_to_wgmma_cp_async_without_spills(tmp_path, tma_c, p_gather, q_
     assert copies and {int(c, 0) for c in copies} == {16}, "operand copies must be 16-byte cp.async"
     assert ("cp.async.bulk.tensor" in ptx) == tma_c
     assert "ld.local" not in ptx and "st.local" not in ptx
-    report = _ptxas_report(ptx, tmp_path)
+    report = ptxas_report(ptx)
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
     assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
 
@@ -121,7 +110,7 @@ def _compile_ws(stages, dt="bf16", res=0, tma_c=False):
 @pytest.mark.parametrize("stages,res,dt,tma_c", [(2, 0, "bf16", False), (5, 0, "bf16", False), (6, 5, "bf16", False),
                                                   (5, 5, "bf16", False), (6, 6, "bf16", False), (5, 5, "fp16", False),
                                                   (4, 0, "bf16", True), (4, 5, "bf16", True), (5, 0, "fp16", True)])
-def test_ws_kernel_compiles_to_tma_wgmma_and_named_barriers(tmp_path, stages, res, dt, tma_c):
+def test_ws_kernel_compiles_to_tma_wgmma_and_named_barriers(stages, res, dt, tma_c):
     """The warp-specialized weight-gradient kernel, P streamed (res = 0) or kept on chip: operands by TMA (two
     64-column boxes per 128-column chunk:
     a 128-byte swizzle holds 64 16-bit elements), m64n128k16 wgmma, mbarrier handshakes; the barrier before a
@@ -141,7 +130,7 @@ def test_ws_kernel_compiles_to_tma_wgmma_and_named_barriers(tmp_path, stages, re
     partition_bars = re.findall(r"bar\.sync \t(\d+), (\d+);", ptx)
     assert partition_bars and {n for _, n in partition_bars} == {"128"}, partition_bars
     assert "ld.local" not in ptx and "st.local" not in ptx
-    report = _ptxas_report(ptx, tmp_path)
+    report = ptxas_report(ptx)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     # Triton 3.8's register allocation spills 24 bytes in the MMA warpgroups when P stays on chip (resident
     # chunks) and the tile leaves by masked stores; no other supported release spills here

@@ -38,7 +38,7 @@ from ..ops.tile_config import GemmConfig, k_grouped_config, m_grouped_config
 
 __all__ = ["GemmShape", "WgradShape", "torch_wgrad_in_layer", "layer_gemms", "layer_wgrads", "wgrad_config",
            "compile_m_grouped",
-           "compile_k_grouped", "inventory_row", "main"]
+           "compile_k_grouped", "inventory_row", "ptxas_report", "main"]
 
 HOPPER_SMEM = 227 * 1024  # bytes of shared memory a Hopper thread block can have
 SM_SMEM = 228 * 1024      # per SM, of which 1 KiB is reserved per resident block (CUDA occupancy rules)
@@ -223,7 +223,8 @@ def compile_k_grouped(g: WgradShape, cfg: GemmConfig):
     return _compile(kernel, sig, const, divisible, cfg)
 
 
-def _ptxas(ptx: str) -> str:
+def ptxas_report(ptx: str) -> str:
+    """ptxas's verbose report (registers, spills, warnings) of sm_90a PTX, assembled in a scratch folder."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     tool = get_ptxas(90)
@@ -243,7 +244,7 @@ def _k_loop(ttgir: str) -> str:
 
 
 def _report(k, cfg: GemmConfig) -> dict:
-    report = _ptxas(k.asm["ptx"])
+    report = ptxas_report(k.asm["ptx"])
     regs = re.search(r"Used (\d+) registers", report)
     spill = re.search(r"(\d+) bytes spill stores", report)
     loop = _k_loop(k.asm["ttgir"])
