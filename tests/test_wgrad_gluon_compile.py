@@ -104,7 +104,7 @@ def _compile_ws(stages, dt="bf16", res=0, tma_c=False):
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
              for n in ("row_offsets_ptr", "c_ptr", "M", "N", "stride_ce", "stride_cm")}
     return triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4))
+                          options=dict(num_warps=4, enable_fp_fusion=True))
 
 
 @pytest.mark.parametrize("stages,res,dt,tma_c", [(2, 0, "bf16", False), (5, 0, "bf16", False), (6, 5, "bf16", False),
