@@ -21,7 +21,7 @@ def _ptx(kernel, sig: dict, const: dict, divisible: tuple, text: bool = False, n
     assert set(sig) == set(names), set(names) ^ set(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     c = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=num_warps))
+                       options=dict(num_warps=num_warps, enable_fp_fusion=True))
     if text:
         return c.asm["ptx"]
     return Counter(re.findall(r"(ld\.global[\.\w:]*|st\.global[\.\w:]*)", c.asm["ptx"]))
@@ -104,7 +104,7 @@ def test_schedule_kernel_builds_for_sm90(use_timer):
     sig = {**sig, **dict.fromkeys(const, "constexpr")}
     assert set(sig) == set(names), set(names) ^ set(sig)
     c = triton.compile(ASTSource(ep_schedule_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4))
+                       options=dict(num_warps=4, enable_fp_fusion=True))
     ptx = c.asm["ptx"]
     assert "ld.global.sys.acquire.b32" in ptx, "the flag waits must be acquire loads at system scope"
     assert ("globaltimer" in ptx) == use_timer

@@ -16,7 +16,7 @@ def _compile(kernel, sig: dict, const: dict, num_warps: int, num_stages: int = 1
     sig = {**sig, **dict.fromkeys(const, "constexpr")}
     assert set(sig) == set(kernel.arg_names), set(kernel.arg_names) ^ set(sig)
     return triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True))
 
 
 def test_round_kernel_compiles_with_wgmma():
