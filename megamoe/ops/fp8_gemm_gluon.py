@@ -18,7 +18,7 @@ import torch
 import triton
 
 from ._common import pow2, sm_budget
-from .routing import tile_offsets_for
+from .fp8_gemm import table_for
 
 try:  # Gluon is experimental: keep the library importable without it
     from triton.experimental.gluon import language as gl
@@ -134,12 +134,7 @@ def fp8_grouped_mm_nt_gluon(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tenso
     c = torch.empty((R, N), dtype=out_dtype, device=aq.device)
     if R == 0 or N == 0 or E == 0:
         return c
-    key = (offsets_E1.data_ptr(), offsets_E1.shape[0], _BLOCK_M)
-    tiles = tile_cache.get(key) if tile_cache is not None else None
-    if tiles is None:
-        tiles = tile_offsets_for(offsets_E1, _BLOCK_M)
-        if tile_cache is not None:
-            tile_cache[key] = tiles
+    tiles = table_for(offsets_E1, _BLOCK_M, tile_cache)
     ab_layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, QB], gl.float8e4nv)
     a_desc = TensorDescriptor(aq, [R, K], [K, 1], [_BLOCK_M, QB], ab_layout)
     b_desc = TensorDescriptor(bq.view(E * N, K), [E * N, K], [K, 1], [_BLOCK_N, QB], ab_layout)
