@@ -19,6 +19,7 @@ import torch
 
 from megamoe import get_preset
 from megamoe.bench.timing import Timer, summarize
+from megamoe.ops import build_routing_plan
 from megamoe.ops.fp8_gemm import fp8_grouped_mm_nt
 from megamoe.ops.fp8_gemm_gluon import fp8_grouped_mm_nt_gluon
 
@@ -38,10 +39,7 @@ def _case(name: str):
     cfg = get_preset(preset)
     T, D, F, E, k = int(tokens), cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
     g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=1).indices
-    counts = torch.bincount(ids.flatten(), minlength=E)
-    off = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
-    off[1:] = counts.cumsum(0)
+    off = build_routing_plan(torch.rand(T, E, device="cuda", generator=g).topk(k, dim=1).indices, E).offsets_E1
     return [("down", T * k, E, D, F, off), ("dx", T * k, E, D, 2 * F, off)], g
 
 

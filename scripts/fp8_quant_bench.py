@@ -21,7 +21,7 @@ import torch
 
 from megamoe import get_preset, reference
 from megamoe.bench.timing import Timer, summarize
-from megamoe.ops import fp8_quant
+from megamoe.ops import build_routing_plan, fp8_quant
 
 E4M3 = torch.float8_e4m3fn
 
@@ -31,12 +31,8 @@ def _case(name: str):
     cfg = get_preset(preset)
     T, D, F, E, K = int(tokens), cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
     g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices
-    order = torch.sort(ids.flatten(), stable=True).indices
-    counts = torch.bincount(ids.flatten(), minlength=E)
-    off = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
-    off[1:] = counts.cumsum(0)
-    tok = torch.div(order, K, rounding_mode="floor").to(torch.int32)
+    plan = build_routing_plan(torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices, E)
+    off, tok = plan.offsets_E1, plan.row_token_N
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x, h = torch.randn(T, D, **bf), torch.randn(T * K, F, **bf)
     w13, w2 = torch.randn(E, 2 * F, D, **bf), torch.randn(E, D, F, **bf)
