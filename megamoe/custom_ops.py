@@ -351,6 +351,5 @@ _router_logits_op.register_autograd(_router_logits_backward, setup_context=_rout
 
 def router_logits(x_TD: Tensor, router_w_ED: Tensor, *, router_dtype: str = "fp32") -> Tensor:
     """:func:`megamoe.functional.router_logits` through the ``megamoe::router_logits`` custom op (inputs validated
-    and contiguous; for "model", router_w_ED already in x_TD's dtype)."""
-    _check_router_dtype(router_dtype)
+    and contiguous; for "model", router_w_ED already in x_TD's dtype; the op checks router_dtype)."""
     return _router_logits_op(x_TD, router_w_ED, router_dtype)
