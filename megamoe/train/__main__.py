@@ -236,7 +236,7 @@ def _fp8_vs_bf16(rc: RunConfig, dctx: Dist, corpus, *, say) -> int:
     CPU) then FP8 GEMMs (RUN/fp8); both loss curves in RUN/fp8_vs_bf16.png; 1 when the FP8 run's final loss is more
     than 1% off the other's."""
     from .plots import plot_compare
-    from .report import final_loss
+    from .report import final_loss, steady_rate
 
     base = Path(rc.out_dir) if rc.out_dir else None
     runs = {}
@@ -251,18 +251,10 @@ def _fp8_vs_bf16(rc: RunConfig, dctx: Dist, corpus, *, say) -> int:
     loss_b, loss_f = final_loss(res_b), final_loss(res_f)
     gap = abs(loss_f - loss_b) / abs(loss_b)
     say(f"{lf} vs {lb}: final train loss {loss_f:.4f} vs {loss_b:.4f} ({100 * gap:.2f}% apart; the bound is 1%), "
-        f"tokens/s {_rate(res_f):,.0f} vs {_rate(res_b):,.0f}")
+        f"tokens/s {steady_rate(res_f):,.0f} vs {steady_rate(res_b):,.0f}")
     if dctx.main and base is not None:
         say(f"plot: {plot_compare({k: Path(v[0].out_dir) for k, v in runs.items()}, base / 'fp8_vs_bf16.png')}")
     return 0 if gap <= 0.01 else 1
-
-
-def _rate(res) -> float:
-    """Steady tokens/s of a run: the median over log intervals after the first (as the summary reports it)."""
-    import statistics
-
-    steady = res.tokens_per_s[1:] or res.tokens_per_s
-    return statistics.median(steady) if steady else float("nan")
 
 
 def _train_and_report(rc: RunConfig, dctx: Dist, corpus, *, resume: bool, say):

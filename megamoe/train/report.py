@@ -11,7 +11,7 @@ import torch
 
 from .loop import RunConfig, RunResult
 
-__all__ = ["ProgressBar", "final_loss", "param_counts", "summary"]
+__all__ = ["ProgressBar", "final_loss", "param_counts", "steady_rate", "summary"]
 
 
 class ProgressBar:
@@ -83,6 +83,13 @@ def final_loss(res: RunResult) -> float:
     return statistics.fmean(res.losses[-k:])
 
 
+def steady_rate(res: RunResult) -> float:
+    """The run's tokens/s: the median over log intervals after the first (the first includes compilation and
+    warm-up), or the only interval's; NaN without any."""
+    steady = res.tokens_per_s[1:] or res.tokens_per_s
+    return statistics.median(steady) if steady else float("nan")
+
+
 def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str, layout: str | None = None,
             ep_size: int | None = None) -> str:
     """The one-screen end-of-run report (plain text); ``layout`` e.g. "EP=2 x DP=2" (default "EP=<world>");
@@ -111,12 +118,11 @@ def summary(rc: RunConfig, res: RunResult, *, world: int, device_name: str, layo
     if res.val:
         lines.append("val loss:   " + "  ".join(f"{v:.3f}@{s}" for s, v in res.val[-6:]))
     if res.tokens_per_s:
-        steady = res.tokens_per_s[1:] or res.tokens_per_s  # first interval includes compilation / warm-up
         shares = [s for s in res.moe_share[1:] or res.moe_share if s == s]
         basis = ("median over log intervals after the first" if len(res.tokens_per_s) > 1 else
                  "the only log interval, start-up included: run more steps for a steady rate")
         moe_pct = 100 * statistics.median(shares) if shares else float("nan")
-        lines.append(f"speed: {statistics.median(steady):,.0f} tokens/s ({basis}); MoE layers {moe_pct:.0f}% "
+        lines.append(f"speed: {steady_rate(res):,.0f} tokens/s ({basis}); MoE layers {moe_pct:.0f}% "
                      f"of step time; training loop {res.seconds:.1f} s (setup and data loading not included)")
     path = res.model.attention_path() if res.model is not None else None
     if path is not None:
