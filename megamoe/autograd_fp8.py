@@ -21,6 +21,10 @@ fp32 accumulation promoted every 128 of K::
             16-bit values (dout rows and hw for w2, dgu and x rows for w13), written transposed in 128-row blocks
             padded with zeros (K-major for the tensor cores), fp32 sums, one cast to the weight dtype
 
+On a Hopper GPU the down and dx GEMMs (plain epilogue, no gather) run on the warp-specialized Gluon kernel
+(megamoe.ops.fp8_gemm_gluon: the same bits, the promotion overlapped with the next wgmma); elsewhere, and for
+the GEMMs with a gather or a SwiGLU epilogue, on the Triton kernels of megamoe.ops.fp8_gemm.
+
 The backward reuses the forward's weight blocks (kept by the recipe between the passes; the compiled ops of
 megamoe.custom_ops quantize them again instead) and reads K-major copies of them for the input gradients.
 Extra memory kept between the passes: the weight blocks (shared with the cache). Tiles: the FP8 GEMMs' own table
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import fp8_gemm, fp8_quant
+from .ops import fp8_gemm, fp8_gemm_gluon, fp8_quant
 from .ops.fp8_weights import WEIGHT_CACHE, Fp8WeightCache
 
 __all__ = ["Fp8Experts"]
@@ -83,6 +87,9 @@ class Fp8Experts:
     def down(self, h, rows) -> torch.Tensor:
         """Down projection of the round's h blocks: y_RD in the weights' dtype."""
         hq, hs = h
+        if fp8_gemm_gluon.fp8_gluon_runs_on(hq.device):
+            return fp8_gemm_gluon.fp8_grouped_mm_nt_gluon(hq, hs, *self.w2, rows.offsets_E1, out_dtype=self.dtype,
+                                                          tile_cache=rows.tiles)
         return fp8_gemm.fp8_grouped_mm_nt(hq, hs, *self.w2, rows.offsets_E1, out_dtype=self.dtype, kind="down",
                                           tile_cache=rows.tiles)
 
@@ -122,6 +129,10 @@ class Fp8Experts:
         """dx rows = dgu blocks (from the dgrad epilogue) @ w13 blocks (read transposed): (R, D)."""
         dgq, dgs = self._dgu
         self._dgu = None
+        if fp8_gemm_gluon.fp8_gluon_runs_on(dgq.device):  # the K-major copy as (E, D, 2F): contiguous again
+            wq, ws = (t.transpose(1, 2) for t in self.w13_k)
+            return fp8_gemm_gluon.fp8_grouped_mm_nt_gluon(dgq, dgs, wq, ws, rows.offsets_E1, out_dtype=self.dtype,
+                                                          tile_cache=rows.tiles)
         return fp8_gemm.fp8_grouped_mm_nn(dgq, dgs, *self.w13_k, rows.offsets_E1, out_dtype=self.dtype,
                                           tile_cache=rows.tiles)
 

@@ -32,7 +32,9 @@ try:  # Gluon is experimental: keep the library importable without it
 except Exception:  # noqa: BLE001 - any import problem means: no Gluon kernel
     fp8_m_grouped_ws_kernel = None
 
-__all__ = ["fp8_grouped_mm_nt_gluon", "FP8_GLUON_AVAILABLE", "fp8_gluon_stages", "fp8_gluon_unroll"]
+__all__ = [
+    "fp8_grouped_mm_nt_gluon", "FP8_GLUON_AVAILABLE", "fp8_gluon_runs_on", "fp8_gluon_stages", "fp8_gluon_unroll",
+]
 
 FP8_GLUON_AVAILABLE = fp8_m_grouped_ws_kernel is not None
 QB = 128
@@ -41,6 +43,14 @@ _E4M3 = torch.float8_e4m3fn
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SMEM = 227 * 1024  # a Hopper block's shared memory
 _WS_MAXNREG = 168  # registers per thread at launch (12 warps); the partitions then trade (232 / 40)
+
+
+def fp8_gluon_runs_on(device: torch.device) -> bool:
+    """Whether the Gluon FP8 kernels run on ``device``: Gluon importable with the builtins they call and a Hopper
+    (sm_90) CUDA device. Elsewhere (CPU interpreter, Ada, Blackwell) the Triton kernels of megamoe.ops.fp8_gemm
+    compute the same bits."""
+    device = torch.device(device)
+    return FP8_GLUON_AVAILABLE and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def fp8_gluon_stages(out_dtype: torch.dtype) -> int:
