@@ -21,9 +21,10 @@ fp32 accumulation promoted every 128 of K::
             16-bit values (dout rows and hw for w2, dgu and x rows for w13), written transposed in 128-row blocks
             padded with zeros (K-major for the tensor cores), fp32 sums, one cast to the weight dtype
 
-On a Hopper GPU the down and dx GEMMs (plain epilogue, no gather) run on the warp-specialized Gluon kernel
-(megamoe.ops.fp8_gemm_gluon: the same bits, the promotion overlapped with the next wgmma); elsewhere, and for
-the GEMMs with a gather or a SwiGLU epilogue, on the Triton kernels of megamoe.ops.fp8_gemm.
+On a Hopper GPU the down and dx GEMMs (plain epilogue, no gather) and the weight gradients run on the
+warp-specialized Gluon kernels (megamoe.ops.fp8_gemm_gluon: the same bits, the promotion overlapped with the
+next wgmma); elsewhere, and for the GEMMs with a gather or a SwiGLU epilogue, on the Triton kernels of
+megamoe.ops.fp8_gemm.
 
 The backward reuses the forward's weight blocks (kept by the recipe between the passes; the compiled ops of
 megamoe.custom_ops quantize them again instead) and reads K-major copies of them for the input gradients.
@@ -122,6 +123,9 @@ class Fp8Experts:
         blocks = fp8_gemm.table_for(off, fp8_gemm.QB, rows.tiles)
         pq, ps = fp8_quant.quantize_128x1_grouped(p, off, p_idx_R, blocks, kmajor=True)
         qq, qs = fp8_quant.quantize_128x1_grouped(q, off, q_idx_R, blocks, kmajor=True)
+        if fp8_gemm_gluon.fp8_gluon_runs_on(pq.device):
+            return fp8_gemm_gluon.fp8_k_grouped_mm_gluon(pq, ps, qq, qs, off, block_offsets_E1=blocks,
+                                                         out_dtype=out_dtype)
         return fp8_gemm.fp8_k_grouped_mm(pq, ps, qq, qs, off, block_offsets_E1=blocks, padded=True,
                                          out_dtype=out_dtype)
 

@@ -238,3 +238,172 @@ def fp8_m_grouped_ws_kernel(
         (_load_warp, (a_desc, b_desc, a_ring, b_ring, ready, empty, tile_offsets_ptr, row_offsets_ptr, num_experts,
                       N, num_n_tiles, num_tiles, KB, STAGES, E_POW2, BLOCK_M, BLOCK_N)),
     ], [4, 1], [232, 40])
+
+
+# ---------------------------------------------------------------------------------------------- weight gradient
+# k-grouped: ``C[e] = cast(acc)``, ``acc = sum over expert e's 128-row blocks b in increasing order of
+# p_b * (sp[b, m] * sq[b, n])`` with ``p_b = dot(P_b^T[m], Q_b^T[n])`` an FP8 dot of 128 rows from zero: the
+# arithmetic of megamoe.kernels.fp8_gemm.fp8_k_grouped_kernel (PADDED), hence its bits. P^T (M, 128 NB) and Q^T
+# (N, 128 NB) e4m3 are the block-padded K-major buffers of the 128x1 quantizer (zeros past each expert's rows),
+# sp (NB, M) and sq (NB, N) fp32. Tiles (expert, m-tile, n-tile), n-tile fastest and experts slowest (concurrent
+# programs share an expert's blocks in L2); every tile is stored (an expert without rows gets zeros). The
+# K loop's length is the expert's block count (a runtime value): chunks of UNROLL blocks with the next block's
+# wgmma in flight during a promotion, then the remaining blocks one at a time.
+
+
+@gluon.jit
+def _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles, num_n_tiles):
+    """(expert, m-tile, n-tile, first 128-row block, number of blocks) of tile ``tile``."""
+    per_expert = num_m_tiles * num_n_tiles
+    expert = tile // per_expert
+    rest = tile - expert * per_expert
+    m_tile = rest // num_n_tiles
+    n_tile = rest - m_tile * num_n_tiles
+    rows = gl.load(row_offsets_ptr + expert + 1) - gl.load(row_offsets_ptr + expert)
+    return expert, m_tile, n_tile, gl.load(block_offsets_ptr + expert), (rows + QB - 1) // QB
+
+
+@gluon.jit
+def _wgrad_load_warp(p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
+                     num_n_tiles, num_tiles, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One warp: TMA copies of every block of the program's tiles, in order (P^T's rows of the m-tile, Q^T's of
+    the n-tile, 128 columns of the block), each into a slot both MMA warpgroups released."""
+    G = gl.num_programs(0)
+    s = 0
+    tile = gl.program_id(0)
+    while tile < num_tiles:
+        _, m_tile, n_tile, first, nb = _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
+                                                     num_n_tiles)
+        for j in range(nb):
+            slot = s % STAGES
+            mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1)  # a fresh slot passes at once
+            bar = ready.index(slot)
+            mbarrier.expect(bar, p_desc.block_type.nbytes + q_desc.block_type.nbytes)
+            k = (first + j) * QB
+            tma_load(p_desc, [m_tile * BLOCK_M, k], bar, p_ring.index(slot))
+            tma_load(q_desc, [n_tile * BLOCK_N, k], bar, q_ring.index(slot))
+            s += 1
+        tile += G
+
+
+@gluon.jit
+def _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb):
+    """Block j's scales: P's per row of the warpgroup (sp), Q's per column of the tile (sq)."""
+    return gl.load(sp_ptrs + j * stride_psb), gl.load(sq_ptrs + j * stride_qsb)
+
+
+@gluon.jit
+def _wgrad_promote(p, acc, sp, sq, empty, s, STAGES: gl.constexpr):
+    """Wait until step s's wgmma (p) is complete, the one issued after it still in flight, release its slot and
+    return ``(acc + p * (sp[:, None] * sq[None, :]), p)`` (the Triton kernel's expression: a product, then one
+    fused multiply-add per element)."""
+    p, acc = warpgroup_mma_wait(1, deps=[p, acc])
+    mbarrier.arrive(empty.index(s % STAGES))
+    return acc + p * (sp[:, None] * sq[None, :]), p
+
+
+@gluon.jit
+def _wgrad_k_loop(p_ring, q_ring, ready, empty, s, nb, sp_ptrs, sq_ptrs, stride_psb, stride_qsb,
+                  CONSUMER: gl.constexpr, UNROLL: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+                  BLOCK_N: gl.constexpr, MMA: gl.constexpr):
+    """One tile's reduction over its expert's nb blocks from step s, acc from zeros, blocks in order: chunks of
+    UNROLL blocks (block j + 1's wgmma runs while block j is promoted; no wgmma in flight across a back edge),
+    then the last nb % UNROLL blocks one at a time (issue, wait, promote)."""
+    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
+    for c in range(nb // UNROLL):
+        j0 = c * UNROLL
+        p = _issue(p_ring, q_ring, ready, s + j0, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES,
+                   ROWS)
+        sp, sq = _wgrad_scales(sp_ptrs, sq_ptrs, j0, stride_psb, stride_qsb)
+        spare = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
+        for u in gl.static_range(1, UNROLL):
+            nxt = _issue(p_ring, q_ring, ready, s + j0 + u, spare, CONSUMER, STAGES, ROWS)
+            acc, spare = _wgrad_promote(p, acc, sp, sq, empty, s + j0 + u - 1, STAGES)
+            sp, sq = _wgrad_scales(sp_ptrs, sq_ptrs, j0 + u, stride_psb, stride_qsb)
+            p = nxt
+        p, acc = warpgroup_mma_wait(0, deps=[p, acc])
+        mbarrier.arrive(empty.index((s + j0 + UNROLL - 1) % STAGES))
+        acc = acc + p * (sp[:, None] * sq[None, :])
+    for j in range(nb - nb % UNROLL, nb):
+        p = _issue(p_ring, q_ring, ready, s + j, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES, ROWS)
+        sp, sq = _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb)
+        p, acc = warpgroup_mma_wait(0, deps=[p, acc])
+        mbarrier.arrive(empty.index((s + j) % STAGES))
+        acc = acc + p * (sp[:, None] * sq[None, :])
+    return acc
+
+
+@gluon.jit
+def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, sp_ptr, sq_ptr, row_offsets_ptr,
+                         block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb,
+                         CONSUMER: gl.constexpr, UNROLL: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr):
+    """One warpgroup: rows [64 CONSUMER, +64) of every tile of the program: wgmmas, promotion, TMA store."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 32])
+    out_ty: gl.constexpr = c_desc.dtype
+    stage = c_smem.index(CONSUMER)
+    G = gl.num_programs(0)
+    s = 0
+    tile = gl.program_id(0)
+    while tile < num_tiles:
+        expert, m_tile, n_tile, first, nb = _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
+                                                          num_n_tiles)
+        m0 = m_tile * BLOCK_M + CONSUMER * ROWS
+        n0 = n_tile * BLOCK_N
+        first64 = first.to(gl.int64)
+        sp_ptrs = sp_ptr + first64 * stride_psb + m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
+        sq_ptrs = sq_ptr + first64 * stride_qsb + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+        acc = _wgrad_k_loop(p_ring, q_ring, ready, empty, s, nb, sp_ptrs, sq_ptrs, stride_psb, stride_qsb, CONSUMER,
+                            UNROLL, STAGES, ROWS, BLOCK_N, MMA)
+        tma.store_wait(0)  # this warpgroup's previous store has read the staging buffer
+        cta_barrier()
+        stage.store(acc.to(out_ty))
+        fence_async_shared()
+        cta_barrier()  # the warpgroup's whole block is in shared memory
+        tma_store(c_desc, [expert * M + m0, n0], stage)
+        s += nb
+        tile += G
+    tma.store_wait(0)
+
+
+@gluon.jit
+def fp8_k_grouped_ws_kernel(
+    # inputs: TMA descriptors of P^T (M, 128 NB) and Q^T (N, 128 NB) e4m3, blocks (BLOCK_M, 128) / (BLOCK_N, 128);
+    # their scales sp (NB, M), sq (NB, N) fp32 (last dimension contiguous); expert row offsets, block table
+    p_desc, q_desc, sp_ptr, sq_ptr, row_offsets_ptr, block_offsets_ptr,
+    # output C (E, M, N) as its (E M, N) TMA descriptor, block (BLOCK_M / 2, BLOCK_N)
+    c_desc,
+    # shapes and strides (elements)
+    M, N, num_experts, stride_psb, stride_qsb,
+    # tile config (num_warps = 4: the default partition is MMA warpgroup 0)
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNROLL: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    gl.static_assert(num_warps == 4, "the default partition is one MMA warpgroup")
+    gl.static_assert(BLOCK_M == 128, "128-row tiles: two warpgroups of 64 rows")
+    gl.static_assert(STAGES >= 2, "the ring needs STAGES >= 2")
+    gl.static_assert(UNROLL >= 1, "UNROLL >= 1")
+    dtype: gl.constexpr = p_desc.dtype
+    p_ring = gl.allocate_shared_memory(dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both MMA warpgroups read every slot
+    num_m_tiles = M // BLOCK_M
+    num_n_tiles = N // BLOCK_N
+    num_tiles = num_experts * num_m_tiles * num_n_tiles
+    gl.warp_specialize([
+        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, sp_ptr, sq_ptr, row_offsets_ptr,
+                                block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 0,
+                                UNROLL, STAGES, BLOCK_M, BLOCK_N)),
+        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, sp_ptr, sq_ptr, row_offsets_ptr,
+                                block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 1,
+                                UNROLL, STAGES, BLOCK_M, BLOCK_N)),
+        (_wgrad_load_warp, (p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr,
+                            num_m_tiles, num_n_tiles, num_tiles, STAGES, BLOCK_M, BLOCK_N)),
+    ], [4, 1], [232, 40])

@@ -1,5 +1,6 @@
-"""Host launcher of the warp-specialized Gluon FP8 m-grouped GEMM (megamoe/kernels/fp8_gemm_gluon.py), plain
-epilogue, K-major ("nt") operands: the down projection and the dgrad dx GEMM on K-major weight copies.
+"""Host launchers of the warp-specialized Gluon FP8 GEMMs (megamoe/kernels/fp8_gemm_gluon.py): the m-grouped GEMM
+with a plain epilogue on K-major ("nt") operands (the down projection and the dgrad dx GEMM on K-major weight
+copies), and the k-grouped weight gradient on the block-padded K-major 128x1 operands.
 
 Legend: R rows of an expert-grouped row buffer (expert e owns rows ``offsets_E1[e]:offsets_E1[e+1]``; rows past
 ``offsets_E1[E]`` are never written), E experts, N output columns, K reduction size, KB = K / 128 scale blocks.
@@ -24,16 +25,17 @@ try:  # Gluon is experimental: keep the library importable without it
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ..kernels.fp8_gemm_gluon import fp8_m_grouped_ws_kernel
+    from ..kernels.fp8_gemm_gluon import fp8_k_grouped_ws_kernel, fp8_m_grouped_ws_kernel
     from ..kernels.gluon_compat import MISSING as _GLUON_MISSING
 
     if _GLUON_MISSING:  # this Triton lacks a builtin the kernel calls: it would fail to compile at run time
-        fp8_m_grouped_ws_kernel = None
+        fp8_m_grouped_ws_kernel = fp8_k_grouped_ws_kernel = None
 except Exception:  # noqa: BLE001 - any import problem means: no Gluon kernel
-    fp8_m_grouped_ws_kernel = None
+    fp8_m_grouped_ws_kernel = fp8_k_grouped_ws_kernel = None
 
 __all__ = [
-    "fp8_grouped_mm_nt_gluon", "FP8_GLUON_AVAILABLE", "fp8_gluon_runs_on", "fp8_gluon_stages", "fp8_gluon_unroll",
+    "fp8_grouped_mm_nt_gluon", "fp8_k_grouped_mm_gluon", "FP8_GLUON_AVAILABLE", "fp8_gluon_runs_on",
+    "fp8_gluon_stages", "fp8_gluon_unroll", "fp8_wgrad_gluon_unroll", "WGRAD_BLOCK_N",
 ]
 
 FP8_GLUON_AVAILABLE = fp8_m_grouped_ws_kernel is not None
@@ -42,6 +44,7 @@ _BLOCK_M = _BLOCK_N = QB
 _E4M3 = torch.float8_e4m3fn
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SMEM = 227 * 1024  # a Hopper block's shared memory
+WGRAD_BLOCK_N = 64  # the weight gradient's tile columns (fp8_k_grouped_mm_gluon's block_n)
 _WS_MAXNREG = 168  # registers per thread at launch (12 warps); the partitions then trade (232 / 40)
 
 
@@ -53,11 +56,11 @@ def fp8_gluon_runs_on(device: torch.device) -> bool:
     return FP8_GLUON_AVAILABLE and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def fp8_gluon_stages(out_dtype: torch.dtype) -> int:
-    """Ring depth (pure function): the most 32 KiB (A + B) slots that fit beside the two staging buffers of
-    the output tile (64 x 128 of out_dtype each) and the barriers, at most 6."""
-    staging = 2 * (_BLOCK_M // 2) * _BLOCK_N * torch.empty((), dtype=out_dtype).element_size()
-    slot = (_BLOCK_M + _BLOCK_N) * QB
+def fp8_gluon_stages(out_dtype: torch.dtype, block_n: int = _BLOCK_N) -> int:
+    """Ring depth (pure function): the most (128 + block_n) x 128-byte (A + B) slots that fit beside the two
+    staging buffers of the output tile (64 x block_n of out_dtype each) and the barriers, at most 6."""
+    staging = 2 * (_BLOCK_M // 2) * block_n * torch.empty((), dtype=out_dtype).element_size()
+    slot = (_BLOCK_M + block_n) * QB
     return min(6, (_SMEM - staging - 1024) // slot)
 
 
@@ -67,6 +70,14 @@ def fp8_gluon_unroll(K: int) -> int:
     compiler hoist more address arithmetic into registers)."""
     kb = K // QB
     return max(u for u in range(1, 9) if kb % u == 0)
+
+
+def fp8_wgrad_gluon_unroll(mean_blocks: float) -> int:
+    """Blocks per unrolled chunk of the weight gradient's reduction (pure function of the mean number of 128-row
+    blocks per expert): 4 from 6 blocks, 2 from 2, else 1. An expert of b blocks runs b // U chunks (U - 1 of
+    each chunk's promotions overlap the next wgmma) and b % U single blocks, so U stays well below the typical
+    expert's block count."""
+    return 4 if mean_blocks >= 6 else 2 if mean_blocks >= 2 else 1
 
 
 def _check(where: str, name: str, t, dims: int, dtype: torch.dtype) -> None:
@@ -161,5 +172,101 @@ def fp8_grouped_mm_nt_gluon(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tenso
         E_POW2=pow2(E), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=fp8_gluon_stages(out_dtype),
         UNROLL=fp8_gluon_unroll(K), num_warps=4,
         maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
+    )
+    return c
+
+
+def _validate_wgrad(where, pq, ps, qq, qs, offsets_E1, block_offsets_E1, out_dtype) -> tuple[int, int, int, int]:
+    """(R, E, M, N) after checking every argument of :func:`fp8_k_grouped_mm_gluon` (clear errors naming it)."""
+    for name, t, dt in (("pq", pq, _E4M3), ("qq", qq, _E4M3)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2 or t.dtype != dt:
+            raise ValueError(f"{where}: {name} must be a 2-D {dt} tensor, got {t.dtype} {tuple(t.shape)}")
+        if not t.t().is_contiguous():
+            raise ValueError(f"{where}: {name} must be K-major ({name}.t() contiguous: the block-padded layout of "
+                             f"quantize_128x1_grouped(..., kmajor=True)), strides {t.stride()}")
+    _check(where, "ps", ps, 2, torch.float32)
+    _check(where, "qs", qs, 2, torch.float32)
+    (R, M), N = pq.shape, qq.shape[1]
+    if M % QB or N % QB or R % QB:
+        raise ValueError(f"{where}: need M and N multiples of 128 and 128 * NB rows, got pq {tuple(pq.shape)}, qq "
+                         f"{tuple(qq.shape)}")
+    if qq.shape[0] != R or tuple(ps.shape) != (R // QB, M) or tuple(qs.shape) != (R // QB, N):
+        raise ValueError(f"{where}: need pq (128 NB, M), qq (128 NB, N), ps (NB, M), qs (NB, N); got pq "
+                         f"{tuple(pq.shape)}, qq {tuple(qq.shape)}, ps {tuple(ps.shape)}, qs {tuple(qs.shape)}")
+    for name, t in (("offsets_E1", offsets_E1), ("block_offsets_E1", block_offsets_E1)):
+        if t is None and name == "block_offsets_E1":
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 2 or (
+                not t.is_contiguous()) or t.numel() != offsets_E1.numel():
+            raise ValueError(f"{where}: {name} must be a contiguous 1-D int32 tensor of E + 1 >= 2 entries (the same "
+                             f"E for both tables), got {getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"{where}: out_dtype {out_dtype} not supported (bf16, fp16, fp32)")
+    tensors = [pq, ps, qq, qs, offsets_E1] + ([] if block_offsets_E1 is None else [block_offsets_E1])
+    devs = {t.device for t in tensors}
+    if len(devs) > 1:
+        raise ValueError(f"{where}: tensors on different devices: {sorted(map(str, devs))}")
+    dev = devs.pop()
+    if not FP8_GLUON_AVAILABLE:
+        raise RuntimeError(f"{where}: Gluon (triton.experimental.gluon, Hopper TMA / wgmma builtins) is not "
+                           f"available in Triton {triton.__version__}; use megamoe.ops.fp8_gemm.fp8_k_grouped_mm "
+                           f"(the same bits)")
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
+        raise RuntimeError(f"{where}: the Gluon FP8 kernel needs a Hopper (sm_90) CUDA device, got {dev}; use "
+                           f"megamoe.ops.fp8_gemm.fp8_k_grouped_mm (the same bits)")
+    for name, t in (("pq", pq), ("qq", qq)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"{where}: {name} must be 16-byte aligned (TMA), got address {t.data_ptr():#x}")
+    return R, offsets_E1.numel() - 1, M, N
+
+
+def fp8_k_grouped_mm_gluon(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor, qs: torch.Tensor,
+                           offsets_E1: torch.Tensor, *, block_offsets_E1: torch.Tensor | None = None,
+                           out_dtype: torch.dtype = torch.float32, tile_cache: dict | None = None,
+                           block_n: int = WGRAD_BLOCK_N) -> torch.Tensor:
+    """FP8 k-grouped weight gradient ``C[e] = cast(sum over expert e's 128-row blocks b of (deq P_b)^T @ deq Q_b)``
+    (E, M, N) on Hopper with the warp-specialized Gluon kernel; bitwise :func:`megamoe.ops.fp8_gemm.fp8_k_grouped_mm`
+    with ``padded=True`` (blocks in increasing order, fp32 accumulation, one cast; no atomics, no split-K).
+
+    Args:
+        pq, ps: (128 NB, M) e4m3 whose ``.t()`` is contiguous + (NB, M) fp32: the block-padded K-major operand that
+            :func:`megamoe.ops.fp8_quant.quantize_128x1_grouped` writes with ``kmajor=True`` (zeros past each
+            expert's rows).
+        qq, qs: (128 NB, N) e4m3 (the same layout) + (NB, N) fp32.
+        offsets_E1: (E + 1,) int32 expert row offsets.
+        block_offsets_E1: (E + 1,) int32 block table (the m-tile table for 128 rows; computed, or taken from
+            ``tile_cache``, when None).
+        out_dtype: the weight's dtype (bf16, fp16) or fp32.
+        block_n: the tile's columns, 64 or 128 (the same bits; 128 x 128 tiles read less shared memory per
+            product but their promotion, with a scale per row and per column, needs more registers than a
+            warpgroup has: ptxas spills).
+    Returns:
+        (E, M, N) out_dtype; an expert without rows gets exact zeros. Sync: none; CUDA-graph capturable.
+    """
+    where = "fp8_k_grouped_mm_gluon"
+    R, E, M, N = _validate_wgrad(where, pq, ps, qq, qs, offsets_E1, block_offsets_E1, out_dtype)
+    if block_n not in (64, 128):
+        raise ValueError(f"{where}: block_n must be 64 or 128, got {block_n}")
+    c = torch.empty((E, M, N), dtype=out_dtype, device=pq.device)
+    if c.numel() == 0:
+        return c
+    if R == 0:
+        return c.zero_()
+    blocks = table_for(offsets_E1, QB, tile_cache) if block_offsets_E1 is None else block_offsets_E1
+    layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, QB], gl.float8e4nv)
+    p_desc = TensorDescriptor(pq.t(), [M, R], [R, 1], [_BLOCK_M, QB], layout)
+    q_desc = TensorDescriptor(qq.t(), [N, R], [R, 1], [block_n, QB],
+                              gl.NVMMASharedLayout.get_default_for([block_n, QB], gl.float8e4nv))
+    c_block = [_BLOCK_M // 2, block_n]  # one MMA warpgroup's rows
+    c_desc = TensorDescriptor(c.view(E * M, N), [E * M, N], [N, 1], c_block,
+                              gl.NVMMASharedLayout.get_default_for(c_block, _gl_dtype(out_dtype)))
+    num_tiles = E * (M // _BLOCK_M) * (N // block_n)
+    fp8_k_grouped_ws_kernel[(max(1, min(sm_budget(c.device), num_tiles)),)](
+        p_desc, q_desc, ps, qs, offsets_E1, blocks, c_desc, M, N, E, ps.stride(0), qs.stride(0),
+        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, STAGES=fp8_gluon_stages(out_dtype, block_n),
+        UNROLL=fp8_wgrad_gluon_unroll(R / QB / E), num_warps=4, maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
     )
     return c
