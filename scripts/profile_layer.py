@@ -179,6 +179,7 @@ def main():
         print(__doc__)
         return
     cases = [a for a in sys.argv[2:] if a != "--fp8"] or ["qwen3-30b-a3b:16384", "deepseek-v3:4096"]
+    os.makedirs(sys.argv[1], exist_ok=True)  # before the first case: a bad path fails at once, not after the runs
     res = []
     for c in cases:
         name, T = c.split(":")
