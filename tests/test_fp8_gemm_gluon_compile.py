@@ -1,12 +1,18 @@
-"""The warp-specialized Gluon FP8 m-grouped GEMM compiled for sm_90a on the CPU (no GPU needed; runs in CI), and
-its launcher's argument checks.
+"""The warp-specialized Gluon FP8 m-grouped and k-grouped (weight-gradient) GEMMs compiled for sm_90a on the CPU
+(no GPU needed; runs in CI), and their launchers' argument checks.
 
 Proves, at the layer's plain-epilogue "nt" shapes (qwen3-30b-a3b and deepseek-v3 down projection and K-major dgrad
 dx) with the launcher's ring depth and K-loop chunk: the products are FP8 wgmma instructions (m64n128k32, e4m3 x
 e4m3 -> f32) and nothing else; every promotion (64 fused multiply-adds per thread) runs between a
 ``wgmma.wait_group 1`` and the next wait, i.e. with the next K-block's wgmma in flight, except the last of each
 chunk (``wait_group 0``); ptxas neither serializes the wgmmas nor spills; shared memory within a Hopper block's
-227 KiB; operands arrive by TMA and full output blocks leave by TMA stores. Bits and speed are measured on the GPU
+227 KiB; operands arrive by TMA and full output blocks leave by TMA stores.
+
+The same for the k-grouped weight-gradient kernel at the qwen3-30b-a3b and deepseek-v3 dW13 (M = 2F, N = D) and
+dW2 (M = D, N = F) shapes, fp32 and bf16 outputs, with the launcher's ring depth and the K-loop chunk for the
+routing's mean 128-row blocks per expert: FP8 wgmma only; each promotion after a ``wgmma.wait_group 1`` is one
+fused multiply-add per element (``acc + p * (ps[:, None] * qs[None, :])``); no serialization, no spills, shared
+memory within 227 KiB, TMA loads and stores. Bits and speed are measured on the GPU
 (tests/test_fp8_gemm_gluon_gpu.py, scripts/fp8_gluon_bench.py).
 """
 
@@ -122,3 +128,141 @@ def test_bad_out_dtype_and_device():
         fp8_grouped_mm_nt_gluon(*_args(), out_dtype=torch.int32)
     with pytest.raises(RuntimeError, match="Hopper"):  # CPU tensors: no Gluon kernel
         fp8_grouped_mm_nt_gluon(*_args())
+
+
+# ---------------------------------------------------------------------------------------------- k-grouped (wgrad)
+# (M, N, mean 128-row blocks per expert) of the weight gradients: dW13 (P = dgu: M = 2F, Q = x rows: N = D) and dW2
+# (P = dout rows: M = D, Q = hw: N = F); qwen3-30b-a3b at 16384 tokens (top-8 of 128 experts: ~1024 rows, 8 blocks
+# per expert), deepseek-v3 at 8192 tokens (top-8 of 256 experts: ~256 rows, 2 blocks)
+WGRAD_SHAPES = {"qwen3-dw13": (1536, 2048, 8), "qwen3-dw2": (2048, 768, 8), "deepseek-dw13": (4096, 7168, 2),
+                "deepseek-dw2": (7168, 2048, 2)}
+WGRAD_BLOCK_N = 128  # the launcher's output tile is 128 x WGRAD_BLOCK_N (one warpgroup: 64 x WGRAD_BLOCK_N)
+_GL_OUT = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def _compile_wgrad(M, N, mean_blocks, out_dtype):
+    """fp8_k_grouped_ws_kernel for sm_90a with the launcher's options; returns (compiled kernel, K-loop chunk)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from megamoe.kernels.fp8_gemm_gluon import fp8_k_grouped_ws_kernel as kernel
+    from megamoe.ops.fp8_gemm_gluon import fp8_wgrad_gluon_unroll
+
+    out = _OUT[out_dtype]
+    unroll = fp8_wgrad_gluon_unroll(mean_blocks)
+    p_layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
+    q_layout = gl.NVMMASharedLayout.get_default_for([WGRAD_BLOCK_N, 128], gl.float8e4nv)
+    c_block = [64, WGRAD_BLOCK_N]
+    c_layout = gl.NVMMASharedLayout.get_default_for(c_block, getattr(gl, _GL_OUT[out]))
+    sig = dict(p_desc=f"tensordesc<fp8e4nv[128, 128],{p_layout!r}>",
+               q_desc=f"tensordesc<fp8e4nv[{WGRAD_BLOCK_N}, 128],{q_layout!r}>", ps_ptr="*fp32", qs_ptr="*fp32",
+               row_offsets_ptr="*i32", block_offsets_ptr="*i32",
+               c_desc=f"tensordesc<{out}[{c_block[0]}, {c_block[1]}],{c_layout!r}>", M="i32", N="i32",
+               num_experts="i32", stride_psb="i32", stride_qsb="i32")
+    const = dict(BLOCK_M=128, BLOCK_N=WGRAD_BLOCK_N, STAGES=fp8_gluon_stages(out_dtype), UNROLL=unroll, num_warps=4)
+    sig.update(dict.fromkeys(const, "constexpr"))
+    names = list(kernel.arg_names)
+    # M and N are multiples of 128 and the scales (NB, M) / (NB, N) contiguous: the strides are M and N
+    divisible = ("ps_ptr", "qs_ptr", "row_offsets_ptr", "block_offsets_ptr", "M", "N", "stride_psb", "stride_qsb")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    k = triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, maxnreg=168, enable_fp_fusion=True))
+    return k, unroll
+
+
+# every (output dtype, K-loop chunk) pair runs by default; the other shapes compile the same kernel (M, N are
+# run-time arguments) and are slow
+WGRAD_CASES = [
+    pytest.param("qwen3-dw13", torch.float32, id="qwen3-dw13-fp32"),
+    pytest.param("qwen3-dw2", torch.bfloat16, id="qwen3-dw2-bf16"),
+    pytest.param("deepseek-dw13", torch.bfloat16, id="deepseek-dw13-bf16"),
+    pytest.param("deepseek-dw2", torch.float32, id="deepseek-dw2-fp32"),
+    pytest.param("qwen3-dw13", torch.bfloat16, id="qwen3-dw13-bf16", marks=pytest.mark.slow),
+    pytest.param("qwen3-dw2", torch.float32, id="qwen3-dw2-fp32", marks=pytest.mark.slow),
+    pytest.param("deepseek-dw13", torch.float32, id="deepseek-dw13-fp32", marks=pytest.mark.slow),
+    pytest.param("deepseek-dw2", torch.bfloat16, id="deepseek-dw2-bf16", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("shape, out_dtype", WGRAD_CASES)
+def test_wgrad_compiles_to_fp8_wgmma_with_overlapped_promotion(shape, out_dtype):
+    M, N, mean_blocks = WGRAD_SHAPES[shape]
+    k, unroll = _compile_wgrad(M, N, mean_blocks, out_dtype)
+    ptx = k.asm["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)", ptx)) == {
+        f"m64n{WGRAD_BLOCK_N}k32.f32.e4m3.e4m3"}
+    assert "mma.sync" not in ptx
+    # a warpgroup's 64 x BLOCK_N accumulator: per_thread elements, one fused multiply-add each per promotion
+    per_thread = 64 * WGRAD_BLOCK_N // 128
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
+    assert waits.count("1") >= 2 * (unroll - 1) and waits.count("0") >= 2, waits
+    for segment in re.split(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)[1:]:
+        before_next_wait = segment.split("wgmma.wait_group")[0]
+        assert len(re.findall(r"\bfma\.rn\.f32\b", before_next_wait)) == per_thread, "the promotion after a wait 1"
+    fmas = len(re.findall(r"\bfma\.rn\.f32\b", ptx))
+    assert fmas % per_thread == 0 and fmas >= 2 * per_thread * unroll, fmas
+    # each element's scale product ps[m] * qs[n] is rounded before its fused multiply-add (the Triton kernel's
+    # ``acc + p * (ps[:, None] * qs[None, :])``), so there is a multiply per fused multiply-add
+    assert len(re.findall(r"\bmul(?:\.rn)?\.f32\b", ptx)) >= fmas
+    loads = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::(?:cluster|cta)\.global", ptx))
+    assert loads >= 2 and loads % 2 == 0, loads  # the P and Q blocks of a step
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", ptx)) >= 2  # TMA output stores
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    report = ptxas_report(ptx)
+    assert "serialized" not in report, report  # ptxas C7512-C7515: wgmmas serialized
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+    assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
+
+
+def _kargs(M=256, N=384, counts=(100, 0, 156), dev="cpu"):
+    """Block-padded K-major operands as quantize_128x1_grouped(..., kmajor=True) lays them out (zeros):
+    pq (128 NB, M) = buf.t() of a contiguous (M, 128 NB) buffer, ps (NB, M); qq, qs likewise; offsets and the
+    128-row block table."""
+    e4m3 = torch.float8_e4m3fn
+    E, R = len(counts), sum(counts)
+    nb = -(-R // 128) + E
+    offsets = torch.tensor([0, *counts], device=dev).cumsum(0).to(torch.int32)
+    blocks = torch.tensor([0, *[-(-c // 128) for c in counts]], device=dev).cumsum(0).to(torch.int32)
+    return (torch.zeros(M, 128 * nb, device=dev).to(e4m3).t(), torch.ones(nb, M, device=dev),
+            torch.zeros(N, 128 * nb, device=dev).to(e4m3).t(), torch.ones(nb, N, device=dev), offsets, blocks)
+
+
+def _wgrad_call(a, **kw):
+    from megamoe.ops.fp8_gemm_gluon import fp8_k_grouped_mm_gluon
+
+    return fp8_k_grouped_mm_gluon(*a[:5], block_offsets_E1=a[5], **kw)
+
+
+def _replace(a, i, t):
+    return a[:i] + (t,) + a[i + 1:]
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: _replace(a, 0, a[0].float()), "pq"),                              # not e4m3
+    (lambda a: _replace(a, 2, a[2].to(torch.float8_e5m2)), "qq"),
+    (lambda a: _replace(a, 0, a[0].contiguous()), "pq"),                         # row-major, not K-major
+    (lambda a: _replace(a, 2, a[2].contiguous()), "qq"),
+    (lambda a: _replace(a, 1, a[1][:, :128].contiguous()), "ps"),                # (NB, 128) for M = 256
+    (lambda a: _replace(a, 1, a[1][:-1].contiguous()), "ps"),                    # NB - 1 scale rows
+    (lambda a: _replace(a, 3, a[3][:, :256].contiguous()), "qs"),
+    (lambda a: _replace(a, 1, a[1].double()), "ps"),
+    (lambda a: _replace(a, 2, a[2][:-128]), "qq"),                              # fewer rows than pq
+    (lambda a: _replace(a, 4, a[4].long()), "offsets_E1"),
+    (lambda a: _replace(a, 5, a[5][:2]), "block_offsets_E1"),
+    (lambda a: _kargs(M=200), "128"),                                            # M not a multiple of 128
+    (lambda a: _kargs(N=320), "128"),
+])
+def test_wgrad_bad_arguments_name_the_argument(change, match):
+    with pytest.raises(ValueError, match=match):
+        _wgrad_call(change(_kargs()))
+
+
+def test_wgrad_bad_out_dtype_and_device():
+    with pytest.raises(TypeError, match="out_dtype"):
+        _wgrad_call(_kargs(), out_dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="Hopper"):  # CPU tensors: no Gluon kernel
+        _wgrad_call(_kargs())
+    with pytest.raises(RuntimeError, match="Hopper"):
+        _wgrad_call(_kargs(), out_dtype=torch.bfloat16)
