@@ -136,7 +136,6 @@ def test_bad_out_dtype_and_device():
 # per expert), deepseek-v3 at 8192 tokens (top-8 of 256 experts: ~256 rows, 2 blocks)
 WGRAD_SHAPES = {"qwen3-dw13": (1536, 2048, 8), "qwen3-dw2": (2048, 768, 8), "deepseek-dw13": (4096, 7168, 2),
                 "deepseek-dw2": (7168, 2048, 2)}
-WGRAD_BLOCK_N = 128  # the launcher's output tile is 128 x WGRAD_BLOCK_N (one warpgroup: 64 x WGRAD_BLOCK_N)
 _GL_OUT = {"bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -148,7 +147,7 @@ def _compile_wgrad(M, N, mean_blocks, out_dtype):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from megamoe.kernels.fp8_gemm_gluon import fp8_k_grouped_ws_kernel as kernel
-    from megamoe.ops.fp8_gemm_gluon import fp8_wgrad_gluon_unroll
+    from megamoe.ops.fp8_gemm_gluon import WGRAD_BLOCK_N, fp8_wgrad_gluon_unroll
 
     out = _OUT[out_dtype]
     unroll = fp8_wgrad_gluon_unroll(mean_blocks)
@@ -161,7 +160,8 @@ def _compile_wgrad(M, N, mean_blocks, out_dtype):
                row_offsets_ptr="*i32", block_offsets_ptr="*i32",
                c_desc=f"tensordesc<{out}[{c_block[0]}, {c_block[1]}],{c_layout!r}>", M="i32", N="i32",
                num_experts="i32", stride_psb="i32", stride_qsb="i32")
-    const = dict(BLOCK_M=128, BLOCK_N=WGRAD_BLOCK_N, STAGES=fp8_gluon_stages(out_dtype), UNROLL=unroll, num_warps=4)
+    const = dict(BLOCK_M=128, BLOCK_N=WGRAD_BLOCK_N, STAGES=fp8_gluon_stages(out_dtype, WGRAD_BLOCK_N), UNROLL=unroll,
+                 num_warps=4)
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(kernel.arg_names)
     # M and N are multiples of 128 and the scales (NB, M) / (NB, N) contiguous: the strides are M and N
@@ -188,6 +188,8 @@ WGRAD_CASES = [
 
 @pytest.mark.parametrize("shape, out_dtype", WGRAD_CASES)
 def test_wgrad_compiles_to_fp8_wgmma_with_overlapped_promotion(shape, out_dtype):
+    from megamoe.ops.fp8_gemm_gluon import WGRAD_BLOCK_N
+
     M, N, mean_blocks = WGRAD_SHAPES[shape]
     k, unroll = _compile_wgrad(M, N, mean_blocks, out_dtype)
     ptx = k.asm["ptx"]

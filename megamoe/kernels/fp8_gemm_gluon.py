@@ -334,7 +334,7 @@ def _wgrad_k_loop(p_ring, q_ring, ready, empty, s, nb, sp_ptrs, sq_ptrs, stride_
 
 
 @gluon.jit
-def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, sp_ptr, sq_ptr, row_offsets_ptr,
+def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
                          block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb,
                          CONSUMER: gl.constexpr, UNROLL: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr):
@@ -353,8 +353,8 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, sp_ptr, s
         m0 = m_tile * BLOCK_M + CONSUMER * ROWS
         n0 = n_tile * BLOCK_N
         first64 = first.to(gl.int64)
-        sp_ptrs = sp_ptr + first64 * stride_psb + m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
-        sq_ptrs = sq_ptr + first64 * stride_qsb + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+        sp_ptrs = ps_ptr + first64 * stride_psb + m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
+        sq_ptrs = qs_ptr + first64 * stride_qsb + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
         acc = _wgrad_k_loop(p_ring, q_ring, ready, empty, s, nb, sp_ptrs, sq_ptrs, stride_psb, stride_qsb, CONSUMER,
                             UNROLL, STAGES, ROWS, BLOCK_N, MMA)
         tma.store_wait(0)  # this warpgroup's previous store has read the staging buffer
@@ -372,7 +372,7 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, sp_ptr, s
 def fp8_k_grouped_ws_kernel(
     # inputs: TMA descriptors of P^T (M, 128 NB) and Q^T (N, 128 NB) e4m3, blocks (BLOCK_M, 128) / (BLOCK_N, 128);
     # their scales sp (NB, M), sq (NB, N) fp32 (last dimension contiguous); expert row offsets, block table
-    p_desc, q_desc, sp_ptr, sq_ptr, row_offsets_ptr, block_offsets_ptr,
+    p_desc, q_desc, ps_ptr, qs_ptr, row_offsets_ptr, block_offsets_ptr,
     # output C (E, M, N) as its (E M, N) TMA descriptor, block (BLOCK_M / 2, BLOCK_N)
     c_desc,
     # shapes and strides (elements)
@@ -398,10 +398,10 @@ def fp8_k_grouped_ws_kernel(
     num_n_tiles = N // BLOCK_N
     num_tiles = num_experts * num_m_tiles * num_n_tiles
     gl.warp_specialize([
-        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, sp_ptr, sq_ptr, row_offsets_ptr,
+        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
                                 block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 0,
                                 UNROLL, STAGES, BLOCK_M, BLOCK_N)),
-        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, sp_ptr, sq_ptr, row_offsets_ptr,
+        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
                                 block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 1,
                                 UNROLL, STAGES, BLOCK_M, BLOCK_N)),
         (_wgrad_load_warp, (p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr,
