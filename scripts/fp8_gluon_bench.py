@@ -20,7 +20,6 @@ TFLOP/s (2 * M * N * K over the routed rows) of both kernels and the speedup.
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
@@ -29,7 +28,7 @@ from megamoe import get_preset
 from megamoe.bench.timing import Timer, summarize
 from megamoe.ops import build_routing_plan, fp8_quant
 from megamoe.ops.fp8_gemm import fp8_grouped_mm_nt, fp8_k_grouped_mm, table_for
-from megamoe.ops.fp8_gemm_gluon import WGRAD_BLOCK_N, fp8_grouped_mm_nt_gluon, fp8_k_grouped_mm_gluon
+from megamoe.ops.fp8_gemm_gluon import fp8_grouped_mm_nt_gluon, fp8_k_grouped_mm_gluon
 
 E4M3 = torch.float8_e4m3fn
 
@@ -48,12 +47,12 @@ def _wgrad_triton(pq, ps, qq, qs, off, blocks, tile_cache=None):
                             tile_cache=tile_cache)
 
 
-def _wgrad_gluon(pq, ps, qq, qs, off, blocks, tile_cache=None, block_n=WGRAD_BLOCK_N):
+def _wgrad_gluon(pq, ps, qq, qs, off, blocks, tile_cache=None):
     return fp8_k_grouped_mm_gluon(pq, ps, qq, qs, off, block_offsets_E1=blocks, out_dtype=torch.bfloat16,
-                                  tile_cache=tile_cache, block_n=block_n)
+                                  tile_cache=tile_cache)
 
 
-def _k_grouped(R, M, N, off, q_idx, T, g, block_n=WGRAD_BLOCK_N):
+def _k_grouped(R, M, N, off, q_idx, T, g):
     """(Triton fn, Gluon fn, args, M, N, K) of a weight gradient on bf16 rows quantized as the FP8 layer does:
     P (R, M), Q (R, N) or gathered through q_idx from T token rows."""
     p = torch.randn(R, M, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -61,8 +60,7 @@ def _k_grouped(R, M, N, off, q_idx, T, g, block_n=WGRAD_BLOCK_N):
     blocks = table_for(off, 128, None)
     pq, ps = fp8_quant.quantize_128x1_grouped(p, off, None, blocks, kmajor=True)
     qq, qs = fp8_quant.quantize_128x1_grouped(q, off, q_idx, blocks, kmajor=True)
-    gluon = functools.partial(_wgrad_gluon, block_n=block_n)
-    return _wgrad_triton, gluon, (pq, ps, qq, qs, off, blocks), M, N, int(off[-1])
+    return _wgrad_triton, _wgrad_gluon, (pq, ps, qq, qs, off, blocks), M, N, int(off[-1])
 
 
 def _case(name: str):
@@ -75,10 +73,7 @@ def _case(name: str):
     off, R = plan.offsets_E1, T * k
     return [("down", lambda: _m_grouped(R, E, D, F, off, g)), ("dx", lambda: _m_grouped(R, E, D, 2 * F, off, g)),
             ("dW13", lambda: _k_grouped(R, 2 * F, D, off, plan.row_token_N, T, g)),
-            ("dW2", lambda: _k_grouped(R, D, F, off, None, T, g)),
-            # the other tile width of the Gluon weight gradient (the same bits)
-            ("dW13/n128", lambda: _k_grouped(R, 2 * F, D, off, plan.row_token_N, T, g, 128)),
-            ("dW2/n128", lambda: _k_grouped(R, D, F, off, None, T, g, 128))]
+            ("dW2", lambda: _k_grouped(R, D, F, off, None, T, g))]
 
 
 def _ms(timer, fn, args, cache) -> float:
