@@ -259,18 +259,25 @@ def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool,
 @functools.lru_cache(maxsize=64)
 def router_kernel_config(num_experts: int, hidden: int) -> KernelConfig:
     """Tiles of the router's 16-bit GEMMs (``MoEConfig.router_dtype="model"``, one group of all T rows): the
-    logits ``x @ W.T`` ("down", N = E, K = D), dx = dlogits @ W ("dgrad", N = D, K = E: the table's entry) and
-    dW = dlogits^T @ x ("wgrad", an [E, D] output reducing all T rows). A pure function of (E, D), never of T:
-    the weight gradient gets megamoe's per-tile Triton kernel (one program per output tile, the rows in order
-    in BLOCK_K chunks, no split-K), never the table's row-count-dependent choice of torch._grouped_mm or the
-    Gluon kernels. BLOCK_K stays the table's 64 (the K order, hence the bits). The tile shapes are first guesses,
-    not measured (``scripts/bench_hf.py --profile`` sweeps them): BLOCK_N fitted to E for the logits (Qwen3-MoE
-    E = 128: one column of 128 x 128 tiles), 64 x 64 weight-gradient tiles (qwen3-30b-a3b: 64 programs, each
-    reducing all T rows)."""
+    logits ``x @ W.T`` ("down", N = E, K = D), dx = dlogits @ W ("dgrad", N = D, K = E) and dW = dlogits^T @ x
+    ("wgrad", an [E, D] output reducing all T rows). A pure function of (E, D), never of T: the weight gradient
+    gets megamoe's per-tile Triton kernel (one program per output tile, the rows in order in BLOCK_K chunks, no
+    split-K), never the table's row-count-dependent choice of torch._grouped_mm or the Gluon kernels. BLOCK_K
+    stays the table's 64 (the K order, hence the bits: every tile below gives the same bits).
+
+    Measured for E >= 128 (``scripts/bench_hf.py --profile``, Qwen3-MoE at qwen3-30b-a3b, T = 16384, H200):
+    128 x 128 tiles, 8 warps, 4 stages, pointer loads for the logits and dx (0.104 and 0.103 ms against 0.151 and
+    0.136 for TMA-loaded 3-stage tiles), 64 x 64 weight-gradient tiles (0.118 ms; 64 x 128, 128 x 64 and
+    128 x 128 took 0.13-0.14). Smaller E (Mixtral's 8) keeps unmeasured first guesses: BLOCK_N fitted to E."""
     block_n = min(128, max(16, 1 << (max(num_experts, 1) - 1).bit_length()))
-    logits = GemmConfig(128, block_n, 64, 8 if block_n >= 128 else 4, 3, tma_b=True, tma_a=True)
-    return KernelConfig({("down", num_experts, hidden): logits,
-                         ("wgrad", num_experts, hidden): GemmConfig(64, 64, 64, 4, 3)})
+    if block_n >= 128:
+        logits = dgrad = GemmConfig(128, 128, 64, 8, 4)
+    else:
+        logits, dgrad = GemmConfig(128, block_n, 64, 4, 3, tma_b=True, tma_a=True), None
+    tiles = {("down", num_experts, hidden): logits, ("wgrad", num_experts, hidden): GemmConfig(64, 64, 64, 4, 3)}
+    if dgrad is not None:
+        tiles[("dgrad", hidden, num_experts)] = dgrad
+    return KernelConfig(tiles)
 
 
 def combine_block(d: int, *, interpret: bool) -> tuple[int, int]:
