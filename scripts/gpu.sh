@@ -7,7 +7,8 @@
 #   tests       every GPU test (pytest -m "gpu or multigpu"); EP sizes from MEGAMOE_TEST_EP_SIZES (default 1,2)
 #   eptests     only the EP GPU tests (tests/test_ep_gpu.py, tests/test_dp_ep_gpu.py)
 #   epshared    the EP GPU tests with the ranks sharing the visible GPUs (W = $EPSHARED_SIZES, default 2,4,8):
-#               the protocol and kernels at W > 1 on one GPU, not NVLink and not speed
+#               the protocol and kernels at W > 1 on one GPU, not NVLink and not speed; MEGAMOE_TEST_EP_CASES
+#               (e.g. fp8,fp8_zero_tokens) runs only those cases of the suite
 #   bench1      the single-GPU benchmark table (benchmarks/results/one-gpu)
 #   bench2      the EP benchmark table on $EP GPUs (default 2; benchmarks/results/ep2)
 #   benchep1    the EP path on one GPU against the direct path and torch (benchmarks/results/ep-path-one-gpu)
