@@ -61,7 +61,8 @@ same order; the routed experts' gate/up, down, dgrad, dx and weight-gradient GEM
 FP8 ones (e4m3 operands quantized where they are produced, 128x128 weight blocks kept from the forward for the
 backward; docs/fp8.md). The shared expert, the combine and the slot sums are the 16-bit path's.
 
-Determinism: no atomics, no split-K, configs a pure function of shape: bitwise reproducible; the order in which
+Determinism: no atomics, no split-K (the router's 16-bit weight gradient sums fixed token chunks in a fixed
+order, :func:`router_wgrad`), configs a pure function of shape: bitwise reproducible; the order in which
 independent GEMMs (shared and routed experts) are launched does not change any bits.
 Sync: none (no .item(), no shapes from routing); CUDA-graph capturable.
 """
@@ -71,6 +72,8 @@ from __future__ import annotations
 import torch
 
 from .ops import (
+    chunk_offsets,
+    chunk_sum,
     combine_fwd,
     down_proj,
     gate_up_swiglu,
@@ -78,6 +81,7 @@ from .ops import (
     grouped_mm_nt,
     k_grouped_mm,
     router_kernel_config,
+    router_wgrad_chunks,
     single_group_offsets,
     slot_sum_bwd,
     swiglu_dgrad,
@@ -85,7 +89,7 @@ from .ops import (
 from .ops.dispatch import Needs
 
 __all__ = ["MoEExpertsFunction", "RouterLogitsFunction", "experts_backward", "experts_forward",
-           "router_logits_backward", "router_logits_forward"]
+           "router_logits_backward", "router_logits_forward", "router_wgrad"]
 
 
 def _shared_forward(d, x_TD, shared_w13_HD, shared_w2_DS):
@@ -317,28 +321,55 @@ def _check_model_dtype(x_TD, router_w_ED) -> None:
 
 
 def router_logits_backward(dlogits_TE, x_TD, router_w_ED, need_x: bool, need_w: bool, router_dtype: str = "fp32"):
-    """(dx_TD or None, dW_ED or None) of :func:`router_logits_forward`. "fp32": dx = cast(dlogits @ W),
-    dW = dlogits^T @ x (fp32, rows reduced in token order), both from fp32 operands. "model": the same products
-    with dlogits, x and W in x's dtype on tensor cores (fp32 accumulation, one cast to x's dtype), dW from
-    megamoe's per-tile kernel (all T rows in token order, no split-K): what autograd of ``F.linear`` in x's dtype
-    computes, up to the accumulation order."""
-    one_2 = single_group_offsets(x_TD.shape[0], x_TD.device)
+    """(dx_TD or None, dW_ED or None) of :func:`router_logits_forward`. "fp32" (and "model" with fp32 x, the same
+    computation): dx = cast(dlogits @ W), dW = dlogits^T @ x (fp32, all T rows reduced in token order), both from
+    fp32 operands. "model" with 16-bit x: the same products with dlogits, x and W in x's dtype on tensor cores (fp32
+    accumulation, one cast to x's dtype), dW by :func:`router_wgrad` (fixed token chunks, partials summed in
+    fp32 in chunk order): what autograd of ``F.linear`` in x's dtype computes, up to the accumulation order."""
     dx = dw = None
-    if router_dtype == "fp32":
+    if router_dtype != "fp32":
+        _check_model_dtype(x_TD, router_w_ED)
+    if router_dtype == "fp32" or x_TD.dtype == torch.float32:
+        one_2 = single_group_offsets(x_TD.shape[0], x_TD.device)
         dlogits_TE = dlogits_TE.float().contiguous()
         if need_x:
             dx = grouped_mm_nn(dlogits_TE, router_w_ED.float().unsqueeze(0), one_2, out_dtype=x_TD.dtype)
         if need_w:
             dw = k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=torch.float32)[0].to(router_w_ED.dtype)
         return dx, dw
-    _check_model_dtype(x_TD, router_w_ED)
     dlogits_TE = dlogits_TE.to(x_TD.dtype).contiguous()
     kc = router_kernel_config(*router_w_ED.shape)
     if need_x:
+        one_2 = single_group_offsets(x_TD.shape[0], x_TD.device)
         dx = grouped_mm_nn(dlogits_TE, router_w_ED.unsqueeze(0), one_2, out_dtype=x_TD.dtype, kernel_config=kc)
     if need_w:
-        dw = k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=x_TD.dtype, kernel_config=kc)[0]
+        dw = router_wgrad(dlogits_TE, x_TD, kernel_config=kc)
     return dx, dw
+
+
+def router_wgrad(dlogits_TE, x_TD, *, chunks: int | None = None, kernel_config=None):
+    """The router's weight gradient in x's (16-bit) dtype: ``dW_ED = cast(sum_t dlogits[t]^T x[t])``.
+
+    The T rows are cut into S fixed chunks of ceil(T / S) rows in token order (``ops.chunk_offsets``; S =
+    ``chunks``, default ``ops.router_wgrad_chunks(T, E, D)``: a pure function of the shapes, never of the GPU,
+    1 for small T). S = 1: megamoe's per-tile k-grouped kernel reduces all T rows in token order, fp32, one cast.
+    S > 1: the same kernel with the chunks as its groups writes each chunk's fp32 partial [E, D] (S times the
+    programs: at E = 128, D = 2048 the single group has only 64 output tiles for 132 SMs), then
+    ``ops.chunk_sum`` adds the partials in chunk order in fp32 and casts once. No split-K atomics: bitwise the
+    same every run and on every GPU for given (T, E, D); the chunks change the fp32 summation order (by
+    fp32 rounding, far below the final cast's) against one chunk. S * E * D * 4 bytes of transient fp32 partials
+    (S = 8 at qwen3-30b-a3b: 8 MiB). T = 0: exact zeros. dlogits_TE: (T, E), x_TD: (T, D), both contiguous in
+    x's dtype; ``kernel_config``: the tiles (default ``ops.router_kernel_config(E, D)``)."""
+    T, D = x_TD.shape
+    E = dlogits_TE.shape[1]
+    kc = router_kernel_config(E, D) if kernel_config is None else kernel_config
+    S = router_wgrad_chunks(T, E, D) if chunks is None else chunks
+    if S == 1:
+        one_2 = single_group_offsets(T, x_TD.device)
+        return k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=x_TD.dtype, kernel_config=kc)[0]
+    parts_SED = k_grouped_mm(dlogits_TE, x_TD, chunk_offsets(T, S, x_TD.device), out_dtype=torch.float32,
+                             kernel_config=kc)
+    return chunk_sum(parts_SED, out_dtype=x_TD.dtype)
 
 
 class RouterLogitsFunction(torch.autograd.Function):
@@ -346,7 +377,8 @@ class RouterLogitsFunction(torch.autograd.Function):
     dots, fp32 logits; "model": x's dtype on tensor cores, router_w already in x's dtype).
 
     Saved: x and router_w (no activation memory beyond the inputs). Backward: :func:`router_logits_backward`
-    (dx = cast(dlogits @ W), dW = dlogits^T @ x, rows reduced in token order). Deterministic, no sync.
+    (dx = cast(dlogits @ W), dW = dlogits^T @ x: in fp32 all rows in token order, in a 16-bit x's dtype over
+    fixed token chunks, :func:`router_wgrad`). Deterministic, no sync.
     """
 
     @staticmethod

@@ -120,12 +120,14 @@ def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor, *, router_dtype
         "model": ``F.linear(x, router_w.to(x.dtype))``, as transformers' Qwen3-MoE and Mixtral routers compute
             them: operands in x's dtype (router_w cast to it, differentiably), tensor cores with fp32
             accumulation, logits rounded once to x's dtype; backward dx = dlogits @ W and dW = dlogits^T @ x in
-            x's dtype on tensor cores (fp32 accumulation, dW reducing all T rows in token order, no split-K).
-            The same function as autograd of ``F.linear`` in x's dtype, up to the accumulation order. With fp32
-            x, the same bits as "fp32".
+            x's dtype on tensor cores (fp32 accumulation; dW over S fixed token chunks, S a function of (T, E, D)
+            only, each chunk's rows in token order, the fp32 partials summed in chunk order, one cast:
+            megamoe.autograd.router_wgrad). The same function as autograd of ``F.linear`` in x's dtype, up to
+            the accumulation order. With fp32 x, the same bits as "fp32".
 
     Either way the tile config depends only on (D, E), so a token's logits do not depend on the rest of the
-    batch (bitwise equal for EP=1 and EP=W), and results are bitwise reproducible. Differentiable w.r.t. x and
+    batch (bitwise equal for EP=1 and EP=W), and results are bitwise reproducible (on any GPU: nothing depends on
+    the device). Differentiable w.r.t. x and
     router_w. CUDA tensors (or CPU under TRITON_INTERPRET=1). No sync.
     Raises TypeError / ValueError naming the argument for wrong types, shapes, devices or router_dtype.
     """

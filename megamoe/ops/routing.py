@@ -25,7 +25,7 @@ from ..kernels.grouped_gemm import tile_offsets_kernel
 from ._common import is_interpreted, pow2
 
 __all__ = ["RoutingPlan", "PoolPlan", "build_routing_plan", "expert_sort", "tile_offsets_for", "single_group_offsets",
-           "SCAN_MAX"]
+           "chunk_offsets", "SCAN_MAX"]
 
 # EP owner plans with N * E up to this take the per-expert scan kernel, larger ones the device sort (the same
 # list either way); module-level so tests can force the sort. Inside the exchange the sort path took 0.18 ms
@@ -111,6 +111,17 @@ def tile_offsets_for(offsets_E1: torch.Tensor, block_m: int) -> torch.Tensor:
 def single_group_offsets(num_rows: int, device: torch.device) -> torch.Tensor:
     """(2,) int32 [0, num_rows] built on the device without a host-to-device copy."""
     return torch.arange(2, dtype=torch.int32, device=device) * num_rows
+
+
+def chunk_offsets(num_rows: int, chunks: int, device: torch.device) -> torch.Tensor:
+    """(chunks + 1,) int32 group offsets of ``num_rows`` rows cut into ``chunks`` fixed chunks in row order:
+    ``min(c * ceil(num_rows / chunks), num_rows)`` (the last chunks shorter, or empty when num_rows < chunks).
+    Built on the device from host integers (one or two small launches, no copy, no sync)."""
+    if chunks < 1:
+        raise ValueError(f"chunk_offsets: chunks must be >= 1, got {chunks!r}")
+    step = max(1, -(-num_rows // chunks))
+    offsets = torch.arange(0, chunks * step + 1, step, dtype=torch.int32, device=device)
+    return offsets if chunks * step == num_rows else offsets.clamp_max_(num_rows)
 
 
 def expert_sort(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
