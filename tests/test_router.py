@@ -318,3 +318,24 @@ def test_router_wgrad_over_token_chunks(monkeypatch):
     dl = torch.randn(29, E, generator=g).bfloat16()
     dw = torch.autograd.grad(fused(x, w, router_dtype="model"), [w], dl)[0]
     assert calls == [(29, 3)] and torch.equal(dw, ag.router_wgrad(dl, x.detach(), chunks=3))
+
+
+@interpreted
+def test_router_gemms_take_their_tiles_from_the_host(monkeypatch):
+    """Forward and backward of the router GEMM (both modes) build the m-tile offsets of their one group [0, T]
+    from T on the host (no tile-offsets kernel) and make those offsets once, in the forward."""
+    import megamoe.autograd as ag
+    import megamoe.ops.routing as rt
+    from megamoe.functional import router_logits as fused
+
+    kernels, groups = [], []
+    real_tiles, real_group = rt.tile_offsets_for, ag.single_group_offsets
+    monkeypatch.setattr(rt, "tile_offsets_for", lambda *a, **kw: kernels.append(1) or real_tiles(*a, **kw))
+    monkeypatch.setattr(ag, "single_group_offsets", lambda *a, **kw: groups.append(1) or real_group(*a, **kw))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(21, 32, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(6, 32, generator=g) * 32 ** -0.5).requires_grad_()
+    for mode in ("fp32", "model"):
+        out = fused(x, w, router_dtype=mode)
+        torch.autograd.grad(out, [x, w], torch.randn(out.shape, generator=g).to(out.dtype))
+    assert kernels == [] and len(groups) == 2
