@@ -61,7 +61,8 @@ same order; the routed experts' gate/up, down, dgrad, dx and weight-gradient GEM
 FP8 ones (e4m3 operands quantized where they are produced, 128x128 weight blocks kept from the forward for the
 backward; docs/fp8.md). The shared expert, the combine and the slot sums are the 16-bit path's.
 
-Determinism: no atomics, no split-K, configs a pure function of shape: bitwise reproducible; the order in which
+Determinism: no atomics, no split-K (the router's 16-bit weight gradient sums fixed token chunks in a fixed
+order, :func:`router_wgrad`), configs a pure function of shape: bitwise reproducible; the order in which
 independent GEMMs (shared and routed experts) are launched does not change any bits.
 Sync: none (no .item(), no shapes from routing); CUDA-graph capturable.
 """
@@ -71,6 +72,8 @@ from __future__ import annotations
 import torch
 
 from .ops import (
+    chunk_offsets,
+    chunk_sum,
     combine_fwd,
     down_proj,
     gate_up_swiglu,
@@ -78,6 +81,7 @@ from .ops import (
     grouped_mm_nt,
     k_grouped_mm,
     router_kernel_config,
+    router_wgrad_chunks,
     single_group_offsets,
     slot_sum_bwd,
     swiglu_dgrad,
@@ -85,7 +89,7 @@ from .ops import (
 from .ops.dispatch import Needs
 
 __all__ = ["MoEExpertsFunction", "RouterLogitsFunction", "experts_backward", "experts_forward",
-           "router_logits_backward", "router_logits_forward"]
+           "router_logits_backward", "router_logits_forward", "router_wgrad"]
 
 
 def _shared_forward(d, x_TD, shared_w13_HD, shared_w2_DS):
@@ -296,18 +300,31 @@ class MoEExpertsFunction(torch.autograd.Function):
         return dx_TD, None, dw_TK, dw13, dw2, ds13, ds2, None, None
 
 
-def router_logits_forward(x_TD, router_w_ED, router_dtype: str = "fp32"):
+def router_logits_forward(x_TD, router_w_ED, router_dtype: str = "fp32", keep: dict | None = None):
     """Router logits (T, E) in megamoe's Triton GEMM, one group of all T rows. router_dtype "fp32": fp32 logits
     ``x.float() @ router_w.float().T`` (IEEE fp32 dots). "model": ``x @ router_w.T`` with the operands in x's
     dtype (router_w must already have it), tensor cores with fp32 accumulation, logits rounded once to x's dtype,
-    the tiles of ``ops.tile_config.router_kernel_config`` (a function of E and D only)."""
-    one_2 = single_group_offsets(x_TD.shape[0], x_TD.device)
+    the tiles of ``ops.tile_config.router_kernel_config`` (a function of E and D only). ``keep``: a dict that
+    takes what :func:`router_logits_backward` can reuse (the group offsets and their m-tile offsets; the fp32
+    weight), or None."""
+    keep = {} if keep is None else keep
+    one_2 = _router_offsets(x_TD, keep)
     if router_dtype == "fp32":
-        return grouped_mm_nt(x_TD, router_w_ED.float().unsqueeze(0), one_2, out_dtype=torch.float32)
+        keep["w32_1ED"] = router_w_ED.float().unsqueeze(0)
+        return grouped_mm_nt(x_TD, keep["w32_1ED"], one_2, out_dtype=torch.float32, tile_cache=keep["tiles"])
     _check_model_dtype(x_TD, router_w_ED)
     E, D = router_w_ED.shape
-    return grouped_mm_nt(x_TD, router_w_ED.unsqueeze(0), one_2, out_dtype=x_TD.dtype,
+    return grouped_mm_nt(x_TD, router_w_ED.unsqueeze(0), one_2, out_dtype=x_TD.dtype, tile_cache=keep["tiles"],
                          kernel_config=router_kernel_config(E, D))
+
+
+def _router_offsets(x_TD, keep: dict):
+    """The router GEMMs' one group [0, T] (made once per ``keep``, with its m-tile cache ``keep["tiles"]``, in
+    which the launchers find the tile offsets from T without a kernel)."""
+    if "one_2" not in keep:
+        keep["tiles"] = {}
+        keep["one_2"] = single_group_offsets(x_TD.shape[0], x_TD.device, tile_cache=keep["tiles"])
+    return keep["one_2"]
 
 
 def _check_model_dtype(x_TD, router_w_ED) -> None:
@@ -316,47 +333,81 @@ def _check_model_dtype(x_TD, router_w_ED) -> None:
                         f"(megamoe.functional.router_logits casts it), got {router_w_ED.dtype}")
 
 
-def router_logits_backward(dlogits_TE, x_TD, router_w_ED, need_x: bool, need_w: bool, router_dtype: str = "fp32"):
-    """(dx_TD or None, dW_ED or None) of :func:`router_logits_forward`. "fp32": dx = cast(dlogits @ W),
-    dW = dlogits^T @ x (fp32, rows reduced in token order), both from fp32 operands. "model": the same products
-    with dlogits, x and W in x's dtype on tensor cores (fp32 accumulation, one cast to x's dtype), dW from
-    megamoe's per-tile kernel (all T rows in token order, no split-K): what autograd of ``F.linear`` in x's dtype
-    computes, up to the accumulation order."""
-    one_2 = single_group_offsets(x_TD.shape[0], x_TD.device)
-    dx = dw = None
-    if router_dtype == "fp32":
+def router_logits_backward(dlogits_TE, x_TD, router_w_ED, need_x: bool, need_w: bool, router_dtype: str = "fp32",
+                           keep: dict | None = None):
+    """(dx_TD or None, dW_ED or None) of :func:`router_logits_forward`. "fp32" (and "model" with fp32 x, the same
+    computation): dx = cast(dlogits @ W), dW = dlogits^T @ x (fp32, all T rows reduced in token order), both from
+    fp32 operands. "model" with 16-bit x: the same products with dlogits, x and W in x's dtype on tensor cores (fp32
+    accumulation, one cast to x's dtype), dW by :func:`router_wgrad` (fixed token chunks, partials summed in
+    fp32 in chunk order): what autograd of ``F.linear`` in x's dtype computes, up to the accumulation order.
+    ``keep``: the forward's dict (its offsets, tile offsets and fp32 weight are reused), or None."""
+    keep = {} if keep is None else keep
+    one_2, dx, dw = _router_offsets(x_TD, keep), None, None
+    if router_dtype != "fp32":
+        _check_model_dtype(x_TD, router_w_ED)
+    if router_dtype == "fp32" or x_TD.dtype == torch.float32:
         dlogits_TE = dlogits_TE.float().contiguous()
         if need_x:
-            dx = grouped_mm_nn(dlogits_TE, router_w_ED.float().unsqueeze(0), one_2, out_dtype=x_TD.dtype)
+            w32_1ED = keep["w32_1ED"] if "w32_1ED" in keep else router_w_ED.float().unsqueeze(0)
+            dx = grouped_mm_nn(dlogits_TE, w32_1ED, one_2, out_dtype=x_TD.dtype, tile_cache=keep["tiles"])
         if need_w:
             dw = k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=torch.float32)[0].to(router_w_ED.dtype)
         return dx, dw
-    _check_model_dtype(x_TD, router_w_ED)
     dlogits_TE = dlogits_TE.to(x_TD.dtype).contiguous()
     kc = router_kernel_config(*router_w_ED.shape)
     if need_x:
-        dx = grouped_mm_nn(dlogits_TE, router_w_ED.unsqueeze(0), one_2, out_dtype=x_TD.dtype, kernel_config=kc)
+        dx = grouped_mm_nn(dlogits_TE, router_w_ED.unsqueeze(0), one_2, out_dtype=x_TD.dtype, tile_cache=keep["tiles"],
+                           kernel_config=kc)
     if need_w:
-        dw = k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=x_TD.dtype, kernel_config=kc)[0]
+        dw = router_wgrad(dlogits_TE, x_TD, kernel_config=kc, one_2=one_2)
     return dx, dw
+
+
+def router_wgrad(dlogits_TE, x_TD, *, chunks: int | None = None, kernel_config=None, one_2=None):
+    """The router's weight gradient in x's (16-bit) dtype: ``dW_ED = cast(sum_t dlogits[t]^T x[t])``.
+
+    The T rows are cut into S fixed chunks of ceil(T / S) rows in token order (``ops.chunk_offsets``; S =
+    ``chunks``, default ``ops.router_wgrad_chunks(T, E, D)``: a pure function of the shapes, never of the GPU,
+    1 for small T). S = 1: megamoe's per-tile k-grouped kernel reduces all T rows in token order, fp32, one cast.
+    S > 1: the same kernel with the chunks as its groups writes each chunk's fp32 partial [E, D] (S times the
+    programs: at E = 128, D = 2048 the single group has only 64 output tiles for 132 SMs), then
+    ``ops.chunk_sum`` adds the partials in chunk order in fp32 and casts once. No split-K atomics: bitwise the
+    same every run and on every GPU for given (T, E, D); the chunks change the fp32 summation order (by
+    fp32 rounding, far below the final cast's) against one chunk. S * E * D * 4 bytes of transient fp32 partials
+    (S = 8 at qwen3-30b-a3b: 8 MiB). T = 0: exact zeros. dlogits_TE: (T, E), x_TD: (T, D), both contiguous in
+    x's dtype; ``kernel_config``: the tiles (default ``ops.router_kernel_config(E, D)``); ``one_2``: the
+    offsets [0, T] when the caller has them (``ops.single_group_offsets``)."""
+    T, D = x_TD.shape
+    E = dlogits_TE.shape[1]
+    kc = router_kernel_config(E, D) if kernel_config is None else kernel_config
+    S = router_wgrad_chunks(T, E, D) if chunks is None else chunks
+    if S == 1:
+        one_2 = single_group_offsets(T, x_TD.device) if one_2 is None else one_2
+        return k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=x_TD.dtype, kernel_config=kc)[0]
+    parts_SED = k_grouped_mm(dlogits_TE, x_TD, chunk_offsets(T, S, x_TD.device), out_dtype=torch.float32,
+                             kernel_config=kc)
+    return chunk_sum(parts_SED, out_dtype=x_TD.dtype)
 
 
 class RouterLogitsFunction(torch.autograd.Function):
     """Router logits in megamoe's Triton GEMM (:func:`router_logits_forward`; ``router_dtype`` "fp32": IEEE fp32
     dots, fp32 logits; "model": x's dtype on tensor cores, router_w already in x's dtype).
 
-    Saved: x and router_w (no activation memory beyond the inputs). Backward: :func:`router_logits_backward`
-    (dx = cast(dlogits @ W), dW = dlogits^T @ x, rows reduced in token order). Deterministic, no sync.
+    Saved: x and router_w (no activation memory beyond the inputs), the group offsets [0, T] with their m-tile
+    offsets, and in "fp32" the fp32 weight (a copy only for a 16-bit weight). Backward: :func:`router_logits_backward`
+    (dx = cast(dlogits @ W), dW = dlogits^T @ x: in fp32 all rows in token order, in a 16-bit x's dtype over
+    fixed token chunks, :func:`router_wgrad`). Deterministic, no sync.
     """
 
     @staticmethod
     def forward(ctx, x_TD, router_w_ED, router_dtype="fp32"):
         ctx.save_for_backward(x_TD, router_w_ED)
-        ctx.router_dtype = router_dtype
-        return router_logits_forward(x_TD, router_w_ED, router_dtype)
+        ctx.router_dtype, ctx.keep = router_dtype, {}
+        return router_logits_forward(x_TD, router_w_ED, router_dtype, ctx.keep)
 
     @staticmethod
     def backward(ctx, dlogits_TE):
         x_TD, router_w_ED = ctx.saved_tensors
-        dx, dw = router_logits_backward(dlogits_TE, x_TD, router_w_ED, *ctx.needs_input_grad[:2], ctx.router_dtype)
+        dx, dw = router_logits_backward(dlogits_TE, x_TD, router_w_ED, *ctx.needs_input_grad[:2], ctx.router_dtype,
+                                        ctx.keep)
         return dx, dw, None

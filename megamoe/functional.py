@@ -31,7 +31,7 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                 w13_EGD: torch.Tensor, w2_EDF: torch.Tensor, shared_w13_HD: torch.Tensor | None = None,
                 shared_w2_DS: torch.Tensor | None = None, *, backend: str = "fused",
-                kernel_config: KernelConfig | None = None, fp8: bool = False) -> torch.Tensor:
+                kernel_config: KernelConfig | None = None, fp8: bool = False, check_ids: bool = True) -> torch.Tensor:
     """Routed + shared SwiGLU experts and combine for precomputed routing: (T, D) -> (T, D).
 
     out[t] = cast(sum_{k=0..K-1} w[t,k] * y[t,k] + shared(x[t])),  y[t,k] = FFN_{ids[t,k]}(x[t]),
@@ -55,13 +55,17 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
             or fp32, D and F multiples of 128 and (on CUDA) a GPU with FP8 tensor cores. "reference":
             megamoe.reference.moe_experts_fp8, the same numerics in plain PyTorch. Weight blocks are cached per
             weight version (megamoe.ops.fp8_weights).
+        check_ids: check that every id is in [0, E) (below; on CUDA five small kernels). False: the caller
+            guarantees it (ids from :func:`megamoe.router.route`, indices of a sort over the E experts, as
+            megamoe.integrations.transformers passes them) and nothing is checked; an id out of range then makes
+            the kernels read and write out of bounds. Under torch.compile the custom op checks them anyway.
 
     Returns:
         out_TD: (T, D) in x's dtype. Differentiable w.r.t. x, topk_weights, w13, w2 and the shared weights.
 
     Raises:
         TypeError / ValueError naming the argument for wrong types, shapes, dtypes, devices or backend;
-        ids out of range raise ValueError on CPU and a device-side assert on CUDA (no sync).
+        ids out of range raise ValueError on CPU and a device-side assert on CUDA (no sync; with check_ids).
 
     Determinism ("fused"): bitwise identical run to run; every token's output and input gradient is
         independent of the other tokens in the batch; weight gradients reduce each expert's rows in
@@ -76,7 +80,10 @@ def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: 
                         f"{type(kernel_config).__name__}")
     if not isinstance(fp8, bool):
         raise TypeError(f"moe_experts: fp8 must be a bool, got {fp8!r}")
-    check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS)
+    if not isinstance(check_ids, bool):
+        raise TypeError(f"moe_experts: check_ids must be a bool, got {check_ids!r}")
+    check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS,
+                        check_ids=check_ids)
     compiling = torch.compiler.is_compiling()
     if fp8:  # the GPU's FP8 support is checked by the op itself while compiling
         check_fp8("moe_experts", x_TD.shape[1], w2_EDF.shape[2], x_TD.dtype,
@@ -120,12 +127,14 @@ def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor, *, router_dtype
         "model": ``F.linear(x, router_w.to(x.dtype))``, as transformers' Qwen3-MoE and Mixtral routers compute
             them: operands in x's dtype (router_w cast to it, differentiably), tensor cores with fp32
             accumulation, logits rounded once to x's dtype; backward dx = dlogits @ W and dW = dlogits^T @ x in
-            x's dtype on tensor cores (fp32 accumulation, dW reducing all T rows in token order, no split-K).
-            The same function as autograd of ``F.linear`` in x's dtype, up to the accumulation order. With fp32
-            x, the same bits as "fp32".
+            x's dtype on tensor cores (fp32 accumulation; dW over S fixed token chunks, S a function of (T, E, D)
+            only, each chunk's rows in token order, the fp32 partials summed in chunk order, one cast:
+            megamoe.autograd.router_wgrad). The same function as autograd of ``F.linear`` in x's dtype, up to
+            the accumulation order. With fp32 x, the same bits as "fp32".
 
     Either way the tile config depends only on (D, E), so a token's logits do not depend on the rest of the
-    batch (bitwise equal for EP=1 and EP=W), and results are bitwise reproducible. Differentiable w.r.t. x and
+    batch (bitwise equal for EP=1 and EP=W), and results are bitwise reproducible (on any GPU: nothing depends on
+    the device). Differentiable w.r.t. x and
     router_w. CUDA tensors (or CPU under TRITON_INTERPRET=1). No sync.
     Raises TypeError / ValueError naming the argument for wrong types, shapes, devices or router_dtype.
     """

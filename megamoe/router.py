@@ -66,12 +66,23 @@ def _stable_topk(v: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """``torch.isfinite(t)`` in two elementwise ops, |x| < inf (False for +-inf and NaN), where torch.isfinite
+    launches four (x == x, |x|, != inf, and); no autograd record."""
+    return t.detach().abs().lt(float("inf"))
+
+
 def _check_finite(logits_TE: torch.Tensor) -> None:
     msg = "megamoe: router logits contain NaN/Inf (MoEConfig.nan_policy='raise')"
     if logits_TE.is_cuda or torch.compiler.is_compiling():  # a graph holds the assertion, not a branch
-        torch._assert_async(torch.isfinite(logits_TE).all(), msg)  # no host sync
-    elif not bool(torch.isfinite(logits_TE).all()):
+        torch._assert_async(_finite(logits_TE).all(), msg)  # no host sync
+    elif not bool(_finite(logits_TE).all()):
         raise FloatingPointError(msg)
+
+
+def _nan_to_minus_inf(t: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf, every other value (+-inf included) kept: ``torch.where(t.isnan(), -inf, t)`` in one op."""
+    return torch.nan_to_num(t, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
 
 
 def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor, router_dtype: str = "fp32") -> torch.Tensor:
@@ -108,7 +119,7 @@ def route(x_TD: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Te
     sel_TE = scores_TE.detach()
     if expert_bias_E is not None:
         sel_TE = sel_TE + expert_bias_E.detach().to(sel_TE.dtype)
-    sel_TE = torch.where(torch.isnan(sel_TE), float("-inf"), sel_TE)  # NaN never wins, ids stay in range
+    sel_TE = _nan_to_minus_inf(sel_TE)  # NaN never wins, ids stay in range
     if cfg.n_group > 1:
         T = sel_TE.shape[0]
         sel_TNx = sel_TE.view(T, cfg.n_group, E // cfg.n_group)
@@ -116,19 +127,20 @@ def route(x_TD: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Te
             group_TN = sel_TNx.topk(2, dim=-1).values.sum(-1)
         else:
             group_TN = sel_TNx.amax(dim=-1)
-        group_TN = torch.where(torch.isnan(group_TN), float("-inf"), group_TN)
-        keep_TN = torch.zeros_like(group_TN, dtype=torch.bool)
-        keep_TN.scatter_(1, _stable_topk(group_TN, cfg.topk_group), True)
-        sel_TE = sel_TNx.masked_fill(~keep_TN.unsqueeze(-1), float("-inf")).view(T, E)
+        group_TN = _nan_to_minus_inf(group_TN)
+        drop_TN = torch.ones_like(group_TN, dtype=torch.bool)
+        drop_TN.scatter_(1, _stable_topk(group_TN, cfg.topk_group), False)
+        sel_TE = sel_TNx.masked_fill(drop_TN.unsqueeze(-1), float("-inf")).view(T, E)
     topk_ids_TK = _stable_topk(sel_TE, K)
     w_TK = scores_TE.gather(1, topk_ids_TK)
     if cfg.norm_topk_prob and K > 1:
         w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + 1e-20)
     elif cfg.norm_topk_prob:
         w_TK = w_TK / (w_TK + 1e-20)
-    w_TK = w_TK * cfg.routed_scaling_factor
+    if cfg.routed_scaling_factor != 1.0:  # (w * 1.0 is w, bit for bit, and so is its gradient)
+        w_TK = w_TK * cfg.routed_scaling_factor
     if cfg.nan_policy == "propagate":  # a token with any non-finite logit must not look healthy
-        w_TK = torch.where(torch.isfinite(logits_TE).all(-1, keepdim=True), w_TK, float("nan"))
+        w_TK = torch.where(_finite(logits_TE).all(-1, keepdim=True), w_TK, float("nan"))
     return RouterOutput(topk_ids_TK, w_TK, scores_TE)
 
 

@@ -48,11 +48,12 @@ def check_expert_ids(topk_ids_TK: torch.Tensor, num_experts: int) -> None:
 
 
 def check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD=None,
-                        shared_w2_DS=None, *, num_experts: int | None = None) -> None:
+                        shared_w2_DS=None, *, num_experts: int | None = None, check_ids: bool = True) -> None:
     """Validate the arguments of ``moe_experts``-style entries.
 
     ``num_experts`` is the global E that ids index (defaults to ``w13_EGD.shape[0]``; under EP pass
-    W * L). Raises TypeError for wrong types/dtypes and ValueError for wrong shapes, devices or ids.
+    W * L). Raises TypeError for wrong types/dtypes and ValueError for wrong shapes, devices or ids
+    (:func:`check_expert_ids`, unless ``check_ids`` is False: the caller guarantees them).
     """
     for name, t in (("x_TD", x_TD), ("topk_ids_TK", topk_ids_TK), ("topk_weights_TK", topk_weights_TK),
                     ("w13_EGD", w13_EGD), ("w2_EDF", w2_EDF)):
@@ -98,7 +99,8 @@ def check_expert_inputs(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, sha
         tensors += [shared_w13_HD, shared_w2_DS]
     devs = {t.device for t in tensors}
     _need(len(devs) == 1, f"all tensors must be on one device, got {sorted(map(str, devs))}")
-    check_expert_ids(topk_ids_TK, E_glob)
+    if check_ids:
+        check_expert_ids(topk_ids_TK, E_glob)
 
 
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4}

@@ -298,8 +298,10 @@ def _tile_config(tile):
 def router_tile_sweep(label: str, block, x, timer: Timer, rounds: int) -> dict:
     """Part 2c: the three GEMMs of the swap's router (logits ``x @ W.T``; backward ``dlogits @ W`` and
     ``dlogits.T @ x``) in its router dtype (``moe_config.router_dtype``: "fp32", IEEE fp32 dots; "model", bf16 on
-    tensor cores), as megamoe.autograd.RouterLogitsFunction launches them, with the table's tile (first) and
+    tensor cores; dW over the token chunks of megamoe.autograd.router_wgrad, its per-chunk GEMM and the chunk
+    sum), as megamoe.autograd.RouterLogitsFunction launches them, with the table's tile (first) and
     other tiles of the same BLOCK_K; each result compared bitwise with the table's. Prints ms per tile."""
+    import megamoe.autograd as ag
     import megamoe.ops.grouped_gemm as gg
     from megamoe.config import KernelConfig
     from megamoe.ops import router_kernel_config, single_group_offsets
@@ -320,7 +322,8 @@ def router_tile_sweep(label: str, block, x, timer: Timer, rounds: int) -> dict:
         return {"logits x @ W.T": ("m", lambda: gg.grouped_mm_nt(x_TD, w_1ED, one_2, out_dtype=dtype, **kw)),
                 "dx dlogits @ W": ("m", lambda: gg.grouped_mm_nn(dlogits_TE, w_1ED, one_2, out_dtype=x_TD.dtype,
                                                                  **kw)),
-                "dW dlogits.T @ x": ("k", lambda: gg.k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=dtype, **kw))}
+                "dW dlogits.T @ x": ("k", lambda: (ag.router_wgrad(dlogits_TE, x_TD, kernel_config=kc) if kc is not None
+                                                   else gg.k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=dtype)))}
 
     m_table, k_table = gg.m_grouped_config, gg.k_grouped_config
     out = {}

@@ -261,12 +261,14 @@ def test_router_bits_do_not_depend_on_tile(monkeypatch, T, D, E):
             assert torch.equal(a, b), f"router {name} changed bits under tile {tile}"
 
 
-@pytest.mark.parametrize("T,D,E", [(1000, 2048, 128), (333, 512, 8), (77, 7168, 256)])
+@pytest.mark.parametrize("T,D,E", [(1000, 2048, 128), (333, 512, 8), (77, 7168, 256), (4099, 2048, 128),
+                                   (16384, 2048, 128)])
 def test_router_logits_model_dtype(T, D, E):
     """router_dtype="model" (bf16 tensor cores, fp32 accumulation): logits, dx and dW (an fp32 master weight, as
     megamoe.MoE keeps it) within 2x PyTorch's own bf16 error (autograd of ``F.linear`` in bf16, cuBLAS) against
     fp64, plus a tiny absolute term; the dtypes autograd of that reference gives; a token's logits bitwise the
-    same in batches of 1, 17 (not multiples of any block), T and 4T + 5 rows; bitwise repeatable; T = 0."""
+    same in batches of 1, 17 (not multiples of any block), T and 4T + 5 rows; bitwise repeatable; T = 0. dW over
+    token chunks (megamoe.autograd.router_wgrad): 4 uneven ones at T = 4099, 8 at T = 16384."""
     import torch.nn.functional as F
 
     from megamoe.functional import router_logits
@@ -296,16 +298,17 @@ def test_router_logits_model_dtype(T, D, E):
         assert torch.equal(router_logits(x[lo:hi].detach(), rw.detach(), router_dtype="model"), lg[lo:hi])
 
 
-def test_router_model_dtype_bits_do_not_depend_on_tile(monkeypatch):
-    """The router's three bf16 GEMMs (logits, dx, dW) give bitwise the same results whatever the tiles around
-    BLOCK_K 64 (block sizes, warps, stages, TMA or pointer loads, programs per SM), so
-    ops.tile_config.router_kernel_config can change for speed without changing results."""
+@pytest.mark.parametrize("T", [1000, 4099])
+def test_router_model_dtype_bits_do_not_depend_on_tile(monkeypatch, T):
+    """The router's three bf16 GEMMs (logits, dx, dW; at T = 4099 dW over 4 token chunks) give bitwise the same
+    results whatever the tiles around BLOCK_K 64 (block sizes, warps, stages, TMA or pointer loads, programs per
+    SM), so ops.tile_config.router_kernel_config can change for speed without changing results."""
     import megamoe.autograd as ag
     from megamoe.config import GemmConfig as G
     from megamoe.config import KernelConfig
     from megamoe.functional import router_logits
 
-    T, D, E = 1000, 2048, 128
+    D, E = 2048, 128
     g = torch.Generator(device=DEV).manual_seed(14)
     x = torch.randn(T, D, generator=g, device=DEV).to(BF16).requires_grad_()
     rw = (torch.randn(E, D, generator=g, device=DEV) * D ** -0.5).to(BF16).requires_grad_()

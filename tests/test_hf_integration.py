@@ -247,8 +247,9 @@ def _megamoe_by_hand(block, x, backend):
 
 def check_swap_is_megamoe_bitwise(block, backend, monkeypatch):
     """The swapped block's output and every gradient are bitwise megamoe's own calls written out, its routing
-    (ids, weights) bitwise megamoe's, and the experts' call gets the ids contiguous (no copy of its own); on a GPU,
-    forward and backward make no host sync."""
+    (ids, weights) bitwise megamoe's, and the experts' call gets the ids contiguous (no copy of its own) and
+    unchecked (route's ids are in range; no device work for the check); on a GPU, forward and backward make no
+    host sync."""
     swapped = mt.MegaMoEBlock(block)
     dev, D = block.experts.gate_up_proj.device, block.experts.gate_up_proj.shape[2]
     g = torch.Generator(device=dev).manual_seed(7)
@@ -256,7 +257,8 @@ def check_swap_is_megamoe_bitwise(block, backend, monkeypatch):
     dout = torch.randn(x.shape, generator=g, device=dev).to(BF16)
     inputs = [x, *swapped.parameters()]
     seen, real = [], mt.moe_experts
-    monkeypatch.setattr(mt, "moe_experts", lambda *a, **kw: seen.append(a[1].is_contiguous()) or real(*a, **kw))
+    monkeypatch.setattr(mt, "moe_experts", lambda *a, **kw: seen.append((a[1].is_contiguous(), kw["check_ids"]))
+                        or real(*a, **kw))
     if dev.type == "cuda":  # on the fused kernels the whole step runs without a host sync: any sync raises here
         swapped(x)  # (the first call compiles and loads kernels)
         torch.cuda.set_sync_debug_mode("error")
@@ -270,7 +272,7 @@ def check_swap_is_megamoe_bitwise(block, backend, monkeypatch):
     seen = seen[-1:]
     want, r = _megamoe_by_hand(block, x, backend)
     want_grads = torch.autograd.grad(want, inputs, dout)
-    assert seen == [True]
+    assert seen == [(True, False)]
     assert torch.equal(got, want)
     names = ["x", *(n for n, _ in swapped.named_parameters())]
     assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads)), \

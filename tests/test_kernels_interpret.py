@@ -175,18 +175,20 @@ def test_deterministic():
 @interpreted
 def test_tile_offsets_computed_once_per_offset_table(monkeypatch):
     # the m-grouped GEMMs of one group-offset table share its m-tile offsets (ops.grouped_gemm tile_cache):
-    # forward + backward with a shared expert computes them twice (the routed offsets, the shared expert's
-    # one group) instead of once per GEMM (8), with the same bits
+    # forward + backward with a shared expert computes them once (the routed offsets; the shared expert's one
+    # group of T rows gets its tiles from T on the host, ops.routing.single_group_offsets) instead of once per
+    # GEMM (8), with the same bits
     import megamoe.ops.grouped_gemm as gg
+    import megamoe.ops.routing as rt
     x, ids, w, w13, w2, s13, s2 = _make(24, 64, 32, 6, 3, 16, seed=13)
     dout = torch.randn(24, 64, generator=torch.Generator().manual_seed(4))
-    real_offsets, real_launch, calls = gg.tile_offsets_for, gg._launch_m_grouped, []
-    monkeypatch.setattr(gg, "tile_offsets_for", lambda *a, **kw: calls.append(1) or real_offsets(*a, **kw))
+    real_offsets, real_launch, calls = rt.tile_offsets_for, gg._launch_m_grouped, []
+    monkeypatch.setattr(rt, "tile_offsets_for", lambda *a, **kw: calls.append(1) or real_offsets(*a, **kw))
     a = _run(moe_experts, x, ids, w, w13, w2, s13, s2, dout)
-    shared_calls = len(calls)
+    cached_calls = len(calls)
     monkeypatch.setattr(gg, "_launch_m_grouped", lambda **kw: real_launch(**{**kw, "tile_cache": None}))
     b = _run(moe_experts, x, ids, w, w13, w2, s13, s2, dout)
-    assert (shared_calls, len(calls) - shared_calls) == (2, 8)
+    assert (cached_calls, len(calls) - cached_calls) == (1, 8)
     assert torch.equal(a[0], b[0]) and all(torch.equal(p, q) for p, q in zip(a[1], b[1]))
 
 
@@ -227,6 +229,23 @@ def test_tile_offsets_kernel_equals_the_torch_formula():
             ref[1:] = torch.cumsum((counts + bm - 1) // bm, 0)
             got = tile_offsets_for(offs, bm)
             assert got.dtype == torch.int32 and torch.equal(got.long(), ref), (E, bm)
+
+
+@interpreted
+def test_single_group_tiles_from_the_host_equal_the_kernel():
+    # single_group_offsets with a tile cache: the launchers' m-tile offsets of [0, T] come from T on the host
+    # (one arange), the same int32 values as the kernel's, for every T (0, one row, block edges) and BLOCK_M
+    from megamoe.ops import single_group_offsets, tile_offsets_for
+    from megamoe.ops.routing import cached_tile_offsets
+
+    for T in (0, 1, 15, 16, 17, 127, 128, 129, 1000):
+        cache = {}
+        one_2 = single_group_offsets(T, "cpu", tile_cache=cache)
+        assert one_2.dtype == torch.int32 and one_2.tolist() == [0, T]
+        for bm in (16, 64, 128):
+            got = cached_tile_offsets(one_2, bm, cache)
+            assert got.dtype == torch.int32 and torch.equal(got, tile_offsets_for(one_2, bm)), (T, bm)
+            assert cached_tile_offsets(one_2, bm, cache) is got
 
 
 @interpreted

@@ -143,6 +143,7 @@ def test_validation_errors():
         check_expert_inputs(p["x_TD"], ids + 4, w, p["w13_EGD"], p["w2_EDF"])
     with pytest.raises(ValueError, match="out of range"):
         check_expert_inputs(p["x_TD"], ids - 1, w, p["w13_EGD"], p["w2_EDF"])
+    check_expert_inputs(p["x_TD"], ids + 4, w, p["w13_EGD"], p["w2_EDF"], check_ids=False)  # the caller's word
     with pytest.raises(ValueError, match="2-D"):
         check_expert_inputs(p["x_TD"][None], ids, w, p["w13_EGD"], p["w2_EDF"])
     with pytest.raises(TypeError, match="dtype mismatch"):

@@ -265,3 +265,77 @@ def test_fused_model_dtype_logits_are_batch_invariant_and_repeatable():
     assert all(torch.equal(a, b) for a, b in zip(*results))
     with pytest.raises(ValueError, match="router_dtype"):
         fused(x, w, router_dtype="bf16")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the model-dtype weight gradient over fixed token chunks (megamoe.autograd.router_wgrad)
+# ---------------------------------------------------------------------------------------------------
+def test_router_wgrad_chunks_are_a_function_of_the_shapes():
+    """S: a power of two, 1 for small T and for many output tiles (deepseek-v3), 8 at qwen3-30b-a3b's E 128 x
+    D 2048 from T = 8192 on (8 x 64 tiles >= 2 programs per SM of a 132-SM GPU), never more as T grows."""
+    from megamoe.ops import router_wgrad_chunks
+
+    E, D = 128, 2048
+    assert [router_wgrad_chunks(T, E, D) for T in (0, 1, 1000, 2047, 2048, 4096, 8192, 16384, 10 ** 6)] == \
+        [1, 1, 1, 1, 2, 4, 8, 8, 8]
+    assert router_wgrad_chunks(16384, 8, 4096) == 8 and router_wgrad_chunks(4096, 256, 7168) == 1
+    assert router_wgrad_chunks(16384, 128, 4096) == 4 and router_wgrad_chunks(16384, 0, 2048) == 1
+
+
+@interpreted
+def test_router_wgrad_over_token_chunks(monkeypatch):
+    """dW = dlogits^T @ x in bf16 over S fixed token chunks (fp32 partials summed in chunk order, one cast) within
+    2x PyTorch's own bf16 error against fp64 plus half a bf16 ulp (the interpreter truncates to bf16), bitwise
+    repeatable; T not a multiple of S, T < S (empty chunks), T = 0 (exact zeros), S = 1; the chunk offsets; and
+    the autograd backward of the model-dtype router takes this path with S = ops.router_wgrad_chunks."""
+    import megamoe.autograd as ag
+    from megamoe.functional import router_logits as fused
+    from megamoe.ops import chunk_offsets
+
+    assert chunk_offsets(45, 4, "cpu").tolist() == [0, 12, 24, 36, 45]
+    assert chunk_offsets(3, 5, "cpu").tolist() == [0, 1, 2, 3, 3, 3]
+    assert chunk_offsets(0, 3, "cpu").tolist() == [0, 0, 0, 0]
+    assert chunk_offsets(64, 2, "cpu").tolist() == [0, 32, 64]
+    g = torch.Generator().manual_seed(7)
+    D, E = 40, 6
+    for T, S in ((45, 4), (45, 1), (64, 2), (3, 5), (0, 3)):
+        x = torch.randn(T, D, generator=g).bfloat16()
+        dl = torch.randn(T, E, generator=g).bfloat16()
+        got = ag.router_wgrad(dl, x, chunks=S)
+        assert got.dtype == torch.bfloat16 and got.shape == (E, D)
+        assert torch.equal(ag.router_wgrad(dl, x, chunks=S), got), (T, S)
+        want64 = dl.double().t() @ x.double()
+        if T == 0:
+            assert torch.equal(got, torch.zeros(E, D, dtype=torch.bfloat16))
+            continue
+        err, err_pt, half_ulp = _bf16_errors(got, dl.t() @ x, want64)
+        assert err <= 2 * err_pt + half_ulp, f"T {T}, S {S}: err {err:.3g} vs torch bf16 {err_pt:.3g}"
+    calls, offsets = [], ag.chunk_offsets
+    monkeypatch.setattr(ag, "router_wgrad_chunks", lambda t, e, d: 3)
+    monkeypatch.setattr(ag, "chunk_offsets", lambda t, s, dev: calls.append((t, s)) or offsets(t, s, dev))
+    x = torch.randn(29, D, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(E, D, generator=g) * D ** -0.5).bfloat16().requires_grad_()
+    dl = torch.randn(29, E, generator=g).bfloat16()
+    dw = torch.autograd.grad(fused(x, w, router_dtype="model"), [w], dl)[0]
+    assert calls == [(29, 3)] and torch.equal(dw, ag.router_wgrad(dl, x.detach(), chunks=3))
+
+
+@interpreted
+def test_router_gemms_take_their_tiles_from_the_host(monkeypatch):
+    """Forward and backward of the router GEMM (both modes) build the m-tile offsets of their one group [0, T]
+    from T on the host (no tile-offsets kernel) and make those offsets once, in the forward."""
+    import megamoe.autograd as ag
+    import megamoe.ops.routing as rt
+    from megamoe.functional import router_logits as fused
+
+    kernels, groups = [], []
+    real_tiles, real_group = rt.tile_offsets_for, ag.single_group_offsets
+    monkeypatch.setattr(rt, "tile_offsets_for", lambda *a, **kw: kernels.append(1) or real_tiles(*a, **kw))
+    monkeypatch.setattr(ag, "single_group_offsets", lambda *a, **kw: groups.append(1) or real_group(*a, **kw))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(21, 32, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(6, 32, generator=g) * 32 ** -0.5).requires_grad_()
+    for mode in ("fp32", "model"):
+        out = fused(x, w, router_dtype=mode)
+        torch.autograd.grad(out, [x, w], torch.randn(out.shape, generator=g).to(out.dtype))
+    assert kernels == [] and len(groups) == 2

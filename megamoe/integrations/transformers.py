@@ -311,6 +311,9 @@ class MegaMoEBlock(nn.Module):
         contiguous once (the experts' call, the counts and ``last_stats`` all read them; the values are the
         router's)."""
         router_w_ED, router_dtype = self.gate.weight, self.moe_config.router_dtype
+        if router_w_ED.shape[0] != self.moe_config.num_experts:  # (the ids then index the experts: checked here)
+            raise UnsupportedModelError(f"{self.block_class}: its router weight has {router_w_ED.shape[0]} rows for "
+                                        f"{self.moe_config.num_experts} experts")
         if self._backend_of(x_TD) == "fused":
             logits_TE = router_logits(x_TD, router_w_ED, router_dtype=router_dtype)
         else:
@@ -327,7 +330,7 @@ class MegaMoEBlock(nn.Module):
         x_TD = hidden_states.reshape(-1, hidden_states.shape[-1]).to(w13_EGD.dtype)
         logits_TE, r = self.route(x_TD)
         out_TD = moe_experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, w13_EGD, w2_EDF, *self._shared_weights(),
-                             backend=self._backend_of(x_TD))
+                             backend=self._backend_of(x_TD), check_ids=False)  # ids: route()'s, all in [0, E)
         if not in_backward():  # an activation-checkpoint recompute counts nothing twice
             counts_E = routing.tokens_per_expert(r.topk_ids_TK, c.num_experts)
             if self.training:

@@ -1,17 +1,19 @@
 """Fixed-order slot reductions of the fused MoE path (``@triton.jit`` only; launchers in megamoe.ops).
 
 Legend: T tokens, K slots (top-k), D hidden size, R rows of the expert-grouped buffer,
-P row-dot partials per row (N-tiles of the dgrad GEMM).
+P row-dot partials per row (N-tiles of the dgrad GEMM), S chunks.
 
 * ``combine_fwd_kernel``: ``out[t] = cast(sum_{k=0..K-1} w[t,k] * float(y[row_of[t,k]]) + float(shared[t]))``,
   fp32, slots in order 0..K-1, shared expert added last, one cast: the formula of
   ``megamoe.reference.combine``. Grid: (token blocks, D blocks).
+* ``chunk_sum_kernel``: ``out[i] = cast(sum_{s=0..S-1} parts[s, i])``, fp32, chunks in order 0..S-1, one cast
+  (the router's weight gradient over fixed token chunks, megamoe.autograd.router_wgrad). Grid: element blocks.
 * ``slot_sum_bwd_kernel``: ``dx[t] = cast(sum_k float(dx_rows[row_of[t,k]]) + float(dx_shared[t]))`` in
   the same fixed order, and (programs of the first D block) the routing-weight gradient
   ``dw[t,k] = sum_p part[row_of[t,k], p]``.
 
-Each element is computed by one program in a fixed order, from its own token's data only: bitwise
-deterministic and batch invariant; no atomics.
+Each element is computed by one program in a fixed order (the combine and slot sums from its own token's data
+only): bitwise deterministic (and for those two batch invariant); no atomics.
 """
 
 import triton
@@ -75,3 +77,14 @@ def slot_sum_bwd_kernel(
                 row = tl.load(row_of_ptr + tk + k, mask=mask_t, other=0).to(tl.int64)
                 part = tl.load(part_ptr + row[:, None] * P + offs_p[None, :], mask=mask_p, other=0.0)
                 tl.store(dw_ptr + tk + k, tl.sum(part, axis=1).to(dw_ptr.dtype.element_ty), mask=mask_t)
+
+
+@triton.jit
+def chunk_sum_kernel(parts_ptr, out_ptr, numel, S: tl.constexpr, BLOCK: tl.constexpr):
+    """parts [S, numel] fp32 (contiguous) -> out [numel]: the S partials of each element added in chunk order."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(S):
+        acc = acc + tl.load(parts_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -6,18 +6,21 @@ before triton was imported.
 
 Public pieces (the EP path calls these on rows received from peers):
   routing:      build_routing_plan (the one plan builder: single-GPU plan, or an EP owner's plan into its
-                pool through PoolPlan), RoutingPlan, PoolPlan, tile_offsets_for, single_group_offsets
+                pool through PoolPlan), RoutingPlan, PoolPlan, tile_offsets_for, single_group_offsets,
+                chunk_offsets (fixed row chunks as groups)
   forward:      gate_up_swiglu, down_proj, grouped_mm_nt, combine_fwd
   backward:     swiglu_dgrad (m-grouped dgrad + SwiGLU backward + routing-weight row dots),
-                grouped_mm_nn (m-grouped dgrad), k_grouped_mm (weight gradients), slot_sum_bwd,
+                grouped_mm_nn (m-grouped dgrad), k_grouped_mm (weight gradients), slot_sum_bwd, chunk_sum
+                (fp32 partials summed in chunk order),
                 k_grouped_wants_rows_in_order (whether a weight gradient wants its gathered rows copied)
   EP stores:    RowPush, row_push_deltas (plain-epilogue GEMMs storing rows straight into (token, slot) rows
                 of several ranks' buffers)
   configs:      GemmConfig, KernelConfig (megamoe.config), m_grouped_config, k_grouped_config,
-                router_kernel_config (the router's 16-bit GEMMs)
+                router_kernel_config (the router's 16-bit GEMMs), router_wgrad_chunks (their weight gradient's
+                token chunks)
 """
 
-from .combine import combine_fwd, slot_sum_bwd
+from .combine import chunk_sum, combine_fwd, slot_sum_bwd
 from .ep_tiles import RowPush, row_push_deltas
 from .grouped_gemm import (
                            down_proj,
@@ -28,13 +31,27 @@ from .grouped_gemm import (
                            k_grouped_wants_rows_in_order,
                            swiglu_dgrad,
 )
-from .routing import PoolPlan, RoutingPlan, build_routing_plan, single_group_offsets, tile_offsets_for
-from .tile_config import GemmConfig, KernelConfig, k_grouped_config, m_grouped_config, router_kernel_config
+from .routing import (
+                      PoolPlan,
+                      RoutingPlan,
+                      build_routing_plan,
+                      chunk_offsets,
+                      single_group_offsets,
+                      tile_offsets_for,
+)
+from .tile_config import (
+                          GemmConfig,
+                          KernelConfig,
+                          k_grouped_config,
+                          m_grouped_config,
+                          router_kernel_config,
+                          router_wgrad_chunks,
+)
 
 __all__ = [
-    "RoutingPlan", "PoolPlan", "build_routing_plan", "tile_offsets_for", "single_group_offsets",
+    "RoutingPlan", "PoolPlan", "build_routing_plan", "tile_offsets_for", "single_group_offsets", "chunk_offsets",
     "gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm",
     "k_grouped_wants_rows_in_order", "RowPush", "row_push_deltas",
-    "combine_fwd", "slot_sum_bwd", "GemmConfig", "KernelConfig", "m_grouped_config", "k_grouped_config",
-    "router_kernel_config",
+    "combine_fwd", "slot_sum_bwd", "chunk_sum", "GemmConfig", "KernelConfig", "m_grouped_config", "k_grouped_config",
+    "router_kernel_config", "router_wgrad_chunks",
 ]

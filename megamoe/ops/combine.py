@@ -1,7 +1,9 @@
 """Host launchers of the fixed-order slot reductions (combine forward, dx / routing-weight backward).
 
-Legend: T tokens, K slots, D hidden size, R rows of the expert-grouped buffer, P row-dot partials per row.
-Determinism: fp32 sums in slot order 0..K-1, shared expert last, one cast; no atomics; no sync.
+Legend: T tokens, K slots, D hidden size, R rows of the expert-grouped buffer, P row-dot partials per row,
+S chunks, M / N the sizes of a chunked weight gradient.
+Determinism: fp32 sums in slot order 0..K-1, shared expert last (chunk sums: chunk order 0..S-1), one cast; no
+atomics; no sync.
 """
 
 from __future__ import annotations
@@ -9,11 +11,14 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..kernels.combine import combine_fwd_kernel, slot_sum_bwd_kernel
+from ..kernels.combine import chunk_sum_kernel, combine_fwd_kernel, slot_sum_bwd_kernel
 from ._common import check_device, is_interpreted, pow2
 from .tile_config import combine_block
 
-__all__ = ["combine_fwd", "slot_sum_bwd"]
+__all__ = ["chunk_sum", "combine_fwd", "slot_sum_bwd"]
+
+_CHUNK_SUM_BLOCK = 1024
+_CHUNK_SUM_BLOCK_INTERPRET = 256
 
 
 def combine_fwd(y_RD: torch.Tensor, row_of_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
@@ -86,3 +91,28 @@ def slot_sum_bwd(dx_rows_RD: torch.Tensor | None, row_of_TK: torch.Tensor, dx_sh
         BLOCK_T=bt, BLOCK_D=bd, num_warps=4, enable_fp_fusion=True,
     )
     return dx, dw
+
+
+def chunk_sum(parts_SMN: torch.Tensor, *, out_dtype: torch.dtype) -> torch.Tensor:
+    """``out[m, n] = cast(sum_{s=0..S-1} parts[s, m, n])``: fp32 partials summed in chunk order, one cast.
+
+    parts_SMN: (S, M, N) contiguous fp32 (e.g. one k-grouped weight gradient per token chunk). Returns (M, N) in
+    out_dtype. Bitwise deterministic (one program per element block, a fixed order); no sync.
+    """
+    where = "chunk_sum"
+    if parts_SMN.dim() != 3 or parts_SMN.dtype != torch.float32 or not parts_SMN.is_contiguous():
+        raise ValueError(f"{where}: parts_SMN must be a contiguous 3-D fp32 tensor, got {parts_SMN.dtype} "
+                         f"{tuple(parts_SMN.shape)}")
+    S, M, N = parts_SMN.shape
+    dev = check_device(chunk_sum_kernel, where, parts_SMN=parts_SMN)
+    out = torch.empty((M, N), dtype=out_dtype, device=dev)
+    numel = M * N
+    if numel == 0:
+        return out
+    if S == 0:
+        return out.zero_()
+    if S * numel >= 2 ** 31:
+        raise ValueError(f"{where}: {S} x {M} x {N} partials exceed the kernel's int32 offsets")
+    block = _CHUNK_SUM_BLOCK_INTERPRET if is_interpreted(chunk_sum_kernel) else _CHUNK_SUM_BLOCK
+    chunk_sum_kernel[(triton.cdiv(numel, block),)](parts_SMN, out, numel, S=S, BLOCK=block, num_warps=4)
+    return out

@@ -181,7 +181,7 @@ class LocalDispatcher:
 
     def shared_offsets(self, T: int, dev: torch.device) -> torch.Tensor:
         if self.one_2 is None:  # kept for the backward: the tile cache is keyed by this tensor
-            self.one_2 = single_group_offsets(T, dev)
+            self.one_2 = single_group_offsets(T, dev, tile_cache=self.tiles)  # its m-tiles from T on the host
         return self.one_2
 
     def shared_tiles(self) -> dict:

@@ -30,7 +30,7 @@ import triton
 
 from ..kernels.fp8_gemm import fp8_k_grouped_kernel, fp8_m_grouped_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
-from .routing import tile_offsets_for
+from .routing import cached_tile_offsets
 
 __all__ = ["fp8_gate_up_swiglu", "fp8_grouped_mm_nt", "fp8_grouped_mm_nn", "fp8_swiglu_dgrad", "fp8_k_grouped_mm",
            "fp8_config", "Fp8GemmConfig", "FP8_KINDS", "QB"]
@@ -157,13 +157,7 @@ def _check_out_dtype(where: str, dtype: torch.dtype) -> None:
 def table_for(offsets_E1: torch.Tensor, block_m: int, tile_cache: dict | None) -> torch.Tensor:
     """The m-tile table of ``offsets_E1`` for ``block_m``, through ``tile_cache`` (the bf16 launchers' key, so
     one dict can serve both; valid while the offsets' values do not change)."""
-    key = (offsets_E1.data_ptr(), offsets_E1.shape[0], block_m)
-    tiles = tile_cache.get(key) if tile_cache is not None else None
-    if tiles is None:
-        tiles = tile_offsets_for(offsets_E1, block_m)
-        if tile_cache is not None:
-            tile_cache[key] = tiles
-    return tiles
+    return cached_tile_offsets(offsets_E1, block_m, tile_cache)
 
 
 def _launch_m(*, kind, epilogue, a, sa, a_idx, b, sb, nt, R, N, K, offsets_E1, c=None, aux=None, dot=None, q=None,

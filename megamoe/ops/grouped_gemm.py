@@ -32,7 +32,7 @@ from ..kernels.grouped_gemm import k_grouped_gemm_kernel, k_grouped_resident_ker
 from . import tile_config
 from ._common import check_device, is_interpreted, persistent_programs, pow2, sm_count
 from .ep_tiles import RowPull, RowPush, pull_launch, push_launch, row_push_deltas
-from .routing import tile_offsets_for
+from .routing import cached_tile_offsets
 from .tile_config import DEFAULT_KERNELS, KernelConfig, k_grouped_config, m_grouped_config
 from .torch_grouped_mm import torch_wgrad, torch_wgrad_device, torch_wgrad_eligible, wgrad_shape_fits
 from .wgrad_gluon import (
@@ -115,12 +115,7 @@ def _launch_m_grouped(*, where, kind, epilogue, a, a_idx, b, stride_b, num_rows,
             pull.launch()
         return cfg
     if tile_offsets_E1 is None:
-        key = (offsets_E1.data_ptr(), offsets_E1.shape[0], cfg.block_m)
-        tile_offsets_E1 = tile_cache.get(key) if tile_cache is not None else None
-        if tile_offsets_E1 is None:
-            tile_offsets_E1 = tile_offsets_for(offsets_E1, cfg.block_m)
-            if tile_cache is not None:
-                tile_cache[key] = tile_offsets_E1
+        tile_offsets_E1 = cached_tile_offsets(offsets_E1, cfg.block_m, tile_cache)
     if pull is not None:
         pull.launch()  # the GEMM below must be the next kernel on the stream (programmatic dependent launch)
     bound = (triton.cdiv(num_rows, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)

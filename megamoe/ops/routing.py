@@ -25,7 +25,7 @@ from ..kernels.grouped_gemm import tile_offsets_kernel
 from ._common import is_interpreted, pow2
 
 __all__ = ["RoutingPlan", "PoolPlan", "build_routing_plan", "expert_sort", "tile_offsets_for", "single_group_offsets",
-           "SCAN_MAX"]
+           "chunk_offsets", "cached_tile_offsets", "SCAN_MAX"]
 
 # EP owner plans with N * E up to this take the per-expert scan kernel, larger ones the device sort (the same
 # list either way); module-level so tests can force the sort. Inside the exchange the sort path took 0.18 ms
@@ -108,9 +108,46 @@ def tile_offsets_for(offsets_E1: torch.Tensor, block_m: int) -> torch.Tensor:
     return tiles_E1
 
 
-def single_group_offsets(num_rows: int, device: torch.device) -> torch.Tensor:
-    """(2,) int32 [0, num_rows] built on the device without a host-to-device copy."""
-    return torch.arange(2, dtype=torch.int32, device=device) * num_rows
+_ONE_GROUP = "one group of rows"  # tile-cache key of offsets whose one group's row count the host knows
+
+
+def single_group_offsets(num_rows: int, device: torch.device, tile_cache: dict | None = None) -> torch.Tensor:
+    """(2,) int32 [0, num_rows] built on the device without a host-to-device copy (one arange). With a
+    ``tile_cache`` (the m-grouped launchers' dict), the launchers that get this tensor and that dict build its
+    m-tile offsets [0, ceil(num_rows / BLOCK_M)] from the host-known row count (one arange, no tile-offsets
+    kernel; :func:`cached_tile_offsets`)."""
+    offsets_2 = chunk_offsets(num_rows, 1, device)
+    if tile_cache is not None:
+        tile_cache[(_ONE_GROUP, offsets_2.data_ptr())] = num_rows
+    return offsets_2
+
+
+def cached_tile_offsets(offsets_E1: torch.Tensor, block_m: int, tile_cache: dict | None) -> torch.Tensor:
+    """The m-tile offsets of ``offsets_E1`` for ``block_m`` (:func:`tile_offsets_for`'s integers) through
+    ``tile_cache`` (keyed by the offsets' data_ptr, length and block_m; valid while the offsets' values do not
+    change): cached, else for offsets that :func:`single_group_offsets` recorded there as one group of host-known
+    rows one arange, else :func:`tile_offsets_for`; stored in the cache."""
+    if tile_cache is None:
+        return tile_offsets_for(offsets_E1, block_m)
+    key = (offsets_E1.data_ptr(), offsets_E1.shape[0], block_m)
+    tiles_E1 = tile_cache.get(key)
+    if tiles_E1 is None:
+        rows = tile_cache.get((_ONE_GROUP, offsets_E1.data_ptr())) if offsets_E1.shape[0] == 2 else None
+        tiles_E1 = (tile_offsets_for(offsets_E1, block_m) if rows is None
+                    else chunk_offsets(-(-rows // block_m), 1, offsets_E1.device))
+        tile_cache[key] = tiles_E1
+    return tiles_E1
+
+
+def chunk_offsets(num_rows: int, chunks: int, device: torch.device) -> torch.Tensor:
+    """(chunks + 1,) int32 group offsets of ``num_rows`` rows cut into ``chunks`` fixed chunks in row order:
+    ``min(c * ceil(num_rows / chunks), num_rows)`` (the last chunks shorter, or empty when num_rows < chunks).
+    Built on the device from host integers (one or two small launches, no copy, no sync)."""
+    if chunks < 1:
+        raise ValueError(f"chunk_offsets: chunks must be >= 1, got {chunks!r}")
+    step = max(1, -(-num_rows // chunks))
+    offsets = torch.arange(0, chunks * step + 1, step, dtype=torch.int32, device=device)
+    return offsets if chunks * step == num_rows else offsets.clamp_max_(num_rows)
 
 
 def expert_sort(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

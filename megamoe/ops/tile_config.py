@@ -33,7 +33,7 @@ import torch
 from ..config import GemmConfig, KernelConfig
 
 __all__ = ["GemmConfig", "KernelConfig", "m_grouped_config", "k_grouped_config", "ws_wgrad_config", "combine_block",
-           "parse_tiles", "router_kernel_config", "DEFAULT_KERNELS"]
+           "parse_tiles", "router_kernel_config", "router_wgrad_chunks", "DEFAULT_KERNELS"]
 
 DEFAULT_KERNELS = KernelConfig()  # no overrides: the table below
 
@@ -256,25 +256,57 @@ def k_grouped_config(m: int, n: int, dtype: torch.dtype, *, interpret: bool,
     return _K_GROUPED_PER_TILE.get((m, n), _K_GROUPED_BF16)
 
 
+# The router's 16-bit weight gradient dW = dlogits^T @ x (megamoe.autograd.router_wgrad): its [E, D] output has
+# few 64 x 64 tiles (64 at qwen3-30b-a3b), each reducing all T rows (0.118 ms at T = 16384 on an H200 with one
+# group, 64 programs on 132 SMs; cuBLAS's split-K 0.024). The T rows are cut into S fixed chunks, the per-tile
+# kernel's groups, whose fp32 partials are summed in chunk order: S chunks give S times the programs. S is a pure
+# function of (T, E, D), never of the GPU: the power of two that gives at least _ROUTER_WGRAD_PROGRAMS programs
+# (two per SM of a 132-SM H100 / H200), at most _ROUTER_WGRAD_MAX_CHUNKS (S fp32 [E, D] partials are written
+# and read again), and at least _ROUTER_WGRAD_MIN_ROWS rows per chunk (small T: one chunk, no partials).
+# First guesses, not measured chunk by chunk.
+_ROUTER_WGRAD_TILE = 64
+_ROUTER_WGRAD_PROGRAMS = 264
+_ROUTER_WGRAD_MAX_CHUNKS = 16
+_ROUTER_WGRAD_MIN_ROWS = 1024
+
+
+def router_wgrad_chunks(num_tokens: int, num_experts: int, hidden: int) -> int:
+    """S, the fixed token chunks of the router's 16-bit weight gradient (see the note above): a power of two,
+    1 for small T (fewer than 2 * 1024 rows) or many output tiles (deepseek-v3's E 256 x D 7168), 8 at
+    qwen3-30b-a3b's E 128 x D 2048 from T = 8192 on. A pure function of (T, E, D): the same on every GPU."""
+    tiles = -(-num_experts // _ROUTER_WGRAD_TILE) * -(-hidden // _ROUTER_WGRAD_TILE)
+    if tiles <= 0:
+        return 1
+    chunks = 1
+    while chunks * tiles < _ROUTER_WGRAD_PROGRAMS and chunks < _ROUTER_WGRAD_MAX_CHUNKS:
+        chunks *= 2
+    while chunks > 1 and num_tokens < chunks * _ROUTER_WGRAD_MIN_ROWS:
+        chunks //= 2
+    return chunks
+
+
 @functools.lru_cache(maxsize=64)
 def router_kernel_config(num_experts: int, hidden: int) -> KernelConfig:
-    """Tiles of the router's 16-bit GEMMs (``MoEConfig.router_dtype="model"``, one group of all T rows): the
-    logits ``x @ W.T`` ("down", N = E, K = D), dx = dlogits @ W ("dgrad", N = D, K = E) and dW = dlogits^T @ x
-    ("wgrad", an [E, D] output reducing all T rows). A pure function of (E, D), never of T: the weight gradient
-    gets megamoe's per-tile Triton kernel (one program per output tile, the rows in order in BLOCK_K chunks, no
-    split-K), never the table's row-count-dependent choice of torch._grouped_mm or the Gluon kernels. BLOCK_K
-    stays the table's 64 (the K order, hence the bits: every tile below gives the same bits).
+    """Tiles of the router's 16-bit GEMMs (``MoEConfig.router_dtype="model"``): the logits ``x @ W.T`` ("down",
+    N = E, K = D) and dx = dlogits @ W ("dgrad", N = D, K = E), one group of all T rows, and dW = dlogits^T @ x
+    ("wgrad", an [E, D] output per token chunk, :func:`router_wgrad_chunks`). A pure function of (E, D), never of
+    T: the weight gradient gets megamoe's per-tile Triton kernel (one program per output tile and chunk, the
+    chunk's rows in order in BLOCK_K chunks), never the table's row-count-dependent choice of torch._grouped_mm
+    or the Gluon kernels. BLOCK_K stays the table's 64 (the K order, hence the bits: every tile below gives the
+    same bits).
 
     Measured for E >= 128 (``scripts/bench_hf.py --profile``, Qwen3-MoE at qwen3-30b-a3b, T = 16384, H200):
     128 x 128 tiles, 8 warps, 4 stages, pointer loads for the logits and dx (0.104 and 0.103 ms against 0.151 and
-    0.136 for TMA-loaded 3-stage tiles), 64 x 64 weight-gradient tiles (0.118 ms; 64 x 128, 128 x 64 and
-    128 x 128 took 0.13-0.14). Smaller E (Mixtral's 8) keeps unmeasured first guesses: BLOCK_N fitted to E."""
+    0.136 for TMA-loaded 3-stage tiles), 64 x 64 weight-gradient tiles (0.118 ms in one chunk of all T rows;
+    64 x 128, 128 x 64 and 128 x 128 took 0.13-0.14; not yet measured with the token chunks). Smaller E
+    (Mixtral's 8) keeps unmeasured first guesses: BLOCK_N fitted to E."""
     block_n = min(128, max(16, 1 << (max(num_experts, 1) - 1).bit_length()))
     if block_n >= 128:
         logits = dgrad = GemmConfig(128, 128, 64, 8, 4)
     else:
         logits, dgrad = GemmConfig(128, block_n, 64, 4, 3, tma_b=True, tma_a=True), None
-    tiles = {("down", num_experts, hidden): logits, ("wgrad", num_experts, hidden): GemmConfig(64, 64, 64, 4, 3)}
+    wgrad = GemmConfig(_ROUTER_WGRAD_TILE, _ROUTER_WGRAD_TILE, 64, 4, 3)
+    tiles = {("down", num_experts, hidden): logits, ("wgrad", num_experts, hidden): wgrad}
     if dgrad is not None:
         tiles[("dgrad", hidden, num_experts)] = dgrad
     return KernelConfig(tiles)
