@@ -333,6 +333,9 @@ def _suite(rank, W):
             "pull_beside_rounds": EPOptions(pull_programs=8),
             "pull_beside_big": EPOptions(pull_programs=16), "pull_beside_big_1": EPOptions(pull_programs=1)}
     kernels = {"torch_wgrad": TORCH_WGRAD}  # both sides (EP and EP=1 fused) through torch's kernel
+    unknown = ONLY_CASES - set(cases) - {"graphs", "timeout"}
+    if unknown:
+        raise ValueError(f"MEGAMOE_TEST_EP_CASES names no case of the suite: {sorted(unknown)}")
     for name, (Ts, kind, cap, reps) in cases.items():
         if not _wanted(name):
             continue

@@ -250,7 +250,8 @@ def _replace(a, i, t):
     (lambda a: _replace(a, 1, a[1][:-1].contiguous()), "ps"),                    # NB - 1 scale rows
     (lambda a: _replace(a, 3, a[3][:, :256].contiguous()), "qs"),
     (lambda a: _replace(a, 1, a[1].double()), "ps"),
-    (lambda a: _replace(a, 2, a[2][:-128]), "qq"),                              # fewer rows than pq
+    (lambda a: _replace(a, 2, torch.zeros(a[2].shape[1], a[2].shape[0] - 128).to(torch.float8_e4m3fn).t()),
+     "qq"),  # K-major, fewer rows than pq
     (lambda a: _replace(a, 4, a[4].long()), "offsets_E1"),
     (lambda a: _replace(a, 5, a[5][:2]), "block_offsets_E1"),
     (lambda a: _kargs(M=200), "128"),                                            # M not a multiple of 128

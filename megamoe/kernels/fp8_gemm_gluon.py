@@ -1,5 +1,6 @@
-"""Warp-specialized block-scaled FP8 m-grouped GEMM for Hopper in Gluon, plain epilogue (``@gluon.jit`` only;
-launcher in megamoe.ops.fp8_gemm_gluon).
+"""Warp-specialized block-scaled FP8 GEMMs for Hopper in Gluon (``@gluon.jit`` only; launchers in
+megamoe.ops.fp8_gemm_gluon): the m-grouped GEMM with a plain epilogue (below) and the k-grouped weight gradient
+(the second half of this file, its own legend there).
 
 Legend: R rows of an expert-grouped row buffer (expert e owns rows ``row_offsets[e]:row_offsets[e+1]``); E
 experts; N output columns; K reduction size; KB = K / 128 K-blocks (the scale group); a tile is (m-tile, n-tile),

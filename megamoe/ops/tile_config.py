@@ -295,7 +295,8 @@ def router_kernel_config(num_experts: int, hidden: int) -> KernelConfig:
     or the Gluon kernels. BLOCK_K stays the table's 64 (the K order, hence the bits: every tile below gives the
     same bits).
 
-    Measured for E >= 128 (``scripts/bench_hf.py --profile``, Qwen3-MoE at qwen3-30b-a3b, T = 16384, H200):
+    For E > 64 (BLOCK_N 128; measured at E = 128, ``scripts/bench_hf.py --profile``, Qwen3-MoE at qwen3-30b-a3b,
+    T = 16384, H200):
     128 x 128 tiles, 8 warps, 4 stages, pointer loads for the logits and dx (0.104 and 0.103 ms against 0.151 and
     0.136 for TMA-loaded 3-stage tiles), 64 x 64 weight-gradient tiles (0.118 ms in one chunk of all T rows;
     64 x 128, 128 x 64 and 128 x 128 took 0.13-0.14; not yet measured with the token chunks). Smaller E
