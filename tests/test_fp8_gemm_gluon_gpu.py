@@ -183,7 +183,8 @@ def _check_wgrad(counts, M, N, extra_rows=0, out_dtype=torch.float32, seed=0, to
     same = got.view(ints) == want.view(ints)
     assert bool(same.all()), (f"{int((~same).sum())} of {same.numel()} elements differ; first (e, m, n) "
                               f"{torch.nonzero(~same)[:5].tolist()}")
-    assert bool(torch.isfinite(got.float()).all()), "an element not written (poisoned output) or not finite"
+    # NaN only where an element was never written (poisoned output); fp16 sums may overflow to inf in both kernels
+    assert not bool(torch.isnan(got.float()).any()), "an element not written (poisoned output)"
     empty = [e for e, c in enumerate(counts) if c == 0]
     if empty:  # exact (+0.0) zeros, not merely equal to zero
         assert bool((got[empty].view(ints) == 0).all())
