@@ -111,23 +111,29 @@ def _validate(where, aq, as_, bq, bs, offsets_E1, out_dtype) -> tuple[int, int, 
         raise ValueError(f"{where}: offsets_E1 must be a contiguous int32 tensor of shape ({E + 1},), got "
                          f"{getattr(offsets_E1, 'dtype', type(offsets_E1).__name__)} "
                          f"{tuple(getattr(offsets_E1, 'shape', ()))}")
+    _check_launch(where, "fp8_grouped_mm_nt", out_dtype, (aq, as_, bq, bs, offsets_E1), {"aq": aq, "bq": bq})
+    return R, E, N, K
+
+
+def _check_launch(where: str, triton_twin: str, out_dtype, tensors, tma_operands: dict) -> None:
+    """The checks both launchers share: the output dtype, one device, Gluon present, a Hopper GPU (else the
+    Triton twin in megamoe.ops.fp8_gemm computes the same bits), 16-byte aligned TMA operands."""
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"{where}: out_dtype {out_dtype} not supported (bf16, fp16, fp32)")
-    devs = {t.device for t in (aq, as_, bq, bs, offsets_E1)}
+    devs = {t.device for t in tensors}
     if len(devs) > 1:
         raise ValueError(f"{where}: tensors on different devices: {sorted(map(str, devs))}")
     dev = devs.pop()
     if not FP8_GLUON_AVAILABLE:
         raise RuntimeError(f"{where}: Gluon (triton.experimental.gluon, Hopper TMA / wgmma builtins) is not "
-                           f"available in Triton {triton.__version__}; use megamoe.ops.fp8_gemm.fp8_grouped_mm_nt "
+                           f"available in Triton {triton.__version__}; use megamoe.ops.fp8_gemm.{triton_twin} "
                            f"(the same bits)")
     if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
         raise RuntimeError(f"{where}: the Gluon FP8 kernel needs a Hopper (sm_90) CUDA device, got {dev}; use "
-                           f"megamoe.ops.fp8_gemm.fp8_grouped_mm_nt (the same bits)")
-    for name, t in (("aq", aq), ("bq", bq)):
+                           f"megamoe.ops.fp8_gemm.{triton_twin} (the same bits)")
+    for name, t in tma_operands.items():
         if t.data_ptr() % 16:
             raise ValueError(f"{where}: {name} must be 16-byte aligned (TMA), got address {t.data_ptr():#x}")
-    return R, E, N, K
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -204,23 +210,8 @@ def _validate_wgrad(where, pq, ps, qq, qs, offsets_E1, block_offsets_E1, out_dty
             raise ValueError(f"{where}: {name} must be a contiguous 1-D int32 tensor of E + 1 >= 2 entries (the same "
                              f"E for both tables), got {getattr(t, 'dtype', type(t).__name__)} "
                              f"{tuple(getattr(t, 'shape', ()))}")
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"{where}: out_dtype {out_dtype} not supported (bf16, fp16, fp32)")
     tensors = [pq, ps, qq, qs, offsets_E1] + ([] if block_offsets_E1 is None else [block_offsets_E1])
-    devs = {t.device for t in tensors}
-    if len(devs) > 1:
-        raise ValueError(f"{where}: tensors on different devices: {sorted(map(str, devs))}")
-    dev = devs.pop()
-    if not FP8_GLUON_AVAILABLE:
-        raise RuntimeError(f"{where}: Gluon (triton.experimental.gluon, Hopper TMA / wgmma builtins) is not "
-                           f"available in Triton {triton.__version__}; use megamoe.ops.fp8_gemm.fp8_k_grouped_mm "
-                           f"(the same bits)")
-    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
-        raise RuntimeError(f"{where}: the Gluon FP8 kernel needs a Hopper (sm_90) CUDA device, got {dev}; use "
-                           f"megamoe.ops.fp8_gemm.fp8_k_grouped_mm (the same bits)")
-    for name, t in (("pq", pq), ("qq", qq)):
-        if t.data_ptr() % 16:
-            raise ValueError(f"{where}: {name} must be 16-byte aligned (TMA), got address {t.data_ptr():#x}")
+    _check_launch(where, "fp8_k_grouped_mm", out_dtype, tensors, {"pq": pq, "qq": qq})
     return R, offsets_E1.numel() - 1, M, N
 
 
