@@ -114,5 +114,6 @@ def chunk_sum(parts_SMN: torch.Tensor, *, out_dtype: torch.dtype) -> torch.Tenso
     if S * numel >= 2 ** 31:
         raise ValueError(f"{where}: {S} x {M} x {N} partials exceed the kernel's int32 offsets")
     block = _CHUNK_SUM_BLOCK_INTERPRET if is_interpreted(chunk_sum_kernel) else _CHUNK_SUM_BLOCK
-    chunk_sum_kernel[(triton.cdiv(numel, block),)](parts_SMN, out, numel, S=S, BLOCK=block, num_warps=4)
+    chunk_sum_kernel[(triton.cdiv(numel, block),)](parts_SMN, out, numel, S=S, BLOCK=block, num_warps=4,
+                                                   enable_fp_fusion=True)
     return out
