@@ -282,5 +282,18 @@ def _train_and_report(rc: RunConfig, dctx: Dist, corpus, *, resume: bool, say):
     return res
 
 
+def _exit(code: int | None) -> None:
+    """Exit with ``code`` after a normal end. A rank launched by torchrun (its process group already destroyed,
+    every rank past the final barrier) leaves through ``os._exit`` once its output is flushed: at interpreter
+    finalization gloo's worker threads can still hold work objects, and destroying them then aborts the process
+    (``terminate called without an active exception``, SIGABRT) after the run has succeeded. Errors never get
+    here: they leave through SystemExit or the exception."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
