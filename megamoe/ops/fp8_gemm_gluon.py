@@ -202,16 +202,16 @@ def _validate_wgrad(where, pq, ps, qq, qs, offsets_E1, block_offsets_E1, out_dty
     if qq.shape[0] != R or tuple(ps.shape) != (R // QB, M) or tuple(qs.shape) != (R // QB, N):
         raise ValueError(f"{where}: need pq (128 NB, M), qq (128 NB, N), ps (NB, M), qs (NB, N); got pq "
                          f"{tuple(pq.shape)}, qq {tuple(qq.shape)}, ps {tuple(ps.shape)}, qs {tuple(qs.shape)}")
-    for name, t in (("offsets_E1", offsets_E1), ("block_offsets_E1", block_offsets_E1)):
-        if t is None and name == "block_offsets_E1":
-            continue
+    tables = [("offsets_E1", offsets_E1)] + ([] if block_offsets_E1 is None else [("block_offsets_E1",
+                                                                                      block_offsets_E1)])
+    for name, t in tables:
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 2 or (
                 not t.is_contiguous()) or t.numel() != offsets_E1.numel():
             raise ValueError(f"{where}: {name} must be a contiguous 1-D int32 tensor of E + 1 >= 2 entries (the same "
                              f"E for both tables), got {getattr(t, 'dtype', type(t).__name__)} "
                              f"{tuple(getattr(t, 'shape', ()))}")
-    tensors = [pq, ps, qq, qs, offsets_E1] + ([] if block_offsets_E1 is None else [block_offsets_E1])
-    _check_launch(where, "fp8_k_grouped_mm", out_dtype, tensors, {"pq": pq, "qq": qq})
+    _check_launch(where, "fp8_k_grouped_mm", out_dtype, [pq, ps, qq, qs] + [t for _, t in tables],
+                  {"pq": pq, "qq": qq})
     return R, offsets_E1.numel() - 1, M, N
 
 

@@ -302,14 +302,12 @@ def router_kernel_config(num_experts: int, hidden: int) -> KernelConfig:
     64 x 128, 128 x 64 and 128 x 128 took 0.13-0.14; not yet measured with the token chunks). Smaller E
     (Mixtral's 8) keeps unmeasured first guesses: BLOCK_N fitted to E."""
     block_n = min(128, max(16, 1 << (max(num_experts, 1) - 1).bit_length()))
-    if block_n >= 128:
-        logits = dgrad = GemmConfig(128, 128, 64, 8, 4)
-    else:
-        logits, dgrad = GemmConfig(128, block_n, 64, 4, 3, tma_b=True, tma_a=True), None
-    wgrad = GemmConfig(_ROUTER_WGRAD_TILE, _ROUTER_WGRAD_TILE, 64, 4, 3)
-    tiles = {("down", num_experts, hidden): logits, ("wgrad", num_experts, hidden): wgrad}
-    if dgrad is not None:
-        tiles[("dgrad", hidden, num_experts)] = dgrad
+    wide = block_n >= 128
+    logits = GemmConfig(128, 128, 64, 8, 4) if wide else GemmConfig(128, block_n, 64, 4, 3, tma_b=True, tma_a=True)
+    tiles = {("down", num_experts, hidden): logits,
+             ("wgrad", num_experts, hidden): GemmConfig(_ROUTER_WGRAD_TILE, _ROUTER_WGRAD_TILE, 64, 4, 3)}
+    if wide:  # dx on the logits' tile; below 128 experts it keeps the table's entry
+        tiles[("dgrad", hidden, num_experts)] = logits
     return KernelConfig(tiles)
 
 
