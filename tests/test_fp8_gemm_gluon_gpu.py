@@ -113,6 +113,26 @@ def test_bitwise_triton_qwen3_shapes(K):
     _check(_routing_counts(2048, 128, 8, seed=K), 2048, K, extra_rows=0, seed=K)
 
 
+def _sync_free_then_graph(calls, captured):
+    """Run ``calls()`` under torch's sync check (an error on any host sync), then capture ``captured()`` in a CUDA
+    graph on a side stream and replay it; returns the replayed output."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        calls()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        got = captured()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    return got
+
+
 @needs_hopper
 def test_no_host_sync_and_cuda_graph():
     from megamoe.ops.fp8_gemm_gluon import fp8_grouped_mm_nt_gluon
@@ -120,20 +140,8 @@ def test_no_host_sync_and_cuda_graph():
     aq, as_, bq, bs, offsets = _problem(COUNTS, 256, 768, 0, seed=2)
     cache = {}
     want = fp8_grouped_mm_nt_gluon(aq, as_, bq, bs, offsets, tile_cache=cache)  # compiles, fills the tile cache
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fp8_grouped_mm_nt_gluon(aq, as_, bq, bs, offsets, tile_cache=cache)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        got = fp8_grouped_mm_nt_gluon(aq, as_, bq, bs, offsets, tile_cache=cache)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
+    run = lambda: fp8_grouped_mm_nt_gluon(aq, as_, bq, bs, offsets, tile_cache=cache)  # noqa: E731
+    got = _sync_free_then_graph(run, run)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
@@ -247,21 +255,12 @@ def test_wgrad_no_host_sync_and_cuda_graph():
     pq, ps, qq, qs, offsets, blocks = _wgrad_operands(COUNTS, 256, 384, 11, seed=5, cache=cache)
     want = fp8_k_grouped_mm_gluon(pq, ps, qq, qs, offsets, block_offsets_E1=blocks)  # compiles both variants
     fp8_k_grouped_mm_gluon(pq, ps, qq, qs, offsets, block_offsets_E1=blocks, out_dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+
+    def calls():
         fp8_k_grouped_mm_gluon(pq, ps, qq, qs, offsets, block_offsets_E1=blocks)
         # the block table from the tile cache (the one the quantizer used)
         fp8_k_grouped_mm_gluon(pq, ps, qq, qs, offsets, tile_cache=cache)
         fp8_k_grouped_mm_gluon(pq, ps, qq, qs, offsets, block_offsets_E1=blocks, out_dtype=torch.bfloat16)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        got = fp8_k_grouped_mm_gluon(pq, ps, qq, qs, offsets, tile_cache=cache)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
+
+    got = _sync_free_then_graph(calls, lambda: fp8_k_grouped_mm_gluon(pq, ps, qq, qs, offsets, tile_cache=cache))
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
