@@ -31,9 +31,10 @@ With ``--profile DIR``, for each block after part 2, where the swap's time diffe
 ``megamoe`` experts implementation (the experts' call is the same in both; the routers differ):
 2b. the routers alone, fwd + bwd: transformers' router, the swap's router (megamoe's logits GEMM in the family's
     dtype, then megamoe's routing) and its two halves, and cuBLAS's fp32 and bf16 linear at the same shape;
-2c. the swap router's three GEMMs (logits, dx, dW; IEEE fp32 for DeepSeek-V3, bf16 tensor cores for Qwen3-MoE)
-    with the table's tile and other tiles of the same BLOCK_K, each checked bitwise against the table's (a faster
-    one can go into megamoe.ops.tile_config as is: the fp32 rows, or ``router_kernel_config`` for bf16);
+2c. the swap router's three GEMMs (logits, dx, dW; for DeepSeek-V3's fp32 router bf16 GEMMs of exact bf16 pieces
+    of the fp32 operands, with the IEEE fp32 FMA GEMMs they replaced and cuBLAS's errors beside them; bf16 tensor
+    cores for Qwen3-MoE) with the table's tile and other tiles of the same BLOCK_K, each checked bitwise against
+    the table's (a faster one can go into ``megamoe.ops.tile_config.router_kernel_config`` as is);
 2d. torch.profiler's CUDA kernels of both blocks' fwd + bwd, grouped by name, with the difference per kernel
     (DIR/<block>_kernels.txt and .json).
 """
@@ -278,9 +279,11 @@ def router_part(label: str, block, x, timer: Timer, rounds: int) -> dict:
 
 
 _ROUTER_TILES = {  # the table's own tile first (None), then others; BLOCK_K stays the table's (the K order)
-    "fp32": {"m": [None, (64, 64, 32, 4, 3, 2), (128, 64, 32, 8, 3, 2), (64, 128, 32, 8, 3, 2), (64, 128, 32, 4, 3, 2),
-                   (128, 128, 32, 8, 2)],
-             "k": [None, (64, 64, 32, 4, 3), (32, 32, 32, 2, 3), (16, 64, 32, 2, 3)]},
+    # fp32: the bf16-piece GEMMs (megamoe.autograd: logits N = 3E, dx K = 7E, dW M = 3E); "ieee" is the IEEE fp32
+    # FMA GEMMs' path they replaced (other bits, by design)
+    "fp32": {"m": [None, "ieee", (128, 128, 64, 8, 4), (128, 256, 64, 8, 3, 1, True), (64, 128, 64, 4, 3, 2, True),
+                   (128, 128, 64, 8, 3, 1, True)],
+             "k": [None, "ieee", (64, 128, 64, 4, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3)]},
     "model": {"m": [None, (128, 128, 64, 8, 3, 1, True), (128, 256, 64, 8, 3, 1, True), (64, 128, 64, 4, 3, 2, True),
                     (128, 64, 64, 4, 4, 2, True), (128, 128, 64, 8, 4)],
               "k": [None, (64, 128, 64, 4, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 2)]},
@@ -295,65 +298,115 @@ def _tile_config(tile):
     return GemmConfig(*tile[:5], programs_per_sm=tile[5] if len(tile) > 5 else 1, tma_a=tma, tma_b=tma)
 
 
+def _router_gemms(mode: str, x_TD, w_ED, dlogits_TE):
+    """{name: (kind, its tile keys, fn(kernel_config) -> result)} of the router's three GEMMs as
+    megamoe.autograd launches them, and for fp32 the IEEE FMA GEMMs ("ieee") they replaced."""
+    import megamoe.ops.grouped_gemm as gg
+    from megamoe.ops import chunk_offsets, chunk_sum, router_wgrad_chunks, single_group_offsets, split_bf16x3
+
+    T, D = x_TD.shape
+    E = w_ED.shape[0]
+    one_2 = single_group_offsets(T, x_TD.device)
+    if mode == "model":
+        import megamoe.autograd as ag
+        w_1ED = w_ED.to(x_TD.dtype).unsqueeze(0)
+        dl = dlogits_TE.to(x_TD.dtype)
+        return {"logits x @ W.T": ("m", [("down", E, D)], lambda kc: gg.grouped_mm_nt(
+                    x_TD, w_1ED, one_2, out_dtype=x_TD.dtype, kernel_config=kc)),
+                "dx dlogits @ W": ("m", [("dgrad", D, E)], lambda kc: gg.grouped_mm_nn(
+                    dl, w_1ED, one_2, out_dtype=x_TD.dtype, kernel_config=kc)),
+                "dW dlogits.T @ x": ("k", [("wgrad", E, D)], lambda kc: ag.router_wgrad(dl, x_TD, kernel_config=kc))}
+    w32, dl32 = w_ED.float().contiguous(), dlogits_TE.float().contiguous()
+    w7 = split_bf16x3(w32, ("hi", "mid", "lo", "mid", "hi", "lo", "hi"), along="rows")
+    dl7 = split_bf16x3(dl32, ("hi", "mid", "lo", "hi", "mid", "hi", "lo"), along="cols")
+    S = router_wgrad_chunks(T, 3 * E, D)
+    offsets = one_2 if S == 1 else chunk_offsets(T, S, x_TD.device)
+
+    def logits(kc):
+        if kc == "ieee":
+            return gg.grouped_mm_nt(x_TD, w32.unsqueeze(0), one_2, out_dtype=torch.float32)
+        l3 = gg.grouped_mm_nt(x_TD, w7[:3 * E].unsqueeze(0), one_2, out_dtype=torch.float32, kernel_config=kc)
+        return chunk_sum(l3.view(T, 3, E).transpose(0, 1), out_dtype=torch.float32)
+
+    def dx(kc):
+        if kc == "ieee":
+            return gg.grouped_mm_nn(dl32, w32.unsqueeze(0), one_2, out_dtype=x_TD.dtype)
+        return gg.grouped_mm_nn(dl7, w7.unsqueeze(0), one_2, out_dtype=x_TD.dtype, kernel_config=kc)
+
+    def dw(kc):
+        if kc == "ieee":
+            return gg.k_grouped_mm(dl32, x_TD, one_2, out_dtype=torch.float32)[0]
+        parts = gg.k_grouped_mm(dl7[:, :3 * E], x_TD, offsets, out_dtype=torch.float32, kernel_config=kc)
+        return chunk_sum(parts.view(3 * S, E, D), out_dtype=torch.float32)
+    return {"logits x @ W.T": ("m", [("down", 3 * E, D)], logits), "dx dlogits @ W": ("m", [("dgrad", D, 7 * E)], dx),
+            "dW dlogits.T @ x": ("k", [("wgrad", 3 * E, D)], dw)}
+
+
 def router_tile_sweep(label: str, block, x, timer: Timer, rounds: int) -> dict:
     """Part 2c: the three GEMMs of the swap's router (logits ``x @ W.T``; backward ``dlogits @ W`` and
-    ``dlogits.T @ x``) in its router dtype (``moe_config.router_dtype``: "fp32", IEEE fp32 dots; "model", bf16 on
-    tensor cores; dW over the token chunks of megamoe.autograd.router_wgrad, its per-chunk GEMM and the chunk
-    sum), as megamoe.autograd.RouterLogitsFunction launches them, with the table's tile (first) and
-    other tiles of the same BLOCK_K; each result compared bitwise with the table's. Prints ms per tile."""
-    import megamoe.autograd as ag
-    import megamoe.ops.grouped_gemm as gg
+    ``dlogits.T @ x``) in its router dtype (``moe_config.router_dtype``: "fp32", bf16 GEMMs of exact three-piece
+    splits of the fp32 operands, their piece sums included; "model", bf16 on tensor cores; dW over the token
+    chunks of megamoe.autograd.router_wgrad and the chunk sum), as megamoe.autograd launches them, with the table's
+    tile (first) and other tiles of the same BLOCK_K; each result compared bitwise with the table's. For fp32 also
+    the IEEE fp32 FMA GEMMs they replaced (other bits, by design), each result's max error against fp64, and
+    cuBLAS's IEEE fp32 and TF32 errors. Prints ms per tile."""
     from megamoe.config import KernelConfig
-    from megamoe.ops import router_kernel_config, single_group_offsets
+    from megamoe.ops import router_kernel_config
 
     mode = mt.moe_config_of(block).router_dtype
     x_TD = x.detach().view(-1, x.shape[-1])
     T, D = x_TD.shape
-    dtype = torch.float32 if mode == "fp32" else x_TD.dtype
-    w_1ED = block.gate.weight.detach().to(dtype).unsqueeze(0)
-    E = w_1ED.shape[1]
-    one_2 = single_group_offsets(T, x_TD.device)
-    dlogits_TE = torch.randn(T, E, generator=torch.Generator(x.device).manual_seed(8), device=x.device).to(dtype)
-    table = router_kernel_config(E, D) if mode == "model" else None
-    keys = {"m": [("down", E, D), ("dgrad", D, E)], "k": [("wgrad", E, D)]}
-
-    def gemms(kc):
-        kw = {} if kc is None else {"kernel_config": kc}
-        return {"logits x @ W.T": ("m", lambda: gg.grouped_mm_nt(x_TD, w_1ED, one_2, out_dtype=dtype, **kw)),
-                "dx dlogits @ W": ("m", lambda: gg.grouped_mm_nn(dlogits_TE, w_1ED, one_2, out_dtype=x_TD.dtype,
-                                                                 **kw)),
-                "dW dlogits.T @ x": ("k", lambda: (ag.router_wgrad(dlogits_TE, x_TD, kernel_config=kc) if kc is not None
-                                                   else gg.k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=dtype)))}
-
-    m_table, k_table = gg.m_grouped_config, gg.k_grouped_config
+    w_ED = block.gate.weight.detach()
+    E = w_ED.shape[0]
+    dlogits_TE = torch.randn(T, E, generator=torch.Generator(x.device).manual_seed(8), device=x.device)
+    table = router_kernel_config(3 * E if mode == "fp32" else E, D)
+    exact = _router_fp64(x_TD, w_ED.float(), dlogits_TE) if mode == "fp32" else None
     out = {}
     print(f"\n{label} router {mode} GEMMs by tile (BM, BN, BK, warps, stages[, programs per SM[, TMA]]), ms; "
-          "bits vs the table's tile")
-    for gemm, (kind, _) in gemms(table).items():
+          "bits vs the table's tile" + ("; max |error| vs fp64" if exact else ""))
+    for gemm, (kind, keys, fn) in _router_gemms(mode, x_TD, w_ED, dlogits_TE).items():
         base, row = None, []
         for tile in _ROUTER_TILES[mode][kind]:
-            kc = table
-            if tile is not None and mode == "model":  # the router's own entries, replaced for this GEMM's kind
-                kc = KernelConfig({**dict(table.tiles), **{key: _tile_config(tile) for key in keys[kind]}})
-            elif tile is not None:
-                cfg = _tile_config(tile)
-                gg.m_grouped_config = lambda *a, _c=cfg, **kw: _c if a[3] == torch.float32 else m_table(*a, **kw)
-                gg.k_grouped_config = lambda *a, _c=cfg, **kw: _c if a[2] == torch.float32 else k_table(*a, **kw)
-            fn = gemms(kc)[gemm][1]
-            try:
-                res = fn()
-                same = True if base is None else torch.equal(res, base)
-                base = res if base is None else base
-                ms = time_interleaved(timer, {"g": fn}, {"g": 10}, rounds)["g"].median
-            finally:
-                gg.m_grouped_config, gg.k_grouped_config = m_table, k_table
-            row.append({"tile": tile or "table", "ms": ms, "same_bits": same})
+            kc = table if tile is None else "ieee" if tile == "ieee" else KernelConfig(
+                {**dict(table.tiles), **{key: _tile_config(tile) for key in keys}})
+            res = fn(kc)
+            same = True if base is None else torch.equal(res, base)
+            base = res if base is None else base
+            ms = time_interleaved(timer, {"g": lambda _f=fn, _k=kc: _f(_k)}, {"g": 10}, rounds)["g"].median
+            err = (res.double() - exact[gemm]).abs().max().item() if exact else None
+            row.append({"tile": tile or "table", "ms": ms, "same_bits": same, "max_err": err})
         best = min((r for r in row if r["same_bits"]), key=lambda r: r["ms"])
-        print(f"  {gemm:<17} " + "  ".join(f"{r['tile']}: {r['ms']:.3f}{'' if r['same_bits'] else ' DIFFERENT BITS'}"
-                                           for r in row) + f"\n  {'':<17} fastest with the same bits: {best['tile']} "
-              f"({row[0]['ms'] - best['ms']:+.3f} ms vs the table's)")
+        print(f"  {gemm:<17} " + "  ".join(
+            f"{r['tile']}: {r['ms']:.3f}{'' if r['same_bits'] else ' (other bits)'}"
+            + (f" err {r['max_err']:.2e}" if r["max_err"] is not None else "") for r in row)
+            + f"\n  {'':<17} fastest with the same bits: {best['tile']} ({row[0]['ms'] - best['ms']:+.3f} ms vs the "
+            "table's)")
         out[gemm] = row
+    if exact:
+        out["cublas"] = _cublas_fp32_errors(x_TD, w_ED.float(), dlogits_TE, exact)
     return out
+
+
+def _router_fp64(x_TD, w_ED, dlogits_TE) -> dict:
+    x64, w64, d64 = x_TD.double(), w_ED.double(), dlogits_TE.double()
+    return {"logits x @ W.T": x64 @ w64.T, "dx dlogits @ W": d64 @ w64, "dW dlogits.T @ x": d64.T @ x64}
+
+
+def _cublas_fp32_errors(x_TD, w_ED, dlogits_TE, exact: dict) -> dict:
+    """Max |error| vs fp64 of cuBLAS's fp32 GEMMs at the router's shapes, IEEE and TF32 (torch's matmul setting)."""
+    old, errs = torch.backends.cuda.matmul.allow_tf32, {}
+    x32 = x_TD.float()
+    try:
+        for name, tf32 in (("cuBLAS IEEE fp32", False), ("cuBLAS TF32", True)):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            got = {"logits x @ W.T": x32 @ w_ED.T, "dx dlogits @ W": dlogits_TE @ w_ED,
+                   "dW dlogits.T @ x": dlogits_TE.T @ x32}
+            errs[name] = {k: (v.double() - exact[k]).abs().max().item() for k, v in got.items()}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    for name, e in errs.items():
+        print(f"  {name:<17} max |error| vs fp64: " + "  ".join(f"{k.split()[0]} {v:.2e}" for k, v in e.items()))
+    return errs
 
 
 def profile_part(label: str, block, x, out_dir: str, steps: int = 3) -> dict:

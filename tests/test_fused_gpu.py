@@ -6,8 +6,9 @@ gradient, all tokens on one expert, T = 0, T = 1, T not a multiple of any block,
 D = 7168, non-contiguous input); routing plan bitwise equal to a torch construction; NaN-poisoned output
 buffers fully overwritten; 50 repeated fwd + bwd bitwise equal; batch invariance (a token's output and
 input gradients do not depend on the rest of the batch); no host sync (set_sync_debug_mode("error"));
-CUDA-graph capture + replay bitwise equal to eager; router logits (fp32, and in the model dtype on tensor cores:
-within PyTorch's bf16 error, batch invariant, independent of the tiles around BLOCK_K).
+CUDA-graph capture + replay bitwise equal to eager; router logits (fp32 of bf16 x as bf16 GEMMs of exact bf16
+pieces: within fp32's accuracy, not TF32's; in the model dtype on tensor cores: within PyTorch's bf16 error; both
+batch invariant and independent of the tiles around BLOCK_K).
 
 Run: python -m pytest tests/test_fused_gpu.py -q   (skipped without a CUDA GPU)
 """
@@ -212,53 +213,109 @@ def test_cuda_graph_replay_matches_eager():
         assert all(torch.equal(g, e) for g, e in zip(grads, eager[1:]))
 
 
-def test_router_logits():
+@pytest.mark.parametrize("T,D,E", [(333, 2048, 128), (77, 7168, 256), (4099, 2048, 128)])
+def test_router_logits(T, D, E):
+    """The fp32 router of bf16 x (bf16 GEMMs of exact three-piece bf16 splits of the fp32 operands): logits, dx and
+    dW within fp32's accuracy, not TF32's: each max error against fp64 at most 4x cuBLAS's IEEE fp32 one plus the
+    dropped piece products' bound (2^-22 of the sum of |products|; dx also half a bf16 ulp, its one cast), and
+    below 1/16 of cuBLAS's TF32 one; a token's logits bitwise the same in any batch; bitwise repeatable. dW over 4
+    token chunks at T = 4099."""
     from megamoe.functional import router_logits
     g = torch.Generator(device=DEV).manual_seed(11)
-    x = torch.randn(333, 2048, generator=g, device=DEV).to(BF16).requires_grad_()
-    rw = torch.randn(128, 2048, generator=g, device=DEV).requires_grad_()
+    x = torch.randn(T, D, generator=g, device=DEV).to(BF16).requires_grad_()
+    rw = torch.randn(E, D, generator=g, device=DEV).requires_grad_()
+    dl = torch.randn(T, E, generator=g, device=DEV)
     lg = router_logits(x, rw)
-    dl = torch.randn(333, 128, generator=g, device=DEV)
     gx, gw = torch.autograd.grad(lg, [x, rw], dl)
-    x64, rw64 = x.detach().double().requires_grad_(), rw.detach().double().requires_grad_()
-    l64 = x64 @ rw64.t()
-    gx64, gw64 = torch.autograd.grad(l64, [x64, rw64], dl.double())
-    torch.testing.assert_close(lg.double(), l64, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(gw.double(), gw64, rtol=1e-5, atol=1e-3)
-    torch.testing.assert_close(gx.double(), gx64, rtol=1e-2, atol=1e-2)
-    assert torch.equal(router_logits(x[100:117], rw), lg[100:117])  # batch invariant
+    x64, rw64, dl64 = x.detach().double(), rw.detach().double(), dl.double()
+    want = {"logits": x64 @ rw64.t(), "dx": dl64 @ rw64, "dW": dl64.t() @ x64}
+    mass = {"logits": x64.abs() @ rw64.abs().t(), "dx": dl64.abs() @ rw64.abs(), "dW": dl64.abs().t() @ x64.abs()}
+    x32, old = x.detach().float(), torch.backends.cuda.matmul.allow_tf32
+    cublas = {}
+    try:
+        for tf32 in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            cublas[tf32] = {"logits": x32 @ rw.detach().t(), "dx": dl @ rw.detach(), "dW": dl.t() @ x32}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    for name, got in (("logits", lg), ("dx", gx), ("dW", gw)):
+        err = (got.double() - want[name]).abs().max().item()
+        ieee, tf32 = ((cublas[t][name].double() - want[name]).abs().max().item() for t in (False, True))
+        bound = 4 * ieee + 2 ** -22 * mass[name].max().item()
+        if name == "dx":  # rounded once to x's bf16: plus half a bf16 ulp (at most 2^-8 of the value)
+            bound += 2 ** -8 * want[name].abs().max().item()
+        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g} (cuBLAS IEEE fp32 {ieee:.3g})"
+        if name != "dx":
+            assert err < tf32 / 16, f"{name}: max error {err:.3g} is not far below TF32's {tf32:.3g}"
+    assert torch.equal(router_logits(x[T // 3:T // 3 + 17], rw), lg[T // 3:T // 3 + 17])  # batch invariant
+    again = router_logits(x, rw)
+    assert torch.equal(again, lg)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(again, [x, rw], dl), (gx, gw)))
 
 
-@pytest.mark.parametrize("T,D,E", [(1000, 2048, 128), (333, 512, 256)])  # few dW outputs (32 x 64 tiles); more
+def test_split_bf16x3_matches_torch_rounding_and_is_exact():
+    """On the GPU the pieces round to nearest even (hi is torch's own bf16 cast, bitwise) and add up to x exactly
+    for fp32 values from 2^-100 to 2^100 in magnitude; subnormal x keeps hi + mid + lo within 2^-133 of x."""
+    from megamoe.ops import split_bf16x3
+    g = torch.Generator(device=DEV).manual_seed(21)
+    x = torch.randn(300, 257, generator=g, device=DEV)
+    x = x * torch.exp2(torch.randint(-80, 100, x.shape, generator=g, device=DEV).float())
+    p = split_bf16x3(x, ("hi", "mid", "lo"), along="rows").view(3, *x.shape)
+    assert torch.equal(p[0], x.to(BF16))
+    assert torch.equal((p[0].float() + p[1].float()) + p[2].float(), x)
+    tiny = torch.randn(64, 64, generator=g, device=DEV) * 2.0 ** -130
+    q = split_bf16x3(tiny, ("hi", "mid", "lo"), along="cols").view(64, 3, 64).float()
+    assert ((q.sum(1) - tiny).abs() <= 2.0 ** -133).all()
+
+
+_IEEE_TILES = [(64, 64, 32, 4, 3), (32, 64, 32, 4, 3), (32, 32, 32, 2, 2), (128, 64, 32, 8, 3, 2),
+               (64, 128, 32, 4, 3, 2)]
+
+
+@pytest.mark.parametrize("T,D,E", [(1000, 2048, 128), (333, 512, 256)])  # few dW outputs; more
 def test_router_bits_do_not_depend_on_tile(monkeypatch, T, D, E):
-    """The router's three fp32 GEMMs (IEEE FMA dots: logits, dx, dW) give bitwise the same logits and gradients
-    whatever the tile shape, warps, stages or programs per SM around the table's BLOCK_K, so the fp32 rows of
-    the table (megamoe.ops.tile_config) can change for speed without changing results; the table's own
-    choice among them."""
+    """The fp32 router's three GEMMs (logits, dx, dW) give bitwise the same logits and gradients whatever the tiles
+    around the table's BLOCK_K: the IEEE fp32 FMA GEMMs of fp32 x (also the fp32 experts' path; block sizes,
+    warps, stages, programs per SM) and the bf16-piece GEMMs of bf16 x (ops.tile_config.router_kernel_config's
+    entries for 3E and 7E pieces, TMA or pointer loads), so both tables can change for speed without changing
+    results."""
+    import megamoe.autograd as ag
     import megamoe.ops.grouped_gemm as gg
+    from megamoe.config import GemmConfig as G
+    from megamoe.config import KernelConfig
     from megamoe.functional import router_logits
-    from megamoe.ops import GemmConfig, tile_config
 
     g = torch.Generator(device=DEV).manual_seed(12)
-    x = torch.randn(T, D, generator=g, device=DEV).to(BF16).requires_grad_()
     rw = (torch.randn(E, D, generator=g, device=DEV) * D ** -0.5).requires_grad_()
     dl = torch.randn(T, E, generator=g, device=DEV)
-
-    def run():
-        lg = router_logits(x, rw)
-        return (lg, *torch.autograd.grad(lg, [x, rw], dl))
-    base = run()
     m_table, k_table = gg.m_grouped_config, gg.k_grouped_config
-    fp32 = tile_config._FP32.block_k
-    for tile in [(64, 64, fp32, 4, 3), (32, 64, fp32, 4, 3), (32, 32, fp32, 2, 2), (128, 64, fp32, 8, 3, 2),
-                 (64, 128, fp32, 4, 3, 2)]:
-        cfg = GemmConfig(*tile[:5], programs_per_sm=tile[5] if len(tile) > 5 else 1)
-        monkeypatch.setattr(gg, "m_grouped_config", lambda *a, _c=cfg, **kw: _c if a[3] == torch.float32
-                            else m_table(*a, **kw))
-        monkeypatch.setattr(gg, "k_grouped_config", lambda *a, _c=cfg, **kw: _c if a[2] == torch.float32
-                            else k_table(*a, **kw))
-        for name, a, b in zip(("logits", "dx", "dW"), run(), base):
-            assert torch.equal(a, b), f"router {name} changed bits under tile {tile}"
+    for dtype in (torch.float32, BF16):
+        x = torch.randn(T, D, generator=g, device=DEV).to(dtype).requires_grad_()
+
+        def run(x=x):
+            lg = router_logits(x, rw)
+            return (lg, *torch.autograd.grad(lg, [x, rw], dl))
+        base = run()
+        if dtype == torch.float32:
+            for tile in _IEEE_TILES:
+                cfg = G(*tile[:5], programs_per_sm=tile[5] if len(tile) > 5 else 1)
+                monkeypatch.setattr(gg, "m_grouped_config", lambda *a, _c=cfg, **kw: _c if a[3] == torch.float32
+                                    else m_table(*a, **kw))
+                monkeypatch.setattr(gg, "k_grouped_config", lambda *a, _c=cfg, **kw: _c if a[2] == torch.float32
+                                    else k_table(*a, **kw))
+                for name, a, b in zip(("logits", "dx", "dW"), run(), base):
+                    assert torch.equal(a, b), f"router {name} (IEEE fp32) changed bits under tile {tile}"
+            monkeypatch.setattr(gg, "m_grouped_config", m_table)
+            monkeypatch.setattr(gg, "k_grouped_config", k_table)
+            continue
+        for down, dgrad, wgrad in [
+                (G(64, 128, 64, 4, 3), G(128, 128, 64, 8, 3), G(128, 128, 64, 8, 3)),
+                (G(128, 256, 64, 8, 3, tma_b=True, tma_a=True), G(64, 256, 64, 8, 3, programs_per_sm=2),
+                 G(64, 128, 64, 4, 2))]:
+            kc = KernelConfig({("down", 3 * E, D): down, ("dgrad", D, 7 * E): dgrad, ("wgrad", 3 * E, D): wgrad})
+            monkeypatch.setattr(ag, "router_kernel_config", lambda e, d, _kc=kc: _kc)
+            for name, a, b in zip(("logits", "dx", "dW"), run(), base):
+                assert torch.equal(a, b), f"router {name} (bf16 pieces) changed bits under {kc}"
 
 
 @pytest.mark.parametrize("T,D,E", [(1000, 2048, 128), (333, 512, 8), (77, 7168, 256), (4099, 2048, 128),

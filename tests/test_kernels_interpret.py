@@ -21,11 +21,13 @@ from megamoe import reference
 from megamoe.functional import moe_experts, router_logits
 from megamoe.ops import (
     build_routing_plan,
+    chunk_sum,
     down_proj,
     gate_up_swiglu,
     grouped_mm_nn,
     k_grouped_mm,
     single_group_offsets,
+    split_bf16x3,
     swiglu_dgrad,
 )
 
@@ -375,6 +377,54 @@ def test_router_logits_and_grads():
     for a, b in ((lg, l64), (gx, gx64), (gw, gw64)):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("T", [0, 1, 21, 70])
+def test_fp32_router_of_bf16_x_on_exact_bf16_pieces(T):
+    """The fp32 router of bf16 x (the weight and dlogits as three exact bf16 pieces, bf16 GEMMs, the piece products
+    summed in fp32): logits and dW within fp32's error against fp64, dx within its one bf16 rounding; a token's
+    logits the same in any batch."""
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(T, 96, generator=g).to(torch.bfloat16).requires_grad_()
+    rw = (torch.randn(10, 96, generator=g) * 3).requires_grad_()
+    dl = torch.randn(T, 10, generator=g)
+    lg = router_logits(x, rw)
+    gx, gw = torch.autograd.grad(lg, [x, rw], dl)
+    x64, rw64, dl64 = x.detach().double(), rw.detach().double(), dl.double()
+    assert (lg.dtype, gx.dtype, gw.dtype) == (torch.float32, torch.bfloat16, torch.float32)
+    torch.testing.assert_close(lg.double(), x64 @ rw64.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gw.double(), dl64.t() @ x64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx.double(), dl64 @ rw64, rtol=2 ** -7, atol=1e-5)  # one (interpreter) bf16 cast
+    if T > 1:
+        assert torch.equal(router_logits(x[1:T // 2 + 1].detach(), rw.detach()), lg[1:T // 2 + 1])
+
+
+@interpreted
+def test_split_bf16x3_is_exact_and_follows_its_slots():
+    """x = hi + mid + lo exactly (normal fp32 values over a wide exponent range, rows and column blocks, strided
+    rows); slots in the order asked for; inf -> (inf, 0, 0), NaN stays NaN; bad input is refused."""
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(9, 70, generator=g) * torch.exp2(torch.randint(-60, 60, (9, 70), generator=g).float())
+    wide = torch.cat([x, x], dim=1)[:, 3:73]  # strided rows
+    for src in (x, wide):
+        rows = split_bf16x3(src, ("hi", "mid", "lo", "hi"), along="rows").view(4, 9, 70).float()
+        cols = split_bf16x3(src, ("lo", "hi", "mid"), along="cols").view(9, 3, 70).transpose(0, 1).float()
+        assert torch.equal((rows[0] + rows[1]) + rows[2], src) and torch.equal(rows[3], rows[0])
+        assert torch.equal(cols[1], rows[0]) and torch.equal(cols[2], rows[1]) and torch.equal(cols[0], rows[2])
+        assert (rows[1].abs() <= rows[0].abs() * 2 ** -7).all() and (rows[2].abs() <= rows[1].abs() * 2 ** -7).all()
+    odd = split_bf16x3(torch.tensor([[float("inf"), -float("inf"), float("nan")]]), ("hi", "mid", "lo"),
+                       along="rows").float()
+    assert odd[0, :2].tolist() == [float("inf"), -float("inf")] and odd[1:, :2].eq(0).all() and odd[:, 2].isnan().all()
+    for bad, match in ((x.double(), "fp32"), (x.t(), "contiguous"), (x[0], "2-D")):
+        with pytest.raises(ValueError, match=match):
+            split_bf16x3(bad, ("hi",), along="rows")
+    with pytest.raises(ValueError, match="pieces"):
+        split_bf16x3(x, ("hi", "top"), along="rows")
+    with pytest.raises(ValueError, match="along"):
+        split_bf16x3(x, ("hi",), along="both")
+    view = torch.randn(5, 36, generator=g).view(5, 3, 12).transpose(0, 1)  # chunk_sum: column blocks = a copy
+    assert torch.equal(chunk_sum(view, out_dtype=torch.float32), chunk_sum(view.contiguous(), out_dtype=torch.float32))
 
 
 @interpreted

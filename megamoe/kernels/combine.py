@@ -6,8 +6,9 @@ P row-dot partials per row (N-tiles of the dgrad GEMM), S chunks.
 * ``combine_fwd_kernel``: ``out[t] = cast(sum_{k=0..K-1} w[t,k] * float(y[row_of[t,k]]) + float(shared[t]))``,
   fp32, slots in order 0..K-1, shared expert added last, one cast: the formula of
   ``megamoe.reference.combine``. Grid: (token blocks, D blocks).
-* ``chunk_sum_kernel``: ``out[i] = cast(sum_{s=0..S-1} parts[s, i])``, fp32, chunks in order 0..S-1, one cast
-  (the router's weight gradient over fixed token chunks, megamoe.autograd.router_wgrad). Grid: element blocks.
+* ``chunk_sum_kernel``: ``out[m, n] = cast(sum_{s=0..S-1} parts[s, m, n])``, fp32, chunks in order 0..S-1, one
+  cast (the router's weight gradient over fixed token chunks, megamoe.autograd.router_wgrad; the three bf16-piece
+  products of its fp32 GEMMs). Grid: element blocks.
 * ``slot_sum_bwd_kernel``: ``dx[t] = cast(sum_k float(dx_rows[row_of[t,k]]) + float(dx_shared[t]))`` in
   the same fixed order, and (programs of the first D block) the routing-weight gradient
   ``dw[t,k] = sum_p part[row_of[t,k], p]``.
@@ -80,11 +81,13 @@ def slot_sum_bwd_kernel(
 
 
 @triton.jit
-def chunk_sum_kernel(parts_ptr, out_ptr, numel, S: tl.constexpr, BLOCK: tl.constexpr):
-    """parts [S, numel] fp32 (contiguous) -> out [numel]: the S partials of each element added in chunk order."""
+def chunk_sum_kernel(parts_ptr, out_ptr, numel, N, stride_s, stride_m, S: tl.constexpr, BLOCK: tl.constexpr):
+    """parts [S, M, N] fp32 (strides stride_s, stride_m, 1) -> out [M * N] contiguous: the S partials of each
+    element added in chunk order."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
+    src = (offs // N) * stride_m + offs % N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(S):
-        acc = acc + tl.load(parts_ptr + s * numel + offs, mask=mask, other=0.0)
+        acc = acc + tl.load(parts_ptr + s * stride_s + src, mask=mask, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

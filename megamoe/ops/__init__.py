@@ -11,7 +11,8 @@ Public pieces (the EP path calls these on rows received from peers):
   forward:      gate_up_swiglu, down_proj, grouped_mm_nt, combine_fwd
   backward:     swiglu_dgrad (m-grouped dgrad + SwiGLU backward + routing-weight row dots),
                 grouped_mm_nn (m-grouped dgrad), k_grouped_mm (weight gradients), slot_sum_bwd, chunk_sum
-                (fp32 partials summed in chunk order),
+                (fp32 partials summed in chunk order), split_bf16x3 (an fp32 matrix as three exact bf16 pieces: the
+                router's fp32 GEMMs on bf16 tensor cores),
                 k_grouped_wants_rows_in_order (whether a weight gradient wants its gathered rows copied)
   EP stores:    RowPush, row_push_deltas (plain-epilogue GEMMs storing rows straight into (token, slot) rows
                 of several ranks' buffers)
@@ -20,6 +21,7 @@ Public pieces (the EP path calls these on rows received from peers):
                 token chunks)
 """
 
+from .bf16_split import split_bf16x3
 from .combine import chunk_sum, combine_fwd, slot_sum_bwd
 from .ep_tiles import RowPush, row_push_deltas
 from .grouped_gemm import (
@@ -53,5 +55,5 @@ __all__ = [
     "gate_up_swiglu", "down_proj", "grouped_mm_nt", "grouped_mm_nn", "swiglu_dgrad", "k_grouped_mm",
     "k_grouped_wants_rows_in_order", "RowPush", "row_push_deltas",
     "combine_fwd", "slot_sum_bwd", "chunk_sum", "GemmConfig", "KernelConfig", "m_grouped_config", "k_grouped_config",
-    "router_kernel_config", "router_wgrad_chunks",
+    "router_kernel_config", "router_wgrad_chunks", "split_bf16x3",
 ]

@@ -96,13 +96,15 @@ def slot_sum_bwd(dx_rows_RD: torch.Tensor | None, row_of_TK: torch.Tensor, dx_sh
 def chunk_sum(parts_SMN: torch.Tensor, *, out_dtype: torch.dtype) -> torch.Tensor:
     """``out[m, n] = cast(sum_{s=0..S-1} parts[s, m, n])``: fp32 partials summed in chunk order, one cast.
 
-    parts_SMN: (S, M, N) contiguous fp32 (e.g. one k-grouped weight gradient per token chunk). Returns (M, N) in
-    out_dtype. Bitwise deterministic (one program per element block, a fixed order); no sync.
+    parts_SMN: (S, M, N) fp32 with a contiguous last dim (e.g. one k-grouped weight gradient per token chunk, or
+    the column blocks of a GEMM's output viewed as (S, M, N)). Returns (M, N) contiguous in out_dtype. Bitwise
+    deterministic (one program per element block, a fixed order); no sync.
     """
     where = "chunk_sum"
-    if parts_SMN.dim() != 3 or parts_SMN.dtype != torch.float32 or not parts_SMN.is_contiguous():
-        raise ValueError(f"{where}: parts_SMN must be a contiguous 3-D fp32 tensor, got {parts_SMN.dtype} "
-                         f"{tuple(parts_SMN.shape)}")
+    if (parts_SMN.dim() != 3 or parts_SMN.dtype != torch.float32
+            or (parts_SMN.numel() and parts_SMN.shape[2] > 1 and parts_SMN.stride(2) != 1)):
+        raise ValueError(f"{where}: parts_SMN must be a 3-D fp32 tensor with a contiguous last dim, got "
+                         f"{parts_SMN.dtype} {tuple(parts_SMN.shape)} strides {tuple(parts_SMN.stride())}")
     S, M, N = parts_SMN.shape
     dev = check_device(chunk_sum_kernel, where, parts_SMN=parts_SMN)
     out = torch.empty((M, N), dtype=out_dtype, device=dev)
@@ -111,9 +113,10 @@ def chunk_sum(parts_SMN: torch.Tensor, *, out_dtype: torch.dtype) -> torch.Tenso
         return out
     if S == 0:
         return out.zero_()
-    if S * numel >= 2 ** 31:
-        raise ValueError(f"{where}: {S} x {M} x {N} partials exceed the kernel's int32 offsets")
+    if (S - 1) * parts_SMN.stride(0) + (M - 1) * parts_SMN.stride(1) + N >= 2 ** 31:
+        raise ValueError(f"{where}: {S} x {M} x {N} partials exceed the kernel's int32 chunk offsets")
     block = _CHUNK_SUM_BLOCK_INTERPRET if is_interpreted(chunk_sum_kernel) else _CHUNK_SUM_BLOCK
-    chunk_sum_kernel[(triton.cdiv(numel, block),)](parts_SMN, out, numel, S=S, BLOCK=block, num_warps=4,
+    chunk_sum_kernel[(triton.cdiv(numel, block),)](parts_SMN, out, numel, N, parts_SMN.stride(0),
+                                                   parts_SMN.stride(1), S=S, BLOCK=block, num_warps=4,
                                                    enable_fp_fusion=True)
     return out

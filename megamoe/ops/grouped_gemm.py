@@ -272,7 +272,8 @@ def grouped_mm_nt(a: torch.Tensor, b_ENK: torch.Tensor, offsets_E1: torch.Tensor
 
     a: (R, K) grouped rows or (T, K) with gather_idx_R (R,) int32. b_ENK: (E, N, K) contiguous.
     row_scale_R: optional (R,) fp32, applied to the fp32 accumulator before the one cast.
-    Returns c_RN (R, N) in out_dtype (default a's dtype). fp32 operands use IEEE fp32 dots.
+    Returns c_RN (R, N) in out_dtype (default a's dtype). fp32 operands use IEEE fp32 dots (the router's fp32 GEMMs
+    of bf16 x come here as bf16 pieces, megamoe.autograd).
     push: a :class:`RowPush`: the rows are stored where it says (the same values; no (R, N) output, ``out``
     must be None) and None is returned.
     """

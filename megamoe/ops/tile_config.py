@@ -40,7 +40,7 @@ DEFAULT_KERNELS = KernelConfig()  # no overrides: the table below
 
 # CPU interpreter (TRITON_INTERPRET=1): tiny tiles so that tiny test shapes still span several tiles.
 _INTERPRET = GemmConfig(16, 16, 16, 4, 1)
-# fp32 operands use input_precision="ieee" FMA dots (router logits, fp32 experts): small tiles.
+# fp32 operands use input_precision="ieee" FMA dots (fp32 experts; the router of fp16 / fp32 x): small tiles.
 _FP32 = GemmConfig(64, 64, 32, 4, 3)
 # Plain fp32 GEMMs: the router's logits x @ W.T ("down" kind) and dx = dlogits @ W ("dgrad"), and its
 # dW = dlogits^T @ x (one group of all T rows). scripts/bench_hf.py --profile on H200 (2026-12-03; BLOCK_K stays
@@ -300,7 +300,11 @@ def router_kernel_config(num_experts: int, hidden: int) -> KernelConfig:
     128 x 128 tiles, 8 warps, 4 stages, pointer loads for the logits and dx (0.104 and 0.103 ms against 0.151 and
     0.136 for TMA-loaded 3-stage tiles), 64 x 64 weight-gradient tiles (0.118 ms in one chunk of all T rows;
     64 x 128, 128 x 64 and 128 x 128 took 0.13-0.14; not yet measured with the token chunks). Smaller E
-    (Mixtral's 8) keeps unmeasured first guesses: BLOCK_N fitted to E."""
+    (Mixtral's 8) keeps unmeasured first guesses: BLOCK_N fitted to E.
+
+    The fp32 router of bf16 x (megamoe.autograd: bf16 GEMMs of exact bf16 pieces) takes this function's tiles at
+    (3 E, D): its logits (N = 3 E) and weight gradient ([3 E, D] per chunk); its dx (K = 7 E) has no entry and
+    takes the table's "dgrad" tile. First guesses at those shapes, not measured there yet."""
     block_n = min(128, max(16, 1 << (max(num_experts, 1) - 1).bit_length()))
     wide = block_n >= 128
     logits = GemmConfig(128, 128, 64, 8, 4) if wide else GemmConfig(128, block_n, 64, 4, 3, tma_b=True, tma_a=True)

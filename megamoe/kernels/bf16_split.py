@@ -1,0 +1,37 @@
+"""An fp32 matrix as the exact sum of three bf16 pieces (``@triton.jit`` only; launcher in megamoe.ops.bf16_split).
+
+``x = hi + mid + lo`` with ``hi = bf16(x)``, ``mid = bf16(x - hi)``, ``lo = bf16(x - hi - mid)`` (round to nearest
+even; both subtractions are exact in fp32), so the three 8-bit significands hold all 24 of x's: a product of a
+piece with a bf16 value is exact in fp32, which lets the router's fp32 GEMMs run on bf16 tensor cores
+(megamoe.autograd.router_logits_forward). Non-finite x: hi = x, mid = lo = 0 (so an inf stays an inf).
+
+``bf16_split_kernel`` writes the pieces into SLOTS slots of its output, slot s holding piece
+``(PATTERN >> 2 s) & 3`` (0 hi, 1 mid, 2 lo) at ``out + s * stride_os``: stacked row blocks or column blocks,
+as the launcher's strides say. Grid: (row blocks, column blocks).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def bf16_split_kernel(x_ptr, out_ptr, n_rows, n_cols, stride_xr, stride_or, stride_os,
+                      PATTERN: tl.constexpr, SLOTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0)
+    hi = x.to(tl.bfloat16)
+    hi32 = hi.to(tl.float32)
+    rest = tl.where(hi32 == x, 0.0, x - hi32)  # exact; 0 where x is hi (an inf among them), NaN stays NaN
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    base = out_ptr + rows[:, None] * stride_or + cols[None, :]
+    for s in tl.static_range(SLOTS):
+        piece: tl.constexpr = (PATTERN >> (2 * s)) & 3
+        if piece == 0:
+            tl.store(base + s * stride_os, hi, mask=mask)
+        elif piece == 1:
+            tl.store(base + s * stride_os, mid, mask=mask)
+        else:
+            tl.store(base + s * stride_os, lo, mask=mask)
