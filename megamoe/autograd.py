@@ -301,7 +301,8 @@ class MoEExpertsFunction(torch.autograd.Function):
         return dx_TD, None, dw_TK, dw13, dw2, ds13, ds2, None, None
 
 
-def router_logits_forward(x_TD, router_w_ED, router_dtype: str = "fp32", keep: dict | None = None):
+def router_logits_forward(x_TD, router_w_ED, router_dtype: str = "fp32", keep: dict | None = None,
+                          kernel_config=None):
     """Router logits (T, E) in megamoe's Triton GEMM, one group of all T rows. router_dtype "fp32": fp32 logits
     ``x.float() @ router_w.float().T``: for bf16 x on bf16 tensor cores, the fp32 weight as three exact bf16 pieces
     (every product exact, fp32 accumulation, the three partial logits added in fp32); for fp16 / fp32 x in IEEE fp32
@@ -309,11 +310,12 @@ def router_logits_forward(x_TD, router_w_ED, router_dtype: str = "fp32", keep: d
     dtype (router_w must already have it), tensor cores with fp32 accumulation, logits rounded once to x's dtype,
     the tiles of ``ops.tile_config.router_kernel_config`` (a function of E and D only). ``keep``: a dict that
     takes what :func:`router_logits_backward` can reuse (the group offsets and their m-tile offsets; the fp32
-    weight or its bf16 pieces), or None."""
+    weight), or None. ``kernel_config``: tiles in place of ``router_kernel_config``'s (sweeps; the fp32 router of
+    bf16 x looks its GEMMs up at the piece shapes, N = 3E)."""
     keep = {} if keep is None else keep
     one_2 = _router_offsets(x_TD, keep)
     if router_dtype == "fp32" and x_TD.dtype == torch.bfloat16:
-        return _fp32_logits_bf16_pieces(x_TD, router_w_ED, one_2, keep)
+        return _fp32_logits_bf16_pieces(x_TD, router_w_ED, one_2, keep, kernel_config)
     if router_dtype == "fp32":
         keep["w32_1ED"] = router_w_ED.float().unsqueeze(0)
         return grouped_mm_nt(x_TD, keep["w32_1ED"], one_2, out_dtype=torch.float32, tile_cache=keep["tiles"])
@@ -323,44 +325,59 @@ def router_logits_forward(x_TD, router_w_ED, router_dtype: str = "fp32", keep: d
                          kernel_config=router_kernel_config(E, D))
 
 
-# The fp32 router GEMMs of bf16 x on bf16 tensor cores, exactly: each fp32 operand as three bf16 pieces
-# (ops.split_bf16x3, x = hi + mid + lo), every piece product exact in fp32, fp32 accumulation. The weight's pieces
-# (rows) and dlogits' pieces (columns) in slot order: the logits take the weight's first three slots against x, the
-# weight gradient dlogits' first three against x, and dx the seven slot pairs (hi hi, mid mid, lo lo, hi mid, mid hi,
-# hi lo, lo hi: all but the two products below 2^-24 of the largest).
-_W_PIECES = ("hi", "mid", "lo", "mid", "hi", "lo", "hi")
-_DL_PIECES = ("hi", "mid", "lo", "hi", "mid", "hi", "lo")
+# The fp32 router GEMMs of bf16 x on bf16 tensor cores, exactly: an fp32 operand as three bf16 pieces
+# (ops.split_bf16x3, v = hi + mid + lo), a bf16 one as itself, so every product is exact in fp32 and accumulated in
+# fp32. Slots pair the weight's pieces (rows) with dlogits' (columns) for dx: with an fp32 weight the six products
+# hi hi, hi mid, hi lo, mid hi, lo hi, mid mid (the three left out are below 2^-24 of the largest), with a bf16
+# weight (whose mid and lo are zero) the three of its one piece with dlogits' three. The logits take the weight's
+# pieces (hi, mid, lo) or the bf16 weight itself, the weight gradient dlogits' (hi, mid, lo) against x.
+_W_PIECES = ("hi", "mid", "lo", "hi", "hi", "mid")
+_DL_PIECES = ("hi", "hi", "hi", "mid", "lo", "mid")
+_DL_HI_MID_LO = slice(2, 5)  # the slots of dlogits' three pieces, in that order
+_W_BF16_PIECES, _DL_BF16_PIECES = ("hi", "hi", "hi"), ("hi", "mid", "lo")
 
 
-def _fp32_logits_bf16_pieces(x_TD, router_w_ED, one_2, keep: dict):
-    """fp32 logits of bf16 x: x @ [w_hi; w_mid; w_lo].T in one bf16 GEMM (fp32 out, (T, 3E)), its three column
-    blocks summed in fp32 in piece order (ops.chunk_sum). Keeps the weight's seven pieces for the backward."""
+def _or(kernel_config, experts: int, hidden: int):
+    return router_kernel_config(experts, hidden) if kernel_config is None else kernel_config
+
+
+def _fp32_logits_bf16_pieces(x_TD, router_w_ED, one_2, keep: dict, kernel_config=None):
+    """fp32 logits of bf16 x. A bf16 weight: one bf16 GEMM with fp32 output. Otherwise x @ [w_hi; w_mid; w_lo].T in
+    one bf16 GEMM (fp32 out, (T, 3E)) whose three column blocks are summed in fp32 in piece order (ops.chunk_sum).
+    Nothing is kept for the backward (it splits the weight again: one launch over E x D)."""
     E, D = router_w_ED.shape
     T = x_TD.shape[0]
-    keep["w7_ED"] = w7 = split_bf16x3(router_w_ED.float().contiguous(), _W_PIECES, along="rows")
-    l3_TE = grouped_mm_nt(x_TD, w7[:3 * E].unsqueeze(0), one_2, out_dtype=torch.float32, tile_cache=keep["tiles"],
-                          kernel_config=router_kernel_config(3 * E, D))
+    if router_w_ED.dtype == torch.bfloat16:
+        return grouped_mm_nt(x_TD, router_w_ED.unsqueeze(0), one_2, out_dtype=torch.float32,
+                             tile_cache=keep["tiles"], kernel_config=_or(kernel_config, E, D))
+    w3 = split_bf16x3(router_w_ED.float().contiguous(), _W_PIECES[:3], along="rows")
+    l3_TE = grouped_mm_nt(x_TD, w3.unsqueeze(0), one_2, out_dtype=torch.float32, tile_cache=keep["tiles"],
+                          kernel_config=_or(kernel_config, 3 * E, D))
     return chunk_sum(l3_TE.view(T, 3, E).transpose(0, 1), out_dtype=torch.float32)
 
 
-def _fp32_backward_bf16_pieces(dlogits_TE, x_TD, router_w_ED, need_x, need_w, one_2, keep: dict):
-    """(dx, dW) of :func:`_fp32_logits_bf16_pieces`: dlogits' seven pieces (T, 7E) once; dx = pieces @ the
-    weight's seven pieces (K = 7E, one cast to x's dtype); dW = dlogits' first three pieces^T @ x over the token
-    chunks of the 16-bit router's weight gradient, the 3 S fp32 partials summed in order, one cast."""
+def _fp32_backward_bf16_pieces(dlogits_TE, x_TD, router_w_ED, need_x, need_w, one_2, keep: dict, kernel_config=None):
+    """(dx, dW) of :func:`_fp32_logits_bf16_pieces`: dlogits' pieces once ((T, 6E), or (T, 3E) for a bf16 weight);
+    dx = those @ the weight's pieces in the paired slots (K = 6E or 3E, one cast to x's dtype); dW = dlogits'
+    (hi, mid, lo)^T @ x over the token chunks of the 16-bit router's weight gradient, the 3 S fp32 partials summed
+    in order, one cast to the weight's dtype."""
     E, D = router_w_ED.shape
     T = x_TD.shape[0]
-    dl7_TE = split_bf16x3(dlogits_TE.float().contiguous(), _DL_PIECES, along="cols")
-    kc = router_kernel_config(3 * E, D)
+    bf16_w = router_w_ED.dtype == torch.bfloat16
+    w_pieces, dl_pieces = (_W_BF16_PIECES, _DL_BF16_PIECES) if bf16_w else (_W_PIECES, _DL_PIECES)
+    dl_TE = split_bf16x3(dlogits_TE.float().contiguous(), dl_pieces, along="cols")
+    kc = _or(kernel_config, 3 * E, D)
     dx = dw = None
     if need_x:
-        w7 = keep["w7_ED"] if "w7_ED" in keep else split_bf16x3(router_w_ED.float().contiguous(), _W_PIECES,
-                                                                 along="rows")
-        dx = grouped_mm_nn(dl7_TE, w7.unsqueeze(0), one_2, out_dtype=x_TD.dtype, tile_cache=keep["tiles"],
+        w_ED = split_bf16x3(router_w_ED.float().contiguous(), w_pieces, along="rows")
+        dx = grouped_mm_nn(dl_TE, w_ED.unsqueeze(0), one_2, out_dtype=x_TD.dtype, tile_cache=keep["tiles"],
                            kernel_config=kc)
     if need_w:
         S = router_wgrad_chunks(T, 3 * E, D)
         offsets = one_2 if S == 1 else chunk_offsets(T, S, x_TD.device)
-        parts_SED = k_grouped_mm(dl7_TE[:, :3 * E], x_TD, offsets, out_dtype=torch.float32, kernel_config=kc)
+        hml = slice(0, 3) if bf16_w else _DL_HI_MID_LO
+        parts_SED = k_grouped_mm(dl_TE[:, hml.start * E:hml.stop * E], x_TD, offsets, out_dtype=torch.float32,
+                                 kernel_config=kc)
         dw = chunk_sum(parts_SED.view(3 * S, E, D), out_dtype=router_w_ED.dtype)
     return dx, dw
 
@@ -381,7 +398,7 @@ def _check_model_dtype(x_TD, router_w_ED) -> None:
 
 
 def router_logits_backward(dlogits_TE, x_TD, router_w_ED, need_x: bool, need_w: bool, router_dtype: str = "fp32",
-                           keep: dict | None = None):
+                           keep: dict | None = None, kernel_config=None):
     """(dx_TD or None, dW_ED or None) of :func:`router_logits_forward`. "fp32" (and "model" with fp32 x, the same
     computation): dx = cast(dlogits @ W), dW = dlogits^T @ x (fp32, all T rows reduced in token order), both from
     fp32 operands. "model" with 16-bit x: the same products with dlogits, x and W in x's dtype on tensor cores (fp32
@@ -391,7 +408,7 @@ def router_logits_backward(dlogits_TE, x_TD, router_w_ED, need_x: bool, need_w: 
     keep = {} if keep is None else keep
     one_2, dx, dw = _router_offsets(x_TD, keep), None, None
     if router_dtype == "fp32" and x_TD.dtype == torch.bfloat16:
-        return _fp32_backward_bf16_pieces(dlogits_TE, x_TD, router_w_ED, need_x, need_w, one_2, keep)
+        return _fp32_backward_bf16_pieces(dlogits_TE, x_TD, router_w_ED, need_x, need_w, one_2, keep, kernel_config)
     if router_dtype != "fp32":
         _check_model_dtype(x_TD, router_w_ED)
     if router_dtype == "fp32" or x_TD.dtype == torch.float32:
@@ -444,10 +461,10 @@ class RouterLogitsFunction(torch.autograd.Function):
     dtype on tensor cores, router_w already in x's dtype).
 
     Saved: x and router_w (no activation memory beyond the inputs), the group offsets [0, T] with their m-tile
-    offsets, and in "fp32" the fp32 weight (a copy only for a 16-bit weight) or, for bf16 x, its seven bf16 pieces
-    (7 E x D). Backward: :func:`router_logits_backward` (dx = cast(dlogits @ W), dW = dlogits^T @ x: fp32 of bf16 x
-    on bf16 pieces, dW over fixed token chunks; other fp32 all rows in token order; a 16-bit x's dtype over fixed
-    token chunks, :func:`router_wgrad`). Deterministic, no sync.
+    offsets, and in "fp32" for fp16 / fp32 x the fp32 weight (a copy only for a 16-bit weight). Backward:
+    :func:`router_logits_backward` (dx = cast(dlogits @ W), dW = dlogits^T @ x: fp32 of bf16 x on bf16 pieces, dW
+    over fixed token chunks; other fp32 all rows in token order; a 16-bit x's dtype over fixed token chunks,
+    :func:`router_wgrad`). Deterministic, no sync.
     """
 
     @staticmethod

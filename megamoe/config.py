@@ -60,8 +60,8 @@ class MoEConfig:
         dtype: parameter / activation dtype of the experts.
         router_dtype: the router logits GEMM ``x @ router_w.T``. ``"fp32"`` (default): x and the weight in fp32,
             fp32 logits (as transformers' DeepSeek-V3 and GLM-4.5 routers; on the fused backend, for bf16 x, bf16
-            tensor-core GEMMs of exact three-piece bf16 splits of the fp32 operands, every product exact and fp32
-            accumulation, otherwise IEEE fp32 dots).
+            tensor-core GEMMs of exact three-piece bf16 splits of the fp32 operands (a bf16 weight as itself), every
+            product exact and fp32 accumulation, otherwise IEEE fp32 dots).
             ``"model"``: x and the weight in ``dtype`` (the weight cast to it), tensor cores with fp32
             accumulation, the logits rounded once to ``dtype``, and the gradients of that product in ``dtype``
             (as transformers' Qwen3-MoE and Mixtral routers, ``F.linear`` in the model dtype). Either way the

@@ -123,11 +123,11 @@ def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor, *, router_dtype
     """Router logits ``x @ router_w.T`` in megamoe's batch-invariant Triton GEMM: (T, D) x (E, D) -> (T, E).
 
     router_dtype (:class:`megamoe.MoEConfig`'s field of that name):
-        "fp32" (default): ``x.float() @ router_w.float().T``, fp32 logits. For bf16 x on bf16 tensor cores: the fp32
-            weight (and in the backward dlogits) as three exact bf16 pieces (``hi + mid + lo``), so every product is
-            exact in fp32, accumulated in fp32, the three partial results added in fp32 (dx keeps the seven largest
-            of the nine piece products: the two left out are below 2^-24 of the largest); fp16 / fp32 x: IEEE fp32
-            dots.
+        "fp32" (default): ``x.float() @ router_w.float().T``, fp32 logits. For bf16 x on bf16 tensor cores: an fp32
+            weight (and in the backward dlogits) as three exact bf16 pieces (``hi + mid + lo``), a bf16 weight as
+            itself, so every product is exact in fp32, accumulated in fp32, the partial results added in fp32 (dx of
+            an fp32 weight keeps six of the nine piece products: the three left out are below 2^-24 of the largest);
+            fp16 / fp32 x: IEEE fp32 dots.
         "model": ``F.linear(x, router_w.to(x.dtype))``, as transformers' Qwen3-MoE and Mixtral routers compute
             them: operands in x's dtype (router_w cast to it, differentiably), tensor cores with fp32
             accumulation, logits rounded once to x's dtype; backward dx = dlogits @ W and dW = dlogits^T @ x in

@@ -301,14 +301,14 @@ def _tile_config(tile):
 def _router_gemms(mode: str, x_TD, w_ED, dlogits_TE):
     """{name: (kind, its tile keys, fn(kernel_config) -> result)} of the router's three GEMMs as
     megamoe.autograd launches them, and for fp32 the IEEE FMA GEMMs ("ieee") they replaced."""
+    import megamoe.autograd as ag
     import megamoe.ops.grouped_gemm as gg
-    from megamoe.ops import chunk_offsets, chunk_sum, router_wgrad_chunks, single_group_offsets, split_bf16x3
+    from megamoe.ops import single_group_offsets
 
     T, D = x_TD.shape
     E = w_ED.shape[0]
     one_2 = single_group_offsets(T, x_TD.device)
     if mode == "model":
-        import megamoe.autograd as ag
         w_1ED = w_ED.to(x_TD.dtype).unsqueeze(0)
         dl = dlogits_TE.to(x_TD.dtype)
         return {"logits x @ W.T": ("m", [("down", E, D)], lambda kc: gg.grouped_mm_nt(
@@ -317,29 +317,23 @@ def _router_gemms(mode: str, x_TD, w_ED, dlogits_TE):
                     dl, w_1ED, one_2, out_dtype=x_TD.dtype, kernel_config=kc)),
                 "dW dlogits.T @ x": ("k", [("wgrad", E, D)], lambda kc: ag.router_wgrad(dl, x_TD, kernel_config=kc))}
     w32, dl32 = w_ED.float().contiguous(), dlogits_TE.float().contiguous()
-    w7 = split_bf16x3(w32, ("hi", "mid", "lo", "mid", "hi", "lo", "hi"), along="rows")
-    dl7 = split_bf16x3(dl32, ("hi", "mid", "lo", "hi", "mid", "hi", "lo"), along="cols")
-    S = router_wgrad_chunks(T, 3 * E, D)
-    offsets = one_2 if S == 1 else chunk_offsets(T, S, x_TD.device)
+    pieces = 1 if w_ED.dtype == torch.bfloat16 else 3  # the weight's bf16 pieces (megamoe.autograd)
 
     def logits(kc):
         if kc == "ieee":
             return gg.grouped_mm_nt(x_TD, w32.unsqueeze(0), one_2, out_dtype=torch.float32)
-        l3 = gg.grouped_mm_nt(x_TD, w7[:3 * E].unsqueeze(0), one_2, out_dtype=torch.float32, kernel_config=kc)
-        return chunk_sum(l3.view(T, 3, E).transpose(0, 1), out_dtype=torch.float32)
+        return ag.router_logits_forward(x_TD, w_ED, "fp32", kernel_config=kc)
 
-    def dx(kc):
-        if kc == "ieee":
+    def grads(kc, need_x):
+        if kc == "ieee" and need_x:
             return gg.grouped_mm_nn(dl32, w32.unsqueeze(0), one_2, out_dtype=x_TD.dtype)
-        return gg.grouped_mm_nn(dl7, w7.unsqueeze(0), one_2, out_dtype=x_TD.dtype, kernel_config=kc)
-
-    def dw(kc):
         if kc == "ieee":
             return gg.k_grouped_mm(dl32, x_TD, one_2, out_dtype=torch.float32)[0]
-        parts = gg.k_grouped_mm(dl7[:, :3 * E], x_TD, offsets, out_dtype=torch.float32, kernel_config=kc)
-        return chunk_sum(parts.view(3 * S, E, D), out_dtype=torch.float32)
-    return {"logits x @ W.T": ("m", [("down", 3 * E, D)], logits), "dx dlogits @ W": ("m", [("dgrad", D, 7 * E)], dx),
-            "dW dlogits.T @ x": ("k", [("wgrad", 3 * E, D)], dw)}
+        dx, dw = ag.router_logits_backward(dl32, x_TD, w_ED, need_x, not need_x, "fp32", kernel_config=kc)
+        return dx if need_x else dw
+    return {"logits x @ W.T": ("m", [("down", pieces * E, D)], logits),
+            "dx dlogits @ W": ("m", [("dgrad", D, 6 * E // pieces)], lambda kc: grads(kc, True)),
+            "dW dlogits.T @ x": ("k", [("wgrad", 3 * E, D)], lambda kc: grads(kc, False))}
 
 
 def router_tile_sweep(label: str, block, x, timer: Timer, rounds: int) -> dict:
@@ -359,7 +353,9 @@ def router_tile_sweep(label: str, block, x, timer: Timer, rounds: int) -> dict:
     w_ED = block.gate.weight.detach()
     E = w_ED.shape[0]
     dlogits_TE = torch.randn(T, E, generator=torch.Generator(x.device).manual_seed(8), device=x.device)
-    table = router_kernel_config(3 * E if mode == "fp32" else E, D)
+    table = router_kernel_config(E, D)
+    if mode == "fp32":  # the piece GEMMs' shapes too (3E rows / columns), as megamoe.autograd looks them up
+        table = KernelConfig({**dict(table.tiles), **dict(router_kernel_config(3 * E, D).tiles)})
     exact = _router_fp64(x_TD, w_ED.float(), dlogits_TE) if mode == "fp32" else None
     out = {}
     print(f"\n{label} router {mode} GEMMs by tile (BM, BN, BK, warps, stages[, programs per SM[, TMA]]), ms; "

@@ -357,8 +357,8 @@ def test_bench_router_tile_sweep_runs_interpreted(monkeypatch, family, mode):
         row = rows[gemm]
         assert len(row) == len(bench._ROUTER_TILES[mode][kind]), (gemm, row)
         assert all((r["same_bits"] or r["tile"] == "ieee") and r["ms"] == 1.0 for r in row), (gemm, row)
-        if mode == "fp32":  # dx is rounded to bf16 once; the others are fp32
-            assert all(r["max_err"] < (0.1 if gemm.startswith("dx") else 1e-4) for r in row), (gemm, row)
+        if mode == "fp32":  # dx and (the gate weight is bf16 here) dW are rounded to bf16 once, the logits are fp32
+            assert all(r["max_err"] < (1e-4 if gemm.startswith("logits") else 0.1) for r in row), (gemm, row)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])

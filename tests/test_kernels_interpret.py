@@ -380,21 +380,24 @@ def test_router_logits_and_grads():
 
 
 @interpreted
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [0, 1, 21, 70])
-def test_fp32_router_of_bf16_x_on_exact_bf16_pieces(T):
-    """The fp32 router of bf16 x (the weight and dlogits as three exact bf16 pieces, bf16 GEMMs, the piece products
-    summed in fp32): logits and dW within fp32's error against fp64, dx within its one bf16 rounding; a token's
-    logits the same in any batch."""
+def test_fp32_router_of_bf16_x_on_exact_bf16_pieces(T, w_dtype):
+    """The fp32 router of bf16 x (an fp32 weight and dlogits as three exact bf16 pieces, a bf16 weight as itself,
+    bf16 GEMMs, the piece products summed in fp32): logits and dW within fp32's error against fp64 (dW of a bf16
+    weight within its one bf16 rounding), dx within its one bf16 rounding; a token's logits the same in any
+    batch."""
     g = torch.Generator().manual_seed(14)
     x = torch.randn(T, 96, generator=g).to(torch.bfloat16).requires_grad_()
-    rw = (torch.randn(10, 96, generator=g) * 3).requires_grad_()
+    rw = (torch.randn(10, 96, generator=g) * 3).to(w_dtype).requires_grad_()
     dl = torch.randn(T, 10, generator=g)
     lg = router_logits(x, rw)
     gx, gw = torch.autograd.grad(lg, [x, rw], dl)
     x64, rw64, dl64 = x.detach().double(), rw.detach().double(), dl.double()
-    assert (lg.dtype, gx.dtype, gw.dtype) == (torch.float32, torch.bfloat16, torch.float32)
+    assert (lg.dtype, gx.dtype, gw.dtype) == (torch.float32, torch.bfloat16, w_dtype)
     torch.testing.assert_close(lg.double(), x64 @ rw64.t(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gw.double(), dl64.t() @ x64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gw.double(), dl64.t() @ x64, rtol=1e-5 if w_dtype == torch.float32 else 2 ** -7,
+                               atol=1e-5)
     torch.testing.assert_close(gx.double(), dl64 @ rw64, rtol=2 ** -7, atol=1e-5)  # one (interpreter) bf16 cast
     if T > 1:
         assert torch.equal(router_logits(x[1:T // 2 + 1].detach(), rw.detach()), lg[1:T // 2 + 1])

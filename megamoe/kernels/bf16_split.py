@@ -3,7 +3,10 @@
 ``x = hi + mid + lo`` with ``hi = bf16(x)``, ``mid = bf16(x - hi)``, ``lo = bf16(x - hi - mid)`` (round to nearest
 even; both subtractions are exact in fp32), so the three 8-bit significands hold all 24 of x's: a product of a
 piece with a bf16 value is exact in fp32, which lets the router's fp32 GEMMs run on bf16 tensor cores
-(megamoe.autograd.router_logits_forward). Non-finite x: hi = x, mid = lo = 0 (so an inf stays an inf).
+(megamoe.autograd.router_logits_forward). Exact for finite |x| up to bf16's largest value (about 3.39e38; above it
+hi rounds to inf and the pieces are not finite) and down to about 2^-110 (below, the bits under bf16's smallest
+subnormal, 2^-133, are lost). Infinite x: hi = x, mid = lo = 0; NaN: NaN in all three. A product of an infinite
+piece-split value with a zero piece is NaN where an fp32 product is infinite: non-finite either way.
 
 ``bf16_split_kernel`` writes the pieces into SLOTS slots of its output, slot s holding piece
 ``(PATTERN >> 2 s) & 3`` (0 hi, 1 mid, 2 lo) at ``out + s * stride_os``: stacked row blocks or column blocks,

@@ -81,12 +81,16 @@ def slot_sum_bwd_kernel(
 
 
 @triton.jit
-def chunk_sum_kernel(parts_ptr, out_ptr, numel, N, stride_s, stride_m, S: tl.constexpr, BLOCK: tl.constexpr):
-    """parts [S, M, N] fp32 (strides stride_s, stride_m, 1) -> out [M * N] contiguous: the S partials of each
-    element added in chunk order."""
+def chunk_sum_kernel(parts_ptr, out_ptr, numel, N, stride_s, stride_m, S: tl.constexpr, ROWS_CONTIGUOUS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """parts [S, M, N] fp32 (strides stride_s, stride_m, 1; ROWS_CONTIGUOUS: stride_m == N) -> out [M * N]
+    contiguous: the S partials of each element added in chunk order."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    src = (offs // N) * stride_m + offs % N
+    if ROWS_CONTIGUOUS:
+        src = offs
+    else:
+        src = (offs // N) * stride_m + offs % N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(S):
         acc = acc + tl.load(parts_ptr + s * stride_s + src, mask=mask, other=0.0)

@@ -33,6 +33,8 @@ def split_bf16x3(x_RC: torch.Tensor, pieces: tuple[str, ...], *, along: str) -> 
     S = len(pieces)
     dev = check_device(bf16_split_kernel, where, x_RC=x_RC)
     shape = (S * R, C) if along == "rows" else (R, S * C)
+    if S * R * C >= 2 ** 31 or (R and (R - 1) * x_RC.stride(0) + C >= 2 ** 31):
+        raise ValueError(f"{where}: {S} pieces of a {R} x {C} matrix exceed the kernel's int32 slot offsets")
     out = torch.empty(shape, dtype=torch.bfloat16, device=dev)
     if x_RC.numel() == 0:
         return out

@@ -117,6 +117,7 @@ def chunk_sum(parts_SMN: torch.Tensor, *, out_dtype: torch.dtype) -> torch.Tenso
         raise ValueError(f"{where}: {S} x {M} x {N} partials exceed the kernel's int32 chunk offsets")
     block = _CHUNK_SUM_BLOCK_INTERPRET if is_interpreted(chunk_sum_kernel) else _CHUNK_SUM_BLOCK
     chunk_sum_kernel[(triton.cdiv(numel, block),)](parts_SMN, out, numel, N, parts_SMN.stride(0),
-                                                   parts_SMN.stride(1), S=S, BLOCK=block, num_warps=4,
-                                                   enable_fp_fusion=True)
+                                                   parts_SMN.stride(1), S=S,
+                                                   ROWS_CONTIGUOUS=M == 1 or parts_SMN.stride(1) == N, BLOCK=block,
+                                                   num_warps=4, enable_fp_fusion=True)
     return out
