@@ -88,6 +88,7 @@ from .ops import (
     swiglu_dgrad,
 )
 from .ops.dispatch import Needs
+from .ops.topk_select import topk_select, topk_select_backward
 
 __all__ = ["MoEExpertsFunction", "RouterLogitsFunction", "experts_backward", "experts_forward",
            "router_logits_backward", "router_logits_forward", "router_wgrad"]
@@ -479,3 +480,30 @@ class RouterLogitsFunction(torch.autograd.Function):
         dx, dw = router_logits_backward(dlogits_TE, x_TD, router_w_ED, *ctx.needs_input_grad[:2], ctx.router_dtype,
                                         ctx.keep)
         return dx, dw, None
+
+
+class TopkSelectFunction(torch.autograd.Function):
+    """The router's top-k selection from fp32 scores in one kernel (megamoe.ops.topk_select: ids, weights and each
+    token's divisor) and its backward in one kernel (the scores' gradient, zeros but at the selected ids).
+
+    ``spec``: (top_k, n_group, topk_group, group_top2, norm, scale). Differentiable w.r.t. the scores only (the
+    bias changes which experts win, not the weights; the logits only flag non-finite tokens). Saved: the weights,
+    ids and divisors (T * (12 K + 4) bytes). Deterministic, batch invariant, no sync."""
+
+    @staticmethod
+    def forward(ctx, scores_TE, bias_E, logits_TE, spec):
+        K, n_group, topk_group, group_top2, norm, scale = spec
+        ids, w, divisor = topk_select(scores_TE, bias_E, logits_TE, top_k=K, n_group=n_group, topk_group=topk_group,
+                                      group_top2=group_top2, norm=norm, scale=scale)
+        ctx.save_for_backward(w, ids, divisor)
+        ctx.spec, ctx.E = spec, scores_TE.shape[1]
+        ctx.mark_non_differentiable(ids)
+        return ids, w
+
+    @staticmethod
+    def backward(ctx, dids, dw_TK):
+        w, ids, divisor = ctx.saved_tensors
+        _, _, _, _, norm, scale = ctx.spec
+        ds = topk_select_backward(dw_TK.float().contiguous(), w, ids, divisor, num_experts=ctx.E, norm=norm,
+                                  scale=scale)
+        return ds, None, None, None

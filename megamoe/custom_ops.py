@@ -21,6 +21,8 @@ model computes what the eager one does, kernel for kernel. Ops (namespace ``mega
   (megamoe.reference.moe_experts_fp8_backward, the forward rerun for what it reads).
 * ``router_logits(x, router_w, router_dtype)`` / ``router_logits_backward``: the router GEMM, ``router_dtype``
   "fp32" (fp32 logits) or "model" (x's dtype on tensor cores; the fake output then has x's dtype).
+* ``topk_select(scores, bias?, logits?, top_k, n_group, topk_group, group_top2, norm, scale)`` -> (ids, weights,
+  divisors) / ``topk_select_backward``: the router's fused top-k selection from its fp32 scores.
 
 Arguments beyond tensors: ``kernel_config`` is the text of a :class:`megamoe.config.KernelConfig`
 (:func:`kernel_config_text`; "" for the checked-in table); ``recipe`` names the number format of the routed
@@ -53,7 +55,7 @@ from .config import ROUTER_DTYPES, GemmConfig, KernelConfig
 from .validation import check_expert_ids, check_fp8
 
 __all__ = ["RECIPES", "kernel_config_from_text", "kernel_config_text", "moe_experts", "reference_moe_experts",
-           "router_logits"]
+           "router_logits", "topk_select"]
 
 RECIPES = ("native", "fp8")
 _GEMM_FIELDS = tuple(f.name for f in dataclasses.fields(GemmConfig))
@@ -353,3 +355,59 @@ def router_logits(x_TD: Tensor, router_w_ED: Tensor, *, router_dtype: str = "fp3
     """:func:`megamoe.functional.router_logits` through the ``megamoe::router_logits`` custom op (inputs validated
     and contiguous; for "model", router_w_ED already in x_TD's dtype; the op checks router_dtype)."""
     return _router_logits_op(x_TD, router_w_ED, router_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the router's top-k selection from its scores
+# ---------------------------------------------------------------------------------------------------
+@torch.library.custom_op("megamoe::topk_select", mutates_args=())
+def _topk_select_op(scores_TE: Tensor, bias_E: Tensor | None, logits_TE: Tensor | None, top_k: int, n_group: int,
+                    topk_group: int, group_top2: bool, norm: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    from .ops.topk_select import topk_select
+
+    return topk_select(scores_TE, bias_E, logits_TE, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                       group_top2=group_top2, norm=norm, scale=scale)
+
+
+@_topk_select_op.register_fake
+def _(scores_TE, bias_E, logits_TE, top_k, n_group, topk_group, group_top2, norm, scale):
+    T = scores_TE.shape[0]
+    return (scores_TE.new_empty(T, top_k, dtype=torch.int64), scores_TE.new_empty(T, top_k, dtype=torch.float32),
+            scores_TE.new_empty(T, dtype=torch.float32))
+
+
+@torch.library.custom_op("megamoe::topk_select_backward", mutates_args=())
+def _topk_select_backward_op(dw_TK: Tensor, w_TK: Tensor, ids_TK: Tensor, divisor_T: Tensor, num_experts: int,
+                             norm: bool, scale: float) -> Tensor:
+    from .ops.topk_select import topk_select_backward
+
+    return topk_select_backward(dw_TK, w_TK, ids_TK, divisor_T, num_experts=num_experts, norm=norm, scale=scale)
+
+
+@_topk_select_backward_op.register_fake
+def _(dw_TK, w_TK, ids_TK, divisor_T, num_experts, norm, scale):
+    return dw_TK.new_empty(dw_TK.shape[0], num_experts, dtype=torch.float32)
+
+
+def _topk_select_setup(ctx, inputs, output):
+    scores_TE, _, _, _, _, _, _, ctx.norm, ctx.scale = inputs
+    ctx.E = scores_TE.shape[1]
+    ids, w, divisor = output
+    ctx.save_for_backward(w, ids, divisor)
+
+
+def _topk_select_backward(ctx, dids, dw_TK, ddivisor):
+    w, ids, divisor = ctx.saved_tensors
+    ds = _topk_select_backward_op(dw_TK.float().contiguous(), w, ids, divisor, ctx.E, ctx.norm, ctx.scale)
+    return ds, None, None, None, None, None, None, None, None
+
+
+_topk_select_op.register_autograd(_topk_select_backward, setup_context=_topk_select_setup)
+
+
+def topk_select(scores_TE: Tensor, bias_E: Tensor | None, logits_TE: Tensor | None, spec: tuple) -> tuple:
+    """:func:`megamoe.functional.topk_select`'s kernels through the ``megamoe::topk_select`` custom op: (ids, w) of
+    fp32 scores (the same kernels and bits as the eager autograd Function); ``spec`` = (top_k, n_group,
+    topk_group, group_top2, norm, scale)."""
+    ids, w, _ = _topk_select_op(scores_TE, bias_E, logits_TE, *spec)
+    return ids, w

@@ -162,3 +162,31 @@ def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor, *, router_dtype
     from .autograd import RouterLogitsFunction
 
     return RouterLogitsFunction.apply(x_TD.contiguous(), router_w_ED.contiguous(), router_dtype)
+
+
+def topk_select(scores_TE: torch.Tensor, expert_bias_E: torch.Tensor | None, logits_TE: torch.Tensor | None,
+                cfg) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """megamoe.router.route's selection after the scores in one kernel (forward and backward), or None where the
+    kernel does not take the router (``megamoe.ops.topk_select.topk_select_supported``) or the tensors are not on
+    a CUDA device (CPU: under TRITON_INTERPRET=1): for ``route(..., select=topk_select)``.
+
+    scores_TE: (T, E) fp32 (or fp64: None, the PyTorch selection keeps fp64); expert_bias_E: the selection bias or
+    None; logits_TE: given when ``cfg.nan_policy == "propagate"`` (tokens with a non-finite logit get NaN weights);
+    cfg: the :class:`megamoe.MoEConfig`. Returns (ids_TK int64, weights_TK fp32): the same ids as route's PyTorch
+    selection on the same scores (ties to the lower id), the weights equal up to the order of the K-term sum
+    (slot order here). Differentiable w.r.t. scores_TE. No sync."""
+    from .ops.topk_select import topk_select_supported
+
+    E = scores_TE.shape[1]
+    if (scores_TE.dtype != torch.float32 or not topk_select_supported(E, cfg.top_k, cfg.n_group)
+            or (scores_TE.device.type != "cuda" and not interpreter_active())):
+        return None
+    bias = None if expert_bias_E is None else expert_bias_E.detach().to(torch.float32).contiguous()
+    logits = None if logits_TE is None else logits_TE.detach().contiguous()
+    spec = (cfg.top_k, cfg.n_group, cfg.topk_group, cfg.score_func == "sigmoid", bool(cfg.norm_topk_prob),
+            float(cfg.routed_scaling_factor))
+    if torch.compiler.is_compiling():
+        return custom_ops.topk_select(scores_TE.contiguous(), bias, logits, spec)
+    from .autograd import TopkSelectFunction
+
+    return TopkSelectFunction.apply(scores_TE.contiguous(), bias, logits, spec)

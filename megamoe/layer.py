@@ -21,7 +21,7 @@ from torch import nn
 
 from . import custom_ops
 from .config import EPOptions, KernelConfig, MoEConfig
-from .functional import FUSED_DTYPES
+from .functional import FUSED_DTYPES, topk_select
 from .router import route, router_logits, seq_balance_loss, tokens_per_expert, update_expert_bias_
 from .validation import check_fp8, check_same_across_ranks, interpreter_active
 
@@ -500,7 +500,8 @@ class MoE(nn.Module):
         seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
 
         logits_TE = self.router(x_TD)
-        r = route(x_TD, self.router_w_ED, self.expert_bias_E, c, logits_TE=logits_TE)
+        r = route(x_TD, self.router_w_ED, self.expert_bias_E, c, logits_TE=logits_TE,
+                  select=topk_select if self.backend == "fused" else None)
         with _fp8_weights_guard(self.fp8, self):  # the layer sharded as a whole (its experts: RoutedExperts)
             out_TD = self.experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, *self._shared())
 

@@ -2,9 +2,11 @@
 losses and the aux-loss-free bias update.
 
 The layer (megamoe.layer), the transformers integration and the specification (megamoe.reference, which
-re-exports these names) all use this module: its code is both the production router and its spec (the only
-kernel on the router's path is the logits GEMM, megamoe.functional.router_logits, which matches
-:func:`router_logits` here).
+re-exports these names) all use this module: its code is both the production router and its spec. On the fused
+backend two steps run as kernels: the logits GEMM (megamoe.functional.router_logits, which matches
+:func:`router_logits` here) and everything after the scores (``route(..., select=megamoe.functional.topk_select)``:
+the same ids as the code below on the same scores, ties included; the weights up to the order of their K-term
+sum).
 
 Legend: T tokens, D hidden size, E routed experts, K top-k, N groups (n_group), B sequences, S sequence length
 (in :func:`seq_balance_loss`).
@@ -100,7 +102,7 @@ def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor, router_dtype: s
 
 
 def route(x_TD: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Tensor | None,
-          cfg: MoEConfig, logits_TE: torch.Tensor | None = None) -> RouterOutput:
+          cfg: MoEConfig, logits_TE: torch.Tensor | None = None, select=None) -> RouterOutput:
     """Top-k routing (DeepSeek-V3 / Qwen3 style). Differentiable w.r.t. x and router_w.
 
     The correction bias ``expert_bias_E`` (no gradient) only changes *which* experts are selected; the
@@ -108,6 +110,9 @@ def route(x_TD: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Te
     groups (non-kept experts are masked with -inf) before the expert top-k. No host sync on CUDA.
     ``logits_TE`` ([T, E], as ``cfg.router_dtype`` makes them: fp32, or x's dtype for "model") may be passed
     precomputed (e.g. by a batch-invariant kernel); the scores are computed from them in fp32 (fp64 for fp64).
+    ``select``: a function ``(scores_TE, expert_bias_E, logits_TE or None, cfg) -> (ids, weights) or None`` that
+    computes everything after the scores at once (the fused path's kernel, megamoe.functional.topk_select; given
+    the logits when ``cfg.nan_policy == "propagate"``); None from it, or no ``select``, runs the PyTorch code below.
     """
     E, K = cfg.num_experts, cfg.top_k
     if logits_TE is None:
@@ -116,6 +121,10 @@ def route(x_TD: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Te
         _check_finite(logits_TE)
     acc_TE = logits_TE.to(_acc_dtype(logits_TE.dtype))  # model-dtype logits are scored in fp32, as transformers does
     scores_TE = torch.sigmoid(acc_TE) if cfg.score_func == "sigmoid" else torch.softmax(acc_TE, dim=-1)
+    picked = None if select is None else select(scores_TE, expert_bias_E, logits_TE if cfg.nan_policy == "propagate"
+                                                else None, cfg)
+    if picked is not None:
+        return RouterOutput(picked[0], picked[1], scores_TE)
     sel_TE = scores_TE.detach()
     if expert_bias_E is not None:
         sel_TE = sel_TE + expert_bias_E.detach().to(sel_TE.dtype)

@@ -200,6 +200,10 @@ def test_fused_ops_pass_opcheck_and_take_a_kernel_config():
     torch.library.opcheck(torch.ops.megamoe.router_logits, (x, w13[0].detach().requires_grad_()), test_utils=utils)
     xb, wb = (t.detach().bfloat16().requires_grad_() for t in (x, w13[0]))
     torch.library.opcheck(torch.ops.megamoe.router_logits, (xb, wb, "model"), test_utils=utils)
+    scores = torch.rand(13, 16, generator=torch.Generator().manual_seed(9)).requires_grad_()
+    for extra in ((None, None, 4, 1, 1, False, True, 1.0), (torch.rand(16), scores.detach() * 3, 2, 4, 2, True,
+                                                            True, 2.5)):
+        torch.library.opcheck(torch.ops.megamoe.topk_select, (scores, *extra), test_utils=utils)
     kc = KernelConfig({"gate_up": GemmConfig(32, 32, 32, 4, 2), ("wgrad", 64, 64): GemmConfig(32, 32, 32, 4, 2)})
     f = torch.compile(lambda *a: mf.moe_experts(*a, kernel_config=kc), fullgraph=True, backend="aot_eager")
     args = (x.detach(), ids, w.detach(), w13.detach(), w2.detach())

@@ -43,7 +43,7 @@ from torch import nn
 
 from .. import router as routing  # routing math (megamoe.router)
 from ..config import MoEConfig
-from ..functional import FUSED_DTYPES, moe_experts, router_logits
+from ..functional import FUSED_DTYPES, moe_experts, router_logits, topk_select
 from ..layer import RouterStats, in_backward
 
 try:
@@ -314,12 +314,13 @@ class MegaMoEBlock(nn.Module):
         if router_w_ED.shape[0] != self.moe_config.num_experts:  # (the ids then index the experts: checked here)
             raise UnsupportedModelError(f"{self.block_class}: its router weight has {router_w_ED.shape[0]} rows for "
                                         f"{self.moe_config.num_experts} experts")
-        if self._backend_of(x_TD) == "fused":
+        fused = self._backend_of(x_TD) == "fused"
+        if fused:
             logits_TE = router_logits(x_TD, router_w_ED, router_dtype=router_dtype)
         else:
             logits_TE = routing.router_logits(x_TD, router_w_ED, router_dtype)
         r = routing.route(x_TD, router_w_ED, getattr(self.gate, "e_score_correction_bias", None), self.moe_config,
-                      logits_TE=logits_TE)
+                          logits_TE=logits_TE, select=topk_select if fused else None)
         r.topk_ids_TK = r.topk_ids_TK.contiguous()
         return logits_TE, r
 
