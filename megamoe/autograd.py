@@ -487,7 +487,8 @@ class TopkSelectFunction(torch.autograd.Function):
     token's divisor) and its backward in one kernel (the scores' gradient, zeros but at the selected ids).
 
     ``spec``: (top_k, n_group, topk_group, group_top2, norm, scale). Differentiable w.r.t. the scores only (the
-    bias changes which experts win, not the weights; the logits only flag non-finite tokens). Saved: the weights,
+    bias changes which experts win, not the weights; the logits only flag non-finite tokens), once (a second
+    derivative raises). Saved: the weights,
     ids and divisors (T * (12 K + 4) bytes). Deterministic, batch invariant, no sync."""
 
     @staticmethod
@@ -496,14 +497,18 @@ class TopkSelectFunction(torch.autograd.Function):
         ids, w, divisor = topk_select(scores_TE, bias_E, logits_TE, top_k=K, n_group=n_group, topk_group=topk_group,
                                       group_top2=group_top2, norm=norm, scale=scale)
         ctx.save_for_backward(w, ids, divisor)
-        ctx.spec, ctx.E = spec, scores_TE.shape[1]
+        ctx.spec, ctx.E, ctx.flagged = spec, scores_TE.shape[1], logits_TE is not None
         ctx.mark_non_differentiable(ids)
         return ids, w
 
     @staticmethod
     def backward(ctx, dids, dw_TK):
+        if torch.is_grad_enabled():  # create_graph: a second derivative would miss this kernel's part, so refuse
+            raise RuntimeError("megamoe: the fused top-k selection (megamoe.functional.topk_select) is differentiable "
+                               "once; for higher derivatives use the PyTorch selection (megamoe.router.route without "
+                               "select=, as MoE(backend='reference') does)")
         w, ids, divisor = ctx.saved_tensors
         _, _, _, _, norm, scale = ctx.spec
         ds = topk_select_backward(dw_TK.float().contiguous(), w, ids, divisor, num_experts=ctx.E, norm=norm,
-                                  scale=scale)
+                                  scale=scale, flagged=ctx.flagged)
         return ds, None, None, None

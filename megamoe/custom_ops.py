@@ -378,27 +378,29 @@ def _(scores_TE, bias_E, logits_TE, top_k, n_group, topk_group, group_top2, norm
 
 @torch.library.custom_op("megamoe::topk_select_backward", mutates_args=())
 def _topk_select_backward_op(dw_TK: Tensor, w_TK: Tensor, ids_TK: Tensor, divisor_T: Tensor, num_experts: int,
-                             norm: bool, scale: float) -> Tensor:
+                             norm: bool, scale: float, flagged: bool) -> Tensor:
     from .ops.topk_select import topk_select_backward
 
-    return topk_select_backward(dw_TK, w_TK, ids_TK, divisor_T, num_experts=num_experts, norm=norm, scale=scale)
+    return topk_select_backward(dw_TK, w_TK, ids_TK, divisor_T, num_experts=num_experts, norm=norm, scale=scale,
+                                flagged=flagged)
 
 
 @_topk_select_backward_op.register_fake
-def _(dw_TK, w_TK, ids_TK, divisor_T, num_experts, norm, scale):
+def _(dw_TK, w_TK, ids_TK, divisor_T, num_experts, norm, scale, flagged):
     return dw_TK.new_empty(dw_TK.shape[0], num_experts, dtype=torch.float32)
 
 
 def _topk_select_setup(ctx, inputs, output):
-    scores_TE, _, _, _, _, _, _, ctx.norm, ctx.scale = inputs
-    ctx.E = scores_TE.shape[1]
+    scores_TE, _, logits_TE, _, _, _, _, ctx.norm, ctx.scale = inputs
+    ctx.E, ctx.flagged = scores_TE.shape[1], logits_TE is not None
     ids, w, divisor = output
     ctx.save_for_backward(w, ids, divisor)
 
 
 def _topk_select_backward(ctx, dids, dw_TK, ddivisor):
     w, ids, divisor = ctx.saved_tensors
-    ds = _topk_select_backward_op(dw_TK.float().contiguous(), w, ids, divisor, ctx.E, ctx.norm, ctx.scale)
+    ds = _topk_select_backward_op(dw_TK.float().contiguous(), w, ids, divisor, ctx.E, ctx.norm, ctx.scale,
+                                  ctx.flagged)
     return ds, None, None, None, None, None, None, None, None
 
 

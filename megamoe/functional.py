@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import custom_ops
-from .config import ROUTER_DTYPES, KernelConfig
+from .config import ROUTER_DTYPES, KernelConfig, MoEConfig
 from .validation import check_expert_inputs, check_fp8, interpreter_active
 
 __all__ = ["moe_experts", "router_logits"]
@@ -165,7 +165,7 @@ def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor, *, router_dtype
 
 
 def topk_select(scores_TE: torch.Tensor, expert_bias_E: torch.Tensor | None, logits_TE: torch.Tensor | None,
-                cfg) -> tuple[torch.Tensor, torch.Tensor] | None:
+                cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
     """megamoe.router.route's selection after the scores in one kernel (forward and backward), or None where the
     kernel does not take the router (``megamoe.ops.topk_select.topk_select_supported``) or the tensors are not on
     a CUDA device (CPU: under TRITON_INTERPRET=1): for ``route(..., select=topk_select)``.

@@ -26,6 +26,7 @@ is the Switch/GShard form ``E * sum_i f_i P_i`` (Fedus et al., arXiv 2101.03961,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +103,7 @@ def router_logits(x_TD: torch.Tensor, router_w_ED: torch.Tensor, router_dtype: s
 
 
 def route(x_TD: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Tensor | None,
-          cfg: MoEConfig, logits_TE: torch.Tensor | None = None, select=None) -> RouterOutput:
+          cfg: MoEConfig, logits_TE: torch.Tensor | None = None, select: Callable | None = None) -> RouterOutput:
     """Top-k routing (DeepSeek-V3 / Qwen3 style). Differentiable w.r.t. x and router_w.
 
     The correction bias ``expert_bias_E`` (no gradient) only changes *which* experts are selected; the

@@ -431,3 +431,54 @@ def test_bits_do_not_depend_on_tile_shape():
         got = _run(functools.partial(_fused, kernel_config=KernelConfig(v)), *case, dout)
         for name, a, b in zip(NAMES, got, base):
             assert torch.equal(a, b), f"{name} changed bits under tile variant {v}"
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek-v3"])
+def test_fused_topk_selection_matches_pytorch_and_replays_in_a_graph(name):
+    """The router's fused top-k selection (megamoe.functional.topk_select) on the GPU against megamoe.router.route's
+    PyTorch selection on the same scores: the same ids (ties included: quantized logits), the weights and the
+    scores' gradient within fp32 rounding; bitwise repeatable; no host sync; a CUDA-graph replay bitwise equal to
+    eager."""
+    import dataclasses
+
+    from megamoe import get_preset
+    from megamoe.functional import topk_select
+    from megamoe.router import route
+
+    cfg = get_preset("qwen3-30b-a3b" if name == "qwen3" else "deepseek-v3")
+    cfg = dataclasses.replace(cfg, nan_policy="propagate")
+    E, T = cfg.num_experts, 1000
+    g = torch.Generator(device=DEV).manual_seed(31)
+    logits = (torch.randn(T, E, generator=g, device=DEV) * 2).round(decimals=1)
+    logits[7, 3] = float("nan")
+    bias = (torch.randn(E, generator=g, device=DEV) * 0.1) if cfg.use_expert_bias else None
+    dw = torch.randn(T, cfg.top_k, generator=g, device=DEV)
+
+    def run(select):
+        lg = logits.clone().requires_grad_()
+        r = route(None, None, bias, cfg, logits_TE=lg, select=select)
+        (grad,) = torch.autograd.grad((r.topk_weights_TK * dw).nansum(), lg)
+        return r.topk_ids_TK, r.topk_weights_TK, grad
+    want, got = run(None), run(topk_select)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=4e-7 * cfg.top_k, atol=0, equal_nan=True)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6, equal_nan=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = run(topk_select)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.equal(a, b) for a, b in zip(again, got) if a.dtype != torch.float32) and torch.equal(
+        again[1].nan_to_num(), got[1].nan_to_num())
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run(topk_select)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(topk_select)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], got[0]) and torch.equal(captured[1].nan_to_num(), got[1].nan_to_num())
+    assert torch.equal(captured[2].nan_to_num(), got[2].nan_to_num())

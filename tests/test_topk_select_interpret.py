@@ -35,7 +35,10 @@ CASES = {
                        routed_scaling_factor=1.0),
     "e60-unnormalised": dict(num_experts=60, top_k=4, score_func="softmax", n_group=1, topk_group=1,
                              use_expert_bias=False, routed_scaling_factor=1.0, norm_topk_prob=False),
+    "glm-e160-negative-bias": dict(num_experts=160, top_k=8, score_func="sigmoid", n_group=1, topk_group=1,
+                                   use_expert_bias=True, routed_scaling_factor=2.5),
 }
+BIAS_SHIFT = {"glm-e160-negative-bias": -3.0}  # every biased score below 0: the padded columns (0) must never win
 
 
 def _cfg(name, **extra):
@@ -63,7 +66,9 @@ def test_fused_selection_matches_route(name, T, ties):
     logits = torch.randn(T, E, generator=g) * 2
     if ties:  # few distinct values: many equal scores at the K-th place
         logits = logits.round()
-    bias = (torch.randn(E, generator=g) * 0.1).round(decimals=1) if cfg.use_expert_bias else None
+    bias = None
+    if cfg.use_expert_bias:
+        bias = (torch.randn(E, generator=g) * 0.1).round(decimals=1) + BIAS_SHIFT.get(name, 0.0)
     res = _both(cfg, logits, bias)
     ref, got = res[False][0], res[True][0]
     assert got.topk_ids_TK.dtype == torch.int64 and got.topk_weights_TK.dtype == torch.float32
@@ -95,6 +100,50 @@ def test_propagate_policy_gives_nan_weights_and_no_gradient(name):
     grads = [torch.autograd.grad((r.topk_weights_TK * dw).nansum(), lg, allow_unused=True)[0]
              for r, lg in (res[False], res[True])]
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@interpreted
+@pytest.mark.parametrize("case", ["inf-bias-groups", "nan-bias-groups", "zero-scores", "few-finite"])
+def test_extreme_scores_and_biases(case):
+    """Infinite and NaN selection biases with groups (a group's top-2 sum may be inf + -inf: NaN, ranked as -inf),
+    picked scores that are all exactly zero (the divisor's + 1e-20), and fewer finite experts than K in the kept
+    groups (the -inf ones picked by lower id): the same ids as the PyTorch selection, weights and gradients
+    alike."""
+    cfg = _cfg("deepseek-sigmoid-groups")
+    E = cfg.num_experts
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(13, E, generator=g)
+    bias = torch.zeros(E)
+    if case == "inf-bias-groups":
+        bias[::7], bias[3::11] = float("inf"), -float("inf")
+    elif case == "nan-bias-groups":
+        bias[::5] = float("nan")
+    elif case == "zero-scores":
+        logits = torch.full((13, E), -200.0)  # sigmoid(-200) is exactly 0 in fp32
+    else:
+        bias[E // 2:] = -float("inf")  # only the first half's experts are finite
+        bias[5:E // 2] = -float("inf")  # ... and of those only 5 (< K = 8)
+    res = _both(cfg, logits, bias)
+    ref, got = res[False][0], res[True][0]
+    assert torch.equal(got.topk_ids_TK, ref.topk_ids_TK)
+    torch.testing.assert_close(got.topk_weights_TK, ref.topk_weights_TK, rtol=4e-7 * cfg.top_k, atol=0,
+                               equal_nan=True)
+    dw = torch.randn(13, cfg.top_k, generator=g)
+    grads = [torch.autograd.grad((r.topk_weights_TK * dw).nansum(), lg)[0] for r, lg in (res[False], res[True])]
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@interpreted
+def test_second_derivative_raises():
+    """The fused selection is differentiable once: a backward that builds a graph for a second derivative is an
+    error, not a silently wrong Hessian."""
+    cfg = _cfg("qwen3-softmax")
+    lg = torch.randn(5, cfg.num_experts, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    from megamoe.functional import topk_select
+
+    r = route(None, None, None, cfg, logits_TE=lg, select=topk_select)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.autograd.grad(r.topk_weights_TK.square().sum(), lg, create_graph=True)
 
 
 @interpreted
@@ -150,7 +199,7 @@ def test_kernels_compile_for_hopper(E, K, n_group, topk_group, bias, check):
                      CHECK_LOGITS=check, NORM=True, SCALED=True, E_POW2=e_pow2, BLOCK_T=block_t)
     bwd_sig = dict(dw_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", norm_ptr="*fp32", ds_ptr="*fp32", T="i32",
                    E="i32", scale="fp32")
-    bwd_const = dict(K=K, K_POW2=k_pow2, NORM=True, SCALED=True, E_POW2=e_pow2, BLOCK_T=block_t)
+    bwd_const = dict(K=K, K_POW2=k_pow2, NORM=True, SCALED=True, FLAGGED=check, E_POW2=e_pow2, BLOCK_T=block_t)
     for kernel, sig, const in ((topk_select_fwd_kernel, fwd_sig, fwd_const),
                                (topk_select_bwd_kernel, bwd_sig, bwd_const)):
         sig = {**sig, **dict.fromkeys(const, "constexpr")}

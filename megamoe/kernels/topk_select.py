@@ -11,8 +11,8 @@ of those ids, divided by their sum (slot order 0..K-1) + 1e-20 when NORM (IEEE d
 SCALED; with CHECK_LOGITS a token with a non-finite logit gets NaN weights. Writes ids (int64) and weights
 (fp32), and the sum the weights were divided by (for the backward).
 ``topk_select_bwd_kernel``: the scores' gradient of those weights, ``ds[id_k] = c * (dw_k - sum_j dw_j w_j / c) / n``
-(c the scaling, n the divisor; tokens whose weights are NaN by the logit check, whose n is NaN, get zeros), zeros
-elsewhere.
+(c the scaling, n the divisor; with FLAGGED, tokens whose weights are NaN by the logit check, whose n is NaN, get
+zeros), zeros elsewhere.
 """
 
 import triton
@@ -100,8 +100,8 @@ def topk_select_fwd_kernel(scores_ptr, bias_ptr, logits_ptr, ids_ptr, w_ptr, nor
 
 @triton.jit
 def topk_select_bwd_kernel(dw_ptr, w_ptr, ids_ptr, norm_ptr, ds_ptr, T, E, scale, K: tl.constexpr,
-                           K_POW2: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr, E_POW2: tl.constexpr,
-                           BLOCK_T: tl.constexpr):
+                           K_POW2: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr, FLAGGED: tl.constexpr,
+                           E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     kcol = tl.arange(0, K_POW2)
@@ -116,7 +116,8 @@ def topk_select_bwd_kernel(dw_ptr, w_ptr, ids_ptr, norm_ptr, ds_ptr, T, E, scale
             w = tl.div_rn(w, scale)
         dot = tl.sum(tl.where(km, dw * w, 0.0), axis=1)
         dw = tl.div_rn(dw - dot[:, None], n[:, None])
-    dw = tl.where((n != n)[:, None], 0.0, dw)  # no gradient through the NaN weights, as torch.where's
+    if FLAGGED:
+        dw = tl.where((n != n)[:, None], 0.0, dw)  # no gradient through the NaN weights, as torch.where's
     ids = tl.load(ids_ptr + rows[:, None] * K + kcol[None, :], mask=km, other=0)
     cols = tl.arange(0, E_POW2)
     ds = tl.zeros((BLOCK_T, E_POW2), dtype=tl.float32)

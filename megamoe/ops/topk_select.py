@@ -42,7 +42,8 @@ def topk_select(scores_TE: torch.Tensor, bias_E: torch.Tensor | None, logits_TE:
     unbiased scores divided by their sum + 1e-20 when ``norm``, times ``scale``; ``logits_TE`` given: tokens with a
     non-finite logit get NaN weights (and a NaN divisor)."""
     where = "topk_select"
-    if scores_TE.dim() != 2 or scores_TE.dtype != torch.float32 or (scores_TE.numel() and scores_TE.stride(1) != 1):
+    if (scores_TE.dim() != 2 or scores_TE.dtype != torch.float32
+            or (scores_TE.shape[1] > 1 and scores_TE.stride(1) != 1)):
         raise ValueError(f"{where}: scores_TE must be 2-D fp32 with a contiguous last dim, got {scores_TE.dtype} "
                          f"{tuple(scores_TE.shape)}")
     T, E = scores_TE.shape
@@ -51,7 +52,7 @@ def topk_select(scores_TE: torch.Tensor, bias_E: torch.Tensor | None, logits_TE:
                          "shape the fused selection takes (topk_select_supported)")
     if bias_E is not None and (bias_E.shape != (E,) or bias_E.dtype != torch.float32 or not bias_E.is_contiguous()):
         raise ValueError(f"{where}: bias_E must be a contiguous fp32 tensor of shape ({E},)")
-    if logits_TE is not None and (logits_TE.shape != (T, E) or (T and logits_TE.stride(1) != 1)):
+    if logits_TE is not None and (logits_TE.shape != (T, E) or (E > 1 and logits_TE.stride(1) != 1)):
         raise ValueError(f"{where}: logits_TE must have shape ({T}, {E}) and a contiguous last dim")
     dev = check_device(topk_select_fwd_kernel, where, scores_TE=scores_TE, bias_E=bias_E, logits_TE=logits_TE)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=dev)
@@ -71,9 +72,11 @@ def topk_select(scores_TE: torch.Tensor, bias_E: torch.Tensor | None, logits_TE:
 
 
 def topk_select_backward(dw_TK: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, divisor_T: torch.Tensor, *,
-                         num_experts: int, norm: bool = True, scale: float = 1.0) -> torch.Tensor:
+                         num_experts: int, norm: bool = True, scale: float = 1.0,
+                         flagged: bool = False) -> torch.Tensor:
     """ds_TE (T, E) fp32: the gradient of :func:`topk_select`'s weights with respect to the scores (zeros but at
-    each token's K ids; zeros for tokens with a NaN divisor)."""
+    each token's K ids). ``flagged``: the forward had the logits' check, whose tokens (a NaN divisor) get zeros,
+    as torch.where's gradient (without it a NaN divisor propagates)."""
     where = "topk_select_backward"
     T, K = ids_TK.shape
     for name, t, dtype in (("dw_TK", dw_TK, torch.float32), ("w_TK", w_TK, torch.float32),
@@ -89,5 +92,5 @@ def topk_select_backward(dw_TK: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.
     block_t = block_tokens(num_experts, is_interpreted(topk_select_bwd_kernel))
     topk_select_bwd_kernel[(triton.cdiv(T, block_t),)](
         dw_TK, w_TK, ids_TK, divisor_T, ds, T, num_experts, float(scale), K=K, K_POW2=pow2(K), NORM=norm,
-        SCALED=scale != 1.0, E_POW2=e_pow2, BLOCK_T=block_t, num_warps=4, enable_fp_fusion=True)
+        SCALED=scale != 1.0, FLAGGED=flagged, E_POW2=e_pow2, BLOCK_T=block_t, num_warps=4, enable_fp_fusion=True)
     return ds
