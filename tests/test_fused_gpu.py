@@ -219,7 +219,7 @@ def test_router_logits(T, D, E, w_dtype):
     """The fp32 router of bf16 x (bf16 GEMMs of exact three-piece bf16 splits of the fp32 operands; a bf16 weight as
     itself): logits, dx and dW within fp32's accuracy, not TF32's: each max error against fp64 at most 4x cuBLAS's
     IEEE fp32 one plus the dropped piece products' bound (2^-22 of the sum of |products|; dx, and dW of a bf16
-    weight, also half a bf16 ulp, their one cast), and below 1/16 of cuBLAS's TF32 one; a token's logits bitwise
+    weight, also half a bf16 ulp, their one cast), and below 1/8 of cuBLAS's TF32 one; a token's logits bitwise
     the same in any batch; bitwise repeatable. dW over 2 token chunks at T = 4099."""
     from megamoe.functional import router_logits
     g = torch.Generator(device=DEV).manual_seed(11)
@@ -250,7 +250,7 @@ def test_router_logits(T, D, E, w_dtype):
             bound += 2 ** -8 * want[name].abs().max().item()
         assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g} (cuBLAS IEEE fp32 {ieee:.3g})"
         if not rounded:
-            assert err < tf32 / 16, f"{name}: max error {err:.3g} is not far below TF32's {tf32:.3g}"
+            assert err < tf32 / 8, f"{name}: max error {err:.3g} is not far below TF32's {tf32:.3g}"
     assert torch.equal(router_logits(x[T // 3:T // 3 + 17], rw), lg[T // 3:T // 3 + 17])  # batch invariant
     again = router_logits(x, rw)
     assert torch.equal(again, lg)
