@@ -334,11 +334,12 @@ def router_logits_forward(x_TD, router_w_ED, router_dtype: str = "fp32", keep: d
 # pieces (hi, mid, lo) or the bf16 weight itself, the weight gradient dlogits' (hi, mid, lo) against x.
 _W_PIECES = ("hi", "mid", "lo", "hi", "hi", "mid")
 _DL_PIECES = ("hi", "hi", "hi", "mid", "lo", "mid")
-_DL_HI_MID_LO = slice(2, 5)  # the slots of dlogits' three pieces, in that order
+_DL_HI_MID_LO_AT = 2  # the first slot of dlogits' (hi, mid, lo), in that order (0 in _DL_BF16_PIECES)
 _W_BF16_PIECES, _DL_BF16_PIECES = ("hi", "hi", "hi"), ("hi", "mid", "lo")
 
 
-def _or(kernel_config, experts: int, hidden: int):
+def _router_tiles(kernel_config, experts: int, hidden: int):
+    """``kernel_config``, or the router's table at (experts, hidden) when None."""
     return router_kernel_config(experts, hidden) if kernel_config is None else kernel_config
 
 
@@ -350,10 +351,10 @@ def _fp32_logits_bf16_pieces(x_TD, router_w_ED, one_2, keep: dict, kernel_config
     T = x_TD.shape[0]
     if router_w_ED.dtype == torch.bfloat16:
         return grouped_mm_nt(x_TD, router_w_ED.unsqueeze(0), one_2, out_dtype=torch.float32,
-                             tile_cache=keep["tiles"], kernel_config=_or(kernel_config, E, D))
+                             tile_cache=keep["tiles"], kernel_config=_router_tiles(kernel_config, E, D))
     w3 = split_bf16x3(router_w_ED.float().contiguous(), _W_PIECES[:3], along="rows")
     l3_TE = grouped_mm_nt(x_TD, w3.unsqueeze(0), one_2, out_dtype=torch.float32, tile_cache=keep["tiles"],
-                          kernel_config=_or(kernel_config, 3 * E, D))
+                          kernel_config=_router_tiles(kernel_config, 3 * E, D))
     return chunk_sum(l3_TE.view(T, 3, E).transpose(0, 1), out_dtype=torch.float32)
 
 
@@ -363,23 +364,19 @@ def _fp32_backward_bf16_pieces(dlogits_TE, x_TD, router_w_ED, need_x, need_w, on
     (hi, mid, lo)^T @ x over the token chunks of the 16-bit router's weight gradient, the 3 S fp32 partials summed
     in order, one cast to the weight's dtype."""
     E, D = router_w_ED.shape
-    T = x_TD.shape[0]
     bf16_w = router_w_ED.dtype == torch.bfloat16
     w_pieces, dl_pieces = (_W_BF16_PIECES, _DL_BF16_PIECES) if bf16_w else (_W_PIECES, _DL_PIECES)
     dl_TE = split_bf16x3(dlogits_TE.float().contiguous(), dl_pieces, along="cols")
-    kc = _or(kernel_config, 3 * E, D)
+    kc = _router_tiles(kernel_config, 3 * E, D)
     dx = dw = None
     if need_x:
         w_ED = split_bf16x3(router_w_ED.float().contiguous(), w_pieces, along="rows")
         dx = grouped_mm_nn(dl_TE, w_ED.unsqueeze(0), one_2, out_dtype=x_TD.dtype, tile_cache=keep["tiles"],
                            kernel_config=kc)
     if need_w:
-        S = router_wgrad_chunks(T, 3 * E, D)
-        offsets = one_2 if S == 1 else chunk_offsets(T, S, x_TD.device)
-        hml = slice(0, 3) if bf16_w else _DL_HI_MID_LO
-        parts_SED = k_grouped_mm(dl_TE[:, hml.start * E:hml.stop * E], x_TD, offsets, out_dtype=torch.float32,
-                                 kernel_config=kc)
-        dw = chunk_sum(parts_SED.view(3 * S, E, D), out_dtype=router_w_ED.dtype)
+        at = 0 if bf16_w else _DL_HI_MID_LO_AT
+        dw = router_wgrad(dl_TE[:, at * E:(at + 3) * E], x_TD, kernel_config=kc, one_2=one_2, pieces=3,
+                          out_dtype=router_w_ED.dtype)
     return dx, dw
 
 
@@ -430,8 +427,12 @@ def router_logits_backward(dlogits_TE, x_TD, router_w_ED, need_x: bool, need_w: 
     return dx, dw
 
 
-def router_wgrad(dlogits_TE, x_TD, *, chunks: int | None = None, kernel_config=None, one_2=None):
-    """The router's weight gradient in x's (16-bit) dtype: ``dW_ED = cast(sum_t dlogits[t]^T x[t])``.
+def router_wgrad(dlogits_TE, x_TD, *, chunks: int | None = None, kernel_config=None, one_2=None, pieces: int = 1,
+                 out_dtype: torch.dtype | None = None):
+    """The router's weight gradient ``dW_ED = cast(sum_t dlogits[t]^T x[t])`` in ``out_dtype`` (default x's dtype).
+    ``pieces`` > 1: dlogits_TE's columns are that many blocks of E (the fp32 router's bf16 pieces of dlogits), and
+    their products are added too (the fp32 partials chunk by chunk, each chunk's blocks in order), so (T, 3E) pieces
+    give an (E, D) gradient.
 
     The T rows are cut into S fixed chunks of ceil(T / S) rows in token order (``ops.chunk_offsets``; S =
     ``chunks``, default ``ops.router_wgrad_chunks(T, E, D)``: a pure function of the shapes, never of the GPU,
@@ -445,15 +446,17 @@ def router_wgrad(dlogits_TE, x_TD, *, chunks: int | None = None, kernel_config=N
     x's dtype; ``kernel_config``: the tiles (default ``ops.router_kernel_config(E, D)``); ``one_2``: the
     offsets [0, T] when the caller has them (``ops.single_group_offsets``)."""
     T, D = x_TD.shape
-    E = dlogits_TE.shape[1]
-    kc = router_kernel_config(E, D) if kernel_config is None else kernel_config
-    S = router_wgrad_chunks(T, E, D) if chunks is None else chunks
+    columns = dlogits_TE.shape[1]
+    out_dtype = x_TD.dtype if out_dtype is None else out_dtype
+    kc = _router_tiles(kernel_config, columns, D)
+    S = router_wgrad_chunks(T, columns, D) if chunks is None else chunks
     if S == 1:
         one_2 = single_group_offsets(T, x_TD.device) if one_2 is None else one_2
-        return k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=x_TD.dtype, kernel_config=kc)[0]
-    parts_SED = k_grouped_mm(dlogits_TE, x_TD, chunk_offsets(T, S, x_TD.device), out_dtype=torch.float32,
-                             kernel_config=kc)
-    return chunk_sum(parts_SED, out_dtype=x_TD.dtype)
+        if pieces == 1:
+            return k_grouped_mm(dlogits_TE, x_TD, one_2, out_dtype=out_dtype, kernel_config=kc)[0]
+    parts_SED = k_grouped_mm(dlogits_TE, x_TD, one_2 if S == 1 else chunk_offsets(T, S, x_TD.device),
+                             out_dtype=torch.float32, kernel_config=kc)
+    return chunk_sum(parts_SED.view(S * pieces, columns // pieces, D), out_dtype=out_dtype)
 
 
 class RouterLogitsFunction(torch.autograd.Function):

@@ -303,8 +303,9 @@ def router_kernel_config(num_experts: int, hidden: int) -> KernelConfig:
     (Mixtral's 8) keeps unmeasured first guesses: BLOCK_N fitted to E.
 
     The fp32 router of bf16 x (megamoe.autograd: bf16 GEMMs of exact bf16 pieces) takes this function's tiles at
-    (3 E, D): its logits (N = 3 E) and weight gradient ([3 E, D] per chunk); its dx (K = 7 E) has no entry and
-    takes the table's "dgrad" tile. First guesses at those shapes, not measured there yet."""
+    (3 E, D): its logits (N = 3 E; a bf16 weight: the tiles at (E, D)) and weight gradient ([3 E, D] per chunk);
+    its dx (K = 6 E, or 3 E for a bf16 weight, which has the "dgrad" entry at 3 E >= 128) otherwise takes the
+    table's "dgrad" tile. First guesses at those shapes, not measured there yet."""
     block_n = min(128, max(16, 1 << (max(num_experts, 1) - 1).bit_length()))
     wide = block_n >= 128
     logits = GemmConfig(128, 128, 64, 8, 4) if wide else GemmConfig(128, block_n, 64, 4, 3, tma_b=True, tma_a=True)
