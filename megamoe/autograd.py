@@ -89,6 +89,7 @@ from .ops import (
 )
 from .ops.dispatch import Needs
 from .ops.topk_select import topk_select, topk_select_backward
+from .ops.wgrad_rounds import k_grouped_round
 
 __all__ = ["MoEExpertsFunction", "RouterLogitsFunction", "experts_backward", "experts_forward",
            "router_logits_backward", "router_logits_forward", "router_wgrad"]
@@ -161,6 +162,22 @@ def _shared_backward(d, x_TD, dout_TD, shared_w13_HD, shared_w2_DS, gus_TH, need
     return dxs_TD, wgrads
 
 
+def _wgrad(d, r: int, which: str, rows, p, q, out, out_dtype, fp8):
+    """Round r's part of the weight gradient ``which`` = sum over each expert's rows of P^T Q (``p`` / ``q``:
+    (rows, row index or None)): round 0 makes it (the one-round GEMM), and with several rounds the round kernels
+    store the experts of later rounds and carry the experts split across rounds (megamoe.ops.wgrad_rounds)."""
+    split = d.round_split(r, which)
+    if fp8 is not None:
+        return fp8.wgrad(rows, *p, *q, out_dtype, out=out, split=split)
+    if r == 0:
+        out = k_grouped_mm(p[0], q[0], rows.offsets_E1, p_idx_R=p[1], q_idx_R=q[1], out_dtype=out_dtype,
+                           rows_per_group=rows.rows_per_group, kernel_config=d.kernel_config)
+    if split is not None:  # the receive buffers' rows: contiguous, no row index
+        k_grouped_round(p[0], q[0], split.roff_L1, split.full_off_L1, split.round_starts_Q1, out, split.scratch_JMN,
+                        round_idx=r, capacity_rows=split.capacity_rows, kernel_config=d.kernel_config)
+    return out
+
+
 def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs, fp8=None):
     """Every round's dgrad + SwiGLU backward, weight gradients and dx rows; returns (dw13, dw2). ``fp8``: the
     FP8 recipe runs the GEMMs (as in :func:`_routed_forward`), or None."""
@@ -184,22 +201,12 @@ def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs, fp8=None):
             dgu_RG, hw_RF, part_RP = fp8.dgrad_swiglu(rows, gu_RG)
         del gu_RG
         if need.w2:
-            if r == 0 and fp8 is not None:
-                dw2 = fp8.wgrad(rows, rows.dy_RD, rows.dy_idx_R, hw_RF, None, w2_EDF.dtype)
-            elif r == 0:
-                dw2 = k_grouped_mm(rows.dy_RD, hw_RF, rows.offsets_E1, p_idx_R=rows.dy_idx_R, out_dtype=w2_EDF.dtype,
-                                   rows_per_group=rows.rows_per_group, kernel_config=kc)
-            d.accumulate_round(r, "w2", rows.dy_RD, hw_RF, dw2)
+            dw2 = _wgrad(d, r, "w2", rows, (rows.dy_RD, rows.dy_idx_R), (hw_RF, None), dw2, w2_EDF.dtype, fp8)
         del hw_RF
         rows.dy_RD = rows.dy_idx_R = None  # a row-order copy of dout is freed before the one of x is made
         if need.w13:
             q_RD, q_idx_R = d.wgrad_x_rows(rows)
-            if r == 0 and fp8 is not None:
-                dw13 = fp8.wgrad(rows, dgu_RG, None, q_RD, q_idx_R, w13_EGD.dtype)
-            elif r == 0:
-                dw13 = k_grouped_mm(dgu_RG, q_RD, rows.offsets_E1, q_idx_R=q_idx_R, out_dtype=w13_EGD.dtype,
-                                    rows_per_group=rows.rows_per_group, kernel_config=kc)
-            d.accumulate_round(r, "w13", dgu_RG, q_RD, dw13)
+            dw13 = _wgrad(d, r, "w13", rows, (dgu_RG, None), (q_RD, q_idx_R), dw13, w13_EGD.dtype, fp8)
             del q_RD
         if not rows.need_dx:
             dx_RD = None

@@ -38,7 +38,9 @@ from __future__ import annotations
 import torch
 
 from .ops import fp8_gemm, fp8_gemm_gluon, fp8_quant
+from .ops.dispatch import RoundSplit
 from .ops.fp8_weights import WEIGHT_CACHE, Fp8WeightCache
+from .ops.wgrad_rounds import fp8_k_grouped_round
 
 __all__ = ["Fp8Experts"]
 
@@ -52,12 +54,16 @@ class Fp8Experts:
         self.cache = cache
         self.w13 = self.w2 = None  # (q, s) 128x128 blocks
         self.w13_k = self.w2_k = None  # the same blocks K-major, for the backward's input-gradient GEMMs
-        self._rows: dict = {}  # 1x128 blocks of the row buffers of the current pass, by buffer
+        self._rows: dict = {}  # 1x128 blocks of the row buffers of the current round, by buffer
+        self._round = None  # the RoundRows those blocks belong to
         self._dgu = None  # the dgrad epilogue's 1x128 blocks of dgu, for the dx GEMM of the same round
 
     # ------------------------------------------------------------------------------------------ helpers
-    def _rows_1x128(self, t_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """1x128 blocks of a row buffer (token rows or a round's received rows), made once per pass."""
+    def _rows_1x128(self, rows, t_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """1x128 blocks of a row buffer (token rows or a round's received rows), made once per round: a round's
+        receive buffer holds other rows in the next round."""
+        if rows is not self._round:
+            self._round, self._rows = rows, {}
         entry = self._rows.get(id(t_RC))
         if entry is None or entry[0] is not t_RC:
             entry = (t_RC, *fp8_quant.quantize_1x128(t_RC))
@@ -74,12 +80,12 @@ class Fp8Experts:
     def open_forward(self, w13_EGD: torch.Tensor, w2_EDF: torch.Tensor) -> None:
         """The weights' 128x128 blocks (cached per weight version)."""
         self.w13, self.w2 = self.cache.get(w13_EGD), self.cache.get(w2_EDF)
-        self.dtype, self._rows = w13_EGD.dtype, {}
+        self.dtype, self._rows, self._round = w13_EGD.dtype, {}, None
 
     def gate_up(self, rows, save_preact: bool | None = None):
         """Gate/up + SwiGLU on the round's x rows: (h as its 1x128 blocks (hq_RF, hs_RB), gu_RG or None)."""
         self._check_rows(rows, "gate/up")
-        xq, xs = self._rows_1x128(rows.x_RD)
+        xq, xs = self._rows_1x128(rows, rows.x_RD)
         keep = rows.keep_preact if save_preact is None else save_preact
         hq, hs, gu = fp8_gemm.fp8_gate_up_swiglu(xq, xs, *self.w13, rows.offsets_E1, gather_idx_R=rows.x_idx_R,
                                                  out_dtype=self.dtype, save_preact=keep, tile_cache=rows.tiles)
@@ -95,39 +101,48 @@ class Fp8Experts:
                                           tile_cache=rows.tiles)
 
     def end_forward(self) -> None:
-        self._rows = {}
+        self._rows, self._round = {}, None
 
     # ------------------------------------------------------------------------------------------ backward
     def open_backward(self) -> None:
         """The forward's weight blocks in K-major order for the input-gradient GEMMs (cached with the blocks)."""
-        self._rows, self._dgu = {}, None
+        self._rows, self._round, self._dgu = {}, None, None
         self.w13_k, self.w2_k = self.cache.kmajor(self.w13), self.cache.kmajor(self.w2)
 
     def dgrad_swiglu(self, rows, gu_RG: torch.Tensor):
         """dout rows @ w2 blocks with the SwiGLU backward: (dgu_RG, hw_RF, part_RP or None); dgu's 1x128 blocks
         are kept for :meth:`dx` when the round needs dx."""
         self._check_rows(rows, "dgrad")
-        dq, ds = self._rows_1x128(rows.dy_RD)
+        dq, ds = self._rows_1x128(rows, rows.dy_RD)
         dgu, hw, part, dgq, dgs = fp8_gemm.fp8_swiglu_dgrad(
             dq, ds, *self.w2_k, rows.offsets_E1, gu_RG, gather_idx_R=rows.dy_idx_R, row_scale_R=rows.scale_R,
             row_dot=rows.row_dot, tile_cache=rows.tiles)
         self._dgu = (dgq, dgs) if rows.need_dx else None
         return dgu, hw, part
 
-    def wgrad(self, rows, p, p_idx_R, q, q_idx_R, out_dtype: torch.dtype):
+    def wgrad(self, rows, p, p_idx_R, q, q_idx_R, out_dtype: torch.dtype, *, out: torch.Tensor | None = None,
+              split: RoundSplit | None = None):
         """Weight gradient ``sum over each expert's rows of P^T Q`` on 128x1 blocks of both operands, quantized
         from their 16-bit rows (read through p_idx_R / q_idx_R where given): (E, M, N) in ``out_dtype``. The
         128-row block table is the round's m-tile table for BLOCK_M = 128 (made once, in ``rows.tiles``). The
-        operands are written block-padded and transposed (K-major, the layout the FP8 tensor cores read)."""
+        operands are written block-padded and transposed (K-major, the layout the FP8 tensor cores read).
+        ``split``: the round's tables when the exchange runs several rounds (round 0 makes the gradient, later
+        rounds complete ``out`` in place through megamoe.ops.wgrad_rounds.fp8_k_grouped_round)."""
         off = rows.offsets_E1
         blocks = fp8_gemm.table_for(off, fp8_gemm.QB, rows.tiles)
         pq, ps = fp8_quant.quantize_128x1_grouped(p, off, p_idx_R, blocks, kmajor=True)
         qq, qs = fp8_quant.quantize_128x1_grouped(q, off, q_idx_R, blocks, kmajor=True)
-        if fp8_gemm_gluon.fp8_gluon_runs_on(pq.device):
-            return fp8_gemm_gluon.fp8_k_grouped_mm_gluon(pq, ps, qq, qs, off, block_offsets_E1=blocks,
-                                                         out_dtype=out_dtype)
-        return fp8_gemm.fp8_k_grouped_mm(pq, ps, qq, qs, off, block_offsets_E1=blocks, padded=True,
-                                         out_dtype=out_dtype)
+        if split is None or split.round_idx == 0:
+            if fp8_gemm_gluon.fp8_gluon_runs_on(pq.device):
+                out = fp8_gemm_gluon.fp8_k_grouped_mm_gluon(pq, ps, qq, qs, off, block_offsets_E1=blocks,
+                                                            out_dtype=out_dtype)
+            else:
+                out = fp8_gemm.fp8_k_grouped_mm(pq, ps, qq, qs, off, block_offsets_E1=blocks, padded=True,
+                                                out_dtype=out_dtype)
+        if split is not None:
+            fp8_k_grouped_round(pq, ps, qq, qs, off, blocks, split.full_off_L1, split.round_starts_Q1, out,
+                                split.scratch_JMN, round_idx=split.round_idx, capacity_rows=split.capacity_rows)
+        return out
 
     def dx(self, rows) -> torch.Tensor:
         """dx rows = dgu blocks (from the dgrad epilogue) @ w13 blocks (read transposed): (R, D)."""
@@ -143,5 +158,5 @@ class Fp8Experts:
     def end_backward(self) -> None:
         """Drops the pass's row blocks; the weight blocks stay with the layer call (a retained graph's second
         backward reads them again) until autograd frees it; the K-major copies stay with the cache."""
-        self._rows, self._dgu = {}, None
+        self._rows, self._round, self._dgu = {}, None, None
         self.w13_k = self.w2_k = None

@@ -74,8 +74,9 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
         fp8: the routed experts' GEMMs in block-scaled FP8 (as :func:`megamoe.functional.moe_experts`'s ``fp8``;
             docs/fp8.md). The rows travel over NVLink in x's dtype and are quantized by the rank that computes
             on them; the result rows go back by the push kernel (``EPOptions.pull_programs`` and the epilogue push
-            are not used with fp8). Needs one round (the default capacity at W <= 2, or ``capacity_rows`` covering
-            the worst case).
+            are not used with fp8). With several rounds (W >= 4 at the default capacity) ``capacity_rows`` must be
+            a multiple of 128 (the default is), so that an expert split across rounds is cut on its 128-row
+            weight-gradient blocks.
 
     Returns:
         out_TD: (T, D) in x's dtype, this rank's tokens. Differentiable w.r.t. x, topk_weights, the
@@ -88,10 +89,11 @@ def moe_experts_ep(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
         naming this rank, the stage and the peer: at the next call on this rank (lazy, no sync), or at
         once through ``megamoe.distributed.get_workspace(...).check()``.
 
-    Determinism: bitwise reproducible; output, input gradient and (one round) routed-expert weight
-        gradients bitwise equal to the single-GPU fused path on the global batch. Sync: none after the
-        first call (which creates the workspace: a collective, token capacity max(largest T, 4096); a
-        larger T later grows it collectively, see megamoe.distributed.get_workspace); CUDA-graph
+    Determinism: bitwise reproducible; output, input gradient and routed-expert weight gradients bitwise
+        equal to the single-GPU fused path on the global batch (an expert of more than ``capacity_rows`` rows,
+        split across rounds, sums fp32 partials: equal up to fp32 rounding in 16-bit, bitwise in fp8).
+    Sync: none after the first call (which creates the workspace: a collective, token capacity max(largest T,
+        4096); a larger T later grows it collectively, see megamoe.distributed.get_workspace); CUDA-graph
         capturable afterwards.
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -152,9 +154,11 @@ def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF
     rounds = max_rounds(s, capacity_rows)
     recipe = None
     if fp8:
-        if rounds > 1:
-            raise ValueError(f"moe_experts_ep: fp8 runs in one round; capacity_rows={capacity_rows} needs {rounds} "
-                             f"for the worst routing: pass capacity_rows >= {max_received_rows(s)}")
+        if rounds > 1 and capacity_rows % 128:
+            raise ValueError(f"moe_experts_ep: fp8 with several rounds needs capacity_rows to be a multiple of 128 "
+                             f"(an expert split across rounds is cut every capacity_rows rows, on its 128-row "
+                             f"weight-gradient blocks), got capacity_rows={capacity_rows}, which needs {rounds} "
+                             f"rounds for the worst routing (one round from {max_received_rows(s)} rows)")
         from .autograd_fp8 import Fp8Experts
 
         recipe = Fp8Experts()

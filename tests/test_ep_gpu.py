@@ -22,8 +22,9 @@ below assert on it. Proves, for each W, bf16:
     entry of the KernelConfig, case "torch_wgrad") and where the table picks it on the EP path's contiguous receive
     buffers (case "torch_table", 256 rows and more per local expert); call counts show which kernel ran on which
     side;
-  * the FP8 routed experts (``fp8=True``, one round at the worst case's capacity, a rank with zero tokens):
-    output and every gradient bitwise equal to the fused FP8 path on the global batch;
+  * the FP8 routed experts (``fp8=True``: the default capacity, a rank with zero tokens, several used rounds, an
+    expert split across rounds): output and every gradient bitwise equal to the fused FP8 path on the global
+    batch, the split expert's weight gradients too;
   * result rows stored from the GEMM epilogue into the owners' slots (the default) and through the separate
     push kernel (``EPOptions(push_kernel=True)``, case "push_kernel") give the same bits;
   * the shared expert inline on one stream (the default), beside the exchange on the side stream with 16 SMs
@@ -151,10 +152,6 @@ def _run_case(rank, W, group, Ts, kind, seed, capacity, repeats, calls, save, op
 
     dev = rank_device(rank)
     L = _num_experts(W) // W
-    if fp8 and capacity is None:  # FP8 exchanges run in one round: the capacity of the worst case
-        from megamoe.distributed import get_workspace, max_received_rows
-        capacity = max_received_rows(get_workspace(group, num_tokens=max(Ts), hidden=D, top_k=K,
-                                                   num_experts=_num_experts(W), dtype=torch.bfloat16, device=dev).spec)
     w13, w2, s13, s2, xs, ids, ws, gos = _inputs(Ts, kind, seed, dev)
     x, w = _leaf(xs[rank]), _leaf(ws[rank])
     l13, l2, p13, p2 = _leaf(w13[rank * L:(rank + 1) * L]), _leaf(w2[rank * L:(rank + 1) * L]), _leaf(s13), _leaf(s2)
@@ -317,9 +314,11 @@ def _suite(rank, W):
              "pull_beside_rounds": (per_rank(64), "one_rank", 128 * W, 1),
              "pull_beside_big": (per_rank(1024), "uniform", None, 2),
              "pull_beside_big_1": (per_rank(1024), "uniform", None, 2),  # one program: the GEMM outruns it
-             # the FP8 experts (one round: capacity None here means the worst case's, _run_case), a rank with no
-             # tokens
-             "fp8": (per_rank(80, 40), "zipf", None, 2), "fp8_zero_tokens": (per_rank(96, 0), "hot", None, 1)}
+             # the FP8 experts at the default capacity (several rounds launched at W >= 4), a rank with no tokens,
+             # several used rounds, and the hot expert's 160 W rows split across rounds of 128 W
+             "fp8": (per_rank(80, 40), "zipf", None, 2), "fp8_zero_tokens": (per_rank(96, 0), "hot", None, 1),
+             "fp8_rounds": (per_rank(64), "one_rank", 128 * W, 1),
+             "fp8_rounds_split": (per_rank(160), "hot", 128 * W, 1)}
     saves = {"keep_nothing": (False, False), "keep_gu_only": (True, False), "keep_x_only": (False, True),
              "rounds_keep_x_only": (False, True)}
     opts = {"push_kernel": EPOptions(push_kernel=True),  # result rows by the separate push kernel, not the epilogue
@@ -389,7 +388,7 @@ def report(request):
 CASES = ["uniform", "zipf", "hot", "one_rank", "zero_tokens", "ties", "repeat50", "torch_wgrad", "torch_table",
          "push_kernel", "overlap", "comm_sms_64", "overlap_repeat50", "keep_nothing", "keep_gu_only", "keep_x_only",
          "pull_beside", "pull_beside_1", "pull_beside_repeat50", "pull_beside_big", "pull_beside_big_1", "fp8",
-         "fp8_zero_tokens"]
+         "fp8_zero_tokens", "fp8_rounds", "fp8_rounds_split"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -460,6 +459,17 @@ def test_shared_expert_runs_beside_the_exchange_as_asked(report):
         assert rep["overlap"]["shared_blocks"] == [(True, sms - 16, True)] * 2, (r, rep["overlap"]["shared_blocks"])
         assert rep["overlap_repeat50"]["shared_blocks"] == [(True, sms - 16, True)] * 100, r
         assert rep["comm_sms_64"]["shared_blocks"] == [(True, sms - 64, True)] * 2, (r, rep["comm_sms_64"])
+
+
+def test_fp8_cases_use_several_rounds_and_split_an_expert(report):
+    """The FP8 round cases do what they are for (their bits: test_bitwise_equal_to_single_gpu_fused): rank 0 uses
+    several rounds in ``fp8_rounds`` and ``fp8_rounds_split``, and the latter splits its expert 0 across them;
+    the default capacity launches one round exactly when W <= 2."""
+    _need(report, "fp8", "fp8_rounds", "fp8_rounds_split")
+    rep = report[0]
+    assert rep["fp8_rounds"]["rounds_used"] > 1 and rep["fp8_rounds_split"]["rounds_used"] > 1, rep["fp8_rounds"]
+    assert rep["fp8_rounds_split"]["split"][0] and not any(rep["fp8_rounds"]["split"])
+    assert (rep["fp8"]["rounds"] == 1) == (len(report) <= 2), rep["fp8"]["rounds"]
 
 
 @pytest.mark.parametrize("case", ["rounds", "overlap_rounds", "rounds_split", "rounds_keep_x_only",

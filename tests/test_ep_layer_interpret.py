@@ -376,18 +376,24 @@ def test_nothing_is_kept_when_no_backward_can_follow():
         assert seen == [(False, False), (False, False), (True, True)], f"rank {r}: {seen}"
 
 
-def _fp8_worker(rank, W, buffers, spec_args, Ts, K, E, F, C):
-    from megamoe.distributed import EPWorkspace, WorkspaceSpec
+def _fp8_worker(rank, W, buffers, spec_args, Ts, K, E, F, C, kind):
+    from megamoe.distributed import EPWorkspace, WorkspaceSpec, max_rounds
     from megamoe.functional import moe_experts
     from megamoe.functional_ep import moe_experts_ep_workspace
 
     spec = WorkspaceSpec(*spec_args)
     ws = EPWorkspace.from_shared_buffers(spec, rank, buffers)
-    p = _draw(1, Ts, K, E, F, spec.hidden)
+    p = _draw(1, Ts, K, E, F, spec.hidden, kind)
     x, w, l13, l2 = p.local(rank, W)
+    res = {"rounds": max_rounds(spec, C), "refused": None}
+    if res["rounds"] > 1:  # several rounds need C on the 128-row weight-gradient blocks
+        try:
+            moe_experts_ep_workspace(x, p.ids[rank], w, l13, l2, workspace=ws, capacity_rows=C + 64, fp8=True)
+        except ValueError as e:
+            res["refused"] = str(e)
     out = moe_experts_ep_workspace(x, p.ids[rank], w, l13, l2, workspace=ws, capacity_rows=C, timeout_s=60,
                                    fp8=True)
-    res = {"out": out.detach(), "grads": torch.autograd.grad(out, [x, w, l13, l2], p.gos[rank])}
+    res.update(out=out.detach(), grads=torch.autograd.grad(out, [x, w, l13, l2], p.gos[rank]))
     if rank == 0:  # the single-GPU fused FP8 path on the global batch
         leaves = [t.clone().requires_grad_(True) for t in (torch.cat(p.xs), torch.cat(p.wts), p.w13, p.w2)]
         ref = moe_experts(leaves[0], torch.cat(p.ids), *leaves[1:], fp8=True)
@@ -395,17 +401,34 @@ def _fp8_worker(rank, W, buffers, spec_args, Ts, K, E, F, C):
     return res
 
 
-def test_fp8_ep_bitwise_equals_single_gpu_fused_fp8():
-    """moe_experts_ep(..., fp8=True) (one round; the push kernel returns the rows): output and every gradient
-    bitwise equal to the single-GPU FP8 path on the global batch. The rows are quantized per row (1x128) and
-    the weight-gradient blocks start at each expert's first row in both, so the bytes and scales are the same."""
+@pytest.mark.parametrize("W,Ts,K,E,kind,C", [
+    (2, [5, 3], 2, 4, "uniform", 64),  # one round
+    (2, [150, 120], 2, 4, "hot", 128),  # several rounds: expert 0's 270 rows split in three
+    (4, [100, 120, 0, 90], 2, 8, "uniform", 128),  # W = 4: whole experts in a later round; a rank with no tokens
+])
+def test_fp8_ep_bitwise_equals_single_gpu_fused_fp8(W, Ts, K, E, kind, C):
+    """moe_experts_ep(..., fp8=True) (the push kernel returns the rows): output and every gradient bitwise equal
+    to the single-GPU FP8 path on the global batch, in one round and in several. The rows are quantized per row
+    (1x128) and the weight-gradient blocks start at each expert's first row in both; an expert split across
+    rounds is cut every C rows (a multiple of 128) and carries its fp32 sum from round to round, so the bytes,
+    scales and sums are the same. A C off the 128-row blocks is refused when rounds are launched."""
     from megamoe.distributed import EPWorkspace, WorkspaceSpec
 
-    W, Ts, K, E, Dm, F, C = 2, [5, 3], 2, 4, 128, 128, 64
+    Dm, F = 128, 128
     spec = WorkspaceSpec(W, max(Ts), Dm, K, E, torch.float32)
     res = spawn_ranks(_fp8_worker, W, EPWorkspace.allocate_shared(spec), (W, spec.max_tokens, Dm, K, E, torch.float32),
-                      Ts, K, E, F, C, env=ENV)
+                      Ts, K, E, F, C, kind, env=ENV)
+    ids_all = [routing(kind, T, K, E, 1, s) for s, T in enumerate(Ts)]
+    if kind == "hot":
+        assert split_experts(ids_all, 0, E // W, C)[0], "the case must split expert 0 across rounds"
+    if W == 4:  # some rank uses two rounds, no expert split: whole experts in round 1
+        used = [sum(1 for a, b in zip(st, st[1:]) if b > a) for st in
+                (model_rounds(expert_counts(ids_all, r, E // W), C, 8) for r in range(W))]
+        assert max(used) > 1 and not any(map(any, (split_experts(ids_all, r, E // W, C) for r in range(W)))), used
     for r in range(W):
+        assert (res[r]["rounds"] > 1) == (C >= 128), res[r]["rounds"]
+        if res[r]["rounds"] > 1:
+            assert "multiple of 128" in (res[r]["refused"] or ""), res[r]["refused"]
         ref_out, ref_grads = _ref_slices(res[0]["ref"], Ts, r, E // W)
         assert torch.equal(res[r]["out"], ref_out), f"rank {r}: output"
         for name, a, b in zip(("dx", "dw", "dw13", "dw2"), res[r]["grads"], ref_grads):

@@ -7,7 +7,9 @@ without rows) are bitwise the one-round result; experts of more than C rows, spl
 are within 2x PyTorch's own fp32 error; the split slots need no zero fill (NaN-poisoned); rows past a
 round's end are never read (NaN-poisoned); a round without rows, or a round-0 launch for a routing with no
 split expert, writes nothing; the number of slots is min(R // (C + 1), L); rows overflowing the launched
-rounds write nothing past the slots; bad arguments raise ValueError.
+rounds write nothing past the slots; bad arguments raise ValueError. In block-scaled FP8
+(fp8_k_grouped_round, C a multiple of 128): every expert, split or whole, is bitwise the one-round FP8 weight
+gradient over all rows, and a C that is not a multiple of 128 is refused.
 
 Legend: L local experts, C capacity rows per round, R rows in all rounds, M / N the gradient's sizes,
 S split slots.
@@ -21,8 +23,10 @@ import torch
 
 from ep_utils import model_rounds, offsets_of
 from interpreter import interpreted
-from megamoe.ops import k_grouped_mm
-from megamoe.ops.wgrad_rounds import finalize_split, k_grouped_round, split_slots
+from megamoe.ops import k_grouped_mm, tile_offsets_for
+from megamoe.ops.fp8_gemm import fp8_k_grouped_mm
+from megamoe.ops.fp8_quant import quantize_128x1_grouped
+from megamoe.ops.wgrad_rounds import finalize_split, fp8_k_grouped_round, k_grouped_round, split_slots
 
 M, N = 20, 36  # not multiples of the interpreter's 16 x 16 tiles
 
@@ -146,3 +150,64 @@ def test_bad_arguments_raise():
         k_grouped_round(P, Q, full, full, starts, out, scratch, round_idx=1, capacity_rows=C)
     with pytest.raises(ValueError, match="out"):
         finalize_split(scratch, full, out[:, :, :4].transpose(1, 2), capacity_rows=C)
+
+
+def _fp8_blocks(P, Q, off):
+    """Both operands of the FP8 weight gradient as the FP8 recipe makes them: 128x1 blocks from each expert's
+    first row, block-padded and K-major; plus the 128-row block table."""
+    blocks = tile_offsets_for(off, 128)
+    return (*quantize_128x1_grouped(P, off, None, blocks, kmajor=True),
+            *quantize_128x1_grouped(Q, off, None, blocks, kmajor=True), blocks)
+
+
+@pytest.mark.parametrize("counts,C,extra_rounds", [
+    ([0, 300, 5, 129, 128, 0, 40], 128, 1),  # experts of 300 and 129 rows split (3 and 2 pieces); an unused round
+    ([2, 700, 1], 256, 0),                   # one expert across three rounds, its last piece not a full block
+    ([128, 128, 3], 128, 1),                 # experts of exactly C rows: none split, later rounds whole
+])
+@interpreted
+def test_fp8_rounds_are_bitwise_the_one_round_gradient(counts, C, extra_rounds):
+    """The FP8 recipe's order: round 0's one-round GEMM, the round kernel per round, finalize. Poisoned: the
+    round buffers past the round's rows (NaN), the slots (NaN: no zero fill needed)."""
+    off = offsets_of(counts)
+    R = off[-1]
+    table = model_rounds(counts, C, R + 1)
+    rounds = sum(1 for a, b in zip(table, table[1:]) if b > a) + extra_rounds
+    starts = model_rounds(counts, C, rounds)
+    assert starts[-1] == R
+    g = torch.Generator().manual_seed(R + C)
+    P, Q = torch.randn(R, M, generator=g), torch.randn(R, N, generator=g) * 3
+    full = torch.tensor(off, dtype=torch.int32)
+    pq, ps, qq, qs, blocks = _fp8_blocks(P, Q, full)
+    one = fp8_k_grouped_mm(pq, ps, qq, qs, full, block_offsets_E1=blocks, padded=True, out_dtype=torch.float32)
+    starts_t = torch.tensor(starts, dtype=torch.int32)
+    scratch = torch.full((split_slots(R, C, len(counts)), M, N), float("nan"))
+    out = None
+    for r in range(rounds):
+        lo, n = starts[r], starts[r + 1] - starts[r]
+        Pr, Qr = torch.full((C, M), float("nan")), torch.full((C, N), float("nan"))
+        Pr[:n], Qr[:n] = P[lo:lo + n], Q[lo:lo + n]
+        roff = (full - lo).clamp(0, n).to(torch.int32)
+        rq = _fp8_blocks(Pr, Qr, roff)
+        if r == 0:
+            out = fp8_k_grouped_mm(*rq[:4], roff, block_offsets_E1=rq[4], padded=True, out_dtype=torch.float32)
+        fp8_k_grouped_round(*rq[:4], roff, rq[4], full, starts_t, out, scratch, round_idx=r, capacity_rows=C)
+    finalize_split(scratch, full, out, capacity_rows=C)
+    split = [c > C for c in counts]
+    assert any(split) == (max(counts) > C)
+    for e in range(len(counts)):
+        assert torch.equal(out[e], one[e]), f"expert {e} ({counts[e]} rows, split: {split[e]}) differs from one round"
+
+
+@interpreted
+def test_fp8_round_refuses_a_capacity_off_the_blocks():
+    L, C = 2, 192
+    full = torch.zeros(L + 1, dtype=torch.int32)
+    starts = torch.zeros(2, dtype=torch.int32)
+    pq, ps, qq, qs, blocks = _fp8_blocks(torch.randn(C, M), torch.randn(C, N), full)
+    out, scratch = torch.zeros(L, M, N), torch.zeros(1, M, N)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8_k_grouped_round(pq, ps, qq, qs, full, blocks, full, starts, out, scratch, round_idx=0, capacity_rows=C)
+    with pytest.raises(ValueError, match="pq"):
+        fp8_k_grouped_round(pq[:-1], ps, qq, qs, full, blocks, full, starts, out, scratch, round_idx=0,
+                            capacity_rows=256)

@@ -328,7 +328,7 @@ def fp8_m_grouped_kernel(
 
 
 @triton.jit
-def _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n, p_cols,
+def wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n, p_cols,
                  q_cols, mask_m, mask_n, stride_pr, stride_psb, stride_qr, stride_qsb, FP32_DOT: tl.constexpr,
                  PADDED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     """``acc + (P_j^T @ Q_j) * (ps[b, m] * qs[b, n])`` for the expert's j-th block of 128 rows (b its global
@@ -386,13 +386,13 @@ def fp8_k_grouped_kernel(
     if INTERPRET:  # the interpreter cannot range() over a loaded bound
         j = 0
         while j < num_blocks:
-            acc = _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n,
+            acc = wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n,
                                p_cols, q_cols, mask_m, mask_n, stride_pr, stride_psb, stride_qr, stride_qsb,
                                FP32_DOT, PADDED, EVEN_M, EVEN_N)
             j += 1
     else:
         for j in range(0, num_blocks):
-            acc = _wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n,
+            acc = wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n,
                                p_cols, q_cols, mask_m, mask_n, stride_pr, stride_psb, stride_qr, stride_qsb,
                                FP32_DOT, PADDED, EVEN_M, EVEN_N)
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]

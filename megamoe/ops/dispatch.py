@@ -37,7 +37,7 @@ from .grouped_gemm import k_grouped_wants_rows_in_order
 from .routing import build_routing_plan, single_group_offsets
 from .tile_config import DEFAULT_KERNELS, KernelConfig
 
-__all__ = ["Dispatcher", "RoundRows", "Needs", "LocalDispatcher"]
+__all__ = ["Dispatcher", "RoundRows", "RoundSplit", "Needs", "LocalDispatcher"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,21 @@ class RoundRows:
     row_dot: bool = True
     need_dx: bool = True
     rows_per_group: float | None = None
+
+
+@dataclass(frozen=True)
+class RoundSplit:
+    """Round ``round_idx`` of an exchange launched in several rounds, for its weight gradients
+    (megamoe.ops.wgrad_rounds): the round-local expert offsets ``roff_L1`` (the round's ``offsets_E1``), the whole
+    receive order's ``full_off_L1``, the round table ``round_starts_Q1``, the fp32 slots of the experts split
+    across rounds ``scratch_JMN`` for this gradient, and the capacity C."""
+
+    round_idx: int
+    roff_L1: torch.Tensor
+    full_off_L1: torch.Tensor
+    round_starts_Q1: torch.Tensor
+    scratch_JMN: torch.Tensor
+    capacity_rows: int
 
 
 class Dispatcher(Protocol):
@@ -140,8 +155,9 @@ class Dispatcher(Protocol):
     def wgrad_x_rows(self, rows: RoundRows) -> tuple:
         """(q, q_idx_R): the x rows the w13 gradient reads (rows or a gather)."""
 
-    def accumulate_round(self, r: int, which: str, p, q, out) -> None:
-        """Round r's share of the weight gradient ``out`` ("w13" / "w2") when several rounds run."""
+    def round_split(self, r: int, which: str) -> RoundSplit | None:
+        """What round r's weight gradient ``which`` ("w13" / "w2") needs besides its rows when several rounds
+        run (later rounds and experts split across rounds), or None with one round."""
 
     def backward_results(self, r: int, dx_RD, part_RP) -> None:
         """The dgrad's dx rows (None when pushed or not needed) and routing-weight partial dots of round r."""
@@ -246,8 +262,8 @@ class LocalDispatcher:
             return self.x_TD.index_select(0, self.row_token_N), None
         return self.x_TD, self.row_token_N
 
-    def accumulate_round(self, r: int, which: str, p, q, out) -> None:
-        pass
+    def round_split(self, r: int, which: str) -> None:
+        return None
 
     def backward_results(self, r: int, dx_ND, part_NP) -> None:
         self.dx_ND, self.part_NP = dx_ND, part_NP

@@ -71,10 +71,10 @@ from ..config import EPOptions, KernelConfig
 from ..distributed import EPWorkspace, max_received_rows
 from . import ep_comm as X
 from ._common import reserve_sms
-from .dispatch import Needs, RoundRows
+from .dispatch import Needs, RoundRows, RoundSplit
 from .routing import single_group_offsets
 from .tile_config import DEFAULT_KERNELS
-from .wgrad_rounds import finalize_split, k_grouped_round, split_slots
+from .wgrad_rounds import finalize_split, split_slots
 
 _NO_OPTIONS = EPOptions()  # every variant off
 
@@ -272,13 +272,13 @@ class NVLinkDispatcher:
     def wgrad_x_rows(self, rows: RoundRows):
         return rows.x_RD, None
 
-    def accumulate_round(self, r: int, which: str, p, q, out) -> None:
-        """Rounds launched for the worst case: round r's share of the weight gradient ``out`` (``which``: "w13"
-        or "w2"), experts split across rounds summed in fp32 slots."""
-        if self.rounds > 1:
-            part = self.part13_JGD if which == "w13" else self.part2_JDF
-            k_grouped_round(p, q, self.bufs.roff_L1, self.full_off_L1, self.round_starts_Q1, out, part,
-                            round_idx=r, capacity_rows=self.C, kernel_config=self.kernel_config)
+    def round_split(self, r: int, which: str) -> RoundSplit | None:
+        """Rounds launched for the worst case: round r's tables and the fp32 slots of the experts split across
+        rounds for the weight gradient ``which`` ("w13" or "w2"); None with one round."""
+        if self.rounds == 1:
+            return None
+        part = self.part13_JGD if which == "w13" else self.part2_JDF
+        return RoundSplit(r, self.bufs.roff_L1, self.full_off_L1, self.round_starts_Q1, part, self.C)
 
     def backward_results(self, r: int, dx_CD, part_CP) -> None:
         self.P = part_CP.shape[1]

@@ -152,9 +152,9 @@ def resolve(args: argparse.Namespace, dctx: Dist, device: str) -> RunConfig:
     if (args.fp8 or args.fp8_vs_bf16) and (args.check or args.resume):
         raise SystemExit("error: --fp8 / --fp8-vs-bf16 do not combine with --check or --resume (a resumed run keeps "
                          "its own recipe)")
-    if (args.fp8 or args.fp8_vs_bf16) and dctx.ep_size > 1 and (backend != "fused" or dctx.ep_size > 2):
-        raise SystemExit(f"error: --fp8 with expert parallelism needs the fused backend and an EP size of at most 2 "
-                         f"(FP8 exchanges run in one round; got backend {backend}, EP={dctx.ep_size})")
+    if (args.fp8 or args.fp8_vs_bf16) and dctx.ep_size > 1 and backend != "fused":
+        raise SystemExit(f"error: --fp8 with expert parallelism needs the fused backend (got backend {backend}, "
+                         f"EP={dctx.ep_size})")
     return RunConfig(model=cfg, backend=backend, device=device, seed=args.seed, data=args.data, fsdp=args.fsdp,
                      fp8=args.fp8 and not args.fp8_vs_bf16, out_dir=out or None, log_every=max(1, args.log_every),
                      ckpt_every=args.ckpt_every,
