@@ -68,12 +68,16 @@ def _round_tiles(roff_ptr, full_off_ptr, rstart_ptr, M, N, L, C, round_idx, S, L
 
 
 @triton.jit
-def _tile_of(t, idx, cum, n_act, N, BLOCK_N: tl.constexpr):
-    """(expert, pid_m, pid_n) of active tile t."""
+def _tile_of(t, idx, cum, n_act, rs_v, re_v, si, slot_v, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Active tile t: (expert, its round rows [row_start, row_end), split flag, split slot, offs_m, offs_n,
+    mask_m, mask_n)."""
     expert = tl.sum(tl.where(cum <= t, 1, 0), axis=0)  # the first expert whose tiles reach past t
     local = t - (_pick(idx, cum, expert) - _pick(idx, n_act, expert))
     num_n_tiles = tl.cdiv(N, BLOCK_N)
-    return expert, local // num_n_tiles, local % num_n_tiles
+    offs_m = (local // num_n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (local % num_n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (expert, _pick(idx, rs_v, expert), _pick(idx, re_v, expert), _pick(idx, si, expert) > 0,
+            _pick(idx, slot_v, expert), offs_m, offs_n, offs_m < M, offs_n < N)
 
 
 @triton.jit
@@ -129,16 +133,9 @@ def k_grouped_round_kernel(
         roff_ptr, full_off_ptr, rstart_ptr, M, N, L, C, round_idx, S, L_PAD, BLOCK_M, BLOCK_N)
     t = tl.program_id(0)
     while t < total:
-        expert, pid_m, pid_n = _tile_of(t, idx, cum, n_act, N, BLOCK_N)
-        row_start = _pick(idx, rs_v, expert)
-        row_end = _pick(idx, re_v, expert)
-        split = _pick(idx, si, expert) > 0
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
+        expert, row_start, row_end, split, slot, offs_m, offs_n, mask_m, mask_n = _tile_of(
+            t, idx, cum, n_act, rs_v, re_v, si, slot_v, M, N, BLOCK_M, BLOCK_N)
         mask = mask_m[:, None] & mask_n[None, :]
-        slot = _pick(idx, slot_v, expert)
         acc = _start_acc(s_ptr, slot, offs_m, offs_n, mask, _pick(idx, cont_v, expert) > 0, stride_se, stride_sm,
                          BLOCK_M, BLOCK_N)
         num_iters = tl.cdiv(row_end - row_start, BLOCK_K)
@@ -186,19 +183,12 @@ def fp8_k_grouped_round_kernel(
     bo_v = tl.load(boff_ptr + idx, mask=idx < L, other=0)
     t = tl.program_id(0)
     while t < total:
-        expert, pid_m, pid_n = _tile_of(t, idx, cum, n_act, N, BLOCK_N)
-        row_start = _pick(idx, rs_v, expert)
-        row_end = _pick(idx, re_v, expert)
-        first_block = _pick(idx, bo_v, expert)
-        split = _pick(idx, si, expert) > 0
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
+        expert, row_start, row_end, split, slot, offs_m, offs_n, mask_m, mask_n = _tile_of(
+            t, idx, cum, n_act, rs_v, re_v, si, slot_v, M, N, BLOCK_M, BLOCK_N)
         mask = mask_m[:, None] & mask_n[None, :]
+        first_block = _pick(idx, bo_v, expert)
         p_cols = offs_m.to(tl.int64) * stride_pm
         q_cols = offs_n.to(tl.int64) * stride_qn
-        slot = _pick(idx, slot_v, expert)
         acc = _start_acc(s_ptr, slot, offs_m, offs_n, mask, _pick(idx, cont_v, expert) > 0, stride_se, stride_sm,
                          BLOCK_M, BLOCK_N)
         num_blocks = tl.cdiv(row_end - row_start, 128)
