@@ -172,8 +172,10 @@ def _wgrad(d, r: int, which: str, rows, p, q, out, out_dtype, fp8):
     if r == 0:
         out = k_grouped_mm(p[0], q[0], rows.offsets_E1, p_idx_R=p[1], q_idx_R=q[1], out_dtype=out_dtype,
                            rows_per_group=rows.rows_per_group, kernel_config=d.kernel_config)
-    if split is not None:  # the receive buffers' rows: contiguous, no row index
-        k_grouped_round(p[0], q[0], split.roff_L1, split.full_off_L1, split.round_starts_Q1, out, split.scratch_JMN,
+    if split is not None:
+        if p[1] is not None or q[1] is not None:
+            raise ValueError("the weight gradients of several rounds read the receive buffers' rows, not a gather")
+        k_grouped_round(p[0], q[0], rows.offsets_E1, split.full_off_L1, split.round_starts_Q1, out, split.scratch_JMN,
                         round_idx=r, capacity_rows=split.capacity_rows, kernel_config=d.kernel_config)
     return out
 
@@ -240,8 +242,6 @@ def experts_forward(d, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shar
     if fp8 is not None:
         fp8.open_forward(w13_EGD, w2_EDF)
     gu0_RG = _routed_forward(d, w13_EGD, w2_EDF, fp8)
-    if fp8 is not None:
-        fp8.end_forward()
     rows_RD, row_of_TK = d.finish_forward()
     out_TD = combine_fwd(rows_RD, row_of_TK, topk_weights_TK, shared_TD, out_dtype=x_TD.dtype)
     return out_TD, gu0_RG, gus_TH, tuple(d.saved())

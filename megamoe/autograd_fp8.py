@@ -10,10 +10,10 @@ the same. Block-scaled FP8 in the DeepSeek-V3 recipe (docs/fp8.md): e4m3 operand
 fp32 accumulation promoted every 128 of K::
 
   forward   weights: 128x128 blocks, once per weight version (megamoe.ops.fp8_weights cache)
-            x rows: 1x128, once per row buffer (on one GPU the T token rows; the GEMM gathers them)
+            x rows: 1x128, once per round (on one GPU the T token rows; the GEMM gathers them)
             gate/up: e4m3 x rows @ w13 blocks -> gu (x's dtype, kept), h quantized 1x128 in the epilogue
             down: e4m3 h @ w2 blocks -> y (x's dtype)
-  backward  dout rows: 1x128, once per row buffer
+  backward  dout rows: 1x128, once per round
             dgrad + SwiGLU bwd: e4m3 dout @ w2 blocks (read transposed) -> dgu, hw, row dots; dgu quantized 1x128
             in the epilogue
             dx rows: e4m3 dgu @ w13 blocks (read transposed)
@@ -54,22 +54,9 @@ class Fp8Experts:
         self.cache = cache
         self.w13 = self.w2 = None  # (q, s) 128x128 blocks
         self.w13_k = self.w2_k = None  # the same blocks K-major, for the backward's input-gradient GEMMs
-        self._rows: dict = {}  # 1x128 blocks of the row buffers of the current round, by buffer
-        self._round = None  # the RoundRows those blocks belong to
         self._dgu = None  # the dgrad epilogue's 1x128 blocks of dgu, for the dx GEMM of the same round
 
     # ------------------------------------------------------------------------------------------ helpers
-    def _rows_1x128(self, rows, t_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """1x128 blocks of a row buffer (token rows or a round's received rows), made once per round: a round's
-        receive buffer holds other rows in the next round."""
-        if rows is not self._round:
-            self._round, self._rows = rows, {}
-        entry = self._rows.get(id(t_RC))
-        if entry is None or entry[0] is not t_RC:
-            entry = (t_RC, *fp8_quant.quantize_1x128(t_RC))
-            self._rows[id(t_RC)] = entry
-        return entry[1], entry[2]
-
     @staticmethod
     def _check_rows(rows, where: str) -> None:
         if rows.pull is not None or rows.push is not None:
@@ -80,12 +67,12 @@ class Fp8Experts:
     def open_forward(self, w13_EGD: torch.Tensor, w2_EDF: torch.Tensor) -> None:
         """The weights' 128x128 blocks (cached per weight version)."""
         self.w13, self.w2 = self.cache.get(w13_EGD), self.cache.get(w2_EDF)
-        self.dtype, self._rows, self._round = w13_EGD.dtype, {}, None
+        self.dtype = w13_EGD.dtype
 
     def gate_up(self, rows, save_preact: bool | None = None):
         """Gate/up + SwiGLU on the round's x rows: (h as its 1x128 blocks (hq_RF, hs_RB), gu_RG or None)."""
         self._check_rows(rows, "gate/up")
-        xq, xs = self._rows_1x128(rows, rows.x_RD)
+        xq, xs = fp8_quant.quantize_1x128(rows.x_RD)
         keep = rows.keep_preact if save_preact is None else save_preact
         hq, hs, gu = fp8_gemm.fp8_gate_up_swiglu(xq, xs, *self.w13, rows.offsets_E1, gather_idx_R=rows.x_idx_R,
                                                  out_dtype=self.dtype, save_preact=keep, tile_cache=rows.tiles)
@@ -100,20 +87,17 @@ class Fp8Experts:
         return fp8_gemm.fp8_grouped_mm_nt(hq, hs, *self.w2, rows.offsets_E1, out_dtype=self.dtype, kind="down",
                                           tile_cache=rows.tiles)
 
-    def end_forward(self) -> None:
-        self._rows, self._round = {}, None
-
     # ------------------------------------------------------------------------------------------ backward
     def open_backward(self) -> None:
         """The forward's weight blocks in K-major order for the input-gradient GEMMs (cached with the blocks)."""
-        self._rows, self._round, self._dgu = {}, None, None
+        self._dgu = None
         self.w13_k, self.w2_k = self.cache.kmajor(self.w13), self.cache.kmajor(self.w2)
 
     def dgrad_swiglu(self, rows, gu_RG: torch.Tensor):
         """dout rows @ w2 blocks with the SwiGLU backward: (dgu_RG, hw_RF, part_RP or None); dgu's 1x128 blocks
         are kept for :meth:`dx` when the round needs dx."""
         self._check_rows(rows, "dgrad")
-        dq, ds = self._rows_1x128(rows, rows.dy_RD)
+        dq, ds = fp8_quant.quantize_1x128(rows.dy_RD)
         dgu, hw, part, dgq, dgs = fp8_gemm.fp8_swiglu_dgrad(
             dq, ds, *self.w2_k, rows.offsets_E1, gu_RG, gather_idx_R=rows.dy_idx_R, row_scale_R=rows.scale_R,
             row_dot=rows.row_dot, tile_cache=rows.tiles)
@@ -156,7 +140,7 @@ class Fp8Experts:
                                           tile_cache=rows.tiles)
 
     def end_backward(self) -> None:
-        """Drops the pass's row blocks; the weight blocks stay with the layer call (a retained graph's second
+        """Drops the last round's dgu blocks; the weight blocks stay with the layer call (a retained graph's second
         backward reads them again) until autograd frees it; the K-major copies stay with the cache."""
-        self._rows, self._round, self._dgu = {}, None, None
+        self._dgu = None
         self.w13_k = self.w2_k = None

@@ -112,7 +112,6 @@ def _fused_recipe(recipe: str, w13_EGD: Tensor | None = None, w2_EDF: Tensor | N
     fp8 = Fp8Experts(cache=Fp8WeightCache())
     if w13_EGD is not None:
         fp8.open_forward(w13_EGD, w2_EDF)
-        fp8.end_forward()
     return fp8
 
 

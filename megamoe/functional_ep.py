@@ -158,7 +158,9 @@ def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF
             raise ValueError(f"moe_experts_ep: fp8 with several rounds needs capacity_rows to be a multiple of 128 "
                              f"(an expert split across rounds is cut every capacity_rows rows, on its 128-row "
                              f"weight-gradient blocks), got capacity_rows={capacity_rows}, which needs {rounds} "
-                             f"rounds for the worst routing (one round from {max_received_rows(s)} rows)")
+                             f"rounds for the worst routing: pass e.g. "
+                             f"capacity_rows={(capacity_rows + 127) // 128 * 128} (one round from "
+                             f"{max_received_rows(s)} rows)")
         from .autograd_fp8 import Fp8Experts
 
         recipe = Fp8Experts()

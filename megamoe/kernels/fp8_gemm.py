@@ -329,8 +329,8 @@ def fp8_m_grouped_kernel(
 
 @triton.jit
 def wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n, p_cols,
-                 q_cols, mask_m, mask_n, stride_pr, stride_psb, stride_qr, stride_qsb, FP32_DOT: tl.constexpr,
-                 PADDED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+                q_cols, mask_m, mask_n, stride_pr, stride_psb, stride_qr, stride_qsb, FP32_DOT: tl.constexpr,
+                PADDED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     """``acc + (P_j^T @ Q_j) * (ps[b, m] * qs[b, n])`` for the expert's j-th block of 128 rows (b its global
     block); rows past the expert load as zeros (PADDED: block b is rows [128b, 128b + 128), zero-padded by its
     producer, so no row is masked). p_cols / q_cols: the tile's column offsets in elements (int64: with
@@ -387,13 +387,13 @@ def fp8_k_grouped_kernel(
         j = 0
         while j < num_blocks:
             acc = wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n,
-                               p_cols, q_cols, mask_m, mask_n, stride_pr, stride_psb, stride_qr, stride_qsb,
-                               FP32_DOT, PADDED, EVEN_M, EVEN_N)
+                              p_cols, q_cols, mask_m, mask_n, stride_pr, stride_psb, stride_qr, stride_qsb,
+                              FP32_DOT, PADDED, EVEN_M, EVEN_N)
             j += 1
     else:
         for j in range(0, num_blocks):
             acc = wgrad_block(acc, j, row_start, row_end, first_block, p_ptr, ps_ptr, q_ptr, qs_ptr, offs_m, offs_n,
-                               p_cols, q_cols, mask_m, mask_n, stride_pr, stride_psb, stride_qr, stride_qsb,
-                               FP32_DOT, PADDED, EVEN_M, EVEN_N)
+                              p_cols, q_cols, mask_m, mask_n, stride_pr, stride_psb, stride_qr, stride_qsb,
+                              FP32_DOT, PADDED, EVEN_M, EVEN_N)
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])

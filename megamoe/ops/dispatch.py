@@ -89,12 +89,11 @@ class RoundRows:
 @dataclass(frozen=True)
 class RoundSplit:
     """Round ``round_idx`` of an exchange launched in several rounds, for its weight gradients
-    (megamoe.ops.wgrad_rounds): the round-local expert offsets ``roff_L1`` (the round's ``offsets_E1``), the whole
-    receive order's ``full_off_L1``, the round table ``round_starts_Q1``, the fp32 slots of the experts split
-    across rounds ``scratch_JMN`` for this gradient, and the capacity C."""
+    (megamoe.ops.wgrad_rounds), besides the round's rows and their round-local offsets (``RoundRows.offsets_E1``):
+    the whole receive order's expert offsets ``full_off_L1``, the round table ``round_starts_Q1``, the fp32 slots
+    of the experts split across rounds ``scratch_JMN`` for this gradient, and the capacity C."""
 
     round_idx: int
-    roff_L1: torch.Tensor
     full_off_L1: torch.Tensor
     round_starts_Q1: torch.Tensor
     scratch_JMN: torch.Tensor

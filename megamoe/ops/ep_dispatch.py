@@ -278,7 +278,7 @@ class NVLinkDispatcher:
         if self.rounds == 1:
             return None
         part = self.part13_JGD if which == "w13" else self.part2_JDF
-        return RoundSplit(r, self.bufs.roff_L1, self.full_off_L1, self.round_starts_Q1, part, self.C)
+        return RoundSplit(r, self.full_off_L1, self.round_starts_Q1, part, self.C)
 
     def backward_results(self, r: int, dx_CD, part_CP) -> None:
         self.P = part_CP.shape[1]
