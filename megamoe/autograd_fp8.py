@@ -45,6 +45,12 @@ from .ops.wgrad_rounds import fp8_k_grouped_round
 __all__ = ["Fp8Experts"]
 
 
+def _rows_1x128(t_RC: torch.Tensor, idx_R: torch.Tensor | None, offsets_E1: torch.Tensor):
+    """1x128 blocks of a round's rows: all T token rows when the GEMM gathers them through ``idx_R`` (one GPU), else
+    only the rows the round holds (``offsets_E1[-1]``, on the device) of a receive buffer sized for the capacity."""
+    return fp8_quant.quantize_1x128(t_RC, valid_rows_1=offsets_E1[-1:] if idx_R is None else None)
+
+
 class Fp8Experts:
     """The FP8 routed-expert GEMMs of one layer call (a fresh object per call; it carries the weight blocks
     from the forward to the backward). ``cache``: where the weight blocks come from (default: the process-wide
@@ -72,7 +78,7 @@ class Fp8Experts:
     def gate_up(self, rows, save_preact: bool | None = None):
         """Gate/up + SwiGLU on the round's x rows: (h as its 1x128 blocks (hq_RF, hs_RB), gu_RG or None)."""
         self._check_rows(rows, "gate/up")
-        xq, xs = fp8_quant.quantize_1x128(rows.x_RD)
+        xq, xs = _rows_1x128(rows.x_RD, rows.x_idx_R, rows.offsets_E1)
         keep = rows.keep_preact if save_preact is None else save_preact
         hq, hs, gu = fp8_gemm.fp8_gate_up_swiglu(xq, xs, *self.w13, rows.offsets_E1, gather_idx_R=rows.x_idx_R,
                                                  out_dtype=self.dtype, save_preact=keep, tile_cache=rows.tiles)
@@ -97,7 +103,7 @@ class Fp8Experts:
         """dout rows @ w2 blocks with the SwiGLU backward: (dgu_RG, hw_RF, part_RP or None); dgu's 1x128 blocks
         are kept for :meth:`dx` when the round needs dx."""
         self._check_rows(rows, "dgrad")
-        dq, ds = fp8_quant.quantize_1x128(rows.dy_RD)
+        dq, ds = _rows_1x128(rows.dy_RD, rows.dy_idx_R, rows.offsets_E1)
         dgu, hw, part, dgq, dgs = fp8_gemm.fp8_swiglu_dgrad(
             dq, ds, *self.w2_k, rows.offsets_E1, gu_RG, gather_idx_R=rows.dy_idx_R, row_scale_R=rows.scale_R,
             row_dot=rows.row_dot, tile_cache=rows.tiles)

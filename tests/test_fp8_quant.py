@@ -384,6 +384,16 @@ def poisoned_output_cases(device):
     ops.quantize_128x1_grouped(x, off, idx, out=q, scale_out=s)
     _grouped_specified((q, s), ref.quantize_128x1_grouped(x, off, idx), off, "128x1 into poisoned buffers")
     assert (_u8(q[n:]) == 0x7F).all() and (s[nb:] == 12345.0).all(), "unspecified rows were written"
+    # a receive round's rows: only the first n (a count on the device), the rest of the buffer left alone
+    x, _ = grid_1x128(70, 300, torch.bfloat16)
+    x = x.to(device)
+    for n in (0, 1, 31, 32, 45, 70, 1000):
+        q = torch.full((70, 300), 0x7F, dtype=U8, device=device).view(ref.E4M3)
+        s = torch.full((70, 3), math.nan, device=device)
+        ops.quantize_1x128(x, out=q, scale_out=s, valid_rows_1=torch.tensor([n], dtype=torch.int32, device=device))
+        m = min(n, 70)
+        _assert_same((q[:m], s[:m]), ref.quantize_1x128(x[:m]), f"1x128 of the first {n} rows")
+        assert (_u8(q[m:]) == 0x7F).all() and s[m:].isnan().all(), f"rows past the first {n} were written"
 
 
 @triton.jit
@@ -436,6 +446,8 @@ def bad_input_cases(device):
         ops.quantize_1x128(x, out=torch.empty(4, 255, dtype=ref.E4M3, device=device))
     with pytest.raises(ValueError, match="16-byte aligned"):
         ops.quantize_1x128(x, out=torch.empty(4 * 256 + 1, dtype=U8, device=device)[1:].view(ref.E4M3).view(4, 256))
+    with pytest.raises(ValueError, match="valid_rows_1"):
+        ops.quantize_1x128(x, valid_rows_1=torch.tensor([2], device=device))  # int64
     with pytest.raises(ValueError, match="scale_out must be a contiguous"):
         ops.quantize_128x128(x, scale_out=torch.empty(1, 1, device=device))
     with pytest.raises(ValueError, match="offsets_E1 must be a contiguous int32"):

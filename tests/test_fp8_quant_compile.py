@@ -44,11 +44,13 @@ def test_kernels_compile_for_sm90():
     from megamoe.kernels import fp8_quant as k
 
     for hw in (True, False):
-        c = _compile_sm90(k.quantize_1x128_kernel, dict(R=300, C=7168), X_PTRS, {"BLOCK_R": 32, "HW_CAST": hw})
-        assert ("cvt.rn.satfinite.e4m3x2.f32" in c.asm["ptx"]) == hw
+        for count in (False, True):  # all rows, or a device count of them
+            c = _compile_sm90(k.quantize_1x128_kernel, dict(R=300, C=7168), X1_PTRS,
+                              {"BLOCK_R": 32, "HW_CAST": hw, "HAS_COUNT": count})
+            assert ("cvt.rn.satfinite.e4m3x2.f32" in c.asm["ptx"]) == hw
 
 
-X_PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
+X1_PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "n_ptr": "*i32"}
 W_PTRS = {"w_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
 G_PTRS = {"x_ptr": "*bf16", "idx_ptr": "*i32", "offsets_ptr": "*i32", "block_offsets_ptr": "*i32", "q_ptr": "*u8",
           "s_ptr": "*fp32"}
@@ -62,8 +64,10 @@ def test_byte_tiles_are_stored_from_the_layout_they_are_cast_in(width):
     load gave one, and on the GPU it stored wrong bytes)."""
     from megamoe.kernels import fp8_quant as k
 
-    compiled = [_compile_sm90(k.quantize_1x128_kernel, dict(R=300, C=width), X_PTRS, {"BLOCK_R": 32, "HW_CAST": True}),
-                _compile_sm90(k.quantize_128x128_kernel, dict(N=300, K=width), W_PTRS, {"HW_CAST": True}, num_warps=8)]
+    compiled = [_compile_sm90(k.quantize_1x128_kernel, dict(R=300, C=width), X1_PTRS,
+                              {"BLOCK_R": 32, "HW_CAST": True, "HAS_COUNT": count}) for count in (False, True)]
+    compiled.append(_compile_sm90(k.quantize_128x128_kernel, dict(N=300, K=width), W_PTRS, {"HW_CAST": True},
+                                  num_warps=8))
     for gather in (False, True) if width > 1 else (False,):  # one column is gathered by the launcher
         compiled.append(_compile_sm90(k.quantize_128x1_grouped_kernel, dict(C=width, num_experts=7, ld_q=128 * 9),
                                       G_PTRS, {"GATHER": gather, "E_POW2": 8, "BLOCK_C": 64, "KMAJOR": False,

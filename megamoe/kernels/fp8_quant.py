@@ -142,12 +142,16 @@ def quantize_block(x, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, R, C, BLOCK_R: tl.constexpr, HW_CAST: tl.constexpr):
+def quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, n_ptr, R, C, BLOCK_R: tl.constexpr, HW_CAST: tl.constexpr,
+                          HAS_COUNT: tl.constexpr):
     """Program (i, b): rows [i * BLOCK_R, ...) x columns [128b, 128b + 128) of x (R, C) contiguous -> q (R, C)
-    uint8 (e4m3 bytes), s (R, ceil(C / 128))."""
+    uint8 (e4m3 bytes), s (R, ceil(C / 128)). HAS_COUNT: only the first ``n_ptr[0]`` rows (a count on the device,
+    e.g. a receive round's rows); the programs past it load and store nothing."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     b = tl.program_id(1)
     cols = b * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
+    if HAS_COUNT:
+        R = tl.minimum(R, tl.load(n_ptr))
     mask_r = rows < R
     mask = mask_r[:, None] & (cols < C)[None, :]
     r64 = rows.to(tl.int64)
