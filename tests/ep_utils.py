@@ -371,7 +371,7 @@ def model_rounds(counts: list[int], C: int, rounds: int) -> list[int]:
 def check_round_table(starts: list[int], counts: list[int], C: int) -> list[int]:
     """Assert what any round table must be, whatever the model says: every row in the rounds, no round above C
     rows, the used rounds first, two consecutive used rounds above C, a cut inside an expert only when that
-    expert has more than C rows. Returns the rounds' sizes."""
+    expert has more than C rows, and then a multiple of C rows past its first row. Returns the rounds' sizes."""
     off = offsets_of(counts)
     R = off[-1]
     assert starts[0] == 0 and starts[-1] == R, ("every row in the launched rounds", starts, R)
@@ -384,6 +384,9 @@ def check_round_table(starts: list[int], counts: list[int], C: int) -> list[int]
         if 0 < cut < R and cut not in off:
             e = max(i for i, o in enumerate(off) if o < cut)
             assert counts[e] > C, ("a cut inside an expert of at most C rows", cut, counts, C)
+            # every C rows from the expert's first row: with C a multiple of 128 the FP8 weight gradient's 128-row
+            # blocks never straddle two rounds (megamoe.ops.wgrad_rounds.fp8_k_grouped_round)
+            assert (cut - off[e]) % C == 0, ("a cut inside an expert off its C-row pieces", cut, off[e], C)
     return sizes
 
 

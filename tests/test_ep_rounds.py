@@ -3,8 +3,9 @@
 
 Proves, for any per-expert row counts a rank can receive (hypothesis; repeated ids in a token allowed, so one
 expert may take every row): ``max_rounds`` rounds always hold every row, no round holds more than C, and only
-experts of more than C rows are cut; the bound is reached by adversarial routings with an even and an odd
-number of rounds (so it cannot be lowered), and one round is launched exactly when the worst case fits.
+experts of more than C rows are cut, every C rows from their first row; the bound is reached by adversarial
+routings with an even and an odd number of rounds (so it cannot be lowered), and one round is launched exactly when
+the worst case fits.
 Also the default capacity's round counts at the presets' shapes, which docs/ep.md states.
 
 Legend: W EP ranks, T_cap token capacity, K top-k, E experts, L = E / W, C capacity rows, R rows received.
