@@ -85,6 +85,15 @@ def _collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
+def shaped_like(out_TD: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The (T, D) result in x's shape without making it a view of another tensor (``aten._unsafe_view``, what
+    ``torch.matmul`` returns when it folds batch dimensions): FSDP2 warns when a module returns a view, because an
+    in-place op on one (``out += y``) drops the pre-backward hook that all-gathers the parameters."""
+    if out_TD.shape == x.shape:
+        return out_TD
+    return torch.ops.aten._unsafe_view(out_TD, x.shape)
+
+
 class Router(nn.Module):
     """The router of :class:`MoE` (``moe.router``): weight ``w_ED`` (fp32 [E, D]).
 
@@ -515,7 +524,7 @@ class MoE(nn.Module):
                 with torch.no_grad():
                     self.counts_since_update_E += counts_E
             self.last_stats = RouterStats(counts_E, aux, r.topk_ids_TK.detach())
-        return out_TD.to(in_dtype).view(x.shape)
+        return shaped_like(out_TD.to(in_dtype), x)
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:

@@ -446,7 +446,10 @@ def test_swap_stats_and_expert_bias_update():
     assert torch.equal(block.gate.e_score_correction_bias, ref.update_expert_bias_(bias0, counts, 1e-3))
     assert int(block.counts_since_update_E.sum()) == 0
     # reentrant checkpointing runs the whole block again in the backward (non-reentrant may stop early): counted once
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.25 (the older name is deprecated)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model(input_ids=ids, labels=ids).loss.backward()
     assert block.gate.weight.grad is not None
     assert int(block.counts_since_update_E.sum()) == ids.numel() * block.moe_config.top_k

@@ -264,6 +264,9 @@ def test_casts_the_backend_cannot_run_are_refused_before_anything_changes():
     assert m.float().config.dtype == torch.float32  # a dtype it runs is fine
 
 
+# the layer returns no view (megamoe.layer.shaped_like): FSDP2 (torch >= 2.15) warns of one, since an in-place op on
+# it would drop the parameters' pre-backward all-gather
+@pytest.mark.filterwarnings("error:FSDP2-wrapped module:UserWarning")
 def test_fsdp2_mixed_precision_keeps_router_bias_and_counter_dtypes():
     """FSDP2 (one gloo rank, in process) with a bf16 MixedPrecisionPolicy on the experts and the layer and the
     router wrapped on its own without one (docs/design.md, "Training loop"): the router computes from its fp32

@@ -44,7 +44,7 @@ from torch import nn
 from .. import router as routing  # routing math (megamoe.router)
 from ..config import MoEConfig
 from ..functional import FUSED_DTYPES, moe_experts, router_logits, topk_select
-from ..layer import RouterStats, in_backward
+from ..layer import RouterStats, in_backward, shaped_like
 
 try:
     from transformers.integrations.moe import ExpertsInterface
@@ -146,7 +146,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     T = x_TD.shape[0]
     out_TD = moe_experts(x_TD, top_k_index.reshape(T, -1), top_k_weights.reshape(T, -1), w13_EGD, w2_EDF,
                          backend=_backend_for(x_TD))
-    return out_TD.to(hidden_states.dtype).view(hidden_states.shape)
+    return shaped_like(out_TD.to(hidden_states.dtype), hidden_states)
 
 
 def register() -> str:
@@ -340,7 +340,7 @@ class MegaMoEBlock(nn.Module):
             aux = torch.zeros((), dtype=torch.float32, device=x_TD.device)  # the model computes its own aux loss
             self.last_stats = RouterStats(counts_E, aux, r.topk_ids_TK.detach())
         self._call_gate_hooks(x_TD, (logits_TE, r.topk_weights_TK, r.topk_ids_TK))
-        return out_TD.to(hidden_states.dtype).view(hidden_states.shape)
+        return shaped_like(out_TD.to(hidden_states.dtype), hidden_states)
 
     def _call_gate_hooks(self, x_TD: torch.Tensor, outputs: tuple) -> None:
         """Run the forward hooks registered on ``gate`` with the router's (logits, weights, ids)."""
