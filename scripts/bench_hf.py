@@ -433,7 +433,7 @@ def profile_part(label: str, block, x, out_dir: str, steps: int = 3) -> dict:
         host[name] = (time.perf_counter() - t0) * 1e3 / steps
         sync()
         wall[name] = (time.perf_counter() - t0) * 1e3 / steps
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU], acc_events=True) as prof:
             for _ in range(steps):
                 fn()
             sync()
