@@ -142,3 +142,28 @@ def test_router_model_dtype_gemms_compile_to_wgmma(model):
         assert r["shared_bytes"] <= HOPPER_SMEM and r["spill_bytes"] == 0, r
         if E >= 64:
             assert r["sync_tile_loads"] == 0 and r["tma_loads"] + r["cp_async_loads"] == 2, r
+
+
+@pytest.mark.parametrize("pieces", [("hi",), ("hi", "mid", "lo"), ("hi", "mid", "lo", "hi", "hi", "mid")])
+def test_router_bf16_split_compiles_for_hopper(pieces):
+    """The fp32 router's exact bf16 split (megamoe.ops.split_bf16x3) compiles for sm_90 with one slot and with the
+    router's several (the slot loop is unrolled at compile time; the interpreter runs it without compiling), at
+    the launcher's tile, without spills."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megamoe.bench.kernel_inventory import ptxas_report
+    from megamoe.kernels.bf16_split import bf16_split_kernel
+
+    pattern = sum({"hi": 0, "mid": 1, "lo": 2}[p] << (2 * s) for s, p in enumerate(pieces))
+    sig = dict(x_ptr="*fp32", out_ptr="*bf16", n_rows="i32", n_cols="i32", stride_xr="i32", stride_or="i32",
+               stride_os="i32")
+    const = dict(PATTERN=pattern, SLOTS=len(pieces), BLOCK_R=32, BLOCK_C=128)
+    k = triton.compile(ASTSource(bf16_split_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=True))
+    assert k.asm["ptx"].count("st.global") >= len(pieces)
+    spills = re.search(r"(\d+) bytes spill stores", ptxas_report(k.asm["ptx"]))
+    assert spills is None or int(spills.group(1)) == 0, spills.group(0)

@@ -30,11 +30,17 @@ def bf16_split_kernel(x_ptr, out_ptr, n_rows, n_cols, stride_xr, stride_or, stri
     mid = rest.to(tl.bfloat16)
     lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
     base = out_ptr + rows[:, None] * stride_or + cols[None, :]
-    for s in tl.static_range(SLOTS):
-        piece: tl.constexpr = (PATTERN >> (2 * s)) & 3
-        if piece == 0:
-            tl.store(base + s * stride_os, hi, mask=mask)
-        elif piece == 1:
-            tl.store(base + s * stride_os, mid, mask=mask)
-        else:
-            tl.store(base + s * stride_os, lo, mask=mask)
+    for s in tl.static_range(SLOTS):  # unrolled: one store per slot, its piece picked at compile time
+        tl.store(base + s * stride_os, _piece(hi, mid, lo, (PATTERN >> (2 * s)) & 3), mask=mask)
+
+
+@triton.jit
+def _piece(hi, mid, lo, PIECE: tl.constexpr):
+    """Piece PIECE (0 hi, 1 mid, 2 lo). A helper, not a constexpr local of the slot loop: the compiler refuses to
+    bind one constexpr name twice in the unrolled loop's scope."""
+    if PIECE == 0:
+        return hi
+    elif PIECE == 1:
+        return mid
+    else:
+        return lo
