@@ -231,13 +231,14 @@ def _moe_block(model):
 
 def _megamoe_by_hand(block, x, backend):
     """megamoe's own calls on a transformers block's tensors, written out: the function MegaMoEBlock computes."""
-    from megamoe.functional import moe_experts, router_logits
+    from megamoe.functional import moe_experts, router_logits, topk_select
     x_TD, w_ED, cfg = x.reshape(-1, x.shape[-1]), block.gate.weight, mt.moe_config_of(block)
     if backend == "fused":
         logits_TE = router_logits(x_TD, w_ED, router_dtype=cfg.router_dtype)
     else:
         logits_TE = ref.router_logits(x_TD, w_ED, cfg.router_dtype)
-    r = ref.route(x_TD, w_ED, getattr(block.gate, "e_score_correction_bias", None), cfg, logits_TE=logits_TE)
+    r = ref.route(x_TD, w_ED, getattr(block.gate, "e_score_correction_bias", None), cfg, logits_TE=logits_TE,
+                  select=topk_select if backend == "fused" else None)  # the fused selection kernel, as the swap
     sh = getattr(block, "shared_experts", None)
     shared = () if sh is None else (torch.cat([sh.gate_proj.weight, sh.up_proj.weight]), sh.down_proj.weight)
     out = moe_experts(x_TD, r.topk_ids_TK, r.topk_weights_TK, block.experts.gate_up_proj, block.experts.down_proj,
@@ -250,7 +251,7 @@ def check_swap_is_megamoe_bitwise(block, backend, monkeypatch):
     (ids, weights) bitwise megamoe's, and the experts' call gets the ids contiguous (no copy of its own) and
     unchecked (route's ids are in range; no device work for the check); on a GPU, forward and backward make no
     host sync."""
-    swapped = mt.MegaMoEBlock(block)
+    swapped = mt.MegaMoEBlock(block, backend=backend)
     dev, D = block.experts.gate_up_proj.device, block.experts.gate_up_proj.shape[2]
     g = torch.Generator(device=dev).manual_seed(7)
     x = torch.randn(2, 40, D, generator=g, device=dev).to(BF16).requires_grad_()
@@ -286,6 +287,14 @@ def check_swap_is_megamoe_bitwise(block, backend, monkeypatch):
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_swap_is_megamoe_route_and_experts_bitwise(family, monkeypatch):
     check_swap_is_megamoe_bitwise(_moe_block(build(family)).to(BF16), "reference", monkeypatch)
+
+
+@interpreted
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_swap_is_megamoe_route_and_experts_bitwise_fused_interpreted(family, monkeypatch):
+    """The same on the fused kernels under the Triton interpreter: the router GEMMs, the fused top-k selection
+    (megamoe.functional.topk_select, whose backward has bits of its own) and the experts."""
+    check_swap_is_megamoe_bitwise(_moe_block(build(family)).to(BF16), "fused", monkeypatch)
 
 
 def _bench_hf():

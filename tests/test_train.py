@@ -461,12 +461,11 @@ def test_gpu_default_run_completes(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="not met yet: on an H200 the FP8 run ended 2.04% above bf16's final loss "
-                                       "(1.3926 vs 1.3648, lm-small, 200 steps, seed 0; seed 1: 2.81% below); a "
-                                       "pass means it is met")
 def test_gpu_fp8_tracks_bf16_over_200_steps(tmp_path):
     """The bound asked of the FP8 recipe: the default preset trained 200 steps with FP8 experts ends within 1% of
-    the bf16 run with the same seed (``--fp8-vs-bf16`` exits 1 otherwise)."""
+    the bf16 run with the same seed (``--fp8-vs-bf16`` exits 1 otherwise). Both runs are bitwise reproducible, so
+    this passes or fails the same way every time for given kernels; at this model's size the final loss moves by
+    2-3% with the seed (docs/train.md), so a change of any kernel's bits can move it across the bound."""
     p = _run("--fp8-vs-bf16", "--steps", "200", "--out", str(tmp_path / "cmp"), "--no-progress", timeout=580)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "fp8 vs bf16: final train loss" in p.stdout and (tmp_path / "cmp" / "fp8_vs_bf16.png").is_file()
