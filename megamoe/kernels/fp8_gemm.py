@@ -397,3 +397,32 @@ def fp8_k_grouped_kernel(
                               FP32_DOT, PADDED, EVEN_M, EVEN_N)
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def swiglu_bwd_rows_kernel(acc_ptr, n_ptr, scale_ptr, gu_ptr, c_ptr, aux_ptr, dot_ptr, q_ptr, qs_ptr, num_rows, N,
+                           stride_am, stride_cm, stride_gm, stride_xm, stride_qm, stride_qsm,
+                           HAS_SCALE: tl.constexpr, HAS_DOT: tl.constexpr, HW_CAST: tl.constexpr,
+                           BLOCK_M: tl.constexpr):
+    """Program (i, p): the SwiGLU backward of :func:`fp8_m_grouped_kernel`'s SWIGLU_BWD epilogue (the same
+    function, :func:`_swiglu_bwd_cols`, hence the same bits) on rows [i * BLOCK_M, ...) x columns [128p, 128p + 128)
+    of a dgrad accumulator written in fp32 by a plain GEMM (acc (num_rows, N)); only the first ``n_ptr[0]`` rows (a
+    count on the device) are read and written."""
+    n_valid = tl.minimum(num_rows, tl.load(n_ptr))
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_valid
+    rows = tl.minimum(offs_m, num_rows - 1).to(tl.int64)  # clamped rows: computed, never stored
+    p = tl.program_id(1)
+    n0 = p * 128
+    cols = n0 + tl.arange(0, 128)
+    acc = tl.load(acc_ptr + rows[:, None] * stride_am + cols[None, :], mask=mask_m[:, None] & (cols < N)[None, :],
+                  other=0.0)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + rows).to(tl.float32)
+    else:
+        scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+    out_rows = offs_m.to(tl.int64)
+    part = _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr, N,
+                            stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE, HW_CAST, BLOCK_M)
+    if HAS_DOT:
+        tl.store(dot_ptr + out_rows * (N // 128) + p, part, mask=mask_m)
