@@ -47,6 +47,9 @@ __all__ = ["Fp8Experts"]
 # experiment: dgrad + SwiGLU backward as a plain GEMM (Gluon on Hopper) and a SwiGLU-backward pass on its fp32
 # accumulator, instead of the Triton GEMM with the row gather and the SwiGLU epilogue (the same bits)
 SPLIT_DGRAD = True
+# experiment: gate/up + SwiGLU as a plain GEMM (Gluon on Hopper) into [g | u] and a SwiGLU pass, instead of the
+# Triton GEMM with the row gather, two accumulators and the SwiGLU epilogue (the same bits)
+SPLIT_GATE_UP = True
 
 
 def _rows_1x128(t_RC: torch.Tensor, idx_R: torch.Tensor | None, offsets_E1: torch.Tensor):
@@ -82,11 +85,30 @@ class Fp8Experts:
     def gate_up(self, rows, save_preact: bool | None = None):
         """Gate/up + SwiGLU on the round's x rows: (h as its 1x128 blocks (hq_RF, hs_RB), gu_RG or None)."""
         self._check_rows(rows, "gate/up")
-        xq, xs = _rows_1x128(rows.x_RD, rows.x_idx_R, rows.offsets_E1)
         keep = rows.keep_preact if save_preact is None else save_preact
+        if SPLIT_GATE_UP:
+            return self._gate_up_split(rows, keep)
+        xq, xs = _rows_1x128(rows.x_RD, rows.x_idx_R, rows.offsets_E1)
         hq, hs, gu = fp8_gemm.fp8_gate_up_swiglu(xq, xs, *self.w13, rows.offsets_E1, gather_idx_R=rows.x_idx_R,
                                                  out_dtype=self.dtype, save_preact=keep, tile_cache=rows.tiles)
         return (hq, hs), gu
+
+    def _gate_up_split(self, rows, keep: bool):
+        """:meth:`gate_up` as a plain GEMM and a SwiGLU pass: x's rows quantized 1x128 straight into expert order
+        (gathered on one GPU), ``[g | u] = x rows @ w13 blocks^T`` in the activation dtype (the warp-specialized
+        Gluon kernel on Hopper: no gather, no epilogue), then h = silu(g) * u quantized 1x128 from that [g | u].
+        The same bits."""
+        off = rows.offsets_E1
+        count = off[-1:]
+        xq, xs = fp8_quant.quantize_1x128(rows.x_RD, idx_R=rows.x_idx_R,
+                                          valid_rows_1=count if rows.x_idx_R is None else None)
+        if fp8_gemm_gluon.fp8_gluon_runs_on(xq.device):
+            gu = fp8_gemm_gluon.fp8_grouped_mm_nt_gluon(xq, xs, *self.w13, off, out_dtype=self.dtype,
+                                                        tile_cache=rows.tiles)
+        else:
+            gu = fp8_gemm.fp8_grouped_mm_nt(xq, xs, *self.w13, off, out_dtype=self.dtype, tile_cache=rows.tiles)
+        hq, hs = fp8_gemm.fp8_swiglu(gu, valid_rows_1=count)
+        return (hq, hs), gu if keep else None
 
     def down(self, h, rows) -> torch.Tensor:
         """Down projection of the round's h blocks: y_RD in the weights' dtype."""

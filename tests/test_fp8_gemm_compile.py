@@ -140,3 +140,18 @@ def test_swiglu_backward_pass_compiles_without_spills(width):
     spill = re.search(r"(\d+) bytes spill stores", ptxas_report(k.asm["ptx"]))
     assert spill is None or int(spill.group(1)) == 0, spill.group(0)
     assert not re.search(r"ttg\.convert_layout %\S+ : tensor<[0-9x]+xi8, #[^>]*> -> ", k.asm["ttgir"])
+
+
+@pytest.mark.parametrize("width", [768, 2048])
+def test_swiglu_pass_compiles_without_spills(width):
+    """The SwiGLU pass on a plain gate/up GEMM's [g | u] (the split gate/up of the experiment): no spills, its e4m3
+    byte tiles stored from the layout they are cast in."""
+    from megamoe.kernels.fp8_gemm import swiglu_rows_kernel
+
+    sig = dict(gu_ptr="*bf16", n_ptr="*i32", q_ptr="*u8", qs_ptr="*fp32", num_rows="i32")
+    const = dict(HW_CAST=True, BLOCK_M=32)
+    _ints(sig, const, N=width, stride_gm=2 * width, stride_qm=width, stride_qsm=width // 128)
+    k = _compile(swiglu_rows_kernel, sig, const, Fp8GemmConfig(32, 128, 4, 1))
+    spill = re.search(r"(\d+) bytes spill stores", ptxas_report(k.asm["ptx"]))
+    assert spill is None or int(spill.group(1)) == 0, spill.group(0)
+    assert not re.search(r"ttg\.convert_layout %\S+ : tensor<[0-9x]+xi8, #[^>]*> -> ", k.asm["ttgir"])

@@ -39,7 +39,7 @@ fp32 (``mma``'s FP32_DOT; exact products of e4m3 values); HW_CAST is False there
 import triton
 import triton.language as tl
 
-from .fp8_quant import abs_bits, e4m3_bytes, pow2_scale, quantize_block_rows
+from .fp8_quant import abs_bits, as_fp32, e4m3_bytes, pow2_scale, quantize_block_rows
 from .grouped_gemm import PLAIN, SWIGLU
 from .tiles import expert_of_tile, load_2d, mma
 
@@ -426,3 +426,25 @@ def swiglu_bwd_rows_kernel(acc_ptr, n_ptr, scale_ptr, gu_ptr, c_ptr, aux_ptr, do
                             stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE, HW_CAST, BLOCK_M)
     if HAS_DOT:
         tl.store(dot_ptr + out_rows * (N // 128) + p, part, mask=mask_m)
+
+
+@triton.jit
+def swiglu_rows_kernel(gu_ptr, n_ptr, q_ptr, qs_ptr, num_rows, N, stride_gm, stride_qm, stride_qsm,
+                       HW_CAST: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program (i, p): h = silu(g) * u on rows [i * BLOCK_M, ...) x columns [128p, 128p + 128) of [g | u]
+    (num_rows, 2N) in the activation dtype, as :func:`fp8_m_grouped_kernel`'s SWIGLU epilogue computes it from the
+    same rounded g and u (:func:`swiglu_h`, one rounding to that dtype), quantized 1x128 into (q, qs); only the
+    first ``n_ptr[0]`` rows (a count on the device) are read and written."""
+    out_ty = gu_ptr.dtype.element_ty
+    n_valid = tl.minimum(num_rows, tl.load(n_ptr))
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_valid
+    rows = offs_m.to(tl.int64)
+    n0 = tl.program_id(1) * 128
+    cols = n0 + tl.arange(0, 128)
+    ptrs = gu_ptr + rows[:, None] * stride_gm + cols[None, :]
+    mask = mask_m[:, None] & (cols < N)[None, :]
+    gate = as_fp32(tl.load(ptrs, mask=mask, other=0.0))
+    up = as_fp32(tl.load(ptrs + N, mask=mask, other=0.0))
+    h = swiglu_h(gate, up).to(out_ty).to(tl.float32)
+    _store_quantized(h, rows, n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, N, HW_CAST)

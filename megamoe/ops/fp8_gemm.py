@@ -28,15 +28,16 @@ import dataclasses
 import torch
 import triton
 
-from ..kernels.fp8_gemm import fp8_k_grouped_kernel, fp8_m_grouped_kernel, swiglu_bwd_rows_kernel
+from ..kernels.fp8_gemm import fp8_k_grouped_kernel, fp8_m_grouped_kernel, swiglu_bwd_rows_kernel, swiglu_rows_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .routing import cached_tile_offsets
 
-__all__ = ["fp8_gate_up_swiglu", "fp8_grouped_mm_nt", "fp8_grouped_mm_nn", "fp8_swiglu_dgrad", "fp8_swiglu_bwd",
+__all__ = ["fp8_gate_up_swiglu", "fp8_grouped_mm_nt", "fp8_grouped_mm_nn", "fp8_swiglu_dgrad", "fp8_swiglu",
+           "fp8_swiglu_bwd",
            "fp8_k_grouped_mm", "fp8_config", "Fp8GemmConfig", "FP8_KINDS", "QB"]
 
 QB = 128  # the scale group
-_ROWS, _ROWS_INTERPRET = 32, 16  # rows per program of the SwiGLU backward on an fp32 accumulator
+_ROWS, _ROWS_INTERPRET = 32, 16  # rows per program of the SwiGLU passes on a plain GEMM's output
 _PLAIN, _SWIGLU, _SWIGLU_BWD = 0, 1, 2
 _E4M3 = torch.float8_e4m3fn
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -326,6 +327,41 @@ def fp8_swiglu_dgrad(dq: torch.Tensor, ds: torch.Tensor, w2q: torch.Tensor, w2s:
               offsets_E1=offsets_E1, c=dgu, aux=hw, dot=part, q=dgq, qs=dgs, scale=row_scale_R, gu=gu_RG,
               tile_cache=tile_cache, config=config)
     return dgu, hw, part, dgq, dgs
+
+
+def fp8_swiglu(gu_RG: torch.Tensor, *, valid_rows_1: torch.Tensor | None = None):
+    """h = silu(g) * u of [g | u] rows a plain GEMM wrote in the activation dtype, quantized 1x128: the values and
+    blocks of :func:`fp8_gate_up_swiglu`'s epilogue on the same g and u, bit for bit.
+
+    Args:
+        gu_RG: (R, 2F) bf16 / fp16 / fp32, rows contiguous. valid_rows_1: optional (1,) int32 device count of the
+            rows to compute (the others are not written); all R when None.
+    Returns:
+        hq_RF (R, F) e4m3, hs_RB (R, F / 128) fp32. Sync: none.
+    """
+    where = "fp8_swiglu"
+    if (not isinstance(gu_RG, torch.Tensor) or gu_RG.dim() != 2 or gu_RG.dtype not in _OUT_DTYPES
+            or gu_RG.stride(1) != 1):
+        raise ValueError(f"{where}: gu_RG must be a 2-D bf16/fp16/fp32 tensor with contiguous rows, got "
+                         f"{getattr(gu_RG, 'dtype', type(gu_RG).__name__)} {tuple(getattr(gu_RG, 'shape', ()))}")
+    R, G = gu_RG.shape
+    F = G // 2
+    _check_mult(where, F=F)
+    if valid_rows_1 is not None and (valid_rows_1.dtype != torch.int32 or valid_rows_1.numel() != 1):
+        raise ValueError(f"{where}: valid_rows_1 must be a (1,) int32 tensor")
+    dev = check_device(swiglu_rows_kernel, where, gu_RG=gu_RG, valid_rows_1=valid_rows_1)
+    hq = torch.empty((R, F), dtype=_E4M3, device=dev)
+    hs = torch.empty((R, F // QB), dtype=torch.float32, device=dev)
+    if R == 0 or F == 0:
+        return hq, hs
+    if valid_rows_1 is None:
+        valid_rows_1 = torch.full((1,), R, dtype=torch.int32, device=dev)
+    interpret = is_interpreted(swiglu_rows_kernel)
+    block_m = _ROWS_INTERPRET if interpret else _ROWS
+    swiglu_rows_kernel[(triton.cdiv(R, block_m), F // QB)](
+        gu_RG, valid_rows_1, hq.view(torch.uint8), hs, R, F, gu_RG.stride(0), hq.stride(0), hs.stride(0),
+        HW_CAST=not interpret, BLOCK_M=block_m, num_warps=4, enable_fp_fusion=True)
+    return hq, hs
 
 
 def fp8_swiglu_bwd(acc_RF: torch.Tensor, gu_RG: torch.Tensor, *, valid_rows_1: torch.Tensor | None = None,
