@@ -14,7 +14,7 @@ import pytest
 
 from megamoe.bench.kernel_inventory import HOPPER_SMEM, ptxas_report
 from megamoe.kernels.fp8_gemm import fp8_k_grouped_kernel, fp8_m_grouped_kernel
-from megamoe.ops.fp8_gemm import fp8_config
+from megamoe.ops.fp8_gemm import Fp8GemmConfig, fp8_config
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "deepseek-v3": (7168, 2048)}  # (D, F)
 KINDS = ("gate_up", "down", "dgrad_swiglu", "dgrad")
@@ -123,3 +123,35 @@ def test_weight_gradient_compiles(padded):
         ttir = k.asm["ttir"]
         assert not re.search(r"arith\.muli %\S+, %\S+ : tensor<1x\d+xi32>", ttir), "int32 column offsets"
         assert re.search(r"arith\.muli %\S+, %\S+ : tensor<\d+xi64>", ttir), "no int64 column offsets found"
+
+
+@pytest.mark.parametrize("width", [768, 2048])
+def test_swiglu_backward_pass_compiles_without_spills(width):
+    """The SwiGLU-backward pass on the dgrad's fp32 accumulator (the split dgrad of the experiment): no spills, and
+    its e4m3 byte tiles stored from the layout they are cast in (tests/test_fp8_quant_compile.py says why)."""
+    from megamoe.kernels.fp8_gemm import swiglu_bwd_rows_kernel
+
+    sig = dict(acc_ptr="*fp32", n_ptr="*i32", scale_ptr="*fp32", gu_ptr="*bf16", c_ptr="*bf16", aux_ptr="*bf16",
+               dot_ptr="*fp32", q_ptr="*u8", qs_ptr="*fp32", num_rows="i32")
+    const = dict(HAS_SCALE=True, HAS_DOT=True, HW_CAST=True, BLOCK_M=32)
+    _ints(sig, const, N=width, stride_am=width, stride_cm=2 * width, stride_gm=2 * width, stride_xm=width,
+          stride_qm=2 * width, stride_qsm=2 * width // 128)
+    k = _compile(swiglu_bwd_rows_kernel, sig, const, Fp8GemmConfig(32, 128, 4, 1))
+    spill = re.search(r"(\d+) bytes spill stores", ptxas_report(k.asm["ptx"]))
+    assert spill is None or int(spill.group(1)) == 0, spill.group(0)
+    assert not re.search(r"ttg\.convert_layout %\S+ : tensor<[0-9x]+xi8, #[^>]*> -> ", k.asm["ttgir"])
+
+
+@pytest.mark.parametrize("width", [768, 2048])
+def test_swiglu_pass_compiles_without_spills(width):
+    """The SwiGLU pass on a plain gate/up GEMM's [g | u] (the split gate/up of the experiment): no spills, its e4m3
+    byte tiles stored from the layout they are cast in."""
+    from megamoe.kernels.fp8_gemm import swiglu_rows_kernel
+
+    sig = dict(gu_ptr="*bf16", n_ptr="*i32", q_ptr="*u8", qs_ptr="*fp32", num_rows="i32")
+    const = dict(HW_CAST=True, BLOCK_M=32)
+    _ints(sig, const, N=width, stride_gm=2 * width, stride_qm=width, stride_qsm=width // 128)
+    k = _compile(swiglu_rows_kernel, sig, const, Fp8GemmConfig(32, 128, 4, 1))
+    spill = re.search(r"(\d+) bytes spill stores", ptxas_report(k.asm["ptx"]))
+    assert spill is None or int(spill.group(1)) == 0, spill.group(0)
+    assert not re.search(r"ttg\.convert_layout %\S+ : tensor<[0-9x]+xi8, #[^>]*> -> ", k.asm["ttgir"])

@@ -44,13 +44,13 @@ def test_kernels_compile_for_sm90():
     from megamoe.kernels import fp8_quant as k
 
     for hw in (True, False):
-        for count in (False, True):  # all rows, or a device count of them
+        for count, idx in ((False, False), (True, False), (False, True)):  # all rows, a device count, a gather
             c = _compile_sm90(k.quantize_1x128_kernel, dict(R=300, C=7168), X1_PTRS,
-                              {"BLOCK_R": 32, "HW_CAST": hw, "HAS_COUNT": count})
+                              {"BLOCK_R": 32, "HW_CAST": hw, "HAS_COUNT": count, "HAS_IDX": idx})
             assert ("cvt.rn.satfinite.e4m3x2.f32" in c.asm["ptx"]) == hw
 
 
-X1_PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "n_ptr": "*i32"}
+X1_PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "n_ptr": "*i32", "idx_ptr": "*i32"}
 W_PTRS = {"w_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
 G_PTRS = {"x_ptr": "*bf16", "idx_ptr": "*i32", "offsets_ptr": "*i32", "block_offsets_ptr": "*i32", "q_ptr": "*u8",
           "s_ptr": "*fp32"}
@@ -65,7 +65,8 @@ def test_byte_tiles_are_stored_from_the_layout_they_are_cast_in(width):
     from megamoe.kernels import fp8_quant as k
 
     compiled = [_compile_sm90(k.quantize_1x128_kernel, dict(R=300, C=width), X1_PTRS,
-                              {"BLOCK_R": 32, "HW_CAST": True, "HAS_COUNT": count}) for count in (False, True)]
+                              {"BLOCK_R": 32, "HW_CAST": True, "HAS_COUNT": count, "HAS_IDX": idx})
+                for count, idx in ((False, False), (True, False), (False, True))]
     compiled.append(_compile_sm90(k.quantize_128x128_kernel, dict(N=300, K=width), W_PTRS, {"HW_CAST": True},
                                   num_warps=8))
     for gather in (False, True) if width > 1 else (False,):  # one column is gathered by the launcher

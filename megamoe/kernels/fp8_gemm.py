@@ -39,7 +39,7 @@ fp32 (``mma``'s FP32_DOT; exact products of e4m3 values); HW_CAST is False there
 import triton
 import triton.language as tl
 
-from .fp8_quant import abs_bits, e4m3_bytes, pow2_scale, quantize_block_rows
+from .fp8_quant import abs_bits, as_fp32, e4m3_bytes, pow2_scale, quantize_block_rows
 from .grouped_gemm import PLAIN, SWIGLU
 from .tiles import expert_of_tile, load_2d, mma
 
@@ -397,3 +397,54 @@ def fp8_k_grouped_kernel(
                               FP32_DOT, PADDED, EVEN_M, EVEN_N)
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def swiglu_bwd_rows_kernel(acc_ptr, n_ptr, scale_ptr, gu_ptr, c_ptr, aux_ptr, dot_ptr, q_ptr, qs_ptr, num_rows, N,
+                           stride_am, stride_cm, stride_gm, stride_xm, stride_qm, stride_qsm,
+                           HAS_SCALE: tl.constexpr, HAS_DOT: tl.constexpr, HW_CAST: tl.constexpr,
+                           BLOCK_M: tl.constexpr):
+    """Program (i, p): the SwiGLU backward of :func:`fp8_m_grouped_kernel`'s SWIGLU_BWD epilogue (the same
+    function, :func:`_swiglu_bwd_cols`, hence the same bits) on rows [i * BLOCK_M, ...) x columns [128p, 128p + 128)
+    of a dgrad accumulator written in fp32 by a plain GEMM (acc (num_rows, N)); only the first ``n_ptr[0]`` rows (a
+    count on the device) are read and written."""
+    n_valid = tl.minimum(num_rows, tl.load(n_ptr))
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_valid
+    rows = tl.minimum(offs_m, num_rows - 1).to(tl.int64)  # clamped rows: computed, never stored
+    p = tl.program_id(1)
+    n0 = p * 128
+    cols = n0 + tl.arange(0, 128)
+    acc = tl.load(acc_ptr + rows[:, None] * stride_am + cols[None, :], mask=mask_m[:, None] & (cols < N)[None, :],
+                  other=0.0)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + rows).to(tl.float32)
+    else:
+        scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+    out_rows = offs_m.to(tl.int64)
+    part = _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr, N,
+                            stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE, HW_CAST, BLOCK_M)
+    if HAS_DOT:
+        tl.store(dot_ptr + out_rows * (N // 128) + p, part, mask=mask_m)
+
+
+@triton.jit
+def swiglu_rows_kernel(gu_ptr, n_ptr, q_ptr, qs_ptr, num_rows, N, stride_gm, stride_qm, stride_qsm,
+                       HW_CAST: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program (i, p): h = silu(g) * u on rows [i * BLOCK_M, ...) x columns [128p, 128p + 128) of [g | u]
+    (num_rows, 2N) in the activation dtype, as :func:`fp8_m_grouped_kernel`'s SWIGLU epilogue computes it from the
+    same rounded g and u (:func:`swiglu_h`, one rounding to that dtype), quantized 1x128 into (q, qs); only the
+    first ``n_ptr[0]`` rows (a count on the device) are read and written."""
+    out_ty = gu_ptr.dtype.element_ty
+    n_valid = tl.minimum(num_rows, tl.load(n_ptr))
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_valid
+    rows = offs_m.to(tl.int64)
+    n0 = tl.program_id(1) * 128
+    cols = n0 + tl.arange(0, 128)
+    ptrs = gu_ptr + rows[:, None] * stride_gm + cols[None, :]
+    mask = mask_m[:, None] & (cols < N)[None, :]
+    gate = as_fp32(tl.load(ptrs, mask=mask, other=0.0))
+    up = as_fp32(tl.load(ptrs + N, mask=mask, other=0.0))
+    h = swiglu_h(gate, up).to(out_ty).to(tl.float32)
+    _store_quantized(h, rows, n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, N, HW_CAST)

@@ -142,11 +142,12 @@ def quantize_block(x, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, n_ptr, R, C, BLOCK_R: tl.constexpr, HW_CAST: tl.constexpr,
-                          HAS_COUNT: tl.constexpr):
+def quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, n_ptr, idx_ptr, R, C, BLOCK_R: tl.constexpr, HW_CAST: tl.constexpr,
+                          HAS_COUNT: tl.constexpr, HAS_IDX: tl.constexpr):
     """Program (i, b): rows [i * BLOCK_R, ...) x columns [128b, 128b + 128) of x (R, C) contiguous -> q (R, C)
     uint8 (e4m3 bytes), s (R, ceil(C / 128)). HAS_COUNT: only the first ``n_ptr[0]`` rows (a count on the device,
-    e.g. a receive round's rows); the programs past it load and store nothing."""
+    e.g. a receive round's rows); the programs past it load and store nothing. HAS_IDX: row r of q is row
+    ``idx[r]`` of x (a (T, C) token matrix; the rows gathered into expert order)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     b = tl.program_id(1)
     cols = b * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
@@ -155,8 +156,13 @@ def quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, n_ptr, R, C, BLOCK_R: tl.constexp
     mask_r = rows < R
     mask = mask_r[:, None] & (cols < C)[None, :]
     r64 = rows.to(tl.int64)
-    offs = r64[:, None] * C + cols[None, :]  # of x and q alike
-    q, s = quantize_block_rows(as_fp32(tl.load(x_ptr + offs, mask=mask, other=0.0)), HW_CAST)
+    offs = r64[:, None] * C + cols[None, :]  # of q (and of x without a gather)
+    if HAS_IDX:
+        src = tl.load(idx_ptr + rows, mask=mask_r, other=0).to(tl.int64)
+        x = tl.load(x_ptr + src[:, None] * C + cols[None, :], mask=mask, other=0.0)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    q, s = quantize_block_rows(as_fp32(x), HW_CAST)
     tl.store(q_ptr + offs, q, mask=mask)
     tl.store(s_ptr + r64 * tl.cdiv(C, SCALE_BLOCK) + b, s, mask=mask_r)
 

@@ -28,14 +28,16 @@ import dataclasses
 import torch
 import triton
 
-from ..kernels.fp8_gemm import fp8_k_grouped_kernel, fp8_m_grouped_kernel
+from ..kernels.fp8_gemm import fp8_k_grouped_kernel, fp8_m_grouped_kernel, swiglu_bwd_rows_kernel, swiglu_rows_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .routing import cached_tile_offsets
 
-__all__ = ["fp8_gate_up_swiglu", "fp8_grouped_mm_nt", "fp8_grouped_mm_nn", "fp8_swiglu_dgrad", "fp8_k_grouped_mm",
-           "fp8_config", "Fp8GemmConfig", "FP8_KINDS", "QB"]
+__all__ = ["fp8_gate_up_swiglu", "fp8_grouped_mm_nt", "fp8_grouped_mm_nn", "fp8_swiglu_dgrad", "fp8_swiglu",
+           "fp8_swiglu_bwd",
+           "fp8_k_grouped_mm", "fp8_config", "Fp8GemmConfig", "FP8_KINDS", "QB"]
 
 QB = 128  # the scale group
+_ROWS, _ROWS_INTERPRET = 32, 16  # rows per program of the SwiGLU passes on a plain GEMM's output
 _PLAIN, _SWIGLU, _SWIGLU_BWD = 0, 1, 2
 _E4M3 = torch.float8_e4m3fn
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -324,6 +326,90 @@ def fp8_swiglu_dgrad(dq: torch.Tensor, ds: torch.Tensor, w2q: torch.Tensor, w2s:
               nt=False, R=R, N=F, K=D,
               offsets_E1=offsets_E1, c=dgu, aux=hw, dot=part, q=dgq, qs=dgs, scale=row_scale_R, gu=gu_RG,
               tile_cache=tile_cache, config=config)
+    return dgu, hw, part, dgq, dgs
+
+
+def fp8_swiglu(gu_RG: torch.Tensor, *, valid_rows_1: torch.Tensor | None = None):
+    """h = silu(g) * u of [g | u] rows a plain GEMM wrote in the activation dtype, quantized 1x128: the values and
+    blocks of :func:`fp8_gate_up_swiglu`'s epilogue on the same g and u, bit for bit.
+
+    Args:
+        gu_RG: (R, 2F) bf16 / fp16 / fp32, rows contiguous. valid_rows_1: optional (1,) int32 device count of the
+            rows to compute (the others are not written); all R when None.
+    Returns:
+        hq_RF (R, F) e4m3, hs_RB (R, F / 128) fp32. Sync: none.
+    """
+    where = "fp8_swiglu"
+    if (not isinstance(gu_RG, torch.Tensor) or gu_RG.dim() != 2 or gu_RG.dtype not in _OUT_DTYPES
+            or gu_RG.stride(1) != 1):
+        raise ValueError(f"{where}: gu_RG must be a 2-D bf16/fp16/fp32 tensor with contiguous rows, got "
+                         f"{getattr(gu_RG, 'dtype', type(gu_RG).__name__)} {tuple(getattr(gu_RG, 'shape', ()))}")
+    R, G = gu_RG.shape
+    F = G // 2
+    _check_mult(where, F=F)
+    if valid_rows_1 is not None and (valid_rows_1.dtype != torch.int32 or valid_rows_1.numel() != 1):
+        raise ValueError(f"{where}: valid_rows_1 must be a (1,) int32 tensor")
+    dev = check_device(swiglu_rows_kernel, where, gu_RG=gu_RG, valid_rows_1=valid_rows_1)
+    hq = torch.empty((R, F), dtype=_E4M3, device=dev)
+    hs = torch.empty((R, F // QB), dtype=torch.float32, device=dev)
+    if R == 0 or F == 0:
+        return hq, hs
+    if valid_rows_1 is None:
+        valid_rows_1 = torch.full((1,), R, dtype=torch.int32, device=dev)
+    interpret = is_interpreted(swiglu_rows_kernel)
+    block_m = _ROWS_INTERPRET if interpret else _ROWS
+    swiglu_rows_kernel[(triton.cdiv(R, block_m), F // QB)](
+        gu_RG, valid_rows_1, hq.view(torch.uint8), hs, R, F, gu_RG.stride(0), hq.stride(0), hs.stride(0),
+        HW_CAST=not interpret, BLOCK_M=block_m, num_warps=4, enable_fp_fusion=True)
+    return hq, hs
+
+
+def fp8_swiglu_bwd(acc_RF: torch.Tensor, gu_RG: torch.Tensor, *, valid_rows_1: torch.Tensor | None = None,
+                   row_scale_R: torch.Tensor | None = None, row_dot: bool = True):
+    """The SwiGLU backward of :func:`fp8_swiglu_dgrad` on a dgrad accumulator a plain GEMM wrote in fp32
+    (``acc_RF = deq(dY) @ deq(w2)[e]`` per row, e.g. ``fp8_grouped_mm_nn(..., out_dtype=torch.float32)``): the
+    same values, bit for bit (the same epilogue function on the same fp32 accumulator).
+
+    Args:
+        acc_RF: (R, F) fp32, rows contiguous. gu_RG: (R, 2F) the saved [g | u]. valid_rows_1: optional (1,) int32
+            device count of the rows to compute (the others are not written); all R when None.
+        row_scale_R: optional (R,) fp32 routing weight of each row. row_dot: also return the row-dot partials.
+    Returns:
+        dgu_RG, hw_RF, row_dot_RP or None, dgq_RG, dgs_RB as :func:`fp8_swiglu_dgrad`. Sync: none.
+    """
+    where = "fp8_swiglu_bwd"
+    if (not isinstance(acc_RF, torch.Tensor) or acc_RF.dim() != 2 or acc_RF.dtype != torch.float32
+            or acc_RF.stride(1) != 1):
+        raise ValueError(f"{where}: acc_RF must be a 2-D fp32 tensor with contiguous rows, got "
+                         f"{getattr(acc_RF, 'dtype', type(acc_RF).__name__)} {tuple(getattr(acc_RF, 'shape', ()))}")
+    R, F = acc_RF.shape
+    _check_mult(where, F=F)
+    _check_row_scale(where, row_scale_R, R)
+    if (not isinstance(gu_RG, torch.Tensor) or tuple(gu_RG.shape) != (R, 2 * F) or gu_RG.dtype not in _OUT_DTYPES
+            or (R and gu_RG.stride(1) != 1)):
+        raise ValueError(f"{where}: gu_RG must be ({R}, {2 * F}) bf16/fp16/fp32 with a contiguous last dimension, got "
+                         f"{getattr(gu_RG, 'dtype', type(gu_RG).__name__)} {tuple(getattr(gu_RG, 'shape', ()))}")
+    if valid_rows_1 is not None and (valid_rows_1.dtype != torch.int32 or valid_rows_1.numel() != 1):
+        raise ValueError(f"{where}: valid_rows_1 must be a (1,) int32 tensor")
+    dev = check_device(swiglu_bwd_rows_kernel, where, acc_RF=acc_RF, gu_RG=gu_RG, valid_rows_1=valid_rows_1,
+                       row_scale_R=row_scale_R)
+    dgu = torch.empty((R, 2 * F), dtype=gu_RG.dtype, device=dev)
+    hw = torch.empty((R, F), dtype=gu_RG.dtype, device=dev)
+    part = torch.empty((R, F // QB), dtype=torch.float32, device=dev) if row_dot else None
+    dgq = torch.empty((R, 2 * F), dtype=_E4M3, device=dev)
+    dgs = torch.empty((R, 2 * F // QB), dtype=torch.float32, device=dev)
+    if R == 0 or F == 0:
+        return dgu, hw, part, dgq, dgs
+    if valid_rows_1 is None:
+        valid_rows_1 = torch.full((1,), R, dtype=torch.int32, device=dev)
+    interpret = is_interpreted(swiglu_bwd_rows_kernel)
+    block_m = _ROWS_INTERPRET if interpret else _ROWS
+    swiglu_bwd_rows_kernel[(triton.cdiv(R, block_m), F // QB)](
+        acc_RF, valid_rows_1, row_scale_R if row_scale_R is not None else acc_RF, gu_RG, dgu, hw,
+        part if part is not None else acc_RF, dgq.view(torch.uint8), dgs, R, F,
+        acc_RF.stride(0), dgu.stride(0), gu_RG.stride(0), hw.stride(0), dgq.stride(0), dgs.stride(0),
+        HAS_SCALE=row_scale_R is not None, HAS_DOT=part is not None, HW_CAST=not interpret, BLOCK_M=block_m,
+        num_warps=4, enable_fp_fusion=True)
     return dgu, hw, part, dgq, dgs
 
 

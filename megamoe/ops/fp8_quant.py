@@ -79,29 +79,38 @@ def _check_int32(name: str, t, shape: tuple, where: str) -> None:
 
 
 def quantize_1x128(x_RC: torch.Tensor, *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
-                   valid_rows_1: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   valid_rows_1: torch.Tensor | None = None,
+                   idx_R: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 block quantization of rows: x (R, C) -> (q_RC e4m3, s_RB fp32), as
     megamoe.reference.quantize_1x128 (bit for bit). out / scale_out: optional (R, C) e4m3 / (R, B) fp32.
     valid_rows_1: optional (1,) int32 device tensor n: only rows [0, min(n, R)) are quantized (the rows of a receive
-    round, whose count only the device knows), the other rows of q and s are not written. Sync: none."""
+    round, whose count only the device knows), the other rows of q and s are not written. idx_R: optional (R,)
+    int32 device row index into x (then a (T, C) token matrix): row r of q is ``x[idx_R[r]]`` quantized, the rows
+    gathered into expert order for a GEMM without a gather (indices trusted, as by the grouped GEMMs). Sync: none."""
     where = "quantize_1x128"
     _check_input("x_RC", x_RC, (2,), where)
+    if idx_R is not None:
+        _check_int32("idx_R", idx_R, (idx_R.shape[0] if isinstance(idx_R, torch.Tensor) else -1,), where)
     if valid_rows_1 is not None and (not isinstance(valid_rows_1, torch.Tensor) or valid_rows_1.dtype != torch.int32
                                      or valid_rows_1.numel() != 1):
         raise ValueError(f"{where}: valid_rows_1 must be a (1,) int32 tensor, got "
                          f"{getattr(valid_rows_1, 'shape', valid_rows_1)!r}")
     dev = check_device(quantize_1x128_kernel, where, x_RC=x_RC, out=out, scale_out=scale_out,
-                       valid_rows_1=valid_rows_1)
+                       valid_rows_1=valid_rows_1, idx_R=idx_R)
     x_RC = _dense(x_RC)
     R, C = x_RC.shape
+    if idx_R is not None:
+        R = idx_R.shape[0]
     B = triton.cdiv(C, SCALE_BLOCK)
     q = _output(out, (R, C), E4M3, dev, "out", where)
     s = _output(scale_out, (R, B), torch.float32, dev, "scale_out", where)
     if R and C:
         grid = (triton.cdiv(R, _ROWS_PER_PROGRAM), B)
-        quantize_1x128_kernel[grid](x_RC, q.view(torch.uint8), s, s if valid_rows_1 is None else valid_rows_1, R, C,
-                                    BLOCK_R=_ROWS_PER_PROGRAM, HW_CAST=not is_interpreted(quantize_1x128_kernel),
-                                    HAS_COUNT=valid_rows_1 is not None, num_warps=4, enable_fp_fusion=True)
+        quantize_1x128_kernel[grid](x_RC, q.view(torch.uint8), s, s if valid_rows_1 is None else valid_rows_1,
+                                    s if idx_R is None else idx_R, R, C, BLOCK_R=_ROWS_PER_PROGRAM,
+                                    HW_CAST=not is_interpreted(quantize_1x128_kernel),
+                                    HAS_COUNT=valid_rows_1 is not None, HAS_IDX=idx_R is not None, num_warps=4,
+                                    enable_fp_fusion=True)
     return q, s
 
 
