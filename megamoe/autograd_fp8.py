@@ -44,19 +44,6 @@ from .ops.wgrad_rounds import fp8_k_grouped_round
 
 __all__ = ["Fp8Experts"]
 
-# experiment: dgrad + SwiGLU backward as a plain GEMM (Gluon on Hopper) and a SwiGLU-backward pass on its fp32
-# accumulator, instead of the Triton GEMM with the row gather and the SwiGLU epilogue (the same bits)
-SPLIT_DGRAD = True
-# experiment: gate/up + SwiGLU as a plain GEMM (Gluon on Hopper) into [g | u] and a SwiGLU pass, instead of the
-# Triton GEMM with the row gather, two accumulators and the SwiGLU epilogue (the same bits)
-SPLIT_GATE_UP = True
-
-
-def _rows_1x128(t_RC: torch.Tensor, idx_R: torch.Tensor | None, offsets_E1: torch.Tensor):
-    """1x128 blocks of a round's rows: all T token rows when the GEMM gathers them through ``idx_R`` (one GPU), else
-    only the rows the round holds (``offsets_E1[-1]``, on the device) of a receive buffer sized for the capacity."""
-    return fp8_quant.quantize_1x128(t_RC, valid_rows_1=offsets_E1[-1:] if idx_R is None else None)
-
 
 class Fp8Experts:
     """The FP8 routed-expert GEMMs of one layer call (a fresh object per call; it carries the weight blocks
@@ -83,21 +70,14 @@ class Fp8Experts:
         self.dtype = w13_EGD.dtype
 
     def gate_up(self, rows, save_preact: bool | None = None):
-        """Gate/up + SwiGLU on the round's x rows: (h as its 1x128 blocks (hq_RF, hs_RB), gu_RG or None)."""
+        """Gate/up + SwiGLU on the round's x rows: (h as its 1x128 blocks (hq_RF, hs_RB), gu_RG or None). A plain
+        GEMM and a SwiGLU pass: x's rows quantized 1x128 straight into expert order (gathered on one GPU; a receive
+        round's rows up to its device count under EP), ``[g | u] = x rows @ w13 blocks^T`` in the activation dtype
+        (the warp-specialized Gluon kernel on Hopper: no gather, no epilogue), then h = silu(g) * u quantized 1x128
+        from that [g | u]: bitwise what one Triton GEMM with the row gather and a SwiGLU epilogue gives
+        (megamoe.ops.fp8_gemm.fp8_gate_up_swiglu), and faster (docs/perf.md)."""
         self._check_rows(rows, "gate/up")
         keep = rows.keep_preact if save_preact is None else save_preact
-        if SPLIT_GATE_UP:
-            return self._gate_up_split(rows, keep)
-        xq, xs = _rows_1x128(rows.x_RD, rows.x_idx_R, rows.offsets_E1)
-        hq, hs, gu = fp8_gemm.fp8_gate_up_swiglu(xq, xs, *self.w13, rows.offsets_E1, gather_idx_R=rows.x_idx_R,
-                                                 out_dtype=self.dtype, save_preact=keep, tile_cache=rows.tiles)
-        return (hq, hs), gu
-
-    def _gate_up_split(self, rows, keep: bool):
-        """:meth:`gate_up` as a plain GEMM and a SwiGLU pass: x's rows quantized 1x128 straight into expert order
-        (gathered on one GPU), ``[g | u] = x rows @ w13 blocks^T`` in the activation dtype (the warp-specialized
-        Gluon kernel on Hopper: no gather, no epilogue), then h = silu(g) * u quantized 1x128 from that [g | u].
-        The same bits."""
         off = rows.offsets_E1
         count = off[-1:]
         xq, xs = fp8_quant.quantize_1x128(rows.x_RD, idx_R=rows.x_idx_R,
@@ -127,22 +107,11 @@ class Fp8Experts:
 
     def dgrad_swiglu(self, rows, gu_RG: torch.Tensor):
         """dout rows @ w2 blocks with the SwiGLU backward: (dgu_RG, hw_RF, part_RP or None); dgu's 1x128 blocks
-        are kept for :meth:`dx` when the round needs dx."""
+        are kept for :meth:`dx` when the round needs dx. A plain GEMM and a SwiGLU-backward pass: dout's rows
+        quantized 1x128 straight into expert order, ``acc = dout rows @ w2 blocks`` in fp32 (the warp-specialized
+        Gluon kernel on Hopper), then the SwiGLU backward on acc: bitwise what one Triton GEMM with the row gather
+        and a SwiGLU-backward epilogue gives (megamoe.ops.fp8_gemm.fp8_swiglu_dgrad)."""
         self._check_rows(rows, "dgrad")
-        if SPLIT_DGRAD:
-            dgu, hw, part, dgq, dgs = self._dgrad_split(rows, gu_RG)
-        else:
-            dq, ds = _rows_1x128(rows.dy_RD, rows.dy_idx_R, rows.offsets_E1)
-            dgu, hw, part, dgq, dgs = fp8_gemm.fp8_swiglu_dgrad(
-                dq, ds, *self.w2_k, rows.offsets_E1, gu_RG, gather_idx_R=rows.dy_idx_R, row_scale_R=rows.scale_R,
-                row_dot=rows.row_dot, tile_cache=rows.tiles)
-        self._dgu = (dgq, dgs) if rows.need_dx else None
-        return dgu, hw, part
-
-    def _dgrad_split(self, rows, gu_RG: torch.Tensor):
-        """:meth:`dgrad_swiglu` as a plain GEMM and a SwiGLU-backward pass: dout's rows quantized 1x128 straight into
-        expert order (gathered on one GPU), ``acc = dout rows @ w2 blocks`` in fp32 (the warp-specialized Gluon
-        kernel on Hopper: no gather, no epilogue), then the fused epilogue's SwiGLU backward on acc. The same bits."""
         off = rows.offsets_E1
         count = off[-1:]
         dq, ds = fp8_quant.quantize_1x128(rows.dy_RD, idx_R=rows.dy_idx_R,
@@ -153,8 +122,10 @@ class Fp8Experts:
                                                          tile_cache=rows.tiles)
         else:
             acc = fp8_gemm.fp8_grouped_mm_nn(dq, ds, *self.w2_k, off, out_dtype=torch.float32, tile_cache=rows.tiles)
-        return fp8_gemm.fp8_swiglu_bwd(acc, gu_RG, valid_rows_1=count, row_scale_R=rows.scale_R,
-                                       row_dot=rows.row_dot)
+        dgu, hw, part, dgq, dgs = fp8_gemm.fp8_swiglu_bwd(acc, gu_RG, valid_rows_1=count, row_scale_R=rows.scale_R,
+                                                          row_dot=rows.row_dot)
+        self._dgu = (dgq, dgs) if rows.need_dx else None
+        return dgu, hw, part
 
     def wgrad(self, rows, p, p_idx_R, q, q_idx_R, out_dtype: torch.dtype, *, out: torch.Tensor | None = None,
               split: RoundSplit | None = None):
