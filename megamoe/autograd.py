@@ -190,7 +190,7 @@ def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs, fp8=None):
         rows = d.backward_rows(r, recompute)
         gu_RG = gu0_RG
         if recompute and fp8 is not None:
-            _, gu_RG = fp8.gate_up(rows, save_preact=True)
+            gu_RG = fp8.preact(rows)
         elif recompute:
             _, gu_RG = gate_up_swiglu(rows.x_RD, w13_EGD, rows.offsets_E1, gather_idx_R=rows.x_idx_R, save_preact=True,
                                       out=rows.h_out, preact_out=rows.gu_out, tile_cache=rows.tiles, kernel_config=kc)

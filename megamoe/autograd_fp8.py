@@ -10,21 +10,21 @@ the same. Block-scaled FP8 in the DeepSeek-V3 recipe (docs/fp8.md): e4m3 operand
 fp32 accumulation promoted every 128 of K::
 
   forward   weights: 128x128 blocks, once per weight version (megamoe.ops.fp8_weights cache)
-            x rows: 1x128, once per round (on one GPU the T token rows; the GEMM gathers them)
-            gate/up: e4m3 x rows @ w13 blocks -> gu (x's dtype, kept), h quantized 1x128 in the epilogue
+            x rows: 1x128, once per round, gathered into expert order (on one GPU from the T token rows)
+            gate/up: e4m3 x rows @ w13 blocks -> gu (x's dtype, kept), then a SwiGLU pass: h quantized 1x128
             down: e4m3 h @ w2 blocks -> y (x's dtype)
-  backward  dout rows: 1x128, once per round
-            dgrad + SwiGLU bwd: e4m3 dout @ w2 blocks (read transposed) -> dgu, hw, row dots; dgu quantized 1x128
-            in the epilogue
+  backward  dout rows: 1x128, once per round, gathered into expert order
+            dgrad + SwiGLU bwd: e4m3 dout @ w2 blocks (read transposed) -> fp32, then a SwiGLU-backward pass:
+            dgu, hw, row dots; dgu quantized 1x128
             dx rows: e4m3 dgu @ w13 blocks (read transposed)
             weight gradients: both operands quantized 128 rows x 1 column along the expert's rows, from the
             16-bit values (dout rows and hw for w2, dgu and x rows for w13), written transposed in 128-row blocks
             padded with zeros (K-major for the tensor cores), fp32 sums, one cast to the weight dtype
 
-On a Hopper GPU the down and dx GEMMs (plain epilogue, no gather) and the weight gradients run on the
-warp-specialized Gluon kernels (megamoe.ops.fp8_gemm_gluon: the same bits, the promotion overlapped with the
-next wgmma); elsewhere, and for the GEMMs with a gather or a SwiGLU epilogue, on the Triton kernels of
-megamoe.ops.fp8_gemm.
+On a Hopper GPU every FP8 GEMM runs on the warp-specialized Gluon kernels (megamoe.ops.fp8_gemm_gluon: the same
+bits, the promotion overlapped with the next wgmma), elsewhere on the Triton kernels of megamoe.ops.fp8_gemm; none
+gathers rows or ends in a SwiGLU epilogue (the quantizers gather, the SwiGLU passes follow the GEMMs: bitwise the
+fused Triton ops fp8_gate_up_swiglu / fp8_swiglu_dgrad, which the layer ran before and the tests compare with).
 
 The backward reuses the forward's weight blocks (kept by the recipe between the passes; the compiled ops of
 megamoe.custom_ops quantize them again instead) and reads K-major copies of them for the input gradients.
@@ -54,7 +54,7 @@ class Fp8Experts:
         self.cache = cache
         self.w13 = self.w2 = None  # (q, s) 128x128 blocks
         self.w13_k = self.w2_k = None  # the same blocks K-major, for the backward's input-gradient GEMMs
-        self._dgu = None  # the dgrad epilogue's 1x128 blocks of dgu, for the dx GEMM of the same round
+        self._dgu = None  # the SwiGLU-backward pass's 1x128 blocks of dgu, for the dx GEMM of the same round
 
     # ------------------------------------------------------------------------------------------ helpers
     @staticmethod
@@ -70,25 +70,28 @@ class Fp8Experts:
         self.dtype = w13_EGD.dtype
 
     def gate_up(self, rows, save_preact: bool | None = None):
-        """Gate/up + SwiGLU on the round's x rows: (h as its 1x128 blocks (hq_RF, hs_RB), gu_RG or None). A plain
-        GEMM and a SwiGLU pass: x's rows quantized 1x128 straight into expert order (gathered on one GPU; a receive
-        round's rows up to its device count under EP), ``[g | u] = x rows @ w13 blocks^T`` in the activation dtype
-        (the warp-specialized Gluon kernel on Hopper: no gather, no epilogue), then h = silu(g) * u quantized 1x128
-        from that [g | u]: bitwise what one Triton GEMM with the row gather and a SwiGLU epilogue gives
-        (megamoe.ops.fp8_gemm.fp8_gate_up_swiglu), and faster (docs/perf.md)."""
-        self._check_rows(rows, "gate/up")
+        """Gate/up + SwiGLU on the round's x rows: (h as its 1x128 blocks (hq_RF, hs_RB), gu_RG or None). The
+        GEMM of :meth:`preact`, then a SwiGLU pass: h = silu(g) * u quantized 1x128 from that [g | u], bitwise what
+        one Triton GEMM with the row gather and a SwiGLU epilogue gives (megamoe.ops.fp8_gemm.fp8_gate_up_swiglu),
+        and faster on Hopper (docs/perf.md)."""
         keep = rows.keep_preact if save_preact is None else save_preact
-        off = rows.offsets_E1
-        count = off[-1:]
-        xq, xs = fp8_quant.quantize_1x128(rows.x_RD, idx_R=rows.x_idx_R,
-                                          valid_rows_1=count if rows.x_idx_R is None else None)
-        if fp8_gemm_gluon.fp8_gluon_runs_on(xq.device):
-            gu = fp8_gemm_gluon.fp8_grouped_mm_nt_gluon(xq, xs, *self.w13, off, out_dtype=self.dtype,
-                                                        tile_cache=rows.tiles)
-        else:
-            gu = fp8_gemm.fp8_grouped_mm_nt(xq, xs, *self.w13, off, out_dtype=self.dtype, tile_cache=rows.tiles)
-        hq, hs = fp8_gemm.fp8_swiglu(gu, valid_rows_1=count)
+        gu = self.preact(rows)
+        hq, hs = fp8_gemm.fp8_swiglu(gu, valid_rows_1=rows.offsets_E1[-1:])
         return (hq, hs), gu if keep else None
+
+    def preact(self, rows) -> torch.Tensor:
+        """[g | u] = x rows @ w13 blocks^T in the activation dtype, gu_RG (the backward's recompute of a round whose
+        [g | u] was not kept): x's rows quantized 1x128 straight into expert order (gathered on one GPU; a receive
+        round's rows up to its device count under EP), then a plain grouped GEMM (the warp-specialized Gluon kernel
+        on Hopper: TMA cannot gather rows, hence the quantizer gathers)."""
+        self._check_rows(rows, "gate/up")
+        off = rows.offsets_E1
+        xq, xs = fp8_quant.quantize_1x128(rows.x_RD, idx_R=rows.x_idx_R,
+                                          valid_rows_1=off[-1:] if rows.x_idx_R is None else None)
+        if fp8_gemm_gluon.fp8_gluon_runs_on(xq.device):
+            return fp8_gemm_gluon.fp8_grouped_mm_nt_gluon(xq, xs, *self.w13, off, out_dtype=self.dtype,
+                                                          tile_cache=rows.tiles)
+        return fp8_gemm.fp8_grouped_mm_nt(xq, xs, *self.w13, off, out_dtype=self.dtype, tile_cache=rows.tiles)
 
     def down(self, h, rows) -> torch.Tensor:
         """Down projection of the round's h blocks: y_RD in the weights' dtype."""
@@ -122,6 +125,7 @@ class Fp8Experts:
                                                          tile_cache=rows.tiles)
         else:
             acc = fp8_gemm.fp8_grouped_mm_nn(dq, ds, *self.w2_k, off, out_dtype=torch.float32, tile_cache=rows.tiles)
+        del dq, ds  # (the gathered rows: R x D bytes, freed before the pass)
         dgu, hw, part, dgq, dgs = fp8_gemm.fp8_swiglu_bwd(acc, gu_RG, valid_rows_1=count, row_scale_R=rows.scale_R,
                                                           row_dot=rows.row_dot)
         self._dgu = (dgq, dgs) if rows.need_dx else None
@@ -152,7 +156,7 @@ class Fp8Experts:
         return out
 
     def dx(self, rows) -> torch.Tensor:
-        """dx rows = dgu blocks (from the dgrad epilogue) @ w13 blocks (read transposed): (R, D)."""
+        """dx rows = dgu blocks (from the SwiGLU-backward pass) @ w13 blocks (read transposed): (R, D)."""
         dgq, dgs = self._dgu
         self._dgu = None
         if fp8_gemm_gluon.fp8_gluon_runs_on(dgq.device):  # the K-major copy as (E, D, 2F): contiguous again

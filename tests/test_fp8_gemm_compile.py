@@ -127,7 +127,7 @@ def test_weight_gradient_compiles(padded):
 
 @pytest.mark.parametrize("width", [768, 2048])
 def test_swiglu_backward_pass_compiles_without_spills(width):
-    """The SwiGLU-backward pass on the dgrad's fp32 accumulator (the split dgrad of the experiment): no spills, and
+    """The SwiGLU-backward pass on the dgrad's fp32 accumulator (the FP8 layer's dgrad): no spills, and
     its e4m3 byte tiles stored from the layout they are cast in (tests/test_fp8_quant_compile.py says why)."""
     from megamoe.kernels.fp8_gemm import swiglu_bwd_rows_kernel
 
@@ -144,7 +144,7 @@ def test_swiglu_backward_pass_compiles_without_spills(width):
 
 @pytest.mark.parametrize("width", [768, 2048])
 def test_swiglu_pass_compiles_without_spills(width):
-    """The SwiGLU pass on a plain gate/up GEMM's [g | u] (the split gate/up of the experiment): no spills, its e4m3
+    """The SwiGLU pass on a plain gate/up GEMM's [g | u] (the FP8 layer's gate/up): no spills, its e4m3
     byte tiles stored from the layout they are cast in."""
     from megamoe.kernels.fp8_gemm import swiglu_rows_kernel
 
