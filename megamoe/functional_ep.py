@@ -174,7 +174,8 @@ def moe_experts_ep_workspace(x_TD, topk_ids_TK, topk_weights_TK, w13_LGD, w2_LDF
         for t in (x_TD, topk_weights_TK, w13_LGD, w2_LDF, shared_w13_HD, shared_w2_DS))
     dispatcher = NVLinkDispatcher(ws, capacity_rows=capacity_rows, rounds=rounds, timeout_s=float(timeout_s),
                                   save_preact=save_preact and grad, save_dispatched=save_dispatched and grad,
-                                  options=options or EPOptions(), kernel_config=kernel_config or KernelConfig())
+                                  options=options or EPOptions(), kernel_config=kernel_config or KernelConfig(),
+                                  gemm_buffers=not fp8)
     out = MoEExpertsFunction.apply(c(x_TD), c(topk_ids_TK), c(topk_weights_TK), c(w13_LGD), c(w2_LDF), *shared,
                                    dispatcher, recipe)
     if not out.is_cuda:

@@ -116,14 +116,17 @@ class NVLinkDispatcher:
     (token, slot) slots. ``save_preact`` / ``save_dispatched``: keep round 0's gate/up pre-activations gu_CG
     (C x 2F) / received x rows xr_CD (C x D) from forward to backward; the routing plan (T*K + 4 + E int32) is
     kept whenever a backward can follow and restored into the pool by the backward instead of rebuilt.
-    ``options``: the exchange's variants (:class:`EPOptions`); ``kernel_config``: tile overrides of the GEMMs."""
+    ``options``: the exchange's variants (:class:`EPOptions`); ``kernel_config``: tile overrides of the GEMMs.
+    ``gemm_buffers``: allocate the 16-bit GEMMs' output buffers (h_CF, gu_CG, y_CD); False for the FP8 recipe,
+    whose GEMMs return their own outputs (megamoe.autograd_fp8: up to C x (3F + D) 16-bit elements a pass saved)."""
 
     keeps_shared_preact = False
 
     def __init__(self, ws: EPWorkspace, *, capacity_rows: int, rounds: int, timeout_s: float,
                  save_preact: bool = False, save_dispatched: bool = False, options: EPOptions = _NO_OPTIONS,
-                 kernel_config: KernelConfig = DEFAULT_KERNELS):
+                 kernel_config: KernelConfig = DEFAULT_KERNELS, gemm_buffers: bool = True):
         self.ws, self.C, self.rounds, self.timeout_s = ws, capacity_rows, rounds, timeout_s
+        self.gemm_buffers = gemm_buffers
         self.options, self.kernel_config = options, kernel_config
         self.save_preact, self.save_dispatched = save_preact, save_dispatched
         self.side = None
@@ -186,9 +189,10 @@ class NVLinkDispatcher:
         self.plan = X.save_plan(ws, T, topk_ids_TK.shape[1]) if keep else None
         self.bufs = X.ExchangeBuffers(ws, C, backward=False, rounds=self.rounds)
         self.xr0_CD = self.bufs.xr_CD if self.save_dispatched else None
-        self.h_CF = torch.empty(C, F, dtype=dtype, device=dev)
-        self.y_CD = None if self.fused else torch.empty(C, D, dtype=dtype, device=dev)
-        self.gu_CG = torch.empty(C, 2 * F, dtype=dtype, device=dev) if self.save_preact else None
+        new = self.gemm_buffers
+        self.h_CF = torch.empty(C, F, dtype=dtype, device=dev) if new else None
+        self.y_CD = torch.empty(C, D, dtype=dtype, device=dev) if new and not self.fused else None
+        self.gu_CG = torch.empty(C, 2 * F, dtype=dtype, device=dev) if new and self.save_preact else None
 
     def shared_out(self, x_TD: torch.Tensor) -> torch.Tensor:
         # on the current stream: it outlives the side stream's block
@@ -201,7 +205,7 @@ class NVLinkDispatcher:
         elif self.overlap:  # round 0's pull beside gate/up, which waits for each tile's rows
             pull = X.pull_beside(self.ws, self.bufs, 0, backward=False, programs=self.overlap,
                                  timeout_s=self.timeout_s)
-        keep = self.gu_CG is not None and r == 0
+        keep = self.save_preact and r == 0
         # rt: this round's m-tile offsets (roff_L1 is rewritten by every round's dispatch)
         return RoundRows(self.bufs.xr_CD, None, self.bufs.roff_L1, {}, pull=pull, push=self._push(), h_out=self.h_CF,
                          gu_out=self.gu_CG if keep else None, keep_preact=keep, y_out=self.y_CD)
@@ -256,7 +260,7 @@ class NVLinkDispatcher:
     def backward_rows(self, r: int, recompute: bool) -> RoundRows:
         if r:
             self._round_pull(r)
-        if recompute and self.h_CF is None:
+        if recompute and self.h_CF is None and self.gemm_buffers:
             C, dev = self.C, self.ws.device
             self.h_CF = torch.empty(C, self.F, dtype=self.x_dtype, device=dev)
             self.gu_CG = torch.empty(C, 2 * self.F, dtype=self.x_dtype, device=dev)
