@@ -17,7 +17,7 @@ from megamoe.kernels.fp8_gemm import fp8_k_grouped_kernel, fp8_m_grouped_kernel
 from megamoe.ops.fp8_gemm import fp8_config
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "deepseek-v3": (7168, 2048)}  # (D, F)
-KINDS = ("gate_up", "down", "dgrad_swiglu", "dgrad")
+KINDS = ("gate_up", "down", "dgrad_swiglu", "dgrad_swiglu_128x1", "dgrad")
 
 
 def _compile(kernel, sig, const, cfg):
@@ -28,7 +28,7 @@ def _compile(kernel, sig, const, cfg):
     names = list(kernel.arg_names)
     assert set(sig) | set(const) == set(names), set(names) ^ (set(sig) | set(const))
     full = {n: sig.get(n, "constexpr") for n in names}
-    divisible = [n for n, t in sig.items() if t.startswith("*") or n.startswith("stride") or n in ("N", "M")]
+    divisible = [n for n, t in sig.items() if t.startswith("*") or n.startswith("stride") or n in ("N", "M", "ld_k")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     return triton.compile(ASTSource(kernel, full, const, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True))
@@ -42,10 +42,13 @@ def _ints(sig, const, **values):
             sig[name] = "i32"
 
 
-def compile_m(kind, D, F, kmajor):
+def compile_m(kind, D, F, kmajor, cfg=None):
     """The launch ops.fp8_gemm makes for ``kind`` (E = 128, gathered A for gate/up and dgrad + SwiGLU), B as the
-    forward's bytes, or for the dgrad kinds with kmajor a K-major copy of them."""
-    cfg = fp8_config(kind, interpret=False)
+    forward's bytes, or for the dgrad kinds with kmajor a K-major copy of them; ``cfg``: the table's by default.
+    dgrad_swiglu_128x1: dgrad + SwiGLU with the weight gradients' 128x1 K-major operands made in the epilogue."""
+    cfg = cfg or fp8_config(kind, interpret=False)
+    fused = kind == "dgrad_swiglu_128x1"
+    kind = "dgrad_swiglu" if fused else kind
     N, K, ep = {"gate_up": (F, D, 1), "down": (D, F, 0), "dgrad_swiglu": (F, D, 2), "dgrad": (D, 2 * F, 0)}[kind]
     rows_b = 2 * N if kind == "gate_up" else N
     if kind in ("gate_up", "down") or kmajor:  # element (n, k) at n * K + k
@@ -56,11 +59,13 @@ def compile_m(kind, D, F, kmajor):
                  stride_bsk=N // 128)
     sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", a_idx_ptr="*i32", b_ptr="*fp8e4nv", bs_ptr="*fp32",
                row_offsets_ptr="*i32", tile_offsets_ptr="*i32", scale_ptr="*fp32", gu_ptr="*bf16", c_ptr="*bf16",
-               aux_ptr="*bf16", dot_ptr="*fp32", q_ptr="*u8", qs_ptr="*fp32")
+               aux_ptr="*bf16", dot_ptr="*fp32", q_ptr="*u8", qs_ptr="*fp32", kgu_ptr="*i32", kgus_ptr="*fp32",
+               khw_ptr="*i32", khws_ptr="*fp32")
     const = dict(K=K, EPILOGUE=ep, HAS_GATHER=kind in ("gate_up", "dgrad_swiglu"), HAS_SCALE=kind == "dgrad_swiglu",
-                 SAVE_AUX=ep != 0, HAS_DOT=ep == 2, FP32_DOT=False, HW_CAST=True, EVEN_N=N % cfg.block_n == 0,
-                 E_POW2=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
-    _ints(sig, const, num_rows=131072, N=N, num_experts=128, stride_am=K, stride_asm=K // 128,
+                 SAVE_AUX=ep != 0, HAS_DOT=ep == 2, KMAJOR_128X1=fused, FP32_DOT=False, HW_CAST=True,
+                 EVEN_N=N % cfg.block_n == 0, E_POW2=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+    _ints(sig, const, num_rows=131072, N=N, num_experts=128, ld_k=128 * 1152 if fused else 0, stride_am=K,
+          stride_asm=K // 128,
           stride_cm={"dgrad_swiglu": 2 * N}.get(kind, N), stride_gm=2 * N, stride_xm=2 * N if ep == 1 else N,
           stride_qm=2 * N if ep == 2 else N, stride_qsm=(2 * N if ep == 2 else N) // 128, **b)
     return _compile(fp8_m_grouped_kernel, sig, const, cfg), cfg
@@ -94,7 +99,9 @@ def report(k):
 # The one table entry chosen with spills: the SwiGLU-backward epilogue of a 64 x 128 one-warpgroup tile spills ~300
 # bytes, and that tile, two CTAs per SM, still measured fastest (qwen3-30b-a3b:16384, H200: 1.40 ms against 1.75 for
 # the best tile without spills, scripts/fp8_gemm_bench.py --sweep). A larger spill means the epilogue changed.
-SPILL_BYTES_MEASURED = {"dgrad_swiglu": 512}
+# dgrad_swiglu_128x1 (128 x 128, 8 warps): 24 bytes (Triton 3.6) / 36 (3.9), loop invariants outside the K loop.
+SPILL_BYTES_MEASURED = {"dgrad_swiglu": 512, "dgrad_swiglu_128x1": 64}
+BYTE_RELAYOUT = re.compile(r"ttg\.convert_layout %\S+ : tensor<[0-9x]+xi8, #[^>]*> -> ")
 
 CASES = [(p, kind, km) for p in SHAPES for kind in KINDS for km in ((False, True) if kind.startswith("dgrad") else
                                                                    (False,))]
@@ -109,6 +116,11 @@ def test_m_grouped_table_configs_compile(preset, kind, kmajor):
     assert r["spill"] <= SPILL_BYTES_MEASURED.get(kind, 0) and r["shared"] <= HOPPER_SMEM, r
     if kind in ("gate_up", "down") or kmajor:  # K-major weights: no operand tile through registers
         assert r["sync_tile_loads"] == 0 and r["async_loads"] >= 2, r
+    # no e4m3 byte tile changes layout between its cast and its store (megamoe.kernels.fp8_quant's docstring); the
+    # 128x1 K-major operands are cast in inline PTX and move as int32 words
+    assert not BYTE_RELAYOUT.search(k.asm["ttgir"]), "an i8 tile changes layout"
+    if kind == "dgrad_swiglu_128x1":
+        assert "cvt.rn.satfinite.e4m3x2.f32" in k.asm["ptx"] and cfg.block_m == 128, cfg
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["row-order", "padded-kmajor"])

@@ -22,6 +22,11 @@ QB = 128, the scale group; NB scale blocks.
     SWIGLU_BWD: acc = dY @ W2[e]: row-dot partials ``sum_n acc * h`` per 128 columns (h recomputed from the
                 saved [g | u] as the forward did), ``dh = cast(acc * scale)``, ``[dg | du]`` into C (R x 2F)
                 and quantized 1x128 into (HQ, HS) (R x 2F, R x 2F/QB), ``cast(h * scale)`` into AUX.
+                KMAJOR_128X1 (BLOCK_M = 128: an m-tile, starting at its expert's first row or 128 rows after
+                the previous one, is one 128x1 block of the weight gradients): instead of C and AUX, the
+                rounded [dg | du] and h * scale are 128x1-quantized in registers into the block-padded
+                K-major operands of the weight-gradient GEMMs (megamoe.kernels.fp8_quant.store_128x1_kmajor,
+                the K-major 128x1 quantizer's own store: the same bytes and scales).
 * ``fp8_k_grouped_kernel``: ``C[e] = sum over expert e's 128-row blocks b of
   (P_b^T @ Q_b) * (ps[b, m] * qs[b, n])`` on 128x1-quantized operands (scales (NB, M) / (NB, N), block
   ``block_offsets[e] + j`` = the expert's j-th block), fp32, one cast; no atomics, no split-K; an expert with
@@ -39,7 +44,7 @@ fp32 (``mma``'s FP32_DOT; exact products of e4m3 values); HW_CAST is False there
 import triton
 import triton.language as tl
 
-from .fp8_quant import abs_bits, e4m3_bytes, pow2_scale, quantize_block_rows
+from .fp8_quant import abs_bits, as_fp32, e4m3_bytes, pow2_scale, quantize_128x1_kmajor_tile, quantize_block_rows
 from .grouped_gemm import PLAIN, SWIGLU
 from .tiles import expert_of_tile, load_2d, mma
 
@@ -154,8 +159,9 @@ def _swiglu_cols(acc, acc_up, n0, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, s
 @triton.jit
 def swiglu_bwd_values(acc, offs_n, rows, mask_n, scale, gu_ptr, c_ptr, N, stride_gm, HAS_SCALE: tl.constexpr):
     """SwiGLU backward values on a column block: (row-dot partial ``sum_n acc * h``, h * scale, dg, du), the last
-    three rounded to C's dtype (held in fp32). The bf16 path's expressions (megamoe.kernels.grouped_gemm, whose
-    epilogue stores them at once); returned here so the caller can quantize dg, du across both halves of a block."""
+    three rounded to C's dtype (held in fp32, widened exactly). The bf16 path's expressions
+    (megamoe.kernels.grouped_gemm, whose epilogue stores them at once); returned here so the caller can quantize dg,
+    du across both halves of a block."""
     out_ty = c_ptr.dtype.element_ty
     g_ptrs = gu_ptr + rows[:, None] * stride_gm + offs_n[None, :]
     gate = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
@@ -167,9 +173,9 @@ def swiglu_bwd_values(acc, offs_n, rows, mask_n, scale, gu_ptr, c_ptr, N, stride
         acc = acc * scale[:, None]
         h = h * scale[:, None]
     dh = acc.to(out_ty).to(tl.float32)
-    d_up = (dh * (gate * sig)).to(out_ty).to(tl.float32)
-    d_gate = ((dh * up) * sig * (1.0 + gate * (1.0 - sig))).to(out_ty).to(tl.float32)
-    return part, h.to(out_ty).to(tl.float32), d_gate, d_up
+    d_up = as_fp32((dh * (gate * sig)).to(out_ty))
+    d_gate = as_fp32(((dh * up) * sig * (1.0 + gate * (1.0 - sig))).to(out_ty))
+    return part, as_fp32(h.to(out_ty)), d_gate, d_up
 
 
 @triton.jit
@@ -196,6 +202,16 @@ def _store_pair_quantized(lo, hi, offs_lo, out_rows, mask_m, q_ptr, qs_ptr, stri
 
 
 @triton.jit
+def _store_128x1(x, cols, mask_m, q_ptr, s_ptr, blk, NQ, ld_q, HW_CAST: tl.constexpr):
+    """128x1-quantize the (128, 64) tile x (the m-tile's rows = 128-row block ``blk``, rows past the expert
+    masked out by mask_m; columns ``cols`` of an NQ-column operand): bytes into the block-padded K-major buffer
+    (q_ptr as int32 words, ld_q bytes per column), scales into s (NB, NQ)."""
+    mask_c = cols < NQ
+    s = quantize_128x1_kmajor_tile(tl.where(mask_m[:, None], x, 0.0), q_ptr, blk, cols, mask_c, ld_q, 64, HW_CAST)
+    tl.store(s_ptr + blk * NQ + cols, s, mask=mask_c)
+
+
+@triton.jit
 def _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr, N,
                      stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE: tl.constexpr,
                      HW_CAST: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -218,16 +234,67 @@ def _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_
 
 
 @triton.jit
+def _swiglu_bwd_cols_128x1(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, q_ptr, qs_ptr, kgu_ptr, kgus_ptr,
+                           khw_ptr, khws_ptr, blk, ld_k, N, stride_gm, stride_qm, stride_qsm, HAS_SCALE: tl.constexpr,
+                           HW_CAST: tl.constexpr, BLOCK_M: tl.constexpr):
+    """:func:`_swiglu_bwd_cols` with the weight gradients' operands made here instead of stored in 16 bits: h * scale
+    and [dg | du], rounded to C's dtype, 128x1-quantized (the m-tile is one 128-row block, ``blk``) into their
+    K-major buffers (KHW, KHWS) and (KGU, KGUS); [dg | du] also 1x128 into (HQ, HS). One quantity at a time (h,
+    then dg, then du; the values recomputed from acc and the saved [g | u] by the same expressions, so the same
+    bits), so that fewer tiles are live at once; returns the row-dot partial."""
+    acc_lo, acc_hi = _halves(acc, BLOCK_M, 128)
+    offs_lo = n0 + tl.arange(0, 64)
+    mask_lo = offs_lo < N
+    part_lo, h_lo, _, _ = swiglu_bwd_values(acc_lo, offs_lo, rows, mask_lo, scale, gu_ptr, c_ptr, N, stride_gm,
+                                            HAS_SCALE)
+    _store_128x1(h_lo, offs_lo, mask_m, khw_ptr, khws_ptr, blk, N, ld_k, HW_CAST)
+    part_hi, h_hi, _, _ = swiglu_bwd_values(acc_hi, offs_lo + 64, rows, mask_lo, scale, gu_ptr, c_ptr, N, stride_gm,
+                                            HAS_SCALE)
+    _store_128x1(h_hi, offs_lo + 64, mask_m, khw_ptr, khws_ptr, blk, N, ld_k, HW_CAST)
+    _, _, dg_lo, _ = swiglu_bwd_values(acc_lo, offs_lo, rows, mask_lo, scale, gu_ptr, c_ptr, N, stride_gm, HAS_SCALE)
+    _, _, dg_hi, _ = swiglu_bwd_values(acc_hi, offs_lo + 64, rows, mask_lo, scale, gu_ptr, c_ptr, N, stride_gm,
+                                       HAS_SCALE)
+    _store_pair_quantized(dg_lo, dg_hi, offs_lo, out_rows, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, N, HW_CAST)
+    _store_128x1(dg_lo, offs_lo, mask_m, kgu_ptr, kgus_ptr, blk, 2 * N, ld_k, HW_CAST)
+    _store_128x1(dg_hi, offs_lo + 64, mask_m, kgu_ptr, kgus_ptr, blk, 2 * N, ld_k, HW_CAST)
+    _, _, _, du_lo = swiglu_bwd_values(acc_lo, offs_lo, rows, mask_lo, scale, gu_ptr, c_ptr, N, stride_gm, HAS_SCALE)
+    _, _, _, du_hi = swiglu_bwd_values(acc_hi, offs_lo + 64, rows, mask_lo, scale, gu_ptr, c_ptr, N, stride_gm,
+                                       HAS_SCALE)
+    _store_pair_quantized(du_lo, du_hi, offs_lo + N, out_rows, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, 2 * N,
+                          HW_CAST)
+    _store_128x1(du_lo, offs_lo + N, mask_m, kgu_ptr, kgus_ptr, blk, 2 * N, ld_k, HW_CAST)
+    _store_128x1(du_hi, offs_lo + N + 64, mask_m, kgu_ptr, kgus_ptr, blk, 2 * N, ld_k, HW_CAST)
+    return part_lo + part_hi
+
+
+@triton.jit
+def _swiglu_bwd_block(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr, kgu_ptr,
+                      kgus_ptr, khw_ptr, khws_ptr, blk, ld_k, N, stride_gm, stride_cm, stride_xm, stride_qm,
+                      stride_qsm, HAS_SCALE: tl.constexpr, KMAJOR_128X1: tl.constexpr, HW_CAST: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """The SwiGLU backward of 128 columns: :func:`_swiglu_bwd_cols_128x1` or :func:`_swiglu_bwd_cols`."""
+    if KMAJOR_128X1:
+        part = _swiglu_bwd_cols_128x1(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, q_ptr, qs_ptr, kgu_ptr,
+                                      kgus_ptr, khw_ptr, khws_ptr, blk, ld_k, N, stride_gm, stride_qm, stride_qsm,
+                                      HAS_SCALE, HW_CAST, BLOCK_M)
+    else:
+        part = _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr, N,
+                                stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE, HW_CAST, BLOCK_M)
+    return part
+
+
+@triton.jit
 def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A (BLOCK_M, 2 * QB) tile as its two (BLOCK_M, QB) column halves."""
     return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
 
 
 @triton.jit
-def _epilogue(acc, acc_up, n_tile, rows, out_rows, mask_m, offs_n, mask_n, scale_ptr, gu_ptr, c_ptr, aux_ptr,
-              dot_ptr, q_ptr, qs_ptr, N, stride_cm, stride_gm, stride_xm, stride_qm, stride_qsm,
-              EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr, HAS_DOT: tl.constexpr,
-              HW_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _epilogue(acc, acc_up, m_tile, n_tile, rows, out_rows, mask_m, offs_n, mask_n, scale_ptr, gu_ptr, c_ptr,
+              aux_ptr, dot_ptr, q_ptr, qs_ptr, kgu_ptr, kgus_ptr, khw_ptr, khws_ptr, ld_k, N, stride_cm, stride_gm,
+              stride_xm, stride_qm, stride_qsm, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
+              SAVE_AUX: tl.constexpr, HAS_DOT: tl.constexpr, KMAJOR_128X1: tl.constexpr, HW_CAST: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     n0 = n_tile * BLOCK_N
     if EPILOGUE == PLAIN:
         if HAS_SCALE:
@@ -252,19 +319,21 @@ def _epilogue(acc, acc_up, n_tile, rows, out_rows, mask_m, offs_n, mask_n, scale
             scale = tl.full((BLOCK_M,), 1.0, tl.float32)
         num_p = N // 128
         if BLOCK_N == 128:
-            part = _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr,
-                                    N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE, HW_CAST,
-                                    BLOCK_M)
+            part = _swiglu_bwd_block(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr,
+                                     kgu_ptr, kgus_ptr, khw_ptr, khws_ptr, m_tile, ld_k, N, stride_gm, stride_cm,
+                                     stride_xm, stride_qm, stride_qsm, HAS_SCALE, KMAJOR_128X1, HW_CAST, BLOCK_M)
             if HAS_DOT:
                 tl.store(dot_ptr + out_rows * num_p + n_tile, part, mask=mask_m)
         else:
             acc_a, acc_b = _halves(acc, BLOCK_M, BLOCK_N)
-            part_a = _swiglu_bwd_cols(acc_a, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr,
-                                      qs_ptr, N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE,
-                                      HW_CAST, BLOCK_M)
-            part_b = _swiglu_bwd_cols(acc_b, n0 + 128, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr,
-                                      qs_ptr, N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE,
-                                      HW_CAST, BLOCK_M)
+            part_a = _swiglu_bwd_block(acc_a, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr,
+                                       qs_ptr, kgu_ptr, kgus_ptr, khw_ptr, khws_ptr, m_tile, ld_k, N, stride_gm,
+                                       stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE, KMAJOR_128X1, HW_CAST,
+                                       BLOCK_M)
+            part_b = _swiglu_bwd_block(acc_b, n0 + 128, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr,
+                                       qs_ptr, kgu_ptr, kgus_ptr, khw_ptr, khws_ptr, m_tile, ld_k, N, stride_gm,
+                                       stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE, KMAJOR_128X1, HW_CAST,
+                                       BLOCK_M)
             if HAS_DOT:
                 p = 2 * n_tile
                 tl.store(dot_ptr + out_rows * num_p + p, part_a, mask=mask_m)
@@ -277,22 +346,24 @@ def fp8_m_grouped_kernel(
     # (PLAIN, SWIGLU_BWD); saved [g | u] (SWIGLU_BWD)
     a_ptr, as_ptr, a_idx_ptr, b_ptr, bs_ptr, row_offsets_ptr, tile_offsets_ptr, scale_ptr, gu_ptr,
     # outputs: C (PLAIN, SWIGLU_BWD), AUX ([g | u] of SWIGLU, h * scale of SWIGLU_BWD), row-dot partials,
-    # 1x128-quantized output (h of SWIGLU, [dg | du] of SWIGLU_BWD): bytes and scales
-    c_ptr, aux_ptr, dot_ptr, q_ptr, qs_ptr,
-    # shapes (K is a compile-time constant: a weight dimension)
-    num_rows, N, num_experts, K: tl.constexpr,
+    # 1x128-quantized output (h of SWIGLU, [dg | du] of SWIGLU_BWD): bytes and scales; KMAJOR_128X1: the 128x1
+    # K-major weight-gradient operands of SWIGLU_BWD ([dg | du] and h * scale: int32 words + scales (NB, .))
+    c_ptr, aux_ptr, dot_ptr, q_ptr, qs_ptr, kgu_ptr, kgus_ptr, khw_ptr, khws_ptr,
+    # shapes (K is a compile-time constant: a weight dimension); ld_k: bytes per column of the K-major operands
+    num_rows, N, num_experts, K: tl.constexpr, ld_k,
     # strides, in elements (every last dimension is contiguous except B's, whose strides are given)
     stride_am, stride_asm, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
     stride_cm, stride_gm, stride_xm, stride_qm, stride_qsm,
     # variant
     EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, SAVE_AUX: tl.constexpr,
-    HAS_DOT: tl.constexpr, FP32_DOT: tl.constexpr, HW_CAST: tl.constexpr, EVEN_N: tl.constexpr,
-    E_POW2: tl.constexpr,
+    HAS_DOT: tl.constexpr, KMAJOR_128X1: tl.constexpr, FP32_DOT: tl.constexpr, HW_CAST: tl.constexpr,
+    EVEN_N: tl.constexpr, E_POW2: tl.constexpr,
     # tile config (BLOCK_K is 128)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N % 128 == 0)
     tl.static_assert(EPILOGUE == PLAIN or BLOCK_N <= 2 * 128)
+    tl.static_assert(not KMAJOR_128X1 or BLOCK_M == 128)  # an m-tile is one 128x1 block
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(tile_offsets_ptr + num_experts) * num_n_tiles
     tile = tl.program_id(0)
@@ -321,9 +392,10 @@ def fp8_m_grouped_kernel(
         acc, acc_up = _k_loop(a_ptrs, as_ptr + a_rows * stride_asm, b_ptrs, bs_ptrs, mask_n, N, stride_bn,
                               stride_bk, stride_bsn, stride_bsk, K, EPILOGUE == SWIGLU, FP32_DOT, EVEN_N,
                               BLOCK_N == 128, BLOCK_M, BLOCK_N)
-        _epilogue(acc, acc_up, n_tile, rows, offs_m.to(tl.int64), mask_m, offs_n, mask_n, scale_ptr, gu_ptr, c_ptr,
-                  aux_ptr, dot_ptr, q_ptr, qs_ptr, N, stride_cm, stride_gm, stride_xm, stride_qm, stride_qsm,
-                  EPILOGUE, HAS_SCALE, SAVE_AUX, HAS_DOT, HW_CAST, BLOCK_M, BLOCK_N)
+        _epilogue(acc, acc_up, m_tile, n_tile, rows, offs_m.to(tl.int64), mask_m, offs_n, mask_n, scale_ptr, gu_ptr,
+                  c_ptr, aux_ptr, dot_ptr, q_ptr, qs_ptr, kgu_ptr, kgus_ptr, khw_ptr, khws_ptr, ld_k, N, stride_cm,
+                  stride_gm, stride_xm, stride_qm, stride_qsm, EPILOGUE, HAS_SCALE, SAVE_AUX, HAS_DOT, KMAJOR_128X1,
+                  HW_CAST, BLOCK_M, BLOCK_N)
         tile += tl.num_programs(0)
 
 

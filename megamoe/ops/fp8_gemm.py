@@ -71,10 +71,16 @@ class Fp8GemmConfig:
 # 64 x 64) does not spill, 128 x 128 spills (416 / 132 bytes), as do 4 warps. To be measured:
 # scripts/fp8_gemm_bench.py --sweep.
 _INTERPRET = Fp8GemmConfig(16, 128, 4, 1)
+# dgrad + SwiGLU backward with the weight gradients' 128x1 operands quantized in the epilogue (kmajor_128x1): an
+# m-tile must be one 128-row block. From sm_90a compiles only (not yet timed): 128 x 128 with 8 warps (each warpgroup
+# 64 x 128) uses 255 registers and spills 24 bytes (Triton 3.6) / 36 (3.9), loop invariants, not in the K loop; one
+# CTA per SM (~80 KiB of shared memory at 4 stages). 4 warps spill ~6-7 KiB, 128 x 256 1.4 KiB and more.
+_INTERPRET_128X1 = Fp8GemmConfig(128, 128, 4, 1)
 _TABLE = {
     "gate_up": Fp8GemmConfig(64, 128, 8, 3),
     "down": Fp8GemmConfig(64, 128, 4, 4, programs_per_sm=2),
     "dgrad_swiglu": Fp8GemmConfig(64, 128, 4, 4, programs_per_sm=2),
+    "dgrad_swiglu_128x1": Fp8GemmConfig(128, 128, 8, 4),
     "dgrad": Fp8GemmConfig(64, 128, 4, 3, programs_per_sm=2),
     "wgrad": Fp8GemmConfig(64, 128, 4, 3),
 }
@@ -86,13 +92,16 @@ def fp8_config(kind: str, *, interpret: bool, config: Fp8GemmConfig | None = Non
     if kind not in _TABLE:
         raise ValueError(f"fp8_config: unknown kind {kind!r}; valid: {FP8_KINDS}")
     if interpret and config is None:
-        return _INTERPRET
+        return _INTERPRET_128X1 if kind == "dgrad_swiglu_128x1" else _INTERPRET
     cfg = config or _TABLE[kind]
     if not isinstance(cfg, Fp8GemmConfig):
         raise TypeError(f"fp8_config: config must be an Fp8GemmConfig, got {type(cfg).__name__}")
-    if kind != "wgrad" and (cfg.block_n % QB or (kind in ("gate_up", "dgrad_swiglu") and cfg.block_n > 2 * QB)):
+    swiglu = kind in ("gate_up", "dgrad_swiglu", "dgrad_swiglu_128x1")
+    if kind != "wgrad" and (cfg.block_n % QB or (swiglu and cfg.block_n > 2 * QB)):
         raise ValueError(f"fp8_config: {kind} needs block_n a multiple of 128 (<= 256 with a SwiGLU epilogue), "
                          f"got {cfg}")
+    if kind == "dgrad_swiglu_128x1" and cfg.block_m != QB:
+        raise ValueError(f"fp8_config: {kind} needs block_m = 128 (an m-tile is one 128x1 block), got {cfg}")
     return cfg
 
 
@@ -161,9 +170,10 @@ def table_for(offsets_E1: torch.Tensor, block_m: int, tile_cache: dict | None) -
 
 
 def _launch_m(*, kind, epilogue, a, sa, a_idx, b, sb, nt, R, N, K, offsets_E1, c=None, aux=None, dot=None, q=None,
-              qs=None, scale=None, gu=None, save_aux=None, tile_cache=None, config=None) -> None:
+              qs=None, scale=None, gu=None, save_aux=None, kmajor=None, tile_cache=None, config=None) -> None:
     """Launch the persistent FP8 m-grouped kernel. nt: B and its scale grid are (E, N, K) (else (E, K, N)), any
-    strides."""
+    strides. kmajor: the SWIGLU_BWD epilogue's 128x1 K-major operands (dgu bytes (2N, NB * 128), scales (NB, 2N),
+    hw bytes (N, NB * 128), scales (NB, N)) instead of c and aux."""
     strides_b = b.stride() if nt else (b.stride(0), b.stride(2), b.stride(1))
     strides_sb = sb.stride() if nt else (sb.stride(0), sb.stride(2), sb.stride(1))
     kernel = fp8_m_grouped_kernel
@@ -176,20 +186,22 @@ def _launch_m(*, kind, epilogue, a, sa, a_idx, b, sb, nt, R, N, K, offsets_E1, c
     bound = (triton.cdiv(R, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
     grid = (persistent_programs(a.device, kernel, bound, cfg.programs_per_sm),)
     dummy = next(t for t in (c, aux, q) if t is not None)
+    kgu, kgus, khw, khws = ((kmajor[0].view(torch.int32), kmajor[1], kmajor[2].view(torch.int32), kmajor[3])
+                            if kmajor is not None else (dummy,) * 4)
     kernel[grid](
         a, sa, a_idx if a_idx is not None else offsets_E1, b, sb, offsets_E1, tiles,
         scale if scale is not None else dummy, gu if gu is not None else dummy,
         c if c is not None else dummy, aux if aux is not None else dummy, dot if dot is not None else dummy,
-        q.view(torch.uint8) if q is not None else dummy, qs if qs is not None else dummy,
-        R, N, E, K,
+        q.view(torch.uint8) if q is not None else dummy, qs if qs is not None else dummy, kgu, kgus, khw, khws,
+        R, N, E, K, kmajor[0].shape[1] if kmajor is not None else 0,
         a.stride(0), sa.stride(0), *strides_b, *strides_sb,
         c.stride(0) if c is not None else 0, gu.stride(0) if gu is not None else 0,
         aux.stride(0) if aux is not None else 0, q.stride(0) if q is not None else 0,
         qs.stride(0) if qs is not None else 0,
         EPILOGUE=epilogue, HAS_GATHER=a_idx is not None, HAS_SCALE=scale is not None,
         SAVE_AUX=aux is not None if save_aux is None else save_aux,
-        HAS_DOT=dot is not None, FP32_DOT=interpret, HW_CAST=not interpret, EVEN_N=N % cfg.block_n == 0,
-        E_POW2=pow2(E), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HAS_DOT=dot is not None, KMAJOR_128X1=kmajor is not None, FP32_DOT=interpret, HW_CAST=not interpret,
+        EVEN_N=N % cfg.block_n == 0, E_POW2=pow2(E), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True,
     )
 
@@ -286,8 +298,8 @@ def fp8_grouped_mm_nn(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tensor, bs:
 
 def fp8_swiglu_dgrad(dq: torch.Tensor, ds: torch.Tensor, w2q: torch.Tensor, w2s: torch.Tensor,
                      offsets_E1: torch.Tensor, gu_RG: torch.Tensor, *, gather_idx_R: torch.Tensor | None = None,
-                     row_scale_R: torch.Tensor | None = None, row_dot: bool = True, tile_cache: dict | None = None,
-                     config: Fp8GemmConfig | None = None):
+                     row_scale_R: torch.Tensor | None = None, row_dot: bool = True, kmajor_128x1: bool = False,
+                     tile_cache: dict | None = None, config: Fp8GemmConfig | None = None):
     """FP8 down-projection dgrad with the SwiGLU backward and the 1x128 quantization of dgu fused (m-grouped "nn":
     w2q (E, D, F) read as (K = D, N = F), scale grid transposed).
 
@@ -297,12 +309,19 @@ def fp8_swiglu_dgrad(dq: torch.Tensor, ds: torch.Tensor, w2q: torch.Tensor, w2s:
       * ``dh = cast(acc * s)``, ``dgu_RG = cast([dh * up * silu'(gate) | dh * silu(gate)])``, ``hw_RF = cast(h * s)``;
       * ``dgq_RG, dgs_RB = quant_1x128(dgu_RG)`` (the operand of the dx GEMM), B = 2F / 128.
 
+    With ``kmajor_128x1`` the 16-bit dgu and hw are not written: the epilogue quantizes them 128x1 along each
+    expert's rows in registers (BLOCK_M = 128, the m-tile table is the 128-row block table) and returns in their
+    place what ``megamoe.ops.fp8_quant.quantize_128x1_grouped(dgu_RG / hw_RF, offsets_E1, kmajor=True)`` returns
+    for them, bit for bit: ``(q (NB * 128, C) e4m3, the transposed view of a (C, NB * 128) buffer; s (NB, C)
+    fp32)``, NB = ceil(R / 128) + E, C = 2F or F (the weight-gradient GEMMs' block-padded K-major operands).
+
     Args:
         dq, ds: (R, D) e4m3 + (R, D / 128) fp32, or token rows with gather_idx_R (R,) int32.
         w2q, w2s: (E, D, F) e4m3 + (E, D / 128, F / 128) fp32. gu_RG: (R, 2F) saved [g | u] (the output dtype).
+        kmajor_128x1: return dgu and hw as their 128x1 K-major blocks instead (above).
     Returns:
-        dgu_RG (R, 2F), hw_RF (R, F) in gu's dtype, row_dot_RP (R, F / 128) fp32 or None, dgq_RG (R, 2F) e4m3,
-        dgs_RB (R, 2F / 128) fp32.
+        dgu_RG (R, 2F), hw_RF (R, F) in gu's dtype (with kmajor_128x1 (q, s) pairs), row_dot_RP (R, F / 128) fp32 or
+        None, dgq_RG (R, 2F) e4m3, dgs_RB (R, 2F / 128) fp32.
     """
     where = "fp8_swiglu_dgrad"
     E, D, F = _check_weight(where, w2q, w2s, "w2")
@@ -315,15 +334,25 @@ def fp8_swiglu_dgrad(dq: torch.Tensor, ds: torch.Tensor, w2q: torch.Tensor, w2s:
                          f"{getattr(gu_RG, 'dtype', type(gu_RG).__name__)} {tuple(getattr(gu_RG, 'shape', ()))}")
     dev = check_device(fp8_m_grouped_kernel, where, dq=dq, ds=ds, w2q=w2q, w2s=w2s, offsets_E1=offsets_E1,
                        gu_RG=gu_RG, gather_idx_R=gather_idx_R, row_scale_R=row_scale_R)
-    dgu = torch.empty((R, 2 * F), dtype=gu_RG.dtype, device=dev)
-    hw = torch.empty((R, F), dtype=gu_RG.dtype, device=dev)
+    rows16 = 0 if kmajor_128x1 else R  # with kmajor_128x1 no 16-bit dgu, hw (0-row tensors carry the dtype)
+    dgu = torch.empty((rows16, 2 * F), dtype=gu_RG.dtype, device=dev)
+    hw = torch.empty((rows16, F), dtype=gu_RG.dtype, device=dev)
     part = torch.empty((R, F // QB), dtype=torch.float32, device=dev) if row_dot else None
     dgq = torch.empty((R, 2 * F), dtype=_E4M3, device=dev)
     dgs = torch.empty((R, 2 * F // QB), dtype=torch.float32, device=dev)
-    _launch_m(kind="dgrad_swiglu", epilogue=_SWIGLU_BWD, a=dq, sa=ds, a_idx=gather_idx_R, b=w2q, sb=w2s,
-              nt=False, R=R, N=F, K=D,
-              offsets_E1=offsets_E1, c=dgu, aux=hw, dot=part, q=dgq, qs=dgs, scale=row_scale_R, gu=gu_RG,
-              tile_cache=tile_cache, config=config)
+    kmajor = None
+    if kmajor_128x1:
+        nb = triton.cdiv(R, QB) + E
+        kmajor = (torch.empty((2 * F, nb * QB), dtype=_E4M3, device=dev),
+                  torch.empty((nb, 2 * F), dtype=torch.float32, device=dev),
+                  torch.empty((F, nb * QB), dtype=_E4M3, device=dev), torch.empty((nb, F), dtype=torch.float32,
+                                                                                  device=dev))
+    _launch_m(kind="dgrad_swiglu_128x1" if kmajor_128x1 else "dgrad_swiglu", epilogue=_SWIGLU_BWD, a=dq, sa=ds,
+              a_idx=gather_idx_R, b=w2q, sb=w2s, nt=False, R=R, N=F, K=D, offsets_E1=offsets_E1, c=dgu, aux=hw,
+              dot=part, q=dgq, qs=dgs, scale=row_scale_R, gu=gu_RG, kmajor=kmajor, tile_cache=tile_cache,
+              config=config)
+    if kmajor_128x1:
+        return (kmajor[0].t(), kmajor[1]), (kmajor[2].t(), kmajor[3]), part, dgq, dgs
     return dgu, hw, part, dgq, dgs
 
 
