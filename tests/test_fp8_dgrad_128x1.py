@@ -112,22 +112,21 @@ def test_gpu_dgrad_epilogue_128x1_blocks_equal_the_quantizer(out_dtype):
     _check_epilogue("cuda", out_dtype)
 
 
-def _layer_case():
-    """A small FP8 layer problem in bf16: expert 0 on every token (150 rows: two 128-row blocks), a shared
+def _layer_case(T=136, D=128, F=128, E=3, K=2, S=128, device="cpu"):
+    """An FP8 layer problem in bf16: expert 0 on every token (T rows: with T = 136 two 128-row blocks), a shared
     expert."""
     g = torch.Generator().manual_seed(5)
-    T, D, F, E, K, S = 150, 128, 128, 4, 2, 128
     ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(E - 1, generator=g)[:K - 1]])
                        for _ in range(T)])
     x = torch.randn(T, D, generator=g)
     w = torch.rand(T, K, generator=g) + 0.1
     w13 = torch.randn(E, 2 * F, D, generator=g) * D ** -0.5
     w2 = torch.randn(E, D, F, generator=g) * F ** -0.5
-    s13 = torch.randn(2 * S, D, generator=g) * D ** -0.5
-    s2 = torch.randn(D, S, generator=g) * S ** -0.5
+    s13 = torch.randn(2 * S, D, generator=g) * D ** -0.5 if S else None
+    s2 = torch.randn(D, S, generator=g) * S ** -0.5 if S else None
     dout = torch.randn(T, D, generator=g)
-    bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
-    return [bf(x), ids, w, bf(w13), bf(w2), bf(s13), bf(s2)], bf(dout)
+    bf = lambda t: None if t is None else t.to(device=device, dtype=torch.bfloat16)  # noqa: E731
+    return [bf(x), ids.to(device), w.to(device), bf(w13), bf(w2), bf(s13), bf(s2)], bf(dout)
 
 
 def _layer(inputs, dout, fuse, monkeypatch):
@@ -137,19 +136,30 @@ def _layer(inputs, dout, fuse, monkeypatch):
 
     monkeypatch.setattr(Fp8Experts, "fuse_128x1", fuse)
     WEIGHT_CACHE.clear()
-    leaves = [t if not t.is_floating_point() else t.detach().clone().requires_grad_() for t in inputs]
+    leaves = [t if t is None or not t.is_floating_point() else t.detach().clone().requires_grad_() for t in inputs]
     out = moe_experts(*leaves, fp8=True)
-    wrt = [t for i, t in enumerate(leaves) if i != 1]
+    wrt = [t for i, t in enumerate(leaves) if i != 1 and t is not None]
     return [out.detach()] + list(torch.autograd.grad(out, wrt, dout))
+
+
+def _check_layer(monkeypatch, **case):
+    inputs, dout = _layer_case(**case)
+    fused = _layer(inputs, dout, True, monkeypatch)
+    separate = _layer(inputs, dout, False, monkeypatch)
+    for name, a, b in zip(("out", "x", "topk_weights", "w13", "w2", "shared_w13", "shared_w2"), fused, separate):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert fused[3].abs().sum() > 0 and fused[4].abs().sum() > 0
 
 
 @interpreted
 def test_fp8_layer_bits_equal_with_and_without_the_fused_128x1_epilogue(monkeypatch):
     """Output and every gradient (x, routing weights, w13, w2, shared weights) of the bf16 FP8 layer bitwise equal
     with the 128x1 operands made in the dgrad epilogue and with the separate quantizers."""
-    inputs, dout = _layer_case()
-    fused = _layer(inputs, dout, True, monkeypatch)
-    separate = _layer(inputs, dout, False, monkeypatch)
-    for name, a, b in zip(("out", "x", "topk_weights", "w13", "w2", "shared_w13", "shared_w2"), fused, separate):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
-    assert fused[3].abs().sum() > 0 and fused[4].abs().sum() > 0
+    _check_layer(monkeypatch)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_layer_bits_equal_with_and_without_the_fused_128x1_epilogue(monkeypatch):
+    """The same on the GPU at qwen3-30b-a3b's D and F (128 experts, top-8, 2048 tokens; expert 0 on every
+    token)."""
+    _check_layer(monkeypatch, T=2048, D=2048, F=768, E=128, K=8, S=0, device="cuda")
