@@ -25,8 +25,9 @@ QB = 128, the scale group; NB scale blocks.
                 KMAJOR_128X1 (BLOCK_M = 128: an m-tile, starting at its expert's first row or 128 rows after
                 the previous one, is one 128x1 block of the weight gradients): instead of C and AUX, the
                 rounded [dg | du] and h * scale are 128x1-quantized in registers into the block-padded
-                K-major operands of the weight-gradient GEMMs (megamoe.kernels.fp8_quant.store_128x1_kmajor,
-                the K-major 128x1 quantizer's own store: the same bytes and scales).
+                K-major operands of the weight-gradient GEMMs (megamoe.kernels.fp8_quant.
+                quantize_128x1_kmajor_tile: the exponent rule and the word store of the K-major 128x1
+                quantizer, so the same bytes and scales).
 * ``fp8_k_grouped_kernel``: ``C[e] = sum over expert e's 128-row blocks b of
   (P_b^T @ Q_b) * (ps[b, m] * qs[b, n])`` on 128x1-quantized operands (scales (NB, M) / (NB, N), block
   ``block_offsets[e] + j`` = the expert's j-th block), fp32, one cast; no atomics, no split-K; an expert with

@@ -73,8 +73,9 @@ class Fp8GemmConfig:
 _INTERPRET = Fp8GemmConfig(16, 128, 4, 1)
 # dgrad + SwiGLU backward with the weight gradients' 128x1 operands quantized in the epilogue (kmajor_128x1): an
 # m-tile must be one 128-row block. From sm_90a compiles only (not yet timed): 128 x 128 with 8 warps (each warpgroup
-# 64 x 128) uses 255 registers and spills 24 bytes (Triton 3.6) / 36 (3.9), loop invariants, not in the K loop; one
-# CTA per SM (~80 KiB of shared memory at 4 stages). 4 warps spill ~6-7 KiB, 128 x 256 1.4 KiB and more.
+# 64 x 128) uses 255 registers and spills 16 bytes (Triton 3.6) / 20 (3.9) on the layer's K-major w2 copy (24 / 36
+# on the forward's bytes), loop invariants, not in the K loop; one CTA per SM (128 KiB of shared memory at 4 stages).
+# 4 warps spill 1.5-3.5 KiB, 16 warps 72-148 bytes (128 registers), 128 x 256 1.3-1.4 KiB.
 _INTERPRET_128X1 = Fp8GemmConfig(128, 128, 4, 1)
 _TABLE = {
     "gate_up": Fp8GemmConfig(64, 128, 8, 3),
@@ -341,12 +342,10 @@ def fp8_swiglu_dgrad(dq: torch.Tensor, ds: torch.Tensor, w2q: torch.Tensor, w2s:
     dgq = torch.empty((R, 2 * F), dtype=_E4M3, device=dev)
     dgs = torch.empty((R, 2 * F // QB), dtype=torch.float32, device=dev)
     kmajor = None
-    if kmajor_128x1:
+    if kmajor_128x1:  # the quantize_128x1_grouped(..., kmajor=True) buffers: (C, NB * 128) bytes, (NB, C) scales
         nb = triton.cdiv(R, QB) + E
-        kmajor = (torch.empty((2 * F, nb * QB), dtype=_E4M3, device=dev),
-                  torch.empty((nb, 2 * F), dtype=torch.float32, device=dev),
-                  torch.empty((F, nb * QB), dtype=_E4M3, device=dev), torch.empty((nb, F), dtype=torch.float32,
-                                                                                  device=dev))
+        kmajor = tuple(torch.empty(shape, dtype=dt, device=dev) for shape, dt in (
+            ((2 * F, nb * QB), _E4M3), ((nb, 2 * F), torch.float32), ((F, nb * QB), _E4M3), ((nb, F), torch.float32)))
     _launch_m(kind="dgrad_swiglu_128x1" if kmajor_128x1 else "dgrad_swiglu", epilogue=_SWIGLU_BWD, a=dq, sa=ds,
               a_idx=gather_idx_R, b=w2q, sb=w2s, nt=False, R=R, N=F, K=D, offsets_E1=offsets_E1, c=dgu, aux=hw,
               dot=part, q=dgq, qs=dgs, scale=row_scale_R, gu=gu_RG, kmajor=kmajor, tile_cache=tile_cache,
