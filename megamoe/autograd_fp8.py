@@ -15,7 +15,7 @@ fp32 accumulation promoted every 128 of K::
             down: e4m3 h @ w2 blocks -> y (x's dtype)
   backward  dout rows: 1x128, once per round
             dgrad + SwiGLU bwd: e4m3 dout @ w2 blocks (read transposed) -> dgu, hw, row dots; dgu quantized 1x128
-            in the epilogue
+            in the epilogue (SPLIT_128X1: dgu and hw quantized 128x1 there too, never written in 16 bits)
             dx rows: e4m3 dgu @ w13 blocks (read transposed)
             weight gradients: both operands quantized 128 rows x 1 column along the expert's rows, from the
             16-bit values (dout rows and hw for w2, dgu and x rows for w13), written transposed in 128-row blocks
@@ -50,6 +50,10 @@ SPLIT_DGRAD = True
 # experiment: gate/up + SwiGLU as a plain GEMM (Gluon on Hopper) into [g | u] and a SwiGLU pass, instead of the
 # Triton GEMM with the row gather, two accumulators and the SwiGLU epilogue (the same bits)
 SPLIT_GATE_UP = True
+# experiment (with SPLIT_DGRAD): the SwiGLU-backward pass also makes dgu's and hw's 128x1 K-major weight-gradient
+# blocks (per expert-aligned 128-row block), so the 16-bit dgu and hw are neither written nor read again (the same
+# bits)
+SPLIT_128X1 = True
 
 
 def _rows_1x128(t_RC: torch.Tensor, idx_R: torch.Tensor | None, offsets_E1: torch.Tensor):
@@ -126,8 +130,9 @@ class Fp8Experts:
         self.w13_k, self.w2_k = self.cache.kmajor(self.w13), self.cache.kmajor(self.w2)
 
     def dgrad_swiglu(self, rows, gu_RG: torch.Tensor):
-        """dout rows @ w2 blocks with the SwiGLU backward: (dgu_RG, hw_RF, part_RP or None); dgu's 1x128 blocks
-        are kept for :meth:`dx` when the round needs dx."""
+        """dout rows @ w2 blocks with the SwiGLU backward: (dgu_RG, hw_RF, part_RP or None), dgu and hw as their
+        128x1 K-major blocks ``(q, s)`` with SPLIT_DGRAD and SPLIT_128X1 (what :meth:`wgrad` takes); dgu's 1x128
+        blocks are kept for :meth:`dx` when the round needs dx."""
         self._check_rows(rows, "dgrad")
         if SPLIT_DGRAD:
             dgu, hw, part, dgq, dgs = self._dgrad_split(rows, gu_RG)
@@ -153,21 +158,25 @@ class Fp8Experts:
                                                          tile_cache=rows.tiles)
         else:
             acc = fp8_gemm.fp8_grouped_mm_nn(dq, ds, *self.w2_k, off, out_dtype=torch.float32, tile_cache=rows.tiles)
+        if SPLIT_128X1:  # dgu, hw as the weight gradients' 128x1 blocks
+            return fp8_gemm.fp8_swiglu_bwd_128x1(acc, gu_RG, off, row_scale_R=rows.scale_R, row_dot=rows.row_dot,
+                                                 tile_cache=rows.tiles)
         return fp8_gemm.fp8_swiglu_bwd(acc, gu_RG, valid_rows_1=count, row_scale_R=rows.scale_R,
                                        row_dot=rows.row_dot)
 
     def wgrad(self, rows, p, p_idx_R, q, q_idx_R, out_dtype: torch.dtype, *, out: torch.Tensor | None = None,
               split: RoundSplit | None = None):
         """Weight gradient ``sum over each expert's rows of P^T Q`` on 128x1 blocks of both operands, quantized
-        from their 16-bit rows (read through p_idx_R / q_idx_R where given): (E, M, N) in ``out_dtype``. The
+        from their 16-bit rows (read through p_idx_R / q_idx_R where given), or given as those blocks ``(q, s)``
+        (from :meth:`dgrad_swiglu`): (E, M, N) in ``out_dtype``. The
         128-row block table is the round's m-tile table for BLOCK_M = 128 (made once, in ``rows.tiles``). The
         operands are written block-padded and transposed (K-major, the layout the FP8 tensor cores read).
         ``split``: the round's tables when the exchange runs several rounds (round 0 makes the gradient, later
         rounds complete ``out`` in place through megamoe.ops.wgrad_rounds.fp8_k_grouped_round)."""
         off = rows.offsets_E1
         blocks = fp8_gemm.table_for(off, fp8_gemm.QB, rows.tiles)
-        pq, ps = fp8_quant.quantize_128x1_grouped(p, off, p_idx_R, blocks, kmajor=True)
-        qq, qs = fp8_quant.quantize_128x1_grouped(q, off, q_idx_R, blocks, kmajor=True)
+        pq, ps = p if isinstance(p, tuple) else fp8_quant.quantize_128x1_grouped(p, off, p_idx_R, blocks, kmajor=True)
+        qq, qs = q if isinstance(q, tuple) else fp8_quant.quantize_128x1_grouped(q, off, q_idx_R, blocks, kmajor=True)
         if split is None or split.round_idx == 0:
             if fp8_gemm_gluon.fp8_gluon_runs_on(pq.device):
                 out = fp8_gemm_gluon.fp8_k_grouped_mm_gluon(pq, ps, qq, qs, off, block_offsets_E1=blocks,

@@ -1,11 +1,13 @@
-"""A/B of the experiments megamoe.autograd_fp8.SPLIT_DGRAD and SPLIT_GATE_UP on one Hopper GPU: the FP8 layer's
-forward + backward with the two GEMMs that gather rows and end in a SwiGLU epilogue as they are (Triton), and split
-into rows quantized straight into expert order, a plain warp-specialized Gluon GEMM and a SwiGLU pass.
+"""A/B of the experiments megamoe.autograd_fp8.SPLIT_DGRAD, SPLIT_GATE_UP and SPLIT_128X1 on one Hopper GPU: the FP8
+layer's forward + backward with the two GEMMs that gather rows and end in a SwiGLU epilogue as they are (Triton), and
+split into rows quantized straight into expert order, a plain warp-specialized Gluon GEMM and a SwiGLU pass (with
+SPLIT_128X1 the SwiGLU-backward pass also makes dgu's and hw's 128x1 weight-gradient blocks).
 
 Usage: python scripts/ab_fp8_split.py [CASE ...]   (CASE = preset:tokens; default qwen3-30b-a3b:16384
 deepseek-v3:8192; one H200: about two minutes)
 
-Arms: "fused" (neither split), "dgrad" (SPLIT_DGRAD), "gate_up" (SPLIT_GATE_UP), "both". Per case (the benchmark's
+Arms: "fused" (neither split), "dgrad" (SPLIT_DGRAD), "gate_up" (SPLIT_GATE_UP), "both", "both_128x1" (both and
+SPLIT_128X1). Per case (the benchmark's
 problem, uniform routing, bf16, no shared expert as in megamoe.bench's FP8 rows): first every arm's output and
 gradients compared bit for bit with "fused", then ROUNDS rounds of the arms in turn, ITERS timed steps each
 (megamoe.bench.timing: CUDA events, L2 flushed), and per arm the median over all its steps and the ratio to "fused".
@@ -26,7 +28,8 @@ from megamoe.bench.timing import Timer
 from megamoe.functional import moe_experts
 
 ROUNDS, ITERS = 4, 10
-ARMS = {"fused": (False, False), "dgrad": (True, False), "gate_up": (False, True), "both": (True, True)}
+ARMS = {"fused": (False, False, False), "dgrad": (True, False, False), "gate_up": (False, True, False),
+        "both": (True, True, False), "both_128x1": (True, True, True)}
 
 
 def _step(p):
@@ -36,7 +39,7 @@ def _step(p):
 
 
 def _arm(name: str) -> None:
-    autograd_fp8.SPLIT_DGRAD, autograd_fp8.SPLIT_GATE_UP = ARMS[name]
+    autograd_fp8.SPLIT_DGRAD, autograd_fp8.SPLIT_GATE_UP, autograd_fp8.SPLIT_128X1 = ARMS[name]
 
 
 def _case(spec: str) -> str:

@@ -1,14 +1,18 @@
-"""Experiments (megamoe.autograd_fp8.SPLIT_DGRAD, SPLIT_GATE_UP): the FP8 GEMMs with a row gather and a SwiGLU
-epilogue as plain GEMMs on rows quantized straight into expert order, and SwiGLU passes on their outputs: the dgrad
-into fp32 and a SwiGLU-backward pass (megamoe.ops.fp8_gemm.fp8_swiglu_bwd), the gate/up into [g | u] and a SwiGLU
-pass (fp8_swiglu); against the Triton GEMMs with the gather and the epilogue (fp8_swiglu_dgrad, fp8_gate_up_swiglu).
-Under TRITON_INTERPRET=1 on the CPU.
+"""Experiments (megamoe.autograd_fp8.SPLIT_DGRAD, SPLIT_GATE_UP, SPLIT_128X1): the FP8 GEMMs with a row gather and a
+SwiGLU epilogue as plain GEMMs on rows quantized straight into expert order, and SwiGLU passes on their outputs: the
+dgrad into fp32 and a SwiGLU-backward pass (megamoe.ops.fp8_gemm.fp8_swiglu_bwd), the gate/up into [g | u] and a SwiGLU
+pass (fp8_swiglu); against the Triton GEMMs with the gather and the epilogue (fp8_swiglu_dgrad, fp8_gate_up_swiglu);
+and the SwiGLU-backward pass that also makes dgu's and hw's 128x1 K-major blocks (fp8_swiglu_bwd_128x1) against the
+row pass and the 128x1 quantizer. Under TRITON_INTERPRET=1 on the CPU.
 
 Proves: the rows quantized through ``idx_R`` are the reference's 1x128 blocks of the gathered rows, bit for bit;
 each SwiGLU pass gives its fused kernel's outputs bit for bit (dgu, hw, row-dot partials, dgu blocks; h blocks and
-[g | u]), for all rows or a device count of them (the rest of the outputs not written: NaN-poisoned); the whole
-FP8 layer's output and every gradient are bitwise the same with either, both or neither split (an empty expert,
-all tokens on one expert, top-k = E, T = 1, no tokens, a shared expert, routing weights, experts of 0..300 rows).
+[g | u]), for all rows or a device count of them (the rest of the outputs not written: NaN-poisoned); the pass with
+128x1 outputs gives quantize_128x1_grouped(kmajor=True)'s bytes and scales of the row pass's dgu and hw, and the row
+pass's row dots and dgu blocks (fp32 and bf16, experts of 0..300 rows, an all-zero channel, a receive buffer's rows
+past the round's poisoned and not written); the whole FP8 layer's output and every gradient are bitwise the same
+with either, both or neither split, and with the 128x1 pass (an empty expert, all tokens on one expert, top-k = E,
+T = 1, no tokens, a shared expert, routing weights).
 """
 
 import math
@@ -18,7 +22,7 @@ import torch
 
 from interpreter import interpreted
 from megamoe import reference as ref
-from megamoe.ops import fp8_gemm, fp8_quant
+from megamoe.ops import fp8_gemm, fp8_quant, tile_offsets_for
 from poison import poisoned_allocations
 from test_fp8_layer import CASES, _case_inputs, _run
 
@@ -101,6 +105,45 @@ def test_swiglu_pass_is_the_fused_gate_up_epilogue(valid):
     assert (hq2[n:].view(torch.uint8) == 0x7F).all() and hs2[n:].isnan().all(), "rows past the count were written"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@interpreted
+def test_swiglu_pass_128x1_is_the_row_pass_quantized(dtype):
+    """fp8_swiglu_bwd_128x1 vs fp8_swiglu_bwd + quantize_128x1_grouped(kmajor=True) of its dgu and hw: experts of
+    0, 1, 127, 128, 129, 300 rows, a receive buffer's rows past the round's (NaN) never read, an all-zero channel;
+    outputs NaN-poisoned (what the pass leaves unwritten shows up)."""
+    g = torch.Generator().manual_seed(3)
+    counts = [0, 1, 127, 128, 129, 0, 300]
+    F = 256
+    n = sum(counts)
+    R = n + 21
+    off = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+    acc = torch.randn(R, F, generator=g) * 3
+    gu = (torch.randn(R, 2 * F, generator=g) * 2).to(dtype)
+    gu[:, [5, F + 5]] = 0  # h, dg and du all zero in channel 5
+    scale = torch.rand(R, generator=g) + 0.1
+    for t in (acc, gu, scale):
+        t[n:] = math.nan
+    blocks = tile_offsets_for(off, 128)
+    nb = int(blocks[-1])
+    dgu, hw, part, dgq, dgs = fp8_gemm.fp8_swiglu_bwd(acc, gu, valid_rows_1=off[-1:], row_scale_R=scale)
+    with poisoned_allocations():
+        dgu_k, hw_k, part2, dgq2, dgs2 = fp8_gemm.fp8_swiglu_bwd_128x1(acc, gu, off, block_offsets_E1=blocks,
+                                                                       row_scale_R=scale)
+    for name, x, (kq, ks) in (("dgu", dgu, dgu_k), ("hw", hw, hw_k)):
+        rq, rs = fp8_quant.quantize_128x1_grouped(x, off, None, blocks, kmajor=True)
+        assert kq.shape == rq.shape and ks.shape == rs.shape, name
+        assert torch.equal(kq[:128 * nb].view(torch.uint8), rq[:128 * nb].view(torch.uint8)), f"{name} bytes"
+        assert torch.equal(ks[:nb], rs[:nb]), f"{name} scales"
+        assert (ks[:nb, 5] == 2.0 ** -126).all(), f"{name}: the zero channel"
+    for name, a, b in (("row_dot", part2, part), ("dgq", dgq2, dgq), ("dgs", dgs2, dgs)):
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+            assert (a[n:] == 0x7F).all(), f"{name}: rows past the round's were written"
+        else:
+            assert a[n:].isnan().all(), f"{name}: rows past the round's were written"
+        assert torch.equal(a[:n], b[:n]), name
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @interpreted
 def test_layer_bits_do_not_change(case, monkeypatch):
@@ -110,10 +153,12 @@ def test_layer_bits_do_not_change(case, monkeypatch):
     inputs, _ = _case_inputs(case)
     inputs, dout = inputs
     got = {}
-    for split in ((False, False), (True, False), (False, True), (True, True)):
-        monkeypatch.setattr(autograd_fp8, "SPLIT_DGRAD", split[0])
-        monkeypatch.setattr(autograd_fp8, "SPLIT_GATE_UP", split[1])
+    arms = ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
+            (True, False, True), (True, True, True))
+    for split in arms:
+        for name, on in zip(("SPLIT_DGRAD", "SPLIT_GATE_UP", "SPLIT_128X1"), split):
+            monkeypatch.setattr(autograd_fp8, name, on)
         got[split] = _run(moe_experts, inputs, dout, backend="fused", fp8=True)
     for split, res in got.items():
-        for name, a, b in zip(("out", "dx", "dw", "dw13", "dw2", "ds13", "ds2"), got[(False, False)], res):
-            assert torch.equal(a, b), f"(split dgrad, split gate/up) = {split}: {name}"
+        for name, a, b in zip(("out", "dx", "dw", "dw13", "dw2", "ds13", "ds2"), got[arms[0]], res):
+            assert torch.equal(a, b), f"(split dgrad, split gate/up, 128x1 pass) = {split}: {name}"

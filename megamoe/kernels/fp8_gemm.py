@@ -182,7 +182,7 @@ def _store_pair(lo, hi, offs_lo, out_rows, mask_m, ptr, stride, N):
 
 
 @triton.jit
-def _store_pair_quantized(lo, hi, offs_lo, out_rows, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, NQ,
+def store_pair_quantized(lo, hi, offs_lo, out_rows, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, NQ,
                           HW_CAST: tl.constexpr):
     """1x128-quantize the block held as two 64-column halves (columns offs_lo, offs_lo + 64 of an NQ-column
     matrix, offs_lo[0] a multiple of 128) and store its bytes and scales."""
@@ -202,7 +202,7 @@ def _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_
     """SwiGLU backward on 128 columns [n0, n0 + 128), as two 64-column halves (the bf16 path's structure, so the
     row-dot partial is the same sum whatever the tile width): h * scale into AUX, [dg | du] into C and
     quantized 1x128 into (HQ, HS); returns the row-dot partial (first half's sum + second half's)."""
-    acc_lo, acc_hi = _halves(acc, BLOCK_M, 128)
+    acc_lo, acc_hi = halves(acc, BLOCK_M, 128)
     offs_lo = n0 + tl.arange(0, 64)
     part_lo, h_lo, dg_lo, du_lo = swiglu_bwd_values(acc_lo, offs_lo, rows, offs_lo < N, scale, gu_ptr, c_ptr, N,
                                                     stride_gm, HAS_SCALE)
@@ -211,14 +211,14 @@ def _swiglu_bwd_cols(acc, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_
     _store_pair(h_lo, h_hi, offs_lo, out_rows, mask_m, aux_ptr, stride_xm, N)
     _store_pair(dg_lo, dg_hi, offs_lo, out_rows, mask_m, c_ptr, stride_cm, N)
     _store_pair(du_lo, du_hi, offs_lo, out_rows, mask_m, c_ptr + N, stride_cm, N)
-    _store_pair_quantized(dg_lo, dg_hi, offs_lo, out_rows, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, N, HW_CAST)
-    _store_pair_quantized(du_lo, du_hi, offs_lo + N, out_rows, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, 2 * N,
+    store_pair_quantized(dg_lo, dg_hi, offs_lo, out_rows, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, N, HW_CAST)
+    store_pair_quantized(du_lo, du_hi, offs_lo + N, out_rows, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, 2 * N,
                           HW_CAST)
     return part_lo + part_hi
 
 
 @triton.jit
-def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A (BLOCK_M, 2 * QB) tile as its two (BLOCK_M, QB) column halves."""
     return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
 
@@ -239,8 +239,8 @@ def _epilogue(acc, acc_up, n_tile, rows, out_rows, mask_m, offs_n, mask_n, scale
             _swiglu_cols(acc, acc_up, n0, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, stride_xm, stride_qm,
                          stride_qsm, SAVE_AUX, HW_CAST)
         else:
-            acc_a, acc_b = _halves(acc, BLOCK_M, BLOCK_N)
-            up_a, up_b = _halves(acc_up, BLOCK_M, BLOCK_N)
+            acc_a, acc_b = halves(acc, BLOCK_M, BLOCK_N)
+            up_a, up_b = halves(acc_up, BLOCK_M, BLOCK_N)
             _swiglu_cols(acc_a, up_a, n0, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, stride_xm, stride_qm,
                          stride_qsm, SAVE_AUX, HW_CAST)
             _swiglu_cols(acc_b, up_b, n0 + 128, out_rows, mask_m, aux_ptr, q_ptr, qs_ptr, N, stride_xm,
@@ -258,7 +258,7 @@ def _epilogue(acc, acc_up, n_tile, rows, out_rows, mask_m, offs_n, mask_n, scale
             if HAS_DOT:
                 tl.store(dot_ptr + out_rows * num_p + n_tile, part, mask=mask_m)
         else:
-            acc_a, acc_b = _halves(acc, BLOCK_M, BLOCK_N)
+            acc_a, acc_b = halves(acc, BLOCK_M, BLOCK_N)
             part_a = _swiglu_bwd_cols(acc_a, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr,
                                       qs_ptr, N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE,
                                       HW_CAST, BLOCK_M)

@@ -21,6 +21,12 @@ Public helpers (``@triton.jit``; import them into a GEMM epilogue to quantize a 
     with zeros where it is masked (zeros never raise an amax). A non-finite block gets scale NaN and bytes 0.
     Bytes go to memory through a uint8 view of the e4m3 tensor; ``.to(tl.float8e4nv, bitcast=True)`` turns them
     into e4m3 operands of ``tl.dot``.
+  * :func:`store_128x1_kmajor`: one 128-row block, given as four (32, cols) tiles of rows 4w + k, 128x1-quantized
+    and stored block-padded and transposed (the K-major weight-gradient operand: bytes packed four to an int32
+    word, cast by inline PTX, :func:`store_kmajor_words`); :func:`quantize_128x1_kmajor_tile` does the same for a
+    (128, cols) tile in registers (a GEMM's 128-row m-tile), cut into those four tiles by :func:`rows_mod4`. The
+    K-major 128x1 quantizer and the SwiGLU-backward pass with 128x1 outputs (kernels.fp8_swiglu_bwd) store through
+    them.
 
 HW_CAST (constexpr): True on the GPU: ``.to(tl.float8e4nv)`` (cvt.rn.satfinite: round to nearest even,
 identical to the integer path since ``|y| <= 448``); False under the CPU interpreter, so :func:`e4m3_bytes`
@@ -199,23 +205,59 @@ def _load_rows(x_ptr, idx_ptr, rows, row_end, cols, mask_c, C, GATHER: tl.conste
 @triton.jit
 def _quantize_128x1_kmajor(x_ptr, idx_ptr, q_ptr, blk, row_start, row_end, cols, mask_c, C, ld_q,
                            GATHER: tl.constexpr, HW_CAST: tl.constexpr):
-    """One 128-row block x the columns ``cols`` written transposed: column c's 128 bytes at
-    ``q[c * ld_q + 128 blk:]`` (q_ptr the buffer as int32 words, ld_q in bytes), rows past row_end as zeros;
-    returns the scales. The rows are read as four (32, cols) tiles, rows 4w + k, so that word w of a column packs
-    bytes k = 0..3 (little-endian) without reshaping a tile, and the words, not the bytes, change layout."""
-    w = tl.arange(0, SCALE_BLOCK // 4)
-    r0 = row_start + 4 * w
+    """One 128-row block x the columns ``cols`` written transposed (:func:`store_128x1_kmajor`), rows past row_end
+    as zeros; returns the scales. The rows are read as four (32, cols) tiles, rows 4w + k."""
+    r0 = row_start + 4 * tl.arange(0, SCALE_BLOCK // 4)
     x0 = _load_rows(x_ptr, idx_ptr, r0, row_end, cols, mask_c, C, GATHER)
     x1 = _load_rows(x_ptr, idx_ptr, r0 + 1, row_end, cols, mask_c, C, GATHER)
     x2 = _load_rows(x_ptr, idx_ptr, r0 + 2, row_end, cols, mask_c, C, GATHER)
     x3 = _load_rows(x_ptr, idx_ptr, r0 + 3, row_end, cols, mask_c, C, GATHER)
+    return store_128x1_kmajor(x0, x1, x2, x3, q_ptr, blk, cols, mask_c, ld_q, HW_CAST)
+
+
+@triton.jit
+def store_128x1_kmajor(x0, x1, x2, x3, q_ptr, blk, cols, mask_c, ld_q, HW_CAST: tl.constexpr):
+    """128x1-quantize one 128-row block held as four (32, cols) fp32 tiles, ``xk[w] = row 4w + k`` (zeros where
+    masked), and store its bytes transposed (:func:`store_kmajor_words`); returns the scales (cols,)."""
     amax = tl.maximum(tl.maximum(tl.max(abs_bits(x0), axis=0), tl.max(abs_bits(x1), axis=0)),
                       tl.maximum(tl.max(abs_bits(x2), axis=0), tl.max(abs_bits(x3), axis=0)))
     inv, scale, finite = pow2_scale(amax)
-    words = _e4m3_word(_scaled(x0, inv, finite), _scaled(x1, inv, finite), _scaled(x2, inv, finite),
-                       _scaled(x3, inv, finite), HW_CAST)
+    store_kmajor_words(_scaled(x0, inv, finite), _scaled(x1, inv, finite), _scaled(x2, inv, finite),
+                       _scaled(x3, inv, finite), q_ptr, blk, cols, mask_c, ld_q, HW_CAST)
+    return scale
+
+
+@triton.jit
+def store_kmajor_words(y0, y1, y2, y3, q_ptr, blk, cols, mask_c, ld_q, HW_CAST: tl.constexpr):
+    """Store the e4m3 bytes of one scaled 128-row block (four (32, cols) fp32 tiles, ``yk[w] = row 4w + k``,
+    ``|y| <= 448``) transposed: column c's 128 bytes at ``q[c * ld_q + 128 blk:]`` (q_ptr the buffer as int32
+    words, ld_q in bytes). Word w of a column packs bytes k = 0..3 (little-endian) without reshaping a tile, so
+    the words, not the bytes, change layout."""
+    words = _e4m3_word(y0, y1, y2, y3, HW_CAST)
+    w = tl.arange(0, SCALE_BLOCK // 4)
     w_ptrs = q_ptr + cols.to(tl.int64)[None, :] * (ld_q // 4) + blk * (SCALE_BLOCK // 4) + w[:, None]
     tl.store(w_ptrs, words, mask=mask_c[None, :])
+
+
+@triton.jit
+def rows_mod4(x, COLS: tl.constexpr):
+    """A (128, COLS) tile as four (32, COLS) tiles, the k-th holding rows 4w + k (the operands of
+    :func:`store_128x1_kmajor` for a block already in registers, e.g. a GEMM's 128-row m-tile)."""
+    t = tl.reshape(tl.permute(tl.reshape(x, (SCALE_BLOCK // 4, 4, COLS)), (0, 2, 1)), (SCALE_BLOCK // 4, COLS, 2, 2))
+    even, odd = tl.split(t)  # row 4w + 2a + b: b = 0, b = 1
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def quantize_128x1_kmajor_tile(x, q_ptr, blk, cols, mask_c, ld_q, COLS: tl.constexpr, HW_CAST: tl.constexpr):
+    """128x1-quantize the (128, COLS) fp32 tile x (one 128-row block, zeros where masked) in registers and store
+    its bytes transposed (:func:`store_kmajor_words`); returns the scales (COLS,). The amax and the scaling are
+    computed in x's own layout, so only the scaled fp32 values move to the words' layout."""
+    inv, scale, finite = pow2_scale(tl.max(abs_bits(x), axis=0))
+    y0, y1, y2, y3 = rows_mod4(tl.where(finite[None, :], x * inv[None, :], 0.0), COLS)
+    store_kmajor_words(y0, y1, y2, y3, q_ptr, blk, cols, mask_c, ld_q, HW_CAST)
     return scale
 
 

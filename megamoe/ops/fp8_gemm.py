@@ -29,11 +29,12 @@ import torch
 import triton
 
 from ..kernels.fp8_gemm import fp8_k_grouped_kernel, fp8_m_grouped_kernel, swiglu_bwd_rows_kernel, swiglu_rows_kernel
+from ..kernels.fp8_swiglu_bwd import swiglu_bwd_128x1_kernel
 from ._common import check_device, is_interpreted, persistent_programs, pow2
 from .routing import cached_tile_offsets
 
 __all__ = ["fp8_gate_up_swiglu", "fp8_grouped_mm_nt", "fp8_grouped_mm_nn", "fp8_swiglu_dgrad", "fp8_swiglu",
-           "fp8_swiglu_bwd",
+           "fp8_swiglu_bwd", "fp8_swiglu_bwd_128x1",
            "fp8_k_grouped_mm", "fp8_config", "Fp8GemmConfig", "FP8_KINDS", "QB"]
 
 QB = 128  # the scale group
@@ -364,6 +365,22 @@ def fp8_swiglu(gu_RG: torch.Tensor, *, valid_rows_1: torch.Tensor | None = None)
     return hq, hs
 
 
+def _check_swiglu_bwd(where: str, acc_RF, gu_RG, row_scale_R) -> tuple[int, int]:
+    """The SwiGLU-backward passes' inputs: (R, F) of acc_RF."""
+    if (not isinstance(acc_RF, torch.Tensor) or acc_RF.dim() != 2 or acc_RF.dtype != torch.float32
+            or acc_RF.stride(1) != 1):
+        raise ValueError(f"{where}: acc_RF must be a 2-D fp32 tensor with contiguous rows, got "
+                         f"{getattr(acc_RF, 'dtype', type(acc_RF).__name__)} {tuple(getattr(acc_RF, 'shape', ()))}")
+    R, F = acc_RF.shape
+    _check_mult(where, F=F)
+    _check_row_scale(where, row_scale_R, R)
+    if (not isinstance(gu_RG, torch.Tensor) or tuple(gu_RG.shape) != (R, 2 * F) or gu_RG.dtype not in _OUT_DTYPES
+            or (R and gu_RG.stride(1) != 1)):
+        raise ValueError(f"{where}: gu_RG must be ({R}, {2 * F}) bf16/fp16/fp32 with a contiguous last dimension, got "
+                         f"{getattr(gu_RG, 'dtype', type(gu_RG).__name__)} {tuple(getattr(gu_RG, 'shape', ()))}")
+    return R, F
+
+
 def fp8_swiglu_bwd(acc_RF: torch.Tensor, gu_RG: torch.Tensor, *, valid_rows_1: torch.Tensor | None = None,
                    row_scale_R: torch.Tensor | None = None, row_dot: bool = True):
     """The SwiGLU backward of :func:`fp8_swiglu_dgrad` on a dgrad accumulator a plain GEMM wrote in fp32
@@ -378,17 +395,7 @@ def fp8_swiglu_bwd(acc_RF: torch.Tensor, gu_RG: torch.Tensor, *, valid_rows_1: t
         dgu_RG, hw_RF, row_dot_RP or None, dgq_RG, dgs_RB as :func:`fp8_swiglu_dgrad`. Sync: none.
     """
     where = "fp8_swiglu_bwd"
-    if (not isinstance(acc_RF, torch.Tensor) or acc_RF.dim() != 2 or acc_RF.dtype != torch.float32
-            or acc_RF.stride(1) != 1):
-        raise ValueError(f"{where}: acc_RF must be a 2-D fp32 tensor with contiguous rows, got "
-                         f"{getattr(acc_RF, 'dtype', type(acc_RF).__name__)} {tuple(getattr(acc_RF, 'shape', ()))}")
-    R, F = acc_RF.shape
-    _check_mult(where, F=F)
-    _check_row_scale(where, row_scale_R, R)
-    if (not isinstance(gu_RG, torch.Tensor) or tuple(gu_RG.shape) != (R, 2 * F) or gu_RG.dtype not in _OUT_DTYPES
-            or (R and gu_RG.stride(1) != 1)):
-        raise ValueError(f"{where}: gu_RG must be ({R}, {2 * F}) bf16/fp16/fp32 with a contiguous last dimension, got "
-                         f"{getattr(gu_RG, 'dtype', type(gu_RG).__name__)} {tuple(getattr(gu_RG, 'shape', ()))}")
+    R, F = _check_swiglu_bwd(where, acc_RF, gu_RG, row_scale_R)
     if valid_rows_1 is not None and (valid_rows_1.dtype != torch.int32 or valid_rows_1.numel() != 1):
         raise ValueError(f"{where}: valid_rows_1 must be a (1,) int32 tensor")
     dev = check_device(swiglu_bwd_rows_kernel, where, acc_RF=acc_RF, gu_RG=gu_RG, valid_rows_1=valid_rows_1,
@@ -411,6 +418,54 @@ def fp8_swiglu_bwd(acc_RF: torch.Tensor, gu_RG: torch.Tensor, *, valid_rows_1: t
         HAS_SCALE=row_scale_R is not None, HAS_DOT=part is not None, HW_CAST=not interpret, BLOCK_M=block_m,
         num_warps=4, enable_fp_fusion=True)
     return dgu, hw, part, dgq, dgs
+
+
+def fp8_swiglu_bwd_128x1(acc_RF: torch.Tensor, gu_RG: torch.Tensor, offsets_E1: torch.Tensor, *,
+                         block_offsets_E1: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None,
+                         row_dot: bool = True, tile_cache: dict | None = None):
+    """:func:`fp8_swiglu_bwd` that also makes the weight-gradient operands' 128x1 blocks of dgu and hw (instead of
+    writing them in 16 bits): per expert-aligned 128-row block, the bytes and scales of
+    ``megamoe.ops.fp8_quant.quantize_128x1_grouped(dgu / hw, offsets_E1, None, block_offsets_E1, kmajor=True)`` on
+    :func:`fp8_swiglu_bwd`'s dgu and hw, bit for bit; its row-dot partials and dgu's 1x128 blocks the same too.
+
+    Args:
+        acc_RF, gu_RG, row_scale_R, row_dot: as :func:`fp8_swiglu_bwd`. offsets_E1: (E + 1,) int32 group offsets
+            (only rows ``[offsets_E1[0], offsets_E1[E])`` are read and written: a receive round's count stays on the
+            device). block_offsets_E1: the m-tile table for BLOCK_M = 128 (from ``tile_cache`` when None).
+    Returns:
+        (dgq_k (NB * 128, 2F) e4m3 K-major, dgs_k (NB, 2F) fp32), (hq_k (NB * 128, F), hs_k (NB, F)),
+        row_dot_RP or None, dgq_RG, dgs_RB; NB = ceil(R / 128) + E, the layout and the written part of
+        ``quantize_128x1_grouped(..., kmajor=True)``. Sync: none.
+    """
+    where = "fp8_swiglu_bwd_128x1"
+    R, F = _check_swiglu_bwd(where, acc_RF, gu_RG, row_scale_R)
+    E = offsets_E1.numel() - 1
+    _check_offsets(where, offsets_E1, E)
+    if block_offsets_E1 is not None:
+        _check_offsets(where, block_offsets_E1, E)
+    dev = check_device(swiglu_bwd_128x1_kernel, where, acc_RF=acc_RF, gu_RG=gu_RG, offsets_E1=offsets_E1,
+                       block_offsets_E1=block_offsets_E1, row_scale_R=row_scale_R)
+    nb = triton.cdiv(R, QB) + E
+    dgk = torch.empty((2 * F, nb * QB), dtype=_E4M3, device=dev)  # transposed: rows of 128 NB bytes
+    hk = torch.empty((F, nb * QB), dtype=_E4M3, device=dev)
+    dgks = torch.empty((nb, 2 * F), dtype=torch.float32, device=dev)
+    hks = torch.empty((nb, F), dtype=torch.float32, device=dev)
+    part = torch.empty((R, F // QB), dtype=torch.float32, device=dev) if row_dot else None
+    dgq = torch.empty((R, 2 * F), dtype=_E4M3, device=dev)
+    dgs = torch.empty((R, 2 * F // QB), dtype=torch.float32, device=dev)
+    out = (dgk.t(), dgks), (hk.t(), hks), part, dgq, dgs
+    if R == 0 or F == 0 or E == 0:
+        return out
+    if block_offsets_E1 is None:
+        block_offsets_E1 = table_for(offsets_E1, QB, tile_cache)
+    interpret = is_interpreted(swiglu_bwd_128x1_kernel)
+    swiglu_bwd_128x1_kernel[(nb, F // QB)](
+        acc_RF, offsets_E1, block_offsets_E1, row_scale_R if row_scale_R is not None else acc_RF, gu_RG,
+        part if part is not None else acc_RF, dgq.view(torch.uint8), dgs, dgk.view(torch.int32), dgks,
+        hk.view(torch.int32), hks, E, F, nb * QB, acc_RF.stride(0), gu_RG.stride(0), dgq.stride(0), dgs.stride(0),
+        HAS_SCALE=row_scale_R is not None, HAS_DOT=part is not None, HW_CAST=not interpret, E_POW2=pow2(E),
+        num_warps=4, enable_fp_fusion=True)  # 4 like the row pass: its tiles' layout, so the row dots' sum order
+    return out
 
 
 def fp8_k_grouped_mm(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor, qs: torch.Tensor,
