@@ -11,7 +11,8 @@ SPLIT_128X1). Per case (the benchmark's
 problem, uniform routing, bf16, no shared expert as in megamoe.bench's FP8 rows): first every arm's output and
 gradients compared bit for bit with "fused", then ROUNDS rounds of the arms in turn, ITERS timed steps each
 (megamoe.bench.timing: CUDA events, L2 flushed), and per arm the median over all its steps and the ratio to "fused".
-Without a GPU it runs on the CPU under TRITON_INTERPRET=1 (a smoke run of the script: a small case such as small:16).
+Without a GPU it runs on the CPU under TRITON_INTERPRET=1 (a smoke run of the script: a small case such as small:16,
+in float32, one round of one step per arm; a few minutes).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from megamoe.bench.routing_models import make_routing
 from megamoe.bench.timing import Timer
 from megamoe.functional import moe_experts
 
-ROUNDS, ITERS = 4, 10
+ROUNDS, ITERS = (4, 10) if torch.cuda.is_available() else (1, 1)  # the CPU run is a smoke run
 ARMS = {"fused": (False, False, False), "dgrad": (True, False, False), "gate_up": (False, True, False),
         "both": (True, True, False), "both_128x1": (True, True, True)}
 

@@ -14,11 +14,12 @@ the row-dot partial is the same two-half sum), and the program writes:
     ``q[c * ld + 128 b:][:128]``, the weight-gradient GEMM's operand), rows past the expert's end as zeros, and
     their scales (NB, 2F) / (NB, F): the bytes and scales of megamoe.kernels.fp8_quant's K-major 128x1 quantizer
     on the 16-bit dgu and hw, which are never written.
-The block is read as four (32, 128) tiles, rows 4w + k (megamoe.kernels.fp8_quant.store_128x1_kmajor's operands),
-and h, dg, du are made one at a time (each pass reloads the tiles and recomputes the cheap SwiGLU pieces), so that
-one value's four tiles are live at once (held in the 16-bit dtype: the values are rounded to it anyway). Launched
-with 4 warps, as the row pass: the row-dot partial is a ``tl.sum`` whose order on the GPU follows the tile's layout,
-and (32, 64) tiles with 4 warps get the row pass's (tests/test_fp8_gemm_compile.py checks it). Rows past the
+The block's rows are read as two (64, 128) tiles, rows 4w + k of k = 0, 1 and of k = 2, 3 (cut into the four (32, .)
+tiles of rows 4w + k that megamoe.kernels.fp8_quant.store_128x1_kmajor packs into K-major words), and h, dg, du are
+made one at a time (each pass reloads the tiles and recomputes the cheap SwiGLU pieces), so that one value's two
+tiles are live at once (held in the 16-bit dtype: the values are rounded to it anyway). With 8 warps a (64, 64) tile
+gets the row pass's per-row layout (a row's 64 columns over 4 lanes of 16, warps along rows): the row-dot partial is a
+``tl.sum`` whose association on the GPU follows that layout (tests/test_fp8_gemm_compile.py checks it). Rows past the
 expert's end are never loaded from acc (masked) nor stored; their [g | u] and scale loads read the expert's last row
 (clamped) and the values are replaced by zeros.
 """
@@ -33,7 +34,7 @@ from .tiles import expert_of_tile
 
 @triton.jit
 def _values(acc_ptr, scale_ptr, gu_ptr, r, row_end, n0, N, stride_am, stride_gm, HAS_SCALE: tl.constexpr):
-    """Rows r (32,) x columns [n0, n0 + 128): (valid rows, row-dot partial, h * scale, dg, du), the last three as
+    """Rows r (64,) x columns [n0, n0 + 128): (valid rows, row-dot partial, h * scale, dg, du), the last three as
     (lo, hi) 64-column halves rounded to [g | u]'s dtype (held in fp32), zeros in rows past row_end."""
     valid = r < row_end
     rows = tl.minimum(r, row_end - 1).to(tl.int64)  # clamped into the expert: loaded, never stored
@@ -45,7 +46,7 @@ def _values(acc_ptr, scale_ptr, gu_ptr, r, row_end, n0, N, stride_am, stride_gm,
     if HAS_SCALE:
         scale = tl.load(scale_ptr + rows).to(tl.float32)
     else:
-        scale = tl.full((32,), 1.0, tl.float32)
+        scale = tl.full(r.shape, 1.0, tl.float32)
     part_lo, h_lo, dg_lo, du_lo = swiglu_bwd_values(acc_lo, offs_lo, rows, offs_lo < N, scale, gu_ptr, gu_ptr, N,
                                                     stride_gm, HAS_SCALE)
     part_hi, h_hi, dg_hi, du_hi = swiglu_bwd_values(acc_hi, offs_lo + 64, rows, offs_lo < N, scale, gu_ptr, gu_ptr,
@@ -87,32 +88,37 @@ def _dgu_tile(acc_ptr, scale_ptr, gu_ptr, q_ptr, qs_ptr, r, row_end, n0, N, stri
 
 
 @triton.jit
-def _store_block_128x1(x0, x1, x2, x3, k_ptr, ks_ptr, blk, cols, C, ld_k, HW_CAST: tl.constexpr):
-    """The 128x1 block (rows 4w + k in xk) of columns ``cols`` of a C-column operand: K-major bytes and scales."""
+def _unpair(x):
+    """A (64, 64) tile of rows 4w + k, 4w + k + 1 (rows w, 32 + w) as its two (32, 64) tiles."""
+    return tl.split(tl.permute(tl.reshape(x, (2, 32, 64)), (1, 2, 0)))
+
+
+@triton.jit
+def _store_block_128x1(xa, xb, k_ptr, ks_ptr, blk, cols, C, ld_k, HW_CAST: tl.constexpr):
+    """The 128x1 block of columns ``cols`` of a C-column operand, held as two (64, 64) tiles (rows 4w + k of k = 0, 1
+    and of k = 2, 3): K-major bytes and scales."""
     mask_c = cols < C
-    s = store_128x1_kmajor(as_fp32(x0), as_fp32(x1), as_fp32(x2), as_fp32(x3), k_ptr, blk, cols, mask_c, ld_k, HW_CAST)
+    x0, x1 = _unpair(as_fp32(xa))
+    x2, x3 = _unpair(as_fp32(xb))
+    s = store_128x1_kmajor(x0, x1, x2, x3, k_ptr, blk, cols, mask_c, ld_k, HW_CAST)
     tl.store(ks_ptr + blk.to(tl.int64) * C + cols, s, mask=mask_c)
 
 
 @triton.jit
-def _dgu_pass(acc_ptr, scale_ptr, gu_ptr, q_ptr, qs_ptr, dgk_ptr, dgks_ptr, blk, r0, row_end, n0, N, ld_k,
+def _dgu_pass(acc_ptr, scale_ptr, gu_ptr, q_ptr, qs_ptr, dgk_ptr, dgks_ptr, blk, ra, rb, row_end, n0, N, ld_k,
               stride_am, stride_gm, stride_qm, stride_qsm, UP: tl.constexpr, HAS_SCALE: tl.constexpr,
               HW_CAST: tl.constexpr):
     """dg (UP: du) of the block: its 1x128 blocks per row, then its 128x1 blocks (dgu's columns n0, UP: N + n0)."""
-    a0, b0 = _dgu_tile(acc_ptr, scale_ptr, gu_ptr, q_ptr, qs_ptr, r0, row_end, n0, N, stride_am, stride_gm,
+    a0, b0 = _dgu_tile(acc_ptr, scale_ptr, gu_ptr, q_ptr, qs_ptr, ra, row_end, n0, N, stride_am, stride_gm,
                        stride_qm, stride_qsm, UP, HAS_SCALE, HW_CAST)
-    a1, b1 = _dgu_tile(acc_ptr, scale_ptr, gu_ptr, q_ptr, qs_ptr, r0 + 1, row_end, n0, N, stride_am, stride_gm,
-                       stride_qm, stride_qsm, UP, HAS_SCALE, HW_CAST)
-    a2, b2 = _dgu_tile(acc_ptr, scale_ptr, gu_ptr, q_ptr, qs_ptr, r0 + 2, row_end, n0, N, stride_am, stride_gm,
-                       stride_qm, stride_qsm, UP, HAS_SCALE, HW_CAST)
-    a3, b3 = _dgu_tile(acc_ptr, scale_ptr, gu_ptr, q_ptr, qs_ptr, r0 + 3, row_end, n0, N, stride_am, stride_gm,
+    a1, b1 = _dgu_tile(acc_ptr, scale_ptr, gu_ptr, q_ptr, qs_ptr, rb, row_end, n0, N, stride_am, stride_gm,
                        stride_qm, stride_qsm, UP, HAS_SCALE, HW_CAST)
     if UP:
         c = N + n0 + tl.arange(0, 64)
     else:
         c = n0 + tl.arange(0, 64)
-    _store_block_128x1(a0, a1, a2, a3, dgk_ptr, dgks_ptr, blk, c, 2 * N, ld_k, HW_CAST)
-    _store_block_128x1(b0, b1, b2, b3, dgk_ptr, dgks_ptr, blk, c + 64, 2 * N, ld_k, HW_CAST)
+    _store_block_128x1(a0, a1, dgk_ptr, dgks_ptr, blk, c, 2 * N, ld_k, HW_CAST)
+    _store_block_128x1(b0, b1, dgk_ptr, dgks_ptr, blk, c + 64, 2 * N, ld_k, HW_CAST)
 
 
 @triton.jit
@@ -129,19 +135,17 @@ def swiglu_bwd_128x1_kernel(acc_ptr, offsets_ptr, block_offsets_ptr, scale_ptr, 
         _, row_start, row_end = expert_of_tile(block_offsets_ptr, offsets_ptr, blk, num_experts, E_POW2, 128)
         p = tl.program_id(1)
         n0 = p * 128
-        r0 = row_start + 4 * tl.arange(0, 32)
-        h0, g0 = _h_tile(acc_ptr, scale_ptr, gu_ptr, dot_ptr, r0, row_end, p, N, stride_am, stride_gm, HAS_SCALE,
-                         HAS_DOT)
-        h1, g1 = _h_tile(acc_ptr, scale_ptr, gu_ptr, dot_ptr, r0 + 1, row_end, p, N, stride_am, stride_gm, HAS_SCALE,
-                         HAS_DOT)
-        h2, g2 = _h_tile(acc_ptr, scale_ptr, gu_ptr, dot_ptr, r0 + 2, row_end, p, N, stride_am, stride_gm, HAS_SCALE,
-                         HAS_DOT)
-        h3, g3 = _h_tile(acc_ptr, scale_ptr, gu_ptr, dot_ptr, r0 + 3, row_end, p, N, stride_am, stride_gm, HAS_SCALE,
-                         HAS_DOT)
+        i = tl.arange(0, 64)
+        ra = row_start + 4 * (i % 32) + i // 32  # rows 4w + k of k = 0, 1 as one (64, .) tile
+        rb = ra + 2  # k = 2, 3
+        ha_lo, ha_hi = _h_tile(acc_ptr, scale_ptr, gu_ptr, dot_ptr, ra, row_end, p, N, stride_am, stride_gm, HAS_SCALE,
+                               HAS_DOT)
+        hb_lo, hb_hi = _h_tile(acc_ptr, scale_ptr, gu_ptr, dot_ptr, rb, row_end, p, N, stride_am, stride_gm, HAS_SCALE,
+                               HAS_DOT)
         c = n0 + tl.arange(0, 64)
-        _store_block_128x1(h0, h1, h2, h3, hk_ptr, hks_ptr, blk, c, N, ld_k, HW_CAST)
-        _store_block_128x1(g0, g1, g2, g3, hk_ptr, hks_ptr, blk, c + 64, N, ld_k, HW_CAST)
-        _dgu_pass(acc_ptr, scale_ptr, gu_ptr, q_ptr, qs_ptr, dgk_ptr, dgks_ptr, blk, r0, row_end, n0, N, ld_k,
+        _store_block_128x1(ha_lo, hb_lo, hk_ptr, hks_ptr, blk, c, N, ld_k, HW_CAST)
+        _store_block_128x1(ha_hi, hb_hi, hk_ptr, hks_ptr, blk, c + 64, N, ld_k, HW_CAST)
+        _dgu_pass(acc_ptr, scale_ptr, gu_ptr, q_ptr, qs_ptr, dgk_ptr, dgks_ptr, blk, ra, rb, row_end, n0, N, ld_k,
                   stride_am, stride_gm, stride_qm, stride_qsm, False, HAS_SCALE, HW_CAST)
-        _dgu_pass(acc_ptr, scale_ptr, gu_ptr, q_ptr, qs_ptr, dgk_ptr, dgks_ptr, blk, r0, row_end, n0, N, ld_k,
+        _dgu_pass(acc_ptr, scale_ptr, gu_ptr, q_ptr, qs_ptr, dgk_ptr, dgks_ptr, blk, ra, rb, row_end, n0, N, ld_k,
                   stride_am, stride_gm, stride_qm, stride_qsm, True, HAS_SCALE, HW_CAST)

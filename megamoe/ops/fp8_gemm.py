@@ -464,7 +464,7 @@ def fp8_swiglu_bwd_128x1(acc_RF: torch.Tensor, gu_RG: torch.Tensor, offsets_E1: 
         part if part is not None else acc_RF, dgq.view(torch.uint8), dgs, dgk.view(torch.int32), dgks,
         hk.view(torch.int32), hks, E, F, nb * QB, acc_RF.stride(0), gu_RG.stride(0), dgq.stride(0), dgs.stride(0),
         HAS_SCALE=row_scale_R is not None, HAS_DOT=part is not None, HW_CAST=not interpret, E_POW2=pow2(E),
-        num_warps=4, enable_fp_fusion=True)  # 4 like the row pass: its tiles' layout, so the row dots' sum order
+        num_warps=8, enable_fp_fusion=True)  # (64, 64) tiles over 8 warps: the row pass's per-row layout
     return out
 
 
