@@ -3,7 +3,7 @@ layer's forward + backward with the two GEMMs that gather rows and end in a SwiG
 split into rows quantized straight into expert order, a plain warp-specialized Gluon GEMM and a SwiGLU pass (with
 SPLIT_128X1 the SwiGLU-backward pass also makes dgu's and hw's 128x1 weight-gradient blocks).
 
-Usage: python scripts/ab_fp8_split.py [CASE ...]   (CASE = preset:tokens; default qwen3-30b-a3b:16384
+Usage: python scripts/ab_fp8_split.py [CASE ...] [--arms A,B,...]   (CASE = preset:tokens; default qwen3-30b-a3b:16384
 deepseek-v3:8192; one H200: about two minutes)
 
 Arms: "fused" (neither split), "dgrad" (SPLIT_DGRAD), "gate_up" (SPLIT_GATE_UP), "both", "both_128x1" (both and
@@ -43,23 +43,24 @@ def _arm(name: str) -> None:
     autograd_fp8.SPLIT_DGRAD, autograd_fp8.SPLIT_GATE_UP, autograd_fp8.SPLIT_128X1 = ARMS[name]
 
 
-def _case(spec: str) -> str:
+def _case(spec: str, arms: list[str]) -> str:
     preset, tokens = spec.split(":")
     cfg = get_preset(preset)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     p = make_problem(spec, cfg, int(tokens), make_routing("uniform", cfg, int(tokens), 1, 0), device=dev,
                      dtype=None if dev.type == "cuda" else torch.float32)
     p.shared_w13_HD = p.shared_w2_DS = None
-    results = {}
-    for name in ARMS:
+    _arm("fused")
+    fused = _step(p)
+    same = {}
+    for name in arms:  # one arm's results at a time beside the fused arm's (deepseek-v3's dW13 alone is 15 GB)
         _arm(name)
-        results[name] = _step(p)
-    same = {name: all(torch.equal(a, b) for a, b in zip(results["fused"], res)) for name, res in results.items()}
-    del results
+        same[name] = all(torch.equal(a, b) for a, b in zip(fused, _step(p)))
+    del fused
     timer = Timer(dev)
-    ms = {name: [] for name in ARMS}
+    ms = {name: [] for name in arms}
     for _ in range(ROUNDS):
-        for name in ARMS:
+        for name in arms:
             _arm(name)
             _step(p)  # warm
             ms[name] += timer.time(lambda _: _step(p), ITERS)
@@ -69,5 +70,9 @@ def _case(spec: str) -> str:
 
 
 if __name__ == "__main__":
-    for spec in sys.argv[1:] or ["qwen3-30b-a3b:16384", "deepseek-v3:8192"]:
-        print(_case(spec), flush=True)
+    args = sys.argv[1:]
+    chosen = ["fused", *[a for a in args[args.index("--arms") + 1].split(",") if a != "fused"]] if "--arms" in args \
+        else list(ARMS)
+    specs = [a for i, a in enumerate(args) if a != "--arms" and (i == 0 or args[i - 1] != "--arms")]
+    for spec in specs or ["qwen3-30b-a3b:16384", "deepseek-v3:8192"]:
+        print(_case(spec, chosen), flush=True)
