@@ -45,6 +45,12 @@ from .ops.wgrad_rounds import fp8_k_grouped_round
 __all__ = ["Fp8Experts"]
 
 
+def _rows_1x128(t_RC: torch.Tensor, idx_R: torch.Tensor | None, offsets_E1: torch.Tensor):
+    """1x128 blocks of a round's rows in expert order: the token rows ``t_RC[idx_R]`` gathered on one GPU, else only
+    the rows the round holds (``offsets_E1[-1]``, on the device) of a receive buffer sized for the capacity."""
+    return fp8_quant.quantize_1x128(t_RC, idx_R=idx_R, valid_rows_1=offsets_E1[-1:] if idx_R is None else None)
+
+
 class Fp8Experts:
     """The FP8 routed-expert GEMMs of one layer call (a fresh object per call; it carries the weight blocks
     from the forward to the backward). ``cache``: where the weight blocks come from (default: the process-wide
@@ -86,8 +92,7 @@ class Fp8Experts:
         on Hopper: TMA cannot gather rows, hence the quantizer gathers)."""
         self._check_rows(rows, "gate/up")
         off = rows.offsets_E1
-        xq, xs = fp8_quant.quantize_1x128(rows.x_RD, idx_R=rows.x_idx_R,
-                                          valid_rows_1=off[-1:] if rows.x_idx_R is None else None)
+        xq, xs = _rows_1x128(rows.x_RD, rows.x_idx_R, off)
         if fp8_gemm_gluon.fp8_gluon_runs_on(xq.device):
             return fp8_gemm_gluon.fp8_grouped_mm_nt_gluon(xq, xs, *self.w13, off, out_dtype=self.dtype,
                                                           tile_cache=rows.tiles)
@@ -116,9 +121,7 @@ class Fp8Experts:
         and a SwiGLU-backward epilogue gives (megamoe.ops.fp8_gemm.fp8_swiglu_dgrad)."""
         self._check_rows(rows, "dgrad")
         off = rows.offsets_E1
-        count = off[-1:]
-        dq, ds = fp8_quant.quantize_1x128(rows.dy_RD, idx_R=rows.dy_idx_R,
-                                          valid_rows_1=count if rows.dy_idx_R is None else None)
+        dq, ds = _rows_1x128(rows.dy_RD, rows.dy_idx_R, off)
         if fp8_gemm_gluon.fp8_gluon_runs_on(dq.device):  # the K-major copy as (E, F, D): contiguous again
             wq, ws = (t.transpose(1, 2) for t in self.w2_k)
             acc = fp8_gemm_gluon.fp8_grouped_mm_nt_gluon(dq, ds, wq, ws, off, out_dtype=torch.float32,
@@ -126,7 +129,7 @@ class Fp8Experts:
         else:
             acc = fp8_gemm.fp8_grouped_mm_nn(dq, ds, *self.w2_k, off, out_dtype=torch.float32, tile_cache=rows.tiles)
         del dq, ds  # (the gathered rows: R x D bytes, freed before the pass)
-        dgu, hw, part, dgq, dgs = fp8_gemm.fp8_swiglu_bwd(acc, gu_RG, valid_rows_1=count, row_scale_R=rows.scale_R,
+        dgu, hw, part, dgq, dgs = fp8_gemm.fp8_swiglu_bwd(acc, gu_RG, valid_rows_1=off[-1:], row_scale_R=rows.scale_R,
                                                           row_dot=rows.row_dot)
         self._dgu = (dgq, dgs) if rows.need_dx else None
         return dgu, hw, part

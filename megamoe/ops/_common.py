@@ -35,6 +35,15 @@ def check_device(kernel, where: str, **tensors) -> torch.device:
     return dev
 
 
+def check_row_count(where: str, valid_rows_1) -> None:
+    """``valid_rows_1``: None, or a (1,) int32 device count of the rows a launcher computes (a receive round's rows,
+    known only to the device)."""
+    if valid_rows_1 is not None and (not isinstance(valid_rows_1, torch.Tensor) or valid_rows_1.dtype != torch.int32
+                                     or valid_rows_1.numel() != 1):
+        raise ValueError(f"{where}: valid_rows_1 must be a (1,) int32 tensor, got "
+                         f"{getattr(valid_rows_1, 'shape', valid_rows_1)!r}")
+
+
 @functools.cache
 def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

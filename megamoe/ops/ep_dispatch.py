@@ -189,10 +189,10 @@ class NVLinkDispatcher:
         self.plan = X.save_plan(ws, T, topk_ids_TK.shape[1]) if keep else None
         self.bufs = X.ExchangeBuffers(ws, C, backward=False, rounds=self.rounds)
         self.xr0_CD = self.bufs.xr_CD if self.save_dispatched else None
-        new = self.gemm_buffers
-        self.h_CF = torch.empty(C, F, dtype=dtype, device=dev) if new else None
-        self.y_CD = torch.empty(C, D, dtype=dtype, device=dev) if new and not self.fused else None
-        self.gu_CG = torch.empty(C, 2 * F, dtype=dtype, device=dev) if new and self.save_preact else None
+        alloc = self.gemm_buffers
+        self.h_CF = torch.empty(C, F, dtype=dtype, device=dev) if alloc else None
+        self.y_CD = torch.empty(C, D, dtype=dtype, device=dev) if alloc and not self.fused else None
+        self.gu_CG = torch.empty(C, 2 * F, dtype=dtype, device=dev) if alloc and self.save_preact else None
 
     def shared_out(self, x_TD: torch.Tensor) -> torch.Tensor:
         # on the current stream: it outlives the side stream's block

@@ -29,12 +29,11 @@ import torch
 import triton
 
 from ..kernels.fp8_gemm import fp8_k_grouped_kernel, fp8_m_grouped_kernel, swiglu_bwd_rows_kernel, swiglu_rows_kernel
-from ._common import check_device, is_interpreted, persistent_programs, pow2
+from ._common import check_device, check_row_count, is_interpreted, persistent_programs, pow2
 from .routing import cached_tile_offsets
 
 __all__ = ["fp8_gate_up_swiglu", "fp8_grouped_mm_nt", "fp8_grouped_mm_nn", "fp8_swiglu_dgrad", "fp8_swiglu",
-           "fp8_swiglu_bwd",
-           "fp8_k_grouped_mm", "fp8_config", "Fp8GemmConfig", "FP8_KINDS", "QB"]
+           "fp8_swiglu_bwd", "fp8_k_grouped_mm", "fp8_config", "Fp8GemmConfig", "FP8_KINDS", "QB"]
 
 QB = 128  # the scale group
 _ROWS, _ROWS_INTERPRET = 32, 16  # rows per program of the SwiGLU passes on a plain GEMM's output
@@ -347,8 +346,7 @@ def fp8_swiglu(gu_RG: torch.Tensor, *, valid_rows_1: torch.Tensor | None = None)
     R, G = gu_RG.shape
     F = G // 2
     _check_mult(where, F=F)
-    if valid_rows_1 is not None and (valid_rows_1.dtype != torch.int32 or valid_rows_1.numel() != 1):
-        raise ValueError(f"{where}: valid_rows_1 must be a (1,) int32 tensor")
+    check_row_count(where, valid_rows_1)
     dev = check_device(swiglu_rows_kernel, where, gu_RG=gu_RG, valid_rows_1=valid_rows_1)
     hq = torch.empty((R, F), dtype=_E4M3, device=dev)
     hs = torch.empty((R, F // QB), dtype=torch.float32, device=dev)
@@ -389,8 +387,7 @@ def fp8_swiglu_bwd(acc_RF: torch.Tensor, gu_RG: torch.Tensor, *, valid_rows_1: t
             or (R and gu_RG.stride(1) != 1)):
         raise ValueError(f"{where}: gu_RG must be ({R}, {2 * F}) bf16/fp16/fp32 with a contiguous last dimension, got "
                          f"{getattr(gu_RG, 'dtype', type(gu_RG).__name__)} {tuple(getattr(gu_RG, 'shape', ()))}")
-    if valid_rows_1 is not None and (valid_rows_1.dtype != torch.int32 or valid_rows_1.numel() != 1):
-        raise ValueError(f"{where}: valid_rows_1 must be a (1,) int32 tensor")
+    check_row_count(where, valid_rows_1)
     dev = check_device(swiglu_bwd_rows_kernel, where, acc_RF=acc_RF, gu_RG=gu_RG, valid_rows_1=valid_rows_1,
                        row_scale_R=row_scale_R)
     dgu = torch.empty((R, 2 * F), dtype=gu_RG.dtype, device=dev)

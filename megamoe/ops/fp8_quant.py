@@ -29,7 +29,7 @@ import torch
 import triton
 
 from ..kernels.fp8_quant import quantize_1x128_kernel, quantize_128x1_grouped_kernel, quantize_128x128_kernel
-from ._common import check_device, is_interpreted, pow2
+from ._common import check_device, check_row_count, is_interpreted, pow2
 from .routing import tile_offsets_for
 
 __all__ = ["quantize_1x128", "quantize_128x128", "quantize_128x1_grouped", "E4M3", "SCALE_BLOCK"]
@@ -91,10 +91,7 @@ def quantize_1x128(x_RC: torch.Tensor, *, out: torch.Tensor | None = None, scale
     _check_input("x_RC", x_RC, (2,), where)
     if idx_R is not None:
         _check_int32("idx_R", idx_R, (idx_R.shape[0] if isinstance(idx_R, torch.Tensor) else -1,), where)
-    if valid_rows_1 is not None and (not isinstance(valid_rows_1, torch.Tensor) or valid_rows_1.dtype != torch.int32
-                                     or valid_rows_1.numel() != 1):
-        raise ValueError(f"{where}: valid_rows_1 must be a (1,) int32 tensor, got "
-                         f"{getattr(valid_rows_1, 'shape', valid_rows_1)!r}")
+    check_row_count(where, valid_rows_1)
     dev = check_device(quantize_1x128_kernel, where, x_RC=x_RC, out=out, scale_out=scale_out,
                        valid_rows_1=valid_rows_1, idx_R=idx_R)
     x_RC = _dense(x_RC)
