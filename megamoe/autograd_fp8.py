@@ -23,8 +23,8 @@ fp32 accumulation promoted every 128 of K::
 
 On a Hopper GPU every FP8 GEMM runs on the warp-specialized Gluon kernels (megamoe.ops.fp8_gemm_gluon: the same
 bits, the promotion overlapped with the next wgmma), elsewhere on the Triton kernels of megamoe.ops.fp8_gemm; none
-gathers rows or ends in a SwiGLU epilogue (the quantizers gather, the SwiGLU passes follow the GEMMs: bitwise the
-fused Triton ops fp8_gate_up_swiglu / fp8_swiglu_dgrad, which the layer ran before and the tests compare with).
+gathers rows or ends in a SwiGLU epilogue: the quantizers gather (TMA cannot), and the SwiGLU passes of
+megamoe.ops.fp8_swiglu follow the GEMMs.
 
 The backward reuses the forward's weight blocks (kept by the recipe between the passes; the compiled ops of
 megamoe.custom_ops quantize them again instead) and reads K-major copies of them for the input gradients.
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import fp8_gemm, fp8_gemm_gluon, fp8_quant
+from .ops import fp8_gemm, fp8_gemm_gluon, fp8_quant, fp8_swiglu
 from .ops.dispatch import RoundSplit
 from .ops.fp8_weights import WEIGHT_CACHE, Fp8WeightCache
 from .ops.wgrad_rounds import fp8_k_grouped_round
@@ -77,12 +77,11 @@ class Fp8Experts:
 
     def gate_up(self, rows, save_preact: bool | None = None):
         """Gate/up + SwiGLU on the round's x rows: (h as its 1x128 blocks (hq_RF, hs_RB), gu_RG or None). The
-        GEMM of :meth:`preact`, then a SwiGLU pass: h = silu(g) * u quantized 1x128 from that [g | u], bitwise what
-        one Triton GEMM with the row gather and a SwiGLU epilogue gives (megamoe.ops.fp8_gemm.fp8_gate_up_swiglu),
-        and faster on Hopper (docs/perf.md)."""
+        GEMM of :meth:`preact`, then a SwiGLU pass: h = silu(g) * u quantized 1x128 from that [g | u]
+        (megamoe.ops.fp8_swiglu.fp8_swiglu)."""
         keep = rows.keep_preact if save_preact is None else save_preact
         gu = self.preact(rows)
-        hq, hs = fp8_gemm.fp8_swiglu(gu, valid_rows_1=rows.offsets_E1[-1:])
+        hq, hs = fp8_swiglu.fp8_swiglu(gu, valid_rows_1=rows.offsets_E1[-1:])
         return (hq, hs), gu if keep else None
 
     def preact(self, rows) -> torch.Tensor:
@@ -104,7 +103,7 @@ class Fp8Experts:
         if fp8_gemm_gluon.fp8_gluon_runs_on(hq.device):
             return fp8_gemm_gluon.fp8_grouped_mm_nt_gluon(hq, hs, *self.w2, rows.offsets_E1, out_dtype=self.dtype,
                                                           tile_cache=rows.tiles)
-        return fp8_gemm.fp8_grouped_mm_nt(hq, hs, *self.w2, rows.offsets_E1, out_dtype=self.dtype, kind="down",
+        return fp8_gemm.fp8_grouped_mm_nt(hq, hs, *self.w2, rows.offsets_E1, out_dtype=self.dtype,
                                           tile_cache=rows.tiles)
 
     # ------------------------------------------------------------------------------------------ backward
@@ -117,8 +116,7 @@ class Fp8Experts:
         """dout rows @ w2 blocks with the SwiGLU backward: (dgu_RG, hw_RF, part_RP or None); dgu's 1x128 blocks
         are kept for :meth:`dx` when the round needs dx. A plain GEMM and a SwiGLU-backward pass: dout's rows
         quantized 1x128 straight into expert order, ``acc = dout rows @ w2 blocks`` in fp32 (the warp-specialized
-        Gluon kernel on Hopper), then the SwiGLU backward on acc: bitwise what one Triton GEMM with the row gather
-        and a SwiGLU-backward epilogue gives (megamoe.ops.fp8_gemm.fp8_swiglu_dgrad)."""
+        Gluon kernel on Hopper), then the SwiGLU-backward pass on acc (megamoe.ops.fp8_swiglu.fp8_swiglu_bwd)."""
         self._check_rows(rows, "dgrad")
         off = rows.offsets_E1
         dq, ds = _rows_1x128(rows.dy_RD, rows.dy_idx_R, off)
@@ -129,8 +127,8 @@ class Fp8Experts:
         else:
             acc = fp8_gemm.fp8_grouped_mm_nn(dq, ds, *self.w2_k, off, out_dtype=torch.float32, tile_cache=rows.tiles)
         del dq, ds  # (the gathered rows: R x D bytes, freed before the pass)
-        dgu, hw, part, dgq, dgs = fp8_gemm.fp8_swiglu_bwd(acc, gu_RG, valid_rows_1=off[-1:], row_scale_R=rows.scale_R,
-                                                          row_dot=rows.row_dot)
+        dgu, hw, part, dgq, dgs = fp8_swiglu.fp8_swiglu_bwd(acc, gu_RG, valid_rows_1=off[-1:], row_scale_R=rows.scale_R,
+                                                            row_dot=rows.row_dot)
         self._dgu = (dgq, dgs) if rows.need_dx else None
         return dgu, hw, part
 

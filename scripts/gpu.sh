@@ -9,6 +9,10 @@
 #   epshared    the EP GPU tests with the ranks sharing the visible GPUs (W = $EPSHARED_SIZES, default 2,4,8):
 #               the protocol and kernels at W > 1 on one GPU, not NVLink and not speed; MEGAMOE_TEST_EP_CASES
 #               (e.g. fp8,fp8_zero_tokens) runs only those cases of the suite
+#   fp8tests    the FP8 GPU tests (tests/test_fp8_*.py, the FP8 training bound in tests/test_train.py)
+#   benchfp8    the FP8 benchmark table: bf16 and FP8 layers, torch-fp8, the EP path in FP8 at W = 1
+#   fp8gemm     scripts/fp8_gluon_bench.py: the six FP8 GEMMs, Gluon beside Triton and megamoe's bf16 kernels
+#               (profile the FP8 layer with PROFILE_CASES="qwen3-30b-a3b:16384 --fp8")
 #   bench1      the single-GPU benchmark table (benchmarks/results/one-gpu)
 #   bench2      the EP benchmark table on $EP GPUs (default 2; benchmarks/results/ep2)
 #   benchep1    the EP path on one GPU against the direct path and torch (benchmarks/results/ep-path-one-gpu)
@@ -80,6 +84,14 @@ for s in "${STAGES[@]}"; do
     epshared) MEGAMOE_TEST_EP_SHARED_GPU=1 MEGAMOE_TEST_EP_SIZES="${EPSHARED_SIZES:-2,4,8}" stage epshared \
                "${LIMIT_EPSHARED:-480}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=5 \
                tests/test_ep_gpu.py tests/test_dp_ep_gpu.py ;;
+    fp8tests) stage fp8tests "${LIMIT_FP8TESTS:-420}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=5 \
+                tests/test_fp8_gemm.py tests/test_fp8_gemm_gluon_gpu.py tests/test_fp8_quant.py tests/test_fp8_layer.py \
+                tests/test_train.py::test_gpu_fp8_tracks_bf16_over_200_steps ;;
+    benchfp8) stage benchfp8 "${LIMIT_BENCHFP8:-300}" "${BENCH[@]}" \
+                --providers megamoe megamoe-fp8 torch-fp8 megamoe-ep-fp8 \
+                --cases qwen3-30b-a3b:16384 deepseek-v3:8192 --out "$LOGS/benchfp8" "${EXTRA[@]}" ;;
+    fp8gemm) stage fp8gemm "${LIMIT_FP8GEMM:-240}" python3 scripts/fp8_gluon_bench.py \
+               ${FP8GEMM_CASES:-qwen3-30b-a3b:16384 deepseek-v3:8192} ;;
     bench1) stage bench1 "${LIMIT_BENCH1:-200}" "${BENCH[@]}" \
               --cases qwen3-30b-a3b:16384 deepseek-v3:4096 mok-bench:2048 --out "$LOGS/bench1" "${EXTRA[@]}" ;;
     bench2) needs "$EP" bench2 && stage bench2 "${LIMIT_BENCH2:-240}" "${DIST[@]}" --nproc-per-node "$EP" \

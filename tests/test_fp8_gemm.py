@@ -1,16 +1,17 @@
-"""The block-scaled FP8 grouped GEMMs (megamoe.ops.fp8_gemm) against plain PyTorch on the dequantized operands.
+"""The block-scaled FP8 grouped GEMMs (megamoe.ops.fp8_gemm) and the SwiGLU passes between them
+(megamoe.ops.fp8_swiglu), composed as the FP8 layer composes them, against plain PyTorch on the dequantized operands.
 
 CPU cases run under TRITON_INTERPRET=1 (tests/interpreter.py), small shapes, fp32 outputs (the interpreter's bf16
 casts truncate); the ``gpu`` cases run the same checks with bf16 outputs on the device, plus the K-growth check.
 
 Proves: every GEMM matches fp64 PyTorch on the dequantized operands (megamoe.reference's quantizers) within a
 bound derived from PyTorch's own fp32 error plus one rounding of the output per 128-wide K-block (the
-promotion's additions); the SwiGLU epilogue's (hq, hs) and the SwiGLU-backward epilogue's (dgq, dgs) equal
+promotion's additions); the SwiGLU pass's (hq, hs) and the SwiGLU-backward pass's (dgq, dgs) equal
 megamoe.reference.quantize_1x128 of the exactly known h / dgu bit for bit (small-integer and power-of-two
 operands make the accumulation exact and silu's sigmoid 0, 1/2 or 1), and g, u, dgu, hw are those exact values;
 experts with 0, 1, 127, 128, 129 rows and all-zero channels (weight gradients: exact zeros for the empty expert and
-the zero channels); gathered rows; rows past the last expert and NaN-poisoned outputs never leak; a non-finite input
-block makes exactly its dependent rows NaN; results are bitwise repeatable; bad input raises a clear error.
+the zero channels); rows past the last expert and NaN-poisoned outputs never leak; a non-finite input block makes
+exactly its dependent rows NaN; results are bitwise repeatable; bad input raises a clear error.
 
 Run: python -m pytest tests/test_fp8_gemm.py -q
 """
@@ -22,6 +23,7 @@ from interpreter import interpreted
 from megamoe import reference as ref
 from megamoe.ops import fp8_gemm as F8
 from megamoe.ops import fp8_quant as Q
+from megamoe.ops import fp8_swiglu as S
 from poison import poisoned_allocations, poisoned_empty
 
 E4M3 = torch.float8_e4m3fn
@@ -94,32 +96,31 @@ def _case(counts, D, F, *, T=None, seed=0, device="cpu"):
     return to(x), to(w13), to(w2), to(idx), _offsets(counts, device)
 
 
+def _rows(x, idx):
+    """The GEMM's A rows: x's rows in expert order (gathered through idx, as the layer's quantizer does)."""
+    return x[idx.long()] if idx is not None else x
+
+
 def _check_forward(counts, D, F, *, T=None, out_dtype=torch.float32, device="cpu"):
+    """gate/up GEMM -> SwiGLU pass -> down GEMM."""
     x, w13, w2, idx, off = _case(counts, D, F, T=T, device=device)
     ex = _experts(counts, device)
-    xq, xs = ref.quantize_1x128(x)
+    xq, xs = ref.quantize_1x128(_rows(x, idx))
     w13q, w13s = _quant_w(w13)
-    hq, hs, gu = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off, gather_idx_R=idx, out_dtype=out_dtype)
-    hq2, hs2, none = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off, gather_idx_R=idx, out_dtype=out_dtype,
-                                           save_preact=False)
-    assert none is None and _bytes_equal(hq2, hq) and torch.equal(hs2, hs)
-    a64 = ref.dequantize_1x128(xq, xs).double()
-    a64 = a64[idx.long()] if idx is not None else a64
-    g64, g32, gabs = _m_ref(a64, _deq_w(w13q, w13s), ex, True)
+    gu = F8.fp8_grouped_mm_nt(xq, xs, w13q, w13s, off, out_dtype=out_dtype)
+    g64, g32, gabs = _m_ref(ref.dequantize_1x128(xq, xs).double(), _deq_w(w13q, w13s), ex, True)
     _close("gate_up [g | u]", gu, g64, g32, D // 128, out_dtype, gabs)
-    # h: e4m3 within half an e4m3 step of the h the epilogue rounds from its own g, u (subnormal steps 2**-9 * s)
+    hq, hs = S.fp8_swiglu(gu)
+    # h: e4m3 within half an e4m3 step of the h the pass rounds from g, u (subnormal steps 2**-9 * s)
     g, u = gu.float()[:, :F], gu.float()[:, F:]
     h = (g * (1.0 / (1.0 + torch.exp(-g))) * u).to(out_dtype).double()
     step = torch.maximum(h.abs() * 2.0 ** -3, hs.double().repeat_interleave(128, 1) * 2.0 ** -9)
     slack = torch.finfo(out_dtype).eps * h.abs()  # h itself may round the other way (exp's last bit)
     assert ((ref.dequantize_1x128(hq, hs).double() - h).abs() <= step / 2 + slack).all()
-    # down projection with routing weights as row scales
     w2q, w2s = _quant_w(w2)
-    rs = torch.rand(sum(counts), device=device) + 0.5
-    y = F8.fp8_grouped_mm_nt(hq, hs, w2q, w2s, off, row_scale_R=rs, out_dtype=out_dtype)
+    y = F8.fp8_grouped_mm_nt(hq, hs, w2q, w2s, off, out_dtype=out_dtype)
     y64, y32, yabs = _m_ref(ref.dequantize_1x128(hq, hs).double(), _deq_w(w2q, w2s), ex, True)
-    r = rs.double()[:, None]
-    _close("down", y, y64 * r, y32 * r, F // 128, out_dtype, yabs * r)
+    _close("down", y, y64, y32, F // 128, out_dtype, yabs)
 
 
 @interpreted
@@ -128,7 +129,13 @@ def test_forward_gemms_match_reference_with_gather_and_edge_experts():
     _check_forward([3, 0, 0], 128, 128)
 
 
+def _kmajor(t):
+    """A K-major copy of (E, A, B) weight bytes or scales, as the same (E, A, B) view."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _check_backward(counts, D, F, *, out_dtype=torch.float32, device="cpu"):
+    """dgrad GEMM (fp32) -> SwiGLU-backward pass -> dx GEMM."""
     x, w13, w2, _, off = _case(counts, D, F, T=None, seed=1, device=device)
     R = sum(counts)
     ex = _experts(counts, device)
@@ -137,10 +144,13 @@ def _check_backward(counts, D, F, *, out_dtype=torch.float32, device="cpu"):
     idx = torch.randperm(R + 5, generator=g)[:R].to(torch.int32).to(device)
     gu = (torch.randn(R, 2 * F, generator=g) * 2).to(out_dtype).to(device)
     rs = (torch.rand(R, generator=g) + 0.5).to(device)
-    dq, ds = ref.quantize_1x128(dy)
+    dq, ds = ref.quantize_1x128(_rows(dy, idx))
     w2q, w2s = _quant_w(w2)
-    dgu, hw, part, dgq, dgs = F8.fp8_swiglu_dgrad(dq, ds, w2q, w2s, off, gu, gather_idx_R=idx, row_scale_R=rs)
-    acc64, acc32, aabs = _m_ref(ref.dequantize_1x128(dq, ds).double()[idx.long()], _deq_w(w2q, w2s), ex, False)
+    acc = F8.fp8_grouped_mm_nn(dq, ds, w2q, w2s, off, out_dtype=torch.float32)
+    acc64, acc32, aabs = _m_ref(ref.dequantize_1x128(dq, ds).double(), _deq_w(w2q, w2s), ex, False)
+    _close("dgrad accumulator", acc, acc64, acc32, D // 128, torch.float32, aabs)
+    assert torch.equal(F8.fp8_grouped_mm_nn(dq, ds, _kmajor(w2q), _kmajor(w2s), off, out_dtype=torch.float32), acc)
+    dgu, hw, part, dgq, dgs = S.fp8_swiglu_bwd(acc, gu, row_scale_R=rs)
     gt, up = gu.double()[:, :F], gu.double()[:, F:]
     h = (gt * torch.sigmoid(gt) * up).to(out_dtype).double()
     ulp = torch.finfo(out_dtype).eps / 2
@@ -161,8 +171,7 @@ def _check_backward(counts, D, F, *, out_dtype=torch.float32, device="cpu"):
     dx64, dx32, dxabs = _m_ref(ref.dequantize_1x128(dgq, dgs).double(), _deq_w(w13q, w13s), ex, False)
     _close("dx", dx, dx64, dx32, 2 * F // 128, out_dtype, dxabs)
     # K-major copies of the weight bytes and scales (the layout the FP8 tensor cores read directly): the same bits
-    kmajor = (lambda t: t.transpose(1, 2).contiguous().transpose(1, 2))  # noqa: E731
-    assert torch.equal(F8.fp8_grouped_mm_nn(dgq, dgs, kmajor(w13q), kmajor(w13s), off, out_dtype=out_dtype), dx)
+    assert torch.equal(F8.fp8_grouped_mm_nn(dgq, dgs, _kmajor(w13q), _kmajor(w13s), off, out_dtype=out_dtype), dx)
 
 
 @interpreted
@@ -186,7 +195,7 @@ def _exact_case(counts, D, F, device, out_dtype):
     return [t.to(device) for t in (x, w13, dy, w2, rs)]
 
 
-def _check_exact_epilogues(device, out_dtype):
+def _check_exact_passes(device, out_dtype):
     counts = [5, 0, 11, 1]
     D, F = 256, 128
     x, w13, dy, w2, rs = _exact_case(counts, D, F, device, out_dtype)
@@ -194,7 +203,8 @@ def _check_exact_epilogues(device, out_dtype):
     xq, xs = ref.quantize_1x128(x)
     w13q, w13s = _quant_w(w13)
     assert torch.equal(ref.dequantize_1x128(xq, xs), x) and torch.equal(ref.dequantize_128x128(w13q, w13s), w13)
-    hq, hs, gu = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off, out_dtype=out_dtype)
+    gu = F8.fp8_grouped_mm_nt(xq, xs, w13q, w13s, off, out_dtype=out_dtype)
+    hq, hs = S.fp8_swiglu(gu)
     ex = _experts(counts, device)
     acc = torch.einsum("rk,rnk->rn", x.double(), w13.double()[ex])  # exact integers
     g, u = acc[:, :F].to(out_dtype).float(), acc[:, F:].to(out_dtype).float()
@@ -204,7 +214,8 @@ def _check_exact_epilogues(device, out_dtype):
     assert _bytes_equal(hq, rq) and torch.equal(hs, rsc), "h's 1x128 quantization differs from the reference's"
     dq, ds = ref.quantize_1x128(dy)
     w2q, w2s = _quant_w(w2)
-    dgu, hw, _, dgq, dgs = F8.fp8_swiglu_dgrad(dq, ds, w2q, w2s, off, gu, row_scale_R=rs)
+    acc = F8.fp8_grouped_mm_nn(dq, ds, w2q, w2s, off, out_dtype=torch.float32)
+    dgu, hw, _, dgq, dgs = S.fp8_swiglu_bwd(acc, gu, row_scale_R=rs)
     dh = (torch.einsum("rk,rkn->rn", dy.double(), w2.double()[ex]).float() * rs[:, None]).to(out_dtype).float()
     sig = 1.0 / (1.0 + torch.exp(-g))
     want = torch.cat([(dh * u) * sig * (1.0 + g * (1.0 - sig)), dh * (g * sig)], 1).to(out_dtype)
@@ -214,8 +225,8 @@ def _check_exact_epilogues(device, out_dtype):
 
 
 @interpreted
-def test_swiglu_epilogues_quantize_bit_exact():
-    _check_exact_epilogues("cpu", torch.float32)
+def test_swiglu_passes_quantize_bit_exact():
+    _check_exact_passes("cpu", torch.float32)
 
 
 def _check_wgrad(device, out_dtype, runs):
@@ -267,24 +278,28 @@ def test_poisoned_outputs_rows_past_the_experts_and_nonfinite_blocks(monkeypatch
     xq, xs = ref.quantize_1x128(torch.cat([x, torch.full((4, D), float("nan"))]))  # 4 rows past the last expert
     w13q, w13s = _quant_w(w13)
     w2q, w2s = _quant_w(w2)
-    clean = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off)
-    clean_y = F8.fp8_grouped_mm_nt(clean[0], clean[1], w2q, w2s, off)
+
+    def forward(xq, xs):
+        gu = F8.fp8_grouped_mm_nt(xq, xs, w13q, w13s, off)
+        hq, hs = S.fp8_swiglu(gu, valid_rows_1=off[-1:])
+        return gu, hq, hs, F8.fp8_grouped_mm_nt(hq, hs, w2q, w2s, off)
+
+    clean = forward(xq, xs)
     monkeypatch.setattr(torch, "empty", poisoned_empty(torch.empty))
-    hq, hs, gu = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off)
-    y = F8.fp8_grouped_mm_nt(hq, hs, w2q, w2s, off)
-    for a, b in zip((hq, hs, gu, y), (*clean, clean_y)):
+    out = forward(xq, xs)
+    for a, b in zip(out, clean):
         assert _bytes_equal(a[:R], b[:R]) if a.dtype == E4M3 else torch.equal(a[:R], b[:R])
+    gu, hq, hs, y = out
     assert torch.isfinite(gu[:R]).all() and torch.isfinite(y[:R]).all() and torch.isfinite(hs[:R]).all()
-    assert gu[R:].isnan().all() and y[R:].isnan().all(), "rows past the last expert must not be written"
+    assert gu[R:].isnan().all() and y[R:].isnan().all() and hs[R:].isnan().all(), "rows past the last expert"
     monkeypatch.undo()
     # a non-finite input block: its row's outputs are NaN (scale NaN, bytes 0), the other rows unchanged
     xb = x.clone()
     xb[2, 130] = float("inf")
-    xq, xs = ref.quantize_1x128(xb)
-    hq, hs, gu = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off)
+    gu, hq, hs, _ = forward(*ref.quantize_1x128(xb))
     assert gu[2].isnan().all() and hs[2].isnan().all() and not hq[2].view(torch.uint8).any()
     keep = torch.arange(R) != 2
-    assert torch.equal(gu[keep], clean[2][:R][keep]) and _bytes_equal(hq[keep], clean[0][:R][keep])
+    assert torch.equal(gu[keep], clean[0][:R][keep]) and _bytes_equal(hq[keep], clean[1][:R][keep])
 
 
 @interpreted
@@ -294,17 +309,23 @@ def test_bad_input_raises_clear_errors():
     xq, xs = ref.quantize_1x128(x)
     w13q, w13s = _quant_w(w13)
     with pytest.raises(ValueError, match="multiples of 128"):
-        F8.fp8_gate_up_swiglu(xq[:, :200], xs[:, :2], w13q[:, :, :200], w13s[:, :, :2], off)
+        F8.fp8_grouped_mm_nt(xq[:, :200], xs[:, :2], w13q[:, :, :200], w13s[:, :, :2], off)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
-        F8.fp8_gate_up_swiglu(x, xs, w13q, w13s, off)
+        F8.fp8_grouped_mm_nt(x, xs, w13q, w13s, off)
     with pytest.raises(ValueError, match="scales"):
-        F8.fp8_gate_up_swiglu(xq, xs[:, :1].contiguous(), w13q, w13s, off)
+        F8.fp8_grouped_mm_nt(xq, xs[:, :1].contiguous(), w13q, w13s, off)
     with pytest.raises(ValueError, match="offsets_E1"):
-        F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off.long())
+        F8.fp8_grouped_mm_nn(xq, xs, w13q.transpose(1, 2), w13s.transpose(1, 2), off.long())
     with pytest.raises(ValueError, match="block_n"):
-        F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off, config=F8.Fp8GemmConfig(64, 64, 4, 2))
+        F8.fp8_grouped_mm_nt(xq, xs, w13q, w13s, off, config=F8.Fp8GemmConfig(64, 64, 4, 2))
+    with pytest.raises(ValueError, match="F to be a multiple of 128"):
+        S.fp8_swiglu(torch.zeros(5, 2 * 100))
     with pytest.raises(ValueError, match="gu_RG"):
-        F8.fp8_swiglu_dgrad(xq, xs, *_quant_w(w2), off, torch.zeros(5, F))
+        S.fp8_swiglu_bwd(torch.zeros(5, F), torch.zeros(5, F))
+    with pytest.raises(ValueError, match="acc_RF"):
+        S.fp8_swiglu_bwd(torch.zeros(5, F, dtype=torch.bfloat16), torch.zeros(5, 2 * F))
+    with pytest.raises(ValueError, match="row_scale_R"):
+        S.fp8_swiglu_bwd(torch.zeros(5, F), torch.zeros(5, 2 * F), row_scale_R=torch.ones(4))
     pq, ps = ref.quantize_128x1_grouped(x, off)
     with pytest.raises(ValueError, match="ps"):
         F8.fp8_k_grouped_mm(pq, ps[:1].contiguous(), pq, ps, off)
@@ -319,8 +340,8 @@ def test_gpu_gemms_match_reference_bf16():
 
 
 @pytest.mark.gpu
-def test_gpu_swiglu_epilogues_quantize_bit_exact():
-    _check_exact_epilogues("cuda", torch.bfloat16)
+def test_gpu_swiglu_passes_quantize_bit_exact():
+    _check_exact_passes("cuda", torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -351,38 +372,36 @@ def test_gpu_error_does_not_grow_with_k():
 @pytest.mark.gpu
 def test_gpu_tile_configs_give_the_same_bits():
     counts, D, F = [0, 1, 127, 128, 129, 300], 512, 256
-    x, w13, w2, idx, off = _case(counts, D, F, T=700, device="cuda")
+    x, w13, w2, _, off = _case(counts, D, F, device="cuda")
     xq, xs = ref.quantize_1x128(x.bfloat16())
     w13q, w13s = _quant_w(w13)
     w2q, w2s = _quant_w(w2)
-    base = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off, gather_idx_R=idx)
-    gu = base[2]
-    dgrad = [F8.fp8_swiglu_dgrad(xq, xs, w2q, w2s, off, gu, gather_idx_R=idx, config=cfg)
-             for cfg in (None, F8.Fp8GemmConfig(128, 256, 8, 3), F8.Fp8GemmConfig(64, 128, 4, 3),
-                         F8.Fp8GemmConfig(128, 128, 8, 4, programs_per_sm=2))]
-    for cfg in (F8.Fp8GemmConfig(64, 128, 4, 3), F8.Fp8GemmConfig(128, 256, 8, 2)):
-        for a, b in zip(base, F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off, gather_idx_R=idx, config=cfg)):
-            assert _bytes_equal(a, b) if a.dtype == E4M3 else torch.equal(a, b), cfg
-    for other in dgrad[1:]:
-        for a, b in zip(dgrad[0], other):
-            assert _bytes_equal(a, b) if a.dtype == E4M3 else torch.equal(a, b)
+    configs = (F8.Fp8GemmConfig(128, 256, 8, 3), F8.Fp8GemmConfig(64, 128, 4, 3),
+               F8.Fp8GemmConfig(128, 128, 8, 4, programs_per_sm=2))
+    R = sum(counts)
+    for fn, args in ((F8.fp8_grouped_mm_nt, (xq, xs, w13q, w13s)), (F8.fp8_grouped_mm_nn, (xq, xs, w2q, w2s))):
+        base = fn(*args, off, out_dtype=torch.float32)
+        for cfg in configs:
+            assert torch.equal(fn(*args, off, out_dtype=torch.float32, config=cfg)[:R], base[:R]), (fn.__name__, cfg)
 
 
 @pytest.mark.gpu
 def test_gpu_launchers_capture_in_a_cuda_graph():
-    """No host sync: the five launchers (and the K-major 128x1 quantizer) record into a CUDA graph; the replay gives the
-    eager run's bits."""
+    """No host sync: the GEMM launchers, the SwiGLU passes (and the K-major 128x1 quantizer) record into a CUDA
+    graph; the replay gives the eager run's bits."""
     counts, D, F = [0, 1, 127, 128, 129, 300], 512, 256
     x, w13, w2, idx, off = _case(counts, D, F, T=700, device="cuda")
-    xq, xs = ref.quantize_1x128(x.bfloat16())
+    xq, xs = Q.quantize_1x128(x.bfloat16(), idx_R=idx)
     w13q, w13s = _quant_w(w13)
     w2q, w2s = _quant_w(w2)
     rs = torch.rand(sum(counts), device="cuda")
 
     def step():
-        hq, hs, gu = F8.fp8_gate_up_swiglu(xq, xs, w13q, w13s, off, gather_idx_R=idx)
-        y = F8.fp8_grouped_mm_nt(hq, hs, w2q, w2s, off, row_scale_R=rs)
-        dgu, hw, part, dgq, dgs = F8.fp8_swiglu_dgrad(xq, xs, w2q, w2s, off, gu, gather_idx_R=idx, row_scale_R=rs)
+        gu = F8.fp8_grouped_mm_nt(xq, xs, w13q, w13s, off)
+        hq, hs = S.fp8_swiglu(gu, valid_rows_1=off[-1:])
+        y = F8.fp8_grouped_mm_nt(hq, hs, w2q, w2s, off)
+        acc = F8.fp8_grouped_mm_nn(xq, xs, w2q, w2s, off, out_dtype=torch.float32)
+        dgu, hw, part, dgq, dgs = S.fp8_swiglu_bwd(acc, gu, valid_rows_1=off[-1:], row_scale_R=rs)
         dx = F8.fp8_grouped_mm_nn(dgq, dgs, w13q, w13s, off)
         pp, ps = Q.quantize_128x1_grouped(x.bfloat16(), off, idx, kmajor=True)
         dw = F8.fp8_k_grouped_mm(pp, ps, pp, ps, off, padded=True)

@@ -5,9 +5,9 @@ copies), and the k-grouped weight gradient on the block-padded K-major 128x1 ope
 Legend: R rows of an expert-grouped row buffer (expert e owns rows ``offsets_E1[e]:offsets_E1[e+1]``; rows past
 ``offsets_E1[E]`` are never written), E experts, N output columns, K reduction size, KB = K / 128 scale blocks.
 
-The m-grouped GEMM has the contract and bits of :func:`megamoe.ops.fp8_gemm.fp8_grouped_mm_nt` without a row
-gather or row scale (the K-blocks of 128 promoted in increasing order, one fused multiply-add each), the weight
-gradient those of :func:`megamoe.ops.fp8_gemm.fp8_k_grouped_mm` with ``padded=True``; what differs is the
+The m-grouped GEMM has the contract and bits of :func:`megamoe.ops.fp8_gemm.fp8_grouped_mm_nt` (the K-blocks of
+128 promoted in increasing order, one fused multiply-add each), the weight gradient those of
+:func:`megamoe.ops.fp8_gemm.fp8_k_grouped_mm` with ``padded=True``; what differs is the
 schedule (the next K-block's wgmma runs during a promotion, a TMA load warp fills the ring). Gluon is Triton's
 experimental lower-level language: where it is missing, or the device is not a Hopper (sm_90) GPU, the launchers
 raise (the Triton kernels of megamoe.ops.fp8_gemm compute the same bits everywhere). No host sync: the grids are sized
@@ -144,8 +144,8 @@ def fp8_grouped_mm_nt_gluon(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tenso
                             offsets_E1: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
                             tile_cache: dict | None = None) -> torch.Tensor:
     """FP8 m-grouped ``C[r] = cast(deq(A)[r] @ deq(B)[e]^T)`` for every row r of expert e, B[e] stored (N, K)
-    (K-major), on Hopper with the warp-specialized Gluon kernel; bitwise :func:`fp8_grouped_mm_nt` (no gather,
-    no row scale).
+    (K-major), on Hopper with the warp-specialized Gluon kernel; bitwise
+    :func:`megamoe.ops.fp8_gemm.fp8_grouped_mm_nt`.
 
     Args:
         aq, as_: (R, K) e4m3 + (R, K / 128) fp32, contiguous (1x128 row blocks).
