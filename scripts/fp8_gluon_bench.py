@@ -87,7 +87,7 @@ def _k_grouped(R, M, N, off, q_idx, T, g):
 
 
 def _case(name: str):
-    """[(label, thunk making (Triton fn, Gluon fn, args, M, N, K))] of one preset:tokens case."""
+    """[(label, thunk making (Triton fn, Gluon fn, args, bf16 fn, bf16 args, M, N, K))] of one preset:tokens case."""
     preset, tokens = name.split(":")
     cfg = get_preset(preset)
     T, D, F, E, k = int(tokens), cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
