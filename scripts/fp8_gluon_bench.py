@@ -1,8 +1,7 @@
 """Speed of the FP8 grouped GEMMs of the layer, one Hopper GPU: the warp-specialized Gluon kernels (what the FP8 layer
 runs on Hopper) beside the Triton kernels with the same bits and megamoe's bf16 kernels on the same shapes.
 
-Usage: python scripts/fp8_gluon_bench.py [CASE ...]   (CASE = preset:tokens; default qwen3-30b-a3b:16384; one
-H200: about a minute a case)
+Usage: python scripts/fp8_gluon_bench.py [CASE ...]   (CASE = preset:tokens; default qwen3-30b-a3b:16384)
 
 Per case, with uniform random routing (top-k distinct experts per token, rows grouped by expert), the six GEMMs of
 the FP8 layer (m-grouped ones: A (R, K) rows, B (E, N, K) K-major, R = T * k):
@@ -19,9 +18,9 @@ quantized 128x1 into the block-padded K-major layout (megamoe.ops.fp8_quant.quan
 kmajor=True), as the FP8 layer does; not timed), bf16 weight gradients (the layer's weight dtype). Gluon is first
 checked bit for bit against megamoe.ops.fp8_gemm.fp8_grouped_mm_nt / fp8_k_grouped_mm(..., padded=True), then all
 are timed (megamoe.bench.timing: CUDA events, L2 flushed, median of 30). The bf16 column is megamoe's plain bf16
-kernel on bf16 operands of the same shapes (grouped_mm_nt; k_grouped_mm on rows in expert order), not the layer's
-fused gate/up + SwiGLU and dgrad + SwiGLU-backward kernels. The table gives ms and TFLOP/s (2 * M * N * K over the
-routed rows) and the Gluon kernel's speedup over Triton and over bf16.
+kernel on bf16 operands of the same shapes (grouped_mm_nt with bf16 output, also for the dgrad row; k_grouped_mm on
+rows in expert order), not the layer's fused gate/up + SwiGLU and dgrad + SwiGLU-backward kernels. The table gives
+ms and TFLOP/s (2 * M * N * K over the routed rows) and the Gluon kernel's speedup over Triton and over bf16.
 """
 
 from __future__ import annotations
@@ -127,7 +126,7 @@ def main(cases: list[str]) -> None:
             print(f"{name:24s} {label:8s} {M:6d} {N:5d} {K:6d} {b16:8.3f} {gflop / b16:8.0f} {tri:9.3f} "
                   f"{gflop / tri:8.0f} {glu:9.3f} {gflop / glu:8.0f} {tri / glu:6.2f} {b16 / glu:7.2f}  {ok}")
             if not ok:
-                raise SystemExit(f"{name} {label}: Gluon differs from the Triton kernel in {diff} elements")
+                raise SystemExit(f"{name} {label}: Gluon differs from the Triton kernel in {diff} bytes")
             del args, bf16_args
 
 

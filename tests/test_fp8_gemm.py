@@ -97,15 +97,24 @@ def _case(counts, D, F, *, T=None, seed=0, device="cpu"):
 
 
 def _rows(x, idx):
-    """The GEMM's A rows: x's rows in expert order (gathered through idx, as the layer's quantizer does)."""
+    """The GEMM's A rows: x's rows in expert order (gathered through idx)."""
     return x[idx.long()] if idx is not None else x
+
+
+def _gathered_1x128(x, idx):
+    """x's rows in expert order quantized 1x128 as the layer does (the quantizer gathers through idx), checked
+    against the reference's blocks of the gathered rows."""
+    q, s = Q.quantize_1x128(x, idx_R=idx)
+    rq, rs = ref.quantize_1x128(_rows(x, idx))
+    assert _bytes_equal(q, rq) and torch.equal(s, rs)
+    return q, s
 
 
 def _check_forward(counts, D, F, *, T=None, out_dtype=torch.float32, device="cpu"):
     """gate/up GEMM -> SwiGLU pass -> down GEMM."""
     x, w13, w2, idx, off = _case(counts, D, F, T=T, device=device)
     ex = _experts(counts, device)
-    xq, xs = ref.quantize_1x128(_rows(x, idx))
+    xq, xs = _gathered_1x128(x, idx)
     w13q, w13s = _quant_w(w13)
     gu = F8.fp8_grouped_mm_nt(xq, xs, w13q, w13s, off, out_dtype=out_dtype)
     g64, g32, gabs = _m_ref(ref.dequantize_1x128(xq, xs).double(), _deq_w(w13q, w13s), ex, True)
@@ -144,7 +153,7 @@ def _check_backward(counts, D, F, *, out_dtype=torch.float32, device="cpu"):
     idx = torch.randperm(R + 5, generator=g)[:R].to(torch.int32).to(device)
     gu = (torch.randn(R, 2 * F, generator=g) * 2).to(out_dtype).to(device)
     rs = (torch.rand(R, generator=g) + 0.5).to(device)
-    dq, ds = ref.quantize_1x128(_rows(dy, idx))
+    dq, ds = _gathered_1x128(dy, idx)
     w2q, w2s = _quant_w(w2)
     acc = F8.fp8_grouped_mm_nn(dq, ds, w2q, w2s, off, out_dtype=torch.float32)
     acc64, acc32, aabs = _m_ref(ref.dequantize_1x128(dq, ds).double(), _deq_w(w2q, w2s), ex, False)
@@ -154,6 +163,9 @@ def _check_backward(counts, D, F, *, out_dtype=torch.float32, device="cpu"):
     gt, up = gu.double()[:, :F], gu.double()[:, F:]
     h = (gt * torch.sigmoid(gt) * up).to(out_dtype).double()
     ulp = torch.finfo(out_dtype).eps / 2
+    blocks = (lambda t: t.reshape(R, F // 128, 128).sum(-1))  # noqa: E731 (sums over each 128 columns)
+    _close("row-dot partials", part, blocks(acc64 * h), blocks(acc32 * h), D // 128 + 2,
+           abs_ref=blocks(aabs * h.abs()))
     _close("row dots", part.sum(1), (acc64 * h).sum(1), (acc32 * h).sum(1), D // 128 + F // 64,
            abs_ref=(aabs * h.abs()).sum(1))
     assert ((hw.double() - h * rs.double()[:, None]).abs() <= 2 * ulp * (h * rs.double()[:, None]).abs() + 1e-6
@@ -176,7 +188,7 @@ def _check_backward(counts, D, F, *, out_dtype=torch.float32, device="cpu"):
 
 @interpreted
 def test_backward_gemms_match_reference():
-    _check_backward([2, 0, 19, 1], 256, 128)
+    _check_backward([2, 0, 19, 1], 256, 256)
 
 
 def _exact_case(counts, D, F, device, out_dtype):
@@ -320,12 +332,16 @@ def test_bad_input_raises_clear_errors():
         F8.fp8_grouped_mm_nt(xq, xs, w13q, w13s, off, config=F8.Fp8GemmConfig(64, 64, 4, 2))
     with pytest.raises(ValueError, match="F to be a multiple of 128"):
         S.fp8_swiglu(torch.zeros(5, 2 * 100))
+    with pytest.raises(ValueError, match="even"):
+        S.fp8_swiglu(torch.zeros(5, 2 * F + 1))
     with pytest.raises(ValueError, match="gu_RG"):
         S.fp8_swiglu_bwd(torch.zeros(5, F), torch.zeros(5, F))
     with pytest.raises(ValueError, match="acc_RF"):
         S.fp8_swiglu_bwd(torch.zeros(5, F, dtype=torch.bfloat16), torch.zeros(5, 2 * F))
     with pytest.raises(ValueError, match="row_scale_R"):
         S.fp8_swiglu_bwd(torch.zeros(5, F), torch.zeros(5, 2 * F), row_scale_R=torch.ones(4))
+    with pytest.raises(ValueError, match="row_scale_R"):
+        S.fp8_swiglu_bwd(torch.zeros(5, F), torch.zeros(5, 2 * F), row_scale_R=torch.ones(10)[::2])
     pq, ps = ref.quantize_128x1_grouped(x, off)
     with pytest.raises(ValueError, match="ps"):
         F8.fp8_k_grouped_mm(pq, ps[:1].contiguous(), pq, ps, off)

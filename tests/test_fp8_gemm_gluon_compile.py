@@ -1,12 +1,12 @@
 """The warp-specialized Gluon FP8 m-grouped and k-grouped (weight-gradient) GEMMs compiled for sm_90a on the CPU
 (no GPU needed; runs in CI), and their launchers' argument checks.
 
-Proves, at the layer's plain-epilogue "nt" shapes (qwen3-30b-a3b and deepseek-v3 down projection and K-major dgrad
-dx) with the launcher's ring depth and K-loop chunk: the products are FP8 wgmma instructions (m64n128k32, e4m3 x
-e4m3 -> f32) and nothing else; every promotion (64 fused multiply-adds per thread) runs between a
-``wgmma.wait_group 1`` and the next wait, i.e. with the next K-block's wgmma in flight, except the last of each
-chunk (``wait_group 0``); ptxas neither serializes the wgmmas nor spills; shared memory within a Hopper block's
-227 KiB; operands arrive by TMA and full output blocks leave by TMA stores.
+Proves, at the layer's "nt" shapes (qwen3-30b-a3b and deepseek-v3 gate/up, down projection, and on the K-major
+weight copies the down projection's dgrad (fp32 out) and dx) with the launcher's ring depth and K-loop chunk: the
+products are FP8 wgmma instructions (m64n128k32, e4m3 x e4m3 -> f32) and nothing else; every promotion (64 fused
+multiply-adds per thread) runs between a ``wgmma.wait_group 1`` and the next wait, i.e. with the next K-block's
+wgmma in flight, except the last of each chunk (``wait_group 0``); ptxas neither serializes the wgmmas nor spills;
+shared memory within a Hopper block's 227 KiB; operands arrive by TMA and full output blocks leave by TMA stores.
 
 The same for the k-grouped weight-gradient kernel at the qwen3-30b-a3b and deepseek-v3 dW13 (M = 2F, N = D) and
 dW2 (M = D, N = F) shapes, fp32 and bf16 outputs, with the launcher's ring depth and the K-loop chunk for the
@@ -31,9 +31,11 @@ from megamoe.ops.fp8_gemm_gluon import (
     fp8_grouped_mm_nt_gluon,
 )
 
-# (K, N) of the plain-epilogue "nt" GEMMs: down (K = F, N = D) and dgrad dx (K = 2F, N = D)
-SHAPES = {"qwen3-down": (768, 2048), "qwen3-dx": (1536, 2048), "deepseek-down": (2048, 7168),
-          "deepseek-dx": (4096, 7168)}
+# (K, N) of the "nt" GEMMs: gate/up (K = D, N = 2F), down (K = F, N = D), the dgrad on the K-major w2 copy (K = D,
+# N = F, fp32 out) and dx on the K-major w13 copy (K = 2F, N = D)
+SHAPES = {"qwen3-gate_up": (2048, 1536), "qwen3-down": (768, 2048), "qwen3-dgrad": (2048, 768),
+          "qwen3-dx": (1536, 2048), "deepseek-gate_up": (7168, 4096), "deepseek-down": (2048, 7168),
+          "deepseek-dgrad": (7168, 2048), "deepseek-dx": (4096, 7168)}
 _OUT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -70,11 +72,20 @@ def _compile(K, N, out_dtype):
                           options=dict(num_warps=4, maxnreg=168, enable_fp_fusion=True))
 
 
-CASES = [(name, torch.bfloat16) for name in SHAPES] + [
-    pytest.param("qwen3-down", torch.float32, marks=pytest.mark.slow)]  # fp32 output: a shallower ring
+_SLOW = pytest.mark.slow  # the same kernel at other K (more unrolled chunks) or an output dtype checked elsewhere
+CASES = [("qwen3-gate_up", torch.bfloat16), ("qwen3-down", torch.bfloat16), ("qwen3-dgrad", torch.float32),
+         ("qwen3-dx", torch.bfloat16), ("deepseek-down", torch.bfloat16), ("deepseek-dx", torch.bfloat16),
+         pytest.param("deepseek-gate_up", torch.bfloat16, marks=_SLOW),
+         pytest.param("deepseek-dgrad", torch.float32, marks=_SLOW),
+         pytest.param("qwen3-down", torch.float32, marks=_SLOW)]  # fp32 output: a shallower ring
 
 
-@pytest.mark.parametrize("shape, out_dtype", CASES, ids=[*SHAPES, "qwen3-down-fp32"])
+def _case_id(case):
+    shape, out_dtype = case.values if hasattr(case, "values") else case
+    return f"{shape}-{_OUT[out_dtype]}"
+
+
+@pytest.mark.parametrize("shape, out_dtype", CASES, ids=[_case_id(c) for c in CASES])
 def test_compiles_with_promotion_overlapping_the_next_wgmma(shape, out_dtype):
     K, N = SHAPES[shape]
     k = _compile(K, N, out_dtype)

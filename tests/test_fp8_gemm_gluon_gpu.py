@@ -3,9 +3,10 @@
 Proves: bitwise the same (R, N) rows as megamoe.ops.fp8_gemm.fp8_grouped_mm_nt (the Triton kernel, which the
 interpreter tests check against megamoe.reference) on experts of 0, 1, 127, 128, 129 and 300 rows, R not a multiple
 of the 128-row tile and rows past the last expert (never written: a poisoned output keeps them), N = 256 and 2048,
-K of one and of several K-loop chunks, bf16 / fp16 / fp32 outputs, and at the qwen3-30b-a3b down (K = 768,
-N = 2048) and dx (K = 1536) shapes with random routing over 128 experts (more tiles than programs: every
-program walks many tiles and experts); no host sync; capturable in a CUDA graph.
+K of one and of several K-loop chunks, bf16 / fp16 / fp32 outputs, and at the qwen3-30b-a3b gate/up (K = 2048,
+N = 1536), down (K = 768, N = 2048), dgrad (K = 2048, N = 768, fp32 out) and dx (K = 1536, N = 2048) shapes with
+random routing over 128 experts (more tiles than programs: every program walks many tiles and experts); no host
+sync; capturable in a CUDA graph.
 
 And the k-grouped weight-gradient kernel (fp8_k_grouped_mm_gluon): bitwise the same (E, M, N) as
 megamoe.ops.fp8_gemm.fp8_k_grouped_mm(..., padded=True) on the block-padded K-major operands that
@@ -106,11 +107,14 @@ def _routing_counts(T, E, top_k, seed):
 
 
 @needs_hopper
-@pytest.mark.parametrize("K", [768, 1536], ids=["down", "dx"])
-def test_bitwise_triton_qwen3_shapes(K):
-    """qwen3-30b-a3b: E = 128 experts, top-8 of 2048 tokens (16384 rows, ~128 per expert), N = D = 2048; K = F
-    (down) or 2F (dx on the K-major weight copy)."""
-    _check(_routing_counts(2048, 128, 8, seed=K), 2048, K, extra_rows=0, seed=K)
+@pytest.mark.parametrize("N, K, out_dtype", [(1536, 2048, torch.bfloat16), (2048, 768, torch.bfloat16),
+                                             (768, 2048, torch.float32), (2048, 1536, torch.bfloat16)],
+                         ids=["gate_up", "down", "dgrad", "dx"])
+def test_bitwise_triton_qwen3_shapes(N, K, out_dtype):
+    """qwen3-30b-a3b: E = 128 experts, top-8 of 2048 tokens (16384 rows, ~128 per expert), D = 2048, F = 768:
+    gate/up (N = 2F, K = D), down (N = D, K = F), the dgrad on the K-major w2 copy (N = F, K = D, fp32 out) and dx on
+    the K-major w13 copy (N = D, K = 2F)."""
+    _check(_routing_counts(2048, 128, 8, seed=K), N, K, extra_rows=0, out_dtype=out_dtype, seed=K + N)
 
 
 def _sync_free_then_graph(calls, captured):

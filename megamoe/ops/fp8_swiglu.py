@@ -50,10 +50,6 @@ def _count(valid_rows_1, R: int, dev: torch.device) -> torch.Tensor:
     return valid_rows_1 if valid_rows_1 is not None else torch.full((1,), R, dtype=torch.int32, device=dev)
 
 
-def _block_m(kernel) -> int:
-    return _ROWS_INTERPRET if is_interpreted(kernel) else _ROWS
-
-
 def fp8_swiglu(gu_RG: torch.Tensor, *, valid_rows_1: torch.Tensor | None = None):
     """h = cast(silu(g) * u) of [g | u] rows a plain GEMM wrote in the activation dtype, quantized 1x128.
 
@@ -66,6 +62,8 @@ def fp8_swiglu(gu_RG: torch.Tensor, *, valid_rows_1: torch.Tensor | None = None)
     where = "fp8_swiglu"
     _check_rows_2d(where, "gu_RG", gu_RG, _DTYPES)
     R, G = gu_RG.shape
+    if G % 2:
+        raise ValueError(f"{where}: gu_RG must hold [g | u], an even number of columns, got {G}")
     F = G // 2
     _check_width(where, F)
     check_row_count(where, valid_rows_1)
@@ -75,7 +73,7 @@ def fp8_swiglu(gu_RG: torch.Tensor, *, valid_rows_1: torch.Tensor | None = None)
     if R == 0 or F == 0:
         return hq, hs
     interpret = is_interpreted(swiglu_rows_kernel)
-    block_m = _block_m(swiglu_rows_kernel)
+    block_m = _ROWS_INTERPRET if interpret else _ROWS
     swiglu_rows_kernel[(triton.cdiv(R, block_m), F // QB)](
         gu_RG, _count(valid_rows_1, R, dev), hq.view(torch.uint8), hs, R, F, gu_RG.stride(0), hq.stride(0),
         hs.stride(0), HW_CAST=not interpret, BLOCK_M=block_m, num_warps=4, enable_fp_fusion=True)
@@ -106,8 +104,8 @@ def fp8_swiglu_bwd(acc_RF: torch.Tensor, gu_RG: torch.Tensor, *, valid_rows_1: t
     _check_width(where, F)
     _check_rows_2d(where, "gu_RG", gu_RG, _DTYPES, (R, 2 * F))
     if row_scale_R is not None and (not isinstance(row_scale_R, torch.Tensor) or tuple(row_scale_R.shape) != (R,)
-                                    or row_scale_R.dtype != torch.float32):
-        raise ValueError(f"{where}: row_scale_R must be fp32 of shape ({R},)")
+                                    or row_scale_R.dtype != torch.float32 or not row_scale_R.is_contiguous()):
+        raise ValueError(f"{where}: row_scale_R must be a contiguous fp32 tensor of shape ({R},)")
     check_row_count(where, valid_rows_1)
     dev = check_device(swiglu_bwd_rows_kernel, where, acc_RF=acc_RF, gu_RG=gu_RG, valid_rows_1=valid_rows_1,
                        row_scale_R=row_scale_R)
@@ -119,7 +117,7 @@ def fp8_swiglu_bwd(acc_RF: torch.Tensor, gu_RG: torch.Tensor, *, valid_rows_1: t
     if R == 0 or F == 0:
         return dgu, hw, part, dgq, dgs
     interpret = is_interpreted(swiglu_bwd_rows_kernel)
-    block_m = _block_m(swiglu_bwd_rows_kernel)
+    block_m = _ROWS_INTERPRET if interpret else _ROWS
     swiglu_bwd_rows_kernel[(triton.cdiv(R, block_m), F // QB)](
         acc_RF, _count(valid_rows_1, R, dev), row_scale_R if row_scale_R is not None else acc_RF, gu_RG, dgu, hw,
         part if part is not None else acc_RF, dgq.view(torch.uint8), dgs, R, F,
