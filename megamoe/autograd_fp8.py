@@ -51,6 +51,20 @@ def _rows_1x128(t_RC: torch.Tensor, idx_R: torch.Tensor | None, offsets_E1: torc
     return fp8_quant.quantize_1x128(t_RC, idx_R=idx_R, valid_rows_1=offsets_E1[-1:] if idx_R is None else None)
 
 
+def _grouped_mm(a, w, offsets_E1: torch.Tensor, out_dtype: torch.dtype, tiles: dict, *, kmajor: bool = False):
+    """The m-grouped FP8 GEMM ``a rows @ w blocks``: a = (q, s) 1x128 rows, w = (q, s) 128x128 blocks, (E, N, K) as
+    the forward reads them, or with ``kmajor`` a K-major copy's (E, K, N) view (the input gradients). The
+    warp-specialized Gluon kernel on Hopper (K-major operands: the copy transposed back to a contiguous (E, N, K)),
+    the Triton kernels elsewhere; the same bits."""
+    aq, as_ = a
+    if fp8_gemm_gluon.fp8_gluon_runs_on(aq.device):
+        wq, ws = (t.transpose(1, 2) for t in w) if kmajor else w
+        return fp8_gemm_gluon.fp8_grouped_mm_nt_gluon(aq, as_, wq, ws, offsets_E1, out_dtype=out_dtype,
+                                                      tile_cache=tiles)
+    mm = fp8_gemm.fp8_grouped_mm_nn if kmajor else fp8_gemm.fp8_grouped_mm_nt
+    return mm(aq, as_, *w, offsets_E1, out_dtype=out_dtype, tile_cache=tiles)
+
+
 class Fp8Experts:
     """The FP8 routed-expert GEMMs of one layer call (a fresh object per call; it carries the weight blocks
     from the forward to the backward). ``cache``: where the weight blocks come from (default: the process-wide
@@ -91,20 +105,11 @@ class Fp8Experts:
         on Hopper: TMA cannot gather rows, hence the quantizer gathers)."""
         self._check_rows(rows, "gate/up")
         off = rows.offsets_E1
-        xq, xs = _rows_1x128(rows.x_RD, rows.x_idx_R, off)
-        if fp8_gemm_gluon.fp8_gluon_runs_on(xq.device):
-            return fp8_gemm_gluon.fp8_grouped_mm_nt_gluon(xq, xs, *self.w13, off, out_dtype=self.dtype,
-                                                          tile_cache=rows.tiles)
-        return fp8_gemm.fp8_grouped_mm_nt(xq, xs, *self.w13, off, out_dtype=self.dtype, tile_cache=rows.tiles)
+        return _grouped_mm(_rows_1x128(rows.x_RD, rows.x_idx_R, off), self.w13, off, self.dtype, rows.tiles)
 
     def down(self, h, rows) -> torch.Tensor:
         """Down projection of the round's h blocks: y_RD in the weights' dtype."""
-        hq, hs = h
-        if fp8_gemm_gluon.fp8_gluon_runs_on(hq.device):
-            return fp8_gemm_gluon.fp8_grouped_mm_nt_gluon(hq, hs, *self.w2, rows.offsets_E1, out_dtype=self.dtype,
-                                                          tile_cache=rows.tiles)
-        return fp8_gemm.fp8_grouped_mm_nt(hq, hs, *self.w2, rows.offsets_E1, out_dtype=self.dtype,
-                                          tile_cache=rows.tiles)
+        return _grouped_mm(h, self.w2, rows.offsets_E1, self.dtype, rows.tiles)
 
     # ------------------------------------------------------------------------------------------ backward
     def open_backward(self) -> None:
@@ -119,14 +124,9 @@ class Fp8Experts:
         Gluon kernel on Hopper), then the SwiGLU-backward pass on acc (megamoe.ops.fp8_swiglu.fp8_swiglu_bwd)."""
         self._check_rows(rows, "dgrad")
         off = rows.offsets_E1
-        dq, ds = _rows_1x128(rows.dy_RD, rows.dy_idx_R, off)
-        if fp8_gemm_gluon.fp8_gluon_runs_on(dq.device):  # the K-major copy as (E, F, D): contiguous again
-            wq, ws = (t.transpose(1, 2) for t in self.w2_k)
-            acc = fp8_gemm_gluon.fp8_grouped_mm_nt_gluon(dq, ds, wq, ws, off, out_dtype=torch.float32,
-                                                         tile_cache=rows.tiles)
-        else:
-            acc = fp8_gemm.fp8_grouped_mm_nn(dq, ds, *self.w2_k, off, out_dtype=torch.float32, tile_cache=rows.tiles)
-        del dq, ds  # (the gathered rows: R x D bytes, freed before the pass)
+        # the gathered dout blocks (R x D bytes) are freed with the call, before the pass
+        acc = _grouped_mm(_rows_1x128(rows.dy_RD, rows.dy_idx_R, off), self.w2_k, off, torch.float32, rows.tiles,
+                          kmajor=True)
         dgu, hw, part, dgq, dgs = fp8_swiglu.fp8_swiglu_bwd(acc, gu_RG, valid_rows_1=off[-1:], row_scale_R=rows.scale_R,
                                                             row_dot=rows.row_dot)
         self._dgu = (dgq, dgs) if rows.need_dx else None
@@ -158,14 +158,8 @@ class Fp8Experts:
 
     def dx(self, rows) -> torch.Tensor:
         """dx rows = dgu blocks (from the SwiGLU-backward pass) @ w13 blocks (read transposed): (R, D)."""
-        dgq, dgs = self._dgu
-        self._dgu = None
-        if fp8_gemm_gluon.fp8_gluon_runs_on(dgq.device):  # the K-major copy as (E, D, 2F): contiguous again
-            wq, ws = (t.transpose(1, 2) for t in self.w13_k)
-            return fp8_gemm_gluon.fp8_grouped_mm_nt_gluon(dgq, dgs, wq, ws, rows.offsets_E1, out_dtype=self.dtype,
-                                                          tile_cache=rows.tiles)
-        return fp8_gemm.fp8_grouped_mm_nn(dgq, dgs, *self.w13_k, rows.offsets_E1, out_dtype=self.dtype,
-                                          tile_cache=rows.tiles)
+        dgu, self._dgu = self._dgu, None
+        return _grouped_mm(dgu, self.w13_k, rows.offsets_E1, self.dtype, rows.tiles, kmajor=True)
 
     def end_backward(self) -> None:
         """Drops the last round's dgu blocks; the weight blocks stay with the layer call (a retained graph's second
