@@ -23,12 +23,7 @@ import triton
 import triton.language as tl
 
 from .fp8_quant import abs_bits, as_fp32, e4m3_bytes, pow2_scale, quantize_block_rows
-
-
-@triton.jit
-def _swiglu_h(gate, up):
-    """silu(gate) * up in fp32, the expression of the bf16 path (megamoe.kernels.grouped_gemm)."""
-    return gate * (1.0 / (1.0 + tl.exp(-gate))) * up
+from .grouped_gemm import swiglu_h
 
 
 @triton.jit
@@ -111,8 +106,9 @@ def _swiglu_bwd_cols(acc_lo, acc_hi, n0, rows, out_rows, mask_m, scale, gu_ptr, 
 def swiglu_rows_kernel(gu_ptr, n_ptr, q_ptr, qs_ptr, num_rows, N, stride_gm, stride_qm, stride_qsm,
                        HW_CAST: tl.constexpr, BLOCK_M: tl.constexpr):
     """Program (i, p): h = silu(g) * u on rows [i * BLOCK_M, ...) x columns [128p, 128p + 128) of [g | u]
-    (num_rows, 2N) in the activation dtype (:func:`_swiglu_h`, one rounding to that dtype), quantized 1x128 into
-    (q, qs); only the first ``n_ptr[0]`` rows (a count on the device) are read and written."""
+    (num_rows, 2N) in the activation dtype (megamoe.kernels.grouped_gemm.swiglu_h, the bf16 epilogue's, one
+    rounding to that dtype), quantized 1x128 into (q, qs); only the first ``n_ptr[0]`` rows (a count on the device)
+    are read and written."""
     out_ty = gu_ptr.dtype.element_ty
     n_valid = tl.minimum(num_rows, tl.load(n_ptr))
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -124,7 +120,7 @@ def swiglu_rows_kernel(gu_ptr, n_ptr, q_ptr, qs_ptr, num_rows, N, stride_gm, str
     mask = mask_m[:, None] & (cols < N)[None, :]
     gate = as_fp32(tl.load(ptrs, mask=mask, other=0.0))
     up = as_fp32(tl.load(ptrs + N, mask=mask, other=0.0))
-    h = _swiglu_h(gate, up).to(out_ty).to(tl.float32)
+    h = swiglu_h(gate, up).to(out_ty).to(tl.float32)
     _store_quantized(h, rows, n0, mask_m, q_ptr, qs_ptr, stride_qm, stride_qsm, N, HW_CAST)
 
 

@@ -63,6 +63,12 @@ SWIGLU_BWD: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
+def swiglu_h(gate, up):
+    """silu(gate) * up in fp32 (the FP8 layer's SwiGLU pass computes h with it too, megamoe.kernels.fp8_swiglu)."""
+    return gate * (1.0 / (1.0 + tl.exp(-gate))) * up
+
+
+@triton.jit
 def _swiglu_bwd_half(acc, offs_n, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, N,
                      stride_gm, stride_cm, stride_xm, HAS_SCALE: tl.constexpr):
     """SwiGLU backward on a column block: stores [dg | du] and h * scale; returns sum_n acc * h per row."""
@@ -155,8 +161,7 @@ def _swiglu_epilogue(acc, acc_up, c_ptrs, aux_ptr, out_rows, offs_n, mask, N, st
         x_ptrs = aux_ptr + out_rows[:, None] * stride_xm + offs_n[None, :]
         tl.store(x_ptrs, gate.to(out_ty), mask=mask)
         tl.store(x_ptrs + N, up.to(out_ty), mask=mask)
-    h = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
-    tl.store(c_ptrs, h.to(out_ty), mask=mask)
+    tl.store(c_ptrs, swiglu_h(gate, up).to(out_ty), mask=mask)
 
 
 @triton.jit
