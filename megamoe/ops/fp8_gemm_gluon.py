@@ -8,7 +8,8 @@ Legend: R rows of an expert-grouped row buffer (expert e owns rows ``offsets_E1[
 The m-grouped GEMM has the contract and bits of :func:`megamoe.ops.fp8_gemm.fp8_grouped_mm_nt` (the K-blocks of
 128 promoted in increasing order, one fused multiply-add each), the weight gradient those of
 :func:`megamoe.ops.fp8_gemm.fp8_k_grouped_mm` with ``padded=True``; what differs is the
-schedule (the next K-block's wgmma runs during a promotion, a TMA load warp fills the ring). Gluon is Triton's
+schedule (a TMA load warp fills the ring; in the m-grouped GEMM the next K-block's wgmma runs during a
+promotion, in the weight gradient the other MMA warpgroup's does). Gluon is Triton's
 experimental lower-level language: where it is missing, or the device is not a Hopper (sm_90) GPU, the launchers
 raise (the Triton kernels of megamoe.ops.fp8_gemm compute the same bits everywhere). No host sync: the grids are sized
 from host-known shapes alone; CUDA-graph capturable.
@@ -36,7 +37,7 @@ except Exception:  # noqa: BLE001 - any import problem means: no Gluon kernel
 
 __all__ = [
     "fp8_grouped_mm_nt_gluon", "fp8_k_grouped_mm_gluon", "FP8_GLUON_AVAILABLE", "fp8_gluon_runs_on",
-    "fp8_gluon_stages", "fp8_gluon_unroll", "fp8_wgrad_gluon_unroll", "WGRAD_BLOCK_N",
+    "fp8_gluon_stages", "fp8_gluon_unroll", "WGRAD_BLOCK_N",
 ]
 
 FP8_GLUON_AVAILABLE = fp8_m_grouped_ws_kernel is not None
@@ -45,7 +46,7 @@ _BLOCK_M = _BLOCK_N = QB
 _E4M3 = torch.float8_e4m3fn
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SMEM = 227 * 1024  # a Hopper block's shared memory
-WGRAD_BLOCK_N = 64  # the weight gradient's tile columns (fp8_k_grouped_mm_gluon)
+WGRAD_BLOCK_N = 128  # the weight gradient's tile columns (fp8_k_grouped_mm_gluon)
 _WS_MAXNREG = 168  # registers per thread at launch (12 warps); the partitions then trade (232 / 40)
 
 
@@ -71,14 +72,6 @@ def fp8_gluon_unroll(K: int) -> int:
     compiler hoist more address arithmetic into registers)."""
     kb = K // QB
     return max(u for u in range(1, 9) if kb % u == 0)
-
-
-def fp8_wgrad_gluon_unroll(mean_blocks: float) -> int:
-    """Blocks per unrolled chunk of the weight gradient's reduction (pure function of the mean number of 128-row
-    blocks per expert): 4 from 6 blocks, 2 from 2, else 1. An expert of b blocks runs b // U chunks (U - 1 of
-    each chunk's promotions overlap the next wgmma) and b % U single blocks, so U stays well below the typical
-    expert's block count."""
-    return 4 if mean_blocks >= 6 else 2 if mean_blocks >= 2 else 1
 
 
 def _check(where: str, name: str, t, dims: int, dtype: torch.dtype) -> None:
@@ -253,12 +246,9 @@ def fp8_k_grouped_mm_gluon(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor,
     c_desc = TensorDescriptor(c.view(E * M, N), [E * M, N], [N, 1], c_block,
                               gl.NVMMASharedLayout.get_default_for(c_block, _gl_dtype(out_dtype)))
     num_tiles = E * (M // _BLOCK_M) * (N // block_n)
-    # 128 x 64 tiles, not 128 x 128: there the promotion of a warpgroup's 64 x 128 block (a scale per row and one
-    # per column) with the next block's wgmma in flight needs more registers than a warpgroup has (ptxas spills;
-    # measured 0.75-0.88x of these tiles)
     fp8_k_grouped_ws_kernel[(max(1, min(sm_budget(c.device), num_tiles)),)](
         p_desc, q_desc, ps, qs, offsets_E1, blocks, c_desc, M, N, E, ps.stride(0), qs.stride(0),
-        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, STAGES=fp8_gluon_stages(out_dtype, block_n),
-        UNROLL=fp8_wgrad_gluon_unroll(max(0, R // QB - E) / E), num_warps=4, maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
+        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, STAGES=fp8_gluon_stages(out_dtype, block_n), num_warps=4,
+        maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
     )
     return c
