@@ -150,8 +150,9 @@ WGRAD_SHAPES = {"qwen3-dw13": (1536, 2048, 8), "qwen3-dw2": (2048, 768, 8), "dee
 _GL_OUT = {"bf16": "bfloat16", "fp32": "float32"}
 
 
-def _compile_wgrad(M, N, mean_blocks, out_dtype):
-    """fp8_k_grouped_ws_kernel for sm_90a with the launcher's options; returns (compiled kernel, K-loop chunk)."""
+def _compile_wgrad(M, N, mean_blocks, out_dtype, block_n=None, unroll=None, ordered=False):
+    """fp8_k_grouped_ws_kernel for sm_90a with the launcher's options (or the given tile width, K-loop chunk and
+    turn-taking); returns (compiled kernel, K-loop chunk)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -161,7 +162,8 @@ def _compile_wgrad(M, N, mean_blocks, out_dtype):
     from megamoe.ops.fp8_gemm_gluon import WGRAD_BLOCK_N, fp8_wgrad_gluon_unroll
 
     out = _OUT[out_dtype]
-    unroll = fp8_wgrad_gluon_unroll(mean_blocks)
+    WGRAD_BLOCK_N = block_n or WGRAD_BLOCK_N  # the launcher's constant unless given
+    unroll = unroll or fp8_wgrad_gluon_unroll(mean_blocks)
     p_layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
     q_layout = gl.NVMMASharedLayout.get_default_for([WGRAD_BLOCK_N, 128], gl.float8e4nv)
     c_block = [64, WGRAD_BLOCK_N]
@@ -172,7 +174,7 @@ def _compile_wgrad(M, N, mean_blocks, out_dtype):
                c_desc=f"tensordesc<{out}[{c_block[0]}, {c_block[1]}],{c_layout!r}>", M="i32", N="i32",
                num_experts="i32", stride_psb="i32", stride_qsb="i32")
     const = dict(BLOCK_M=128, BLOCK_N=WGRAD_BLOCK_N, STAGES=fp8_gluon_stages(out_dtype, WGRAD_BLOCK_N), UNROLL=unroll,
-                 num_warps=4)
+                 ORDERED=ordered, num_warps=4)
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(kernel.arg_names)
     # M and N are multiples of 128 and the scales (NB, M) / (NB, N) contiguous: the strides are M and N
@@ -226,6 +228,27 @@ def test_wgrad_compiles_to_fp8_wgmma_with_overlapped_promotion(shape, out_dtype)
     report = ptxas_report(ptx)
     assert "serialized" not in report, report  # ptxas C7512-C7515: wgmmas serialized
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+    assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
+
+
+@pytest.mark.parametrize("block_n, unroll, ordered", [(128, 1, False), (128, 1, True), (64, 1, True)],
+                         ids=["n128", "n128-ordered", "n64-ordered"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_wgrad_experiment_arms_compile(block_n, unroll, ordered, out_dtype):
+    """The A/B arms of scripts/ab_fp8_wgrad.py: FP8 wgmmas of the tile's width, promotions after a ``wait_group 0``
+    (no wgmma of the warpgroup in flight), the turn-taking arrives beside the wgmmas, no spills, shared memory
+    within 227 KiB."""
+    k, _ = _compile_wgrad(1536, 2048, 8, out_dtype, block_n, unroll, ordered)
+    ptx = k.asm["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)", ptx)) == {f"m64n{block_n}k32.f32.e4m3.e4m3"}
+    assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)) == {"0"}
+    unordered, _ = _compile_wgrad(1536, 2048, 8, out_dtype, block_n, unroll, False)
+    arrives = [len(re.findall(r"mbarrier\.arrive", kk.asm["ptx"])) for kk in (k, unordered)]
+    assert (arrives[0] > arrives[1]) == ordered, arrives  # the turns' arrives
+    report = ptxas_report(ptx)
+    assert "serialized" not in report, report
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+    assert "ld.local" not in ptx and "st.local" not in ptx
     assert k.metadata.shared <= HOPPER_SMEM, f"{k.metadata.shared} bytes of shared memory"
 
 

@@ -221,6 +221,24 @@ def test_wgrad_bitwise_triton_on_edge_experts(M, N, out_dtype, unroll, monkeypat
 
 
 @needs_hopper
+@pytest.mark.parametrize("block_n, unroll, ordered", [(128, 1, False), (128, None, True), (64, None, True)],
+                         ids=["n128", "n128-ordered", "n64-ordered"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M, N", [(128, 128), (256, 384), (640, 256)])
+def test_wgrad_experiment_arms_bitwise_triton(M, N, out_dtype, block_n, unroll, ordered, monkeypatch):
+    """The A/B arms of scripts/ab_fp8_wgrad.py (128-column tiles; the warpgroups taking turns) on the edge experts
+    above, and on deepseek-v3-like routing: the same bits as the Triton kernel, every element written."""
+    import megamoe.ops.fp8_gemm_gluon as fg
+
+    monkeypatch.setattr(fg, "WGRAD_BLOCK_N", block_n)
+    monkeypatch.setattr(fg, "WGRAD_UNROLL", unroll)
+    monkeypatch.setattr(fg, "WGRAD_ORDERED", ordered)
+    assert _check_wgrad(COUNTS, M, N, extra_rows=37, out_dtype=out_dtype, seed=M + N)
+    if (M, N) == (640, 256):
+        _check_wgrad(_routing_counts(8192, 256, 8, seed=3), 1024, 512, out_dtype=out_dtype, seed=3)
+
+
+@needs_hopper
 @pytest.mark.parametrize("counts, extra_rows", [([0, 0, 0], 5), ([0, 0], 0), ([0, 0, 300, 0], 0)],
                          ids=["all-empty", "no-rows", "one-expert"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -335,10 +335,31 @@ def _wgrad_k_loop(p_ring, q_ring, ready, empty, s, nb, sp_ptrs, sq_ptrs, stride_
 
 
 @gluon.jit
-def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
+def _wgrad_k_loop_ordered(p_ring, q_ring, ready, empty, order, s, nb, sp_ptrs, sq_ptrs, stride_psb, stride_qsb,
+                          CONSUMER: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                          MMA: gl.constexpr):
+    """The same reduction with no wgmma in flight during a promotion: the two warpgroups take turns to issue
+    (warpgroup 0 step g after warpgroup 1 issued step g - 1, warpgroup 1 step g after warpgroup 0 issued it), so
+    each warpgroup's promotion of step g runs while the other's wgmma of that step (queued behind its own) keeps
+    the tensor cores busy. Two accumulators live per warpgroup, not three: room for 128-column tiles."""
+    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
+    for j in range(nb):
+        g = s + j
+        mbarrier.wait(order.index(CONSUMER), (g & 1) ^ (1 - CONSUMER))  # warpgroup 0's first step passes
+        p = _issue(p_ring, q_ring, ready, g, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES, ROWS)
+        mbarrier.arrive(order.index(1 - CONSUMER))
+        sp, sq = _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb)
+        p, acc = warpgroup_mma_wait(0, deps=[p, acc])
+        mbarrier.arrive(empty.index(g % STAGES))
+        acc = acc + p * (sp[:, None] * sq[None, :])
+    return acc
+
+
+@gluon.jit
+def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, order, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
                          block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb,
-                         CONSUMER: gl.constexpr, UNROLL: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr):
+                         CONSUMER: gl.constexpr, UNROLL: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """One warpgroup: rows [64 CONSUMER, +64) of every tile of the program: wgmmas, promotion, TMA store."""
     ROWS: gl.constexpr = BLOCK_M // 2
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -356,8 +377,12 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, q
         first64 = first.to(gl.int64)
         sp_ptrs = ps_ptr + first64 * stride_psb + m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
         sq_ptrs = qs_ptr + first64 * stride_qsb + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
-        acc = _wgrad_k_loop(p_ring, q_ring, ready, empty, s, nb, sp_ptrs, sq_ptrs, stride_psb, stride_qsb, CONSUMER,
-                            UNROLL, STAGES, ROWS, BLOCK_N, MMA)
+        if ORDERED:
+            acc = _wgrad_k_loop_ordered(p_ring, q_ring, ready, empty, order, s, nb, sp_ptrs, sq_ptrs, stride_psb,
+                                        stride_qsb, CONSUMER, STAGES, ROWS, BLOCK_N, MMA)
+        else:
+            acc = _wgrad_k_loop(p_ring, q_ring, ready, empty, s, nb, sp_ptrs, sq_ptrs, stride_psb, stride_qsb,
+                                CONSUMER, UNROLL, STAGES, ROWS, BLOCK_N, MMA)
         tma.store_wait(0)  # this warpgroup's previous store has read the staging buffer
         cta_barrier()
         stage.store(acc.to(out_ty))
@@ -379,8 +404,9 @@ def fp8_k_grouped_ws_kernel(
     # shapes and strides (elements)
     M, N, num_experts, stride_psb, stride_qsb,
     # tile config (num_warps = 4: the default partition is MMA warpgroup 0)
+    # ORDERED: the warpgroups take turns to issue and promote with no wgmma of their own in flight (UNROLL unused)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNROLL: gl.constexpr,
-    num_warps: gl.constexpr,
+    ORDERED: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one MMA warpgroup")
     gl.static_assert(BLOCK_M == 128, "128-row tiles: two warpgroups of 64 rows")
@@ -392,19 +418,22 @@ def fp8_k_grouped_ws_kernel(
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both MMA warpgroups read every slot
+    for i in gl.static_range(2):
+        mbarrier.init(order.index(i), count=1)
     num_m_tiles = M // BLOCK_M
     num_n_tiles = N // BLOCK_N
     num_tiles = num_experts * num_m_tiles * num_n_tiles
     gl.warp_specialize([
-        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
-                                block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 0,
-                                UNROLL, STAGES, BLOCK_M, BLOCK_N)),
-        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
-                                block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 1,
-                                UNROLL, STAGES, BLOCK_M, BLOCK_N)),
+        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, order, c_smem, c_desc, ps_ptr, qs_ptr,
+                                row_offsets_ptr, block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb,
+                                stride_qsb, 0, UNROLL, ORDERED, STAGES, BLOCK_M, BLOCK_N)),
+        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, order, c_smem, c_desc, ps_ptr, qs_ptr,
+                                row_offsets_ptr, block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb,
+                                stride_qsb, 1, UNROLL, ORDERED, STAGES, BLOCK_M, BLOCK_N)),
         (_wgrad_load_warp, (p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr,
                             num_m_tiles, num_n_tiles, num_tiles, STAGES, BLOCK_M, BLOCK_N)),
     ], [4, 1], [232, 40])

@@ -46,6 +46,10 @@ _E4M3 = torch.float8_e4m3fn
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SMEM = 227 * 1024  # a Hopper block's shared memory
 WGRAD_BLOCK_N = 64  # the weight gradient's tile columns (fp8_k_grouped_mm_gluon)
+# Experiment switches (scripts/ab_fp8_wgrad.py): the weight gradient's K loop with the two MMA warpgroups taking
+# turns (no wgmma of their own in flight during a promotion), and its chunk (None: fp8_wgrad_gluon_unroll)
+WGRAD_ORDERED = False
+WGRAD_UNROLL: int | None = None
 _WS_MAXNREG = 168  # registers per thread at launch (12 warps); the partitions then trade (232 / 40)
 
 
@@ -256,9 +260,10 @@ def fp8_k_grouped_mm_gluon(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor,
     # 128 x 64 tiles, not 128 x 128: there the promotion of a warpgroup's 64 x 128 block (a scale per row and one
     # per column) with the next block's wgmma in flight needs more registers than a warpgroup has (ptxas spills;
     # measured 0.75-0.88x of these tiles)
+    unroll = fp8_wgrad_gluon_unroll(max(0, R // QB - E) / E) if WGRAD_UNROLL is None else WGRAD_UNROLL
     fp8_k_grouped_ws_kernel[(max(1, min(sm_budget(c.device), num_tiles)),)](
         p_desc, q_desc, ps, qs, offsets_E1, blocks, c_desc, M, N, E, ps.stride(0), qs.stride(0),
-        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, STAGES=fp8_gluon_stages(out_dtype, block_n),
-        UNROLL=fp8_wgrad_gluon_unroll(max(0, R // QB - E) / E), num_warps=4, maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
+        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, STAGES=fp8_gluon_stages(out_dtype, block_n), UNROLL=unroll,
+        ORDERED=WGRAD_ORDERED, num_warps=4, maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
     )
     return c
