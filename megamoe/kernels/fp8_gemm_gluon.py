@@ -249,7 +249,10 @@ def fp8_m_grouped_ws_kernel(
 # sp (NB, M) and sq (NB, N) fp32. Tiles (expert, m-tile, n-tile), n-tile fastest and experts slowest (concurrent
 # programs share an expert's blocks in L2); every tile is stored (an expert without rows gets zeros). The
 # K loop's length is the expert's block count (a runtime value): chunks of UNROLL blocks with the next block's
-# wgmma in flight during a promotion, then the remaining blocks one at a time.
+# wgmma in flight during a promotion, then the remaining blocks one at a time; or (ORDERED) one block at a time
+# with no wgmma of the warpgroup in flight, the two warpgroups taking turns to issue (mbarriers order[0..1], count
+# 1: warpgroup 0 issues step g after warpgroup 1 issued step g - 1, warpgroup 1 step g after warpgroup 0 did), so
+# one promotes while the other's wgmma runs: two accumulators live, room for 128 x 128 tiles.
 
 
 @gluon.jit
