@@ -223,7 +223,7 @@ def test_wgrad_bitwise_triton_on_edge_experts(M, N, out_dtype, unroll, monkeypat
 @needs_hopper
 @pytest.mark.parametrize("block_n, unroll, ordered", [(128, 1, False), (128, None, True), (64, None, True)],
                          ids=["n128", "n128-ordered", "n64-ordered"])
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("M, N", [(128, 128), (256, 384), (640, 256)])
 def test_wgrad_experiment_arms_bitwise_triton(M, N, out_dtype, block_n, unroll, ordered, monkeypatch):
     """The A/B arms of scripts/ab_fp8_wgrad.py (128-column tiles; the warpgroups taking turns) on the edge experts
