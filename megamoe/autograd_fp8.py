@@ -22,8 +22,9 @@ fp32 accumulation promoted every 128 of K::
             padded with zeros (K-major for the tensor cores), fp32 sums, one cast to the weight dtype
 
 On a Hopper GPU every FP8 GEMM runs on the warp-specialized Gluon kernels (megamoe.ops.fp8_gemm_gluon: the same
-bits, the promotion overlapped with the next wgmma), elsewhere on the Triton kernels of megamoe.ops.fp8_gemm; none
-gathers rows or ends in a SwiGLU epilogue: the quantizers gather (TMA cannot), and the SwiGLU passes of
+bits; a promotion overlaps the warpgroup's next wgmma, in the weight gradients the other warpgroup's), elsewhere on
+the Triton kernels of megamoe.ops.fp8_gemm; none gathers rows or ends in a SwiGLU epilogue: the quantizers gather
+(TMA cannot), and the SwiGLU passes of
 megamoe.ops.fp8_swiglu follow the GEMMs.
 
 The backward reuses the forward's weight blocks (kept by the recipe between the passes; the compiled ops of

@@ -37,7 +37,7 @@ except Exception:  # noqa: BLE001 - any import problem means: no Gluon kernel
 
 __all__ = [
     "fp8_grouped_mm_nt_gluon", "fp8_k_grouped_mm_gluon", "FP8_GLUON_AVAILABLE", "fp8_gluon_runs_on",
-    "fp8_gluon_stages", "fp8_gluon_unroll", "WGRAD_BLOCK_N",
+    "fp8_gluon_stages", "fp8_gluon_unroll",
 ]
 
 FP8_GLUON_AVAILABLE = fp8_m_grouped_ws_kernel is not None
@@ -46,7 +46,6 @@ _BLOCK_M = _BLOCK_N = QB
 _E4M3 = torch.float8_e4m3fn
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SMEM = 227 * 1024  # a Hopper block's shared memory
-WGRAD_BLOCK_N = 128  # the weight gradient's tile columns (fp8_k_grouped_mm_gluon)
 _WS_MAXNREG = 168  # registers per thread at launch (12 warps); the partitions then trade (232 / 40)
 
 
@@ -58,11 +57,12 @@ def fp8_gluon_runs_on(device: torch.device) -> bool:
     return FP8_GLUON_AVAILABLE and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def fp8_gluon_stages(out_dtype: torch.dtype, block_n: int = _BLOCK_N) -> int:
-    """Ring depth (pure function): the most (128 + block_n) x 128-byte (A + B) slots that fit beside the two
-    staging buffers of the output tile (64 x block_n of out_dtype each) and the barriers, at most 6."""
-    staging = 2 * (_BLOCK_M // 2) * block_n * torch.empty((), dtype=out_dtype).element_size()
-    slot = (_BLOCK_M + block_n) * QB
+def fp8_gluon_stages(out_dtype: torch.dtype) -> int:
+    """Ring depth of both kernels' 128 x 128 tiles (pure function): the most (128 + 128) x 128-byte (A + B) slots
+    that fit beside the two staging buffers of the output tile (64 x 128 of out_dtype each) and the barriers, at
+    most 6."""
+    staging = 2 * (_BLOCK_M // 2) * _BLOCK_N * torch.empty((), dtype=out_dtype).element_size()
+    slot = (_BLOCK_M + _BLOCK_N) * QB
     return min(6, (_SMEM - staging - 1024) // slot)
 
 
@@ -237,18 +237,16 @@ def fp8_k_grouped_mm_gluon(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor,
     if R == 0:
         return c.zero_()
     blocks = table_for(offsets_E1, QB, tile_cache) if block_offsets_E1 is None else block_offsets_E1
-    block_n = WGRAD_BLOCK_N
-    layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, QB], gl.float8e4nv)
+    layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, QB], gl.float8e4nv)  # 128 x 128 tiles: P and Q alike
     p_desc = TensorDescriptor(pq.t(), [M, R], [R, 1], [_BLOCK_M, QB], layout)
-    q_desc = TensorDescriptor(qq.t(), [N, R], [R, 1], [block_n, QB],
-                              gl.NVMMASharedLayout.get_default_for([block_n, QB], gl.float8e4nv))
-    c_block = [_BLOCK_M // 2, block_n]  # one MMA warpgroup's rows
+    q_desc = TensorDescriptor(qq.t(), [N, R], [R, 1], [_BLOCK_N, QB], layout)
+    c_block = [_BLOCK_M // 2, _BLOCK_N]  # one MMA warpgroup's rows
     c_desc = TensorDescriptor(c.view(E * M, N), [E * M, N], [N, 1], c_block,
                               gl.NVMMASharedLayout.get_default_for(c_block, _gl_dtype(out_dtype)))
-    num_tiles = E * (M // _BLOCK_M) * (N // block_n)
+    num_tiles = E * (M // _BLOCK_M) * (N // _BLOCK_N)
     fp8_k_grouped_ws_kernel[(max(1, min(sm_budget(c.device), num_tiles)),)](
         p_desc, q_desc, ps, qs, offsets_E1, blocks, c_desc, M, N, E, ps.stride(0), qs.stride(0),
-        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, STAGES=fp8_gluon_stages(out_dtype, block_n), num_warps=4,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=fp8_gluon_stages(out_dtype), num_warps=4,
         maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
     )
     return c
