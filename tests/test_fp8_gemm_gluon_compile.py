@@ -157,12 +157,11 @@ def _compile_wgrad(out_dtype):
     from megamoe.kernels.fp8_gemm_gluon import fp8_k_grouped_ws_kernel as kernel
 
     out = _OUT[out_dtype]
-    p_layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
-    q_layout = gl.NVMMASharedLayout.get_default_for([WGRAD_BLOCK_N, 128], gl.float8e4nv)
+    layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)  # P's and Q's blocks alike
     c_block = [64, WGRAD_BLOCK_N]
     c_layout = gl.NVMMASharedLayout.get_default_for(c_block, getattr(gl, _GL_OUT[out]))
-    sig = dict(p_desc=f"tensordesc<fp8e4nv[128, 128],{p_layout!r}>",
-               q_desc=f"tensordesc<fp8e4nv[{WGRAD_BLOCK_N}, 128],{q_layout!r}>", ps_ptr="*fp32", qs_ptr="*fp32",
+    sig = dict(p_desc=f"tensordesc<fp8e4nv[128, 128],{layout!r}>",
+               q_desc=f"tensordesc<fp8e4nv[{WGRAD_BLOCK_N}, 128],{layout!r}>", ps_ptr="*fp32", qs_ptr="*fp32",
                row_offsets_ptr="*i32", block_offsets_ptr="*i32",
                c_desc=f"tensordesc<{out}[{c_block[0]}, {c_block[1]}],{c_layout!r}>", M="i32", N="i32",
                num_experts="i32", stride_psb="i32", stride_qsb="i32")
