@@ -14,8 +14,9 @@ megamoe.ops.fp8_quant.quantize_128x1_grouped(..., kmajor=True) writes from rando
 wgrad does), fp32 and bf16 outputs: experts of 0, 1, 127, 128, 129, 300 and 5 rows with rows past the last expert
 (scale and byte blocks past the table never read), all experts empty, the qwen3-30b-a3b dW13 (M = 1536, N = 2048,
 Q gathered from token rows) and dW2 (M = 2048, N = 768) shapes with ~1024 rows per expert and deepseek-like ~256
-rows per expert over 256 experts; every element written (a poisoned output; empty experts exact zeros); no host
-sync; capturable in a CUDA graph.
+rows per expert over 256 experts; one and three programs walking many tiles each (a tile's epilogue during the
+next tile's first wgmma, tiles after an empty expert's block of zeros, the load ring wrapping); every element
+written (a poisoned output; empty experts exact zeros); no host sync; capturable in a CUDA graph.
 
 Run: python -m pytest tests/test_fp8_gemm_gluon_gpu.py -q   (skipped without a Hopper GPU)
 """
@@ -213,6 +214,20 @@ def test_wgrad_bitwise_triton_on_edge_experts(M, N, out_dtype):
     written: the output lands in a NaN-poisoned block. One, two and three 128 x 128 tiles across N."""
     poisoned = _check_wgrad(COUNTS, M, N, extra_rows=37, out_dtype=out_dtype, seed=M + N)
     assert poisoned, "the output was not allocated in the poisoned block: the all-written check did not run"
+
+
+@needs_hopper
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("M, N", [(128, 128), (256, 384)])
+def test_wgrad_few_programs_many_tiles_each(M, N, programs, out_dtype, monkeypatch):
+    """One and three programs for the edge experts three times over: every program runs many tiles in turn, so
+    each tile's epilogue runs during the next tile's first wgmma, tiles follow an empty expert's one block of
+    zeros, and the load ring wraps; the same bits as the Triton kernel, every element written, empty experts +0.0."""
+    import megamoe.ops.fp8_gemm_gluon as fg
+
+    monkeypatch.setattr(fg, "sm_budget", lambda device: programs)
+    assert _check_wgrad(COUNTS * 3, M, N, extra_rows=37, out_dtype=out_dtype, seed=M + N + programs)
 
 
 @needs_hopper

@@ -253,6 +253,8 @@ def fp8_m_grouped_ws_kernel(
 # warpgroup's wgmma keeps the tensor cores busy meanwhile (the two drift apart on their own). Keeping the next
 # block's wgmma in flight instead, as the m-grouped kernel does, needs a third accumulator: at 128 x 128 that
 # spills, and the 128 x 64 tiles it fits in read 1.5x the L2 bytes per FLOP (measured 1.15-1.31x the time).
+# A tile's epilogue runs while the next tile's first wgmma does (two accumulators live then, as in the loop), so
+# the tensor cores do not wait for the stores: at deepseek-v3's ~256 rows per expert a tile has only 2-3 blocks.
 
 
 @gluon.jit
@@ -271,19 +273,20 @@ def _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles, num_n_t
 def _wgrad_load_warp(p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
                      num_n_tiles, num_tiles, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """One warp: TMA copies of every block of the program's tiles, in order (P^T's rows of the m-tile, Q^T's of
-    the n-tile, 128 columns of the block), each into a slot both MMA warpgroups released."""
+    the n-tile, 128 columns of the block), each into a slot both MMA warpgroups released; a tile of an empty
+    expert gets one block of zeros (TMA fills a box outside the tensor with zeros)."""
     G = gl.num_programs(0)
     s = 0
     tile = gl.program_id(0)
     while tile < num_tiles:
         _, m_tile, n_tile, first, nb = _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
                                                      num_n_tiles)
-        for j in range(nb):
+        for j in range(gl.maximum(nb, 1)):  # an empty expert's tile: one block from out of bounds, zeros
             slot = s % STAGES
             mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1)  # a fresh slot passes at once
             bar = ready.index(slot)
             mbarrier.expect(bar, p_desc.block_type.nbytes + q_desc.block_type.nbytes)
-            k = (first + j) * QB
+            k = (first + j) * QB if nb > 0 else -QB
             tma_load(p_desc, [m_tile * BLOCK_M, k], bar, p_ring.index(slot))
             tma_load(q_desc, [n_tile * BLOCK_N, k], bar, q_ring.index(slot))
             s += 1
@@ -297,35 +300,44 @@ def _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb):
 
 
 @gluon.jit
-def _wgrad_k_loop(p_ring, q_ring, ready, empty, s, nb, sp_ptrs, sq_ptrs, stride_psb, stride_qsb,
-                  CONSUMER: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                  MMA: gl.constexpr):
-    """One tile's reduction over its expert's nb blocks from step s, acc from zeros, blocks in order: issue block
-    j's wgmma, wait for it, release its slot, promote (``acc + p * (sp[:, None] * sq[None, :])``, the Triton
-    kernel's expression: a product, then one fused multiply-add per element)."""
-    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
-    for j in range(nb):
-        p = _issue(p_ring, q_ring, ready, s + j, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES, ROWS)
-        sp, sq = _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb)
-        p, acc = warpgroup_mma_wait(0, deps=[p, acc])
-        mbarrier.arrive(empty.index((s + j) % STAGES))
-        acc = acc + p * (sp[:, None] * sq[None, :])
-    return acc
+def _wgrad_scales_masked(sp_ptrs, sq_ptrs, j, nb, stride_psb, stride_qsb):
+    """Block j's scales when j < nb, else zeros (an empty expert's block: its first block may be past the scales'
+    last row)."""
+    ok = j < nb
+    return (gl.load(sp_ptrs + j * stride_psb, mask=ok, other=0.0),
+            gl.load(sq_ptrs + j * stride_qsb, mask=ok, other=0.0))
+
+
+@gluon.jit
+def _wgrad_store(acc, stage, c_desc, row, n0):
+    """A warpgroup's epilogue: ``cast(acc)`` through its staging buffer, out by a TMA store."""
+    tma.store_wait(0)  # this warpgroup's previous store has read the staging buffer
+    cta_barrier()
+    stage.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    cta_barrier()  # the warpgroup's whole block is in shared memory
+    tma_store(c_desc, [row, n0], stage)
 
 
 @gluon.jit
 def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
                          block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb,
                          CONSUMER: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One warpgroup: rows [64 CONSUMER, +64) of every tile of the program: wgmmas, promotion, TMA store."""
+    """One warpgroup: rows [64 CONSUMER, +64) of every tile of the program. Per tile: issue block 0's wgmma, run
+    the previous tile's epilogue meanwhile (cast, staging buffer, TMA store), then wait and promote block 0
+    (``zeros + p * s``) and the other blocks one at a time (issue, wait, promote). An empty expert's tile runs
+    its one block of zeros with zero scales: +0.0 out."""
     ROWS: gl.constexpr = BLOCK_M // 2
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 32])
-    out_ty: gl.constexpr = c_desc.dtype
     stage = c_smem.index(CONSUMER)
     G = gl.num_programs(0)
     s = 0
     tile = gl.program_id(0)
+    acc_prev = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
+    have = 0  # a previous tile waits for its epilogue
+    row_prev = 0
+    n_prev = 0
     while tile < num_tiles:
         expert, m_tile, n_tile, first, nb = _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
                                                           num_n_tiles)
@@ -334,16 +346,29 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, q
         first64 = first.to(gl.int64)
         sp_ptrs = ps_ptr + first64 * stride_psb + m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
         sq_ptrs = qs_ptr + first64 * stride_qsb + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
-        acc = _wgrad_k_loop(p_ring, q_ring, ready, empty, s, nb, sp_ptrs, sq_ptrs, stride_psb, stride_qsb, CONSUMER,
-                            STAGES, ROWS, BLOCK_N, MMA)
-        tma.store_wait(0)  # this warpgroup's previous store has read the staging buffer
-        cta_barrier()
-        stage.store(acc.to(out_ty))
-        fence_async_shared()
-        cta_barrier()  # the warpgroup's whole block is in shared memory
-        tma_store(c_desc, [expert * M + m0, n0], stage)
-        s += nb
+        p = _issue(p_ring, q_ring, ready, s, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES, ROWS)
+        sp, sq = _wgrad_scales_masked(sp_ptrs, sq_ptrs, 0, nb, stride_psb, stride_qsb)
+        if have != 0:
+            _wgrad_store(acc_prev, stage, c_desc, row_prev, n_prev)
+        p = warpgroup_mma_wait(0, deps=[p])
+        mbarrier.arrive(empty.index(s % STAGES))
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
+        acc = acc + p * (sp[:, None] * sq[None, :])
+        for j in range(1, nb):
+            p = _issue(p_ring, q_ring, ready, s + j, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES,
+                       ROWS)
+            sp, sq = _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb)
+            p, acc = warpgroup_mma_wait(0, deps=[p, acc])
+            mbarrier.arrive(empty.index((s + j) % STAGES))
+            acc = acc + p * (sp[:, None] * sq[None, :])
+        acc_prev = acc
+        have = 1
+        row_prev = expert * M + m0
+        n_prev = n0
+        s += gl.maximum(nb, 1)
         tile += G
+    if have != 0:
+        _wgrad_store(acc_prev, stage, c_desc, row_prev, n_prev)
     tma.store_wait(0)
 
 
