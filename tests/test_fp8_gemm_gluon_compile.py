@@ -61,7 +61,7 @@ def _compile(K, N, out_dtype):
                num_rows="i32", N="i32", num_experts="i32", stride_asm="i32", stride_bse="i32", stride_bsn="i32",
                stride_cm="i32")
     const = dict(K=K, E_POW2=128, BLOCK_M=128, BLOCK_N=128, STAGES=fp8_gluon_stages(out_dtype),
-                 UNROLL=fp8_gluon_unroll(K), num_warps=4)
+                 UNROLL=fp8_gluon_unroll(K), SKIP_IDLE=True, num_warps=4)
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(kernel.arg_names)
     divisible = ("as_ptr", "bs_ptr", "row_offsets_ptr", "tile_offsets_ptr", "c_ptr", "N", "stride_cm", "stride_bse",

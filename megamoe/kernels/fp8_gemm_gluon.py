@@ -148,6 +148,18 @@ def _k_loop(a_ring, b_ring, ready, empty, s, as_ptrs, bs_ptr, CONSUMER: gl.const
 
 
 @gluon.jit
+def _pass_steps(ready, empty, s, KB: gl.constexpr, STAGES: gl.constexpr):
+    """A warpgroup with no row of the tile inside its expert: its part of the ring handshake for the tile's KB steps
+    and nothing else (no wgmma: those rows would never be stored). Each slot is released only once its operands
+    have landed, so this arrival counts toward the step's own phase of ``empty`` (the other warpgroup's wgmma still
+    reads the slot until its own arrival)."""
+    for kb in range(KB):
+        slot = (s + kb) % STAGES
+        mbarrier.wait(ready.index(slot), ((s + kb) // STAGES) & 1)
+        mbarrier.arrive(empty.index(slot))
+
+
+@gluon.jit
 def _store_rows(acc, c_ptr, c_desc, stage, row, row_end, n0, stride_cm, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
     """This warpgroup's epilogue: ``cast(acc)`` into rows [row, row + ROWS) below row_end, columns [n0, n0 +
     BLOCK_N), through its staging buffer: a TMA store when every row is inside the expert, else a masked copy."""
@@ -173,8 +185,10 @@ def _store_rows(acc, c_ptr, c_desc, stage, row, row_end, n0, stride_cm, ROWS: gl
 def _mma_warpgroup(a_ring, b_ring, ready, empty, c_smem, c_ptr, c_desc, as_ptr, bs_ptr, tile_offsets_ptr,
                    row_offsets_ptr, num_rows, num_experts, num_n_tiles, num_tiles, stride_asm, stride_bse,
                    stride_bsn, stride_cm, CONSUMER: gl.constexpr, KB: gl.constexpr, UNROLL: gl.constexpr,
-                   STAGES: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One warpgroup: rows [64 CONSUMER, +64) of every tile of the program: wgmmas, promotion, epilogue."""
+                   STAGES: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   SKIP_IDLE: gl.constexpr):
+    """One warpgroup: rows [64 CONSUMER, +64) of every tile of the program: wgmmas, promotion, epilogue (SKIP_IDLE:
+    only the ring handshake when none of its rows is inside the tile's expert)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 32])
@@ -191,9 +205,15 @@ def _mma_warpgroup(a_ring, b_ring, ready, empty, c_smem, c_ptr, c_desc, as_ptr, 
         rows = gl.minimum(offs_m, num_rows - 1).to(gl.int64)  # clamped: computed, never stored
         as_ptrs = as_ptr + rows * stride_asm
         bs_tile = bs_ptr + expert.to(gl.int64) * stride_bse + n_tile * stride_bsn
-        acc = _k_loop(a_ring, b_ring, ready, empty, s, as_ptrs, bs_tile, CONSUMER, KB, UNROLL, STAGES, ROWS, BLOCK_N,
-                      MMA)
-        _store_rows(acc, c_ptr, c_desc, stage, row, row_end, n_tile * BLOCK_N, stride_cm, ROWS, BLOCK_N)
+        busy = row < row_end
+        if not SKIP_IDLE:
+            busy = row == row  # always
+        if busy:
+            acc = _k_loop(a_ring, b_ring, ready, empty, s, as_ptrs, bs_tile, CONSUMER, KB, UNROLL, STAGES, ROWS,
+                          BLOCK_N, MMA)
+            _store_rows(acc, c_ptr, c_desc, stage, row, row_end, n_tile * BLOCK_N, stride_cm, ROWS, BLOCK_N)
+        else:  # the tile's last rows of its expert all fall in the other warpgroup's half
+            _pass_steps(ready, empty, s, KB, STAGES)
         s += KB
         tile += G
     tma.store_wait(0)
@@ -210,7 +230,7 @@ def fp8_m_grouped_ws_kernel(
     num_rows, N, num_experts, stride_asm, stride_bse, stride_bsn, stride_cm, K: gl.constexpr,
     # variant and tile config (num_warps = 4: the default partition is MMA warpgroup 0; UNROLL divides K / 128)
     E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNROLL: gl.constexpr,
-    num_warps: gl.constexpr,
+    SKIP_IDLE: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one MMA warpgroup")
     gl.static_assert(BLOCK_M == 128 and BLOCK_N == 128, "128 x 128 tiles: one weight scale block per tile")
@@ -232,10 +252,10 @@ def fp8_m_grouped_ws_kernel(
     gl.warp_specialize([
         (_mma_warpgroup, (a_ring, b_ring, ready, empty, c_smem, c_ptr, c_desc, as_ptr, bs_ptr, tile_offsets_ptr,
                           row_offsets_ptr, num_rows, num_experts, num_n_tiles, num_tiles, stride_asm, stride_bse,
-                          stride_bsn, stride_cm, 0, KB, UNROLL, STAGES, E_POW2, BLOCK_M, BLOCK_N)),
+                          stride_bsn, stride_cm, 0, KB, UNROLL, STAGES, E_POW2, BLOCK_M, BLOCK_N, SKIP_IDLE)),
         (_mma_warpgroup, (a_ring, b_ring, ready, empty, c_smem, c_ptr, c_desc, as_ptr, bs_ptr, tile_offsets_ptr,
                           row_offsets_ptr, num_rows, num_experts, num_n_tiles, num_tiles, stride_asm, stride_bse,
-                          stride_bsn, stride_cm, 1, KB, UNROLL, STAGES, E_POW2, BLOCK_M, BLOCK_N)),
+                          stride_bsn, stride_cm, 1, KB, UNROLL, STAGES, E_POW2, BLOCK_M, BLOCK_N, SKIP_IDLE)),
         (_load_warp, (a_desc, b_desc, a_ring, b_ring, ready, empty, tile_offsets_ptr, row_offsets_ptr, num_experts,
                       N, num_n_tiles, num_tiles, KB, STAGES, E_POW2, BLOCK_M, BLOCK_N)),
     ], [4, 1], [232, 40])

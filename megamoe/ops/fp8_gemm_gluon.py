@@ -47,6 +47,9 @@ _E4M3 = torch.float8_e4m3fn
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SMEM = 227 * 1024  # a Hopper block's shared memory
 _WS_MAXNREG = 168  # registers per thread at launch (12 warps); the partitions then trade (232 / 40)
+# Experiment switch (exp/fp8-gluon-idle-warpgroup only; A/B: scripts/ab_fp8_idle.py): an MMA warpgroup whose 64 rows
+# of a tile all lie past the tile's expert only passes the ring's handshakes (no wgmma; those rows are never stored).
+SKIP_IDLE_WARPGROUP = True
 
 
 def fp8_gluon_runs_on(device: torch.device) -> bool:
@@ -170,7 +173,7 @@ def fp8_grouped_mm_nt_gluon(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tenso
         a_desc, b_desc, as_, bs, offsets_E1, tiles, c, c_desc,
         R, N, E, as_.stride(0), bs.stride(0), bs.stride(1), c.stride(0), K,
         E_POW2=pow2(E), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=fp8_gluon_stages(out_dtype),
-        UNROLL=fp8_gluon_unroll(K), num_warps=4,
+        UNROLL=fp8_gluon_unroll(K), SKIP_IDLE=SKIP_IDLE_WARPGROUP, num_warps=4,
         maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
     )
     return c
