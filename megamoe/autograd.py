@@ -270,7 +270,7 @@ def experts_backward(d, dout_TD, x_TD, ids_TK, w_TK, w13_EGD, w2_EDF, sw13_HD, s
         ds13 = torch.zeros_like(sw13_HD) if need.shared_w13 else None
         ds2 = torch.zeros_like(sw2_DS) if need.shared_w2 else None
     if fp8 is not None:
-        fp8.open_backward()
+        fp8.open_backward(need_w2=need.w2)
     dw13, dw2 = _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need, fp8)
     if fp8 is not None:
         fp8.end_backward()

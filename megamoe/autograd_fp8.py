@@ -13,7 +13,8 @@ fp32 accumulation promoted every 128 of K::
             x rows: 1x128, once per round, gathered into expert order (on one GPU from the T token rows)
             gate/up: e4m3 x rows @ w13 blocks -> gu (x's dtype, kept), then a SwiGLU pass: h quantized 1x128
             down: e4m3 h @ w2 blocks -> y (x's dtype)
-  backward  dout rows: 1x128, once per round, gathered into expert order
+  backward  dout rows: 1x128, once per round, gathered into expert order; when w2 needs its gradient, made from
+            the same read as the dout rows' 128x1 blocks for that gradient (kept until it runs)
             dgrad + SwiGLU bwd: e4m3 dout @ w2 blocks (read transposed) -> fp32, then a SwiGLU-backward pass:
             dgu, hw, row dots; dgu quantized 1x128
             dx rows: e4m3 dgu @ w13 blocks (read transposed)
@@ -44,6 +45,10 @@ from .ops.fp8_weights import WEIGHT_CACHE, Fp8WeightCache
 from .ops.wgrad_rounds import fp8_k_grouped_round
 
 __all__ = ["Fp8Experts"]
+
+# Experiment switch (exp/fp8-dout-dual-quant only; the A/B is scripts/ab_fp8_dual.py): the dout rows' 1x128 blocks
+# (dgrad) and K-major 128x1 blocks (w2's weight gradient) from one read of the rows, or each from its own.
+DUAL_DOUT = True
 
 
 def _rows_1x128(t_RC: torch.Tensor, idx_R: torch.Tensor | None, offsets_E1: torch.Tensor):
@@ -76,6 +81,8 @@ class Fp8Experts:
         self.w13 = self.w2 = None  # (q, s) 128x128 blocks
         self.w13_k = self.w2_k = None  # the same blocks K-major, for the backward's input-gradient GEMMs
         self._dgu = None  # the SwiGLU-backward pass's 1x128 blocks of dgu, for the dx GEMM of the same round
+        self._dout = None  # (dout rows, their K-major 128x1 blocks) of the round, for its w2 weight gradient
+        self.need_w2 = True
 
     # ------------------------------------------------------------------------------------------ helpers
     @staticmethod
@@ -113,9 +120,11 @@ class Fp8Experts:
         return _grouped_mm(h, self.w2, rows.offsets_E1, self.dtype, rows.tiles)
 
     # ------------------------------------------------------------------------------------------ backward
-    def open_backward(self) -> None:
-        """The forward's weight blocks in K-major order for the input-gradient GEMMs (cached with the blocks)."""
-        self._dgu = None
+    def open_backward(self, need_w2: bool = True) -> None:
+        """The forward's weight blocks in K-major order for the input-gradient GEMMs (cached with the blocks).
+        ``need_w2``: w2 needs its gradient (the dout rows' 128x1 blocks are then made with their 1x128 blocks)."""
+        self._dgu = self._dout = None
+        self.need_w2 = need_w2
         self.w13_k, self.w2_k = self.cache.kmajor(self.w13), self.cache.kmajor(self.w2)
 
     def dgrad_swiglu(self, rows, gu_RG: torch.Tensor):
@@ -125,9 +134,14 @@ class Fp8Experts:
         Gluon kernel on Hopper), then the SwiGLU-backward pass on acc (megamoe.ops.fp8_swiglu.fp8_swiglu_bwd)."""
         self._check_rows(rows, "dgrad")
         off = rows.offsets_E1
-        # the gathered dout blocks (R x D bytes) are freed with the call, before the pass
-        acc = _grouped_mm(_rows_1x128(rows.dy_RD, rows.dy_idx_R, off), self.w2_k, off, torch.float32, rows.tiles,
-                          kmajor=True)
+        if self.need_w2 and DUAL_DOUT:  # one read of the dout rows for both of their quantizations
+            rows_1x128, blocks = fp8_quant.quantize_1x128_and_128x1_grouped(
+                rows.dy_RD, off, rows.dy_idx_R, fp8_gemm.table_for(off, fp8_gemm.QB, rows.tiles))
+            self._dout = (rows.dy_RD, blocks)
+        else:
+            rows_1x128 = _rows_1x128(rows.dy_RD, rows.dy_idx_R, off)
+        acc = _grouped_mm(rows_1x128, self.w2_k, off, torch.float32, rows.tiles, kmajor=True)
+        del rows_1x128  # the gathered dout blocks (R x D bytes), freed before the pass
         dgu, hw, part, dgq, dgs = fp8_swiglu.fp8_swiglu_bwd(acc, gu_RG, valid_rows_1=off[-1:], row_scale_R=rows.scale_R,
                                                             row_dot=rows.row_dot)
         self._dgu = (dgq, dgs) if rows.need_dx else None
@@ -143,7 +157,10 @@ class Fp8Experts:
         rounds complete ``out`` in place through megamoe.ops.wgrad_rounds.fp8_k_grouped_round)."""
         off = rows.offsets_E1
         blocks = fp8_gemm.table_for(off, fp8_gemm.QB, rows.tiles)
-        pq, ps = fp8_quant.quantize_128x1_grouped(p, off, p_idx_R, blocks, kmajor=True)
+        if self._dout is not None and p is self._dout[0]:  # the dout rows, quantized 128x1 by dgrad_swiglu
+            (pq, ps), self._dout = self._dout[1], None
+        else:
+            pq, ps = fp8_quant.quantize_128x1_grouped(p, off, p_idx_R, blocks, kmajor=True)
         qq, qs = fp8_quant.quantize_128x1_grouped(q, off, q_idx_R, blocks, kmajor=True)
         if split is None or split.round_idx == 0:
             if fp8_gemm_gluon.fp8_gluon_runs_on(pq.device):
@@ -165,5 +182,5 @@ class Fp8Experts:
     def end_backward(self) -> None:
         """Drops the last round's dgu blocks; the weight blocks stay with the layer call (a retained graph's second
         backward reads them again) until autograd frees it; the K-major copies stay with the cache."""
-        self._dgu = None
+        self._dgu = self._dout = None
         self.w13_k = self.w2_k = None

@@ -100,6 +100,23 @@ def test_fused_fp8_matches_the_fp8_reference(case):
         assert not dw13.any() and not dw2.any()
 
 
+@interpreted
+def test_fused_fp8_without_the_w2_gradient_gives_the_same_bits():
+    """With w2 frozen the dout rows are quantized 1x128 alone; with its gradient asked for, 1x128 and 128x1 from one
+    read of them (ops.quantize_1x128_and_128x1_grouped): x's, the routing weights' and w13's gradients are the same
+    bits either way."""
+    (inputs, dout), _ = _case_inputs("shared")
+    full = _run(moe_experts, inputs, dout, fp8=True)
+    leaves = [t if t is None or not t.is_floating_point() else t.detach().clone().requires_grad_(i != 4)
+              for i, t in enumerate(inputs)]
+    out = moe_experts(*leaves, fp8=True)
+    wrt = [t for i, t in enumerate(leaves) if i not in (1, 4) and t is not None]
+    grads = torch.autograd.grad(out, wrt, dout)
+    assert torch.equal(out, full[0])
+    for name, a, b in zip(("x", "topk_weights", "w13", "shared_w13", "shared_w2"), grads, full[1:4] + full[5:]):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.slow  # ~12 s on 2 CPU cores; on the GPU test_gpu_bf16_fp8_matches_the_fp8_reference repeats bitwise
 @interpreted
 def test_fused_fp8_is_bitwise_repeatable():

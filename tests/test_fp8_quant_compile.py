@@ -53,7 +53,7 @@ def test_kernels_compile_for_sm90():
 X1_PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "n_ptr": "*i32", "idx_ptr": "*i32"}
 W_PTRS = {"w_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
 G_PTRS = {"x_ptr": "*bf16", "idx_ptr": "*i32", "offsets_ptr": "*i32", "block_offsets_ptr": "*i32", "q_ptr": "*u8",
-          "s_ptr": "*fp32"}
+          "s_ptr": "*fp32", "q1_ptr": "*u8", "s1_ptr": "*fp32"}
 
 
 @pytest.mark.parametrize("width", (7168, 130, 1))
@@ -72,13 +72,21 @@ def test_byte_tiles_are_stored_from_the_layout_they_are_cast_in(width):
     for gather in (False, True) if width > 1 else (False,):  # one column is gathered by the launcher
         compiled.append(_compile_sm90(k.quantize_128x1_grouped_kernel, dict(C=width, num_experts=7, ld_q=128 * 9),
                                       G_PTRS, {"GATHER": gather, "E_POW2": 8, "BLOCK_C": 64, "KMAJOR": False,
-                                               "HW_CAST": True}))
+                                               "ROWS_1X128": False, "HW_CAST": True}))
     for c in compiled:
         assert "tt.fp_to_fp" in c.asm["ttgir"] and not BYTE_RELAYOUT.search(c.asm["ttgir"]), c.name
     for gather in (False, True) if width > 1 else (False,):  # K-major: the cast in inline PTX, int32 words moved
         c = _compile_sm90(k.quantize_128x1_grouped_kernel, dict(C=width, num_experts=7, ld_q=128 * 9),
                           {**G_PTRS, "q_ptr": "*i32"}, {"GATHER": gather, "E_POW2": 8, "BLOCK_C": 64, "KMAJOR": True,
-                                                       "HW_CAST": True})
+                                                       "ROWS_1X128": False, "HW_CAST": True})
         ttgir = c.asm["ttgir"]
         assert "tt.fp_to_fp" not in ttgir and not re.search(r"tensor<[0-9x]+xi8", ttgir), c.name
+        assert "cvt.rn.satfinite.e4m3x2.f32" in c.asm["ptx"], c.name
+        # and with the rows also quantized 1x128 from the same loads (128 columns a program, as launched): the row
+        # bytes from the same inline-PTX cast, stored from the layout they are made in
+        c = _compile_sm90(k.quantize_128x1_grouped_kernel, dict(C=width, num_experts=7, ld_q=128 * 9),
+                          {**G_PTRS, "q_ptr": "*i32"}, {"GATHER": gather, "E_POW2": 8, "BLOCK_C": 128, "KMAJOR": True,
+                                                       "ROWS_1X128": True, "HW_CAST": True}, num_warps=2)
+        ttgir = c.asm["ttgir"]
+        assert "tt.fp_to_fp" not in ttgir and not BYTE_RELAYOUT.search(ttgir), c.name
         assert "cvt.rn.satfinite.e4m3x2.f32" in c.asm["ptx"], c.name

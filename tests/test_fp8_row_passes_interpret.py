@@ -76,3 +76,28 @@ def test_swiglu_pass_counts_rows(valid):
         counted = fp8_swiglu.fp8_swiglu(gu, valid_rows_1=torch.tensor([valid], dtype=torch.int32))
     for name, a, b in zip(("hq", "hs"), counted, full):
         _check_counted(name, a, b, min(valid, gu.shape[0]))
+
+
+@pytest.mark.parametrize("gather", [False, True])
+@interpreted
+def test_both_quantizations_from_one_read_are_the_two_quantizers(gather):
+    """quantize_1x128_and_128x1_grouped: its 1x128 rows are quantize_1x128's of the (gathered) rows and its K-major
+    128x1 blocks quantize_128x1_grouped(kmajor=True)'s, bit for bit (experts of 0, 1, 127, 128, 129 and 300 rows,
+    C not a multiple of 128, 7 rows past the last expert not written: poisoned)."""
+    g = torch.Generator().manual_seed(3)
+    counts = [0, 1, 127, 128, 129, 0, 300]
+    R, C, T = sum(counts) + 7, 300, 150
+    off = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.randn(T if gather else R, C, generator=g) * torch.logspace(-3, 3, C)[None, :]
+    x[:, 5] = 0.0
+    idx = torch.randint(0, T, (R,), generator=g, dtype=torch.int64).to(torch.int32) if gather else None
+    with poisoned_allocations():
+        (q1, s1), (qk, sk) = fp8_quant.quantize_1x128_and_128x1_grouped(x, off, idx)
+    n = int(off[-1])
+    rq, rs = fp8_quant.quantize_1x128(x, idx_R=idx) if gather else fp8_quant.quantize_1x128(x)
+    assert torch.equal(q1[:n].view(torch.uint8), rq[:n].view(torch.uint8)) and torch.equal(s1[:n], rs[:n])
+    assert (q1[n:].view(torch.uint8) == 0x7F).all() and s1[n:].isnan().all(), "rows past the experts were written"
+    wq, ws = fp8_quant.quantize_128x1_grouped(x, off, idx, kmajor=True)
+    used = int(ref.block_offsets_for(off)[-1])  # the blocks the experts use
+    assert torch.equal(qk[:128 * used].view(torch.uint8), wq[:128 * used].view(torch.uint8))
+    assert torch.equal(sk[:used], ws[:used])

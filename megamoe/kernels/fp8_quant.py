@@ -50,7 +50,9 @@ layout; a GEMM epilogue that fuses these helpers should be checked the same way.
     -> q (R, C) in the buffer's order, s (NB, C); program = one 128-row block x BLOCK_C
     columns, its expert found from the m-tile table (BLOCK_M = 128; kernels.tiles.expert_of_tile). Programs past
     the last real block return at once. KMAJOR: the bytes go block-padded and transposed (the weight-gradient GEMM's
-    K-major operand), packed four to an int32 word before they change layout. Its hardware cast is inline PTX on
+    K-major operand), packed four to an int32 word before they change layout; with ROWS_1X128 the same loaded rows
+    are also quantized 1x128 in the buffer's row order (one read of the rows for both operands of a row buffer that
+    feeds a GEMM and a weight gradient). Its hardware cast is inline PTX on
     fp32 pairs: with Triton's cast of the tiles and the bytes packed into words (Triton 3.6, sm_90a, H200) this
     variant stored wrong bytes (0xFC in 8 of every 64 rows); tests/test_fp8_quant.py's GPU cases check both
     layouts bit for bit.
@@ -197,18 +199,47 @@ def _load_rows(x_ptr, idx_ptr, rows, row_end, cols, mask_c, C, GATHER: tl.conste
 
 
 @triton.jit
-def _quantize_128x1_kmajor(x_ptr, idx_ptr, q_ptr, blk, row_start, row_end, cols, mask_c, C, ld_q,
-                           GATHER: tl.constexpr, HW_CAST: tl.constexpr):
+def _e4m3_row_bytes(y, HW_CAST: tl.constexpr):
+    """e4m3_bytes(y) as uint8 (|y| <= 448); on the GPU through the inline-PTX pair cast this kernel's words use (no
+    ``tt.fp_to_fp`` in the kernel), the sign ORed in again as there."""
+    if HW_CAST:
+        return ((_e4m3_pair(y, y) & 0xFF) | _sign_byte(y, 0)).to(tl.uint8)
+    else:
+        return e4m3_bytes(y, False)
+
+
+@triton.jit
+def _store_rows_1x128(x, rows, row_end, cols, mask_c, C, q1_ptr, s1_ptr, b, HW_CAST: tl.constexpr):
+    """1x128 blocks of the (rows, cols) tile x (fp32, zeros where masked; cols = scale block b): bytes at
+    ``q1[rows, cols]`` (uint8, rows contiguous, C columns), scales at ``s1[rows, b]``, rows < row_end only."""
+    inv, scale, finite = pow2_scale(tl.max(abs_bits(x), axis=1))
+    q = _e4m3_row_bytes(tl.where(finite[:, None], x * inv[:, None], 0.0), HW_CAST)
+    mask_r = rows < row_end
+    r64 = rows.to(tl.int64)
+    tl.store(q1_ptr + r64[:, None] * C + cols[None, :], q, mask=mask_r[:, None] & mask_c[None, :])
+    tl.store(s1_ptr + r64 * tl.cdiv(C, SCALE_BLOCK) + b, scale, mask=mask_r)
+
+
+@triton.jit
+def _quantize_128x1_kmajor(x_ptr, idx_ptr, q_ptr, q1_ptr, s1_ptr, blk, row_start, row_end, cols, mask_c, C, ld_q,
+                           GATHER: tl.constexpr, ROWS_1X128: tl.constexpr, HW_CAST: tl.constexpr):
     """One 128-row block x the columns ``cols`` written transposed: column c's 128 bytes at
     ``q[c * ld_q + 128 blk:]`` (q_ptr the buffer as int32 words, ld_q in bytes), rows past row_end as zeros;
     returns the scales. The rows are read as four (32, cols) tiles, rows 4w + k, so that word w of a column packs
-    bytes k = 0..3 (little-endian) without reshaping a tile, and the words, not the bytes, change layout."""
+    bytes k = 0..3 (little-endian) without reshaping a tile, and the words, not the bytes, change layout.
+    ROWS_1X128 (cols one scale block): the same rows also quantized 1x128 into (q1, s1) in the buffer's row order."""
     w = tl.arange(0, SCALE_BLOCK // 4)
     r0 = row_start + 4 * w
     x0 = _load_rows(x_ptr, idx_ptr, r0, row_end, cols, mask_c, C, GATHER)
     x1 = _load_rows(x_ptr, idx_ptr, r0 + 1, row_end, cols, mask_c, C, GATHER)
     x2 = _load_rows(x_ptr, idx_ptr, r0 + 2, row_end, cols, mask_c, C, GATHER)
     x3 = _load_rows(x_ptr, idx_ptr, r0 + 3, row_end, cols, mask_c, C, GATHER)
+    if ROWS_1X128:
+        b = tl.program_id(1)
+        _store_rows_1x128(x0, r0, row_end, cols, mask_c, C, q1_ptr, s1_ptr, b, HW_CAST)
+        _store_rows_1x128(x1, r0 + 1, row_end, cols, mask_c, C, q1_ptr, s1_ptr, b, HW_CAST)
+        _store_rows_1x128(x2, r0 + 2, row_end, cols, mask_c, C, q1_ptr, s1_ptr, b, HW_CAST)
+        _store_rows_1x128(x3, r0 + 3, row_end, cols, mask_c, C, q1_ptr, s1_ptr, b, HW_CAST)
     amax = tl.maximum(tl.maximum(tl.max(abs_bits(x0), axis=0), tl.max(abs_bits(x1), axis=0)),
                       tl.maximum(tl.max(abs_bits(x2), axis=0), tl.max(abs_bits(x3), axis=0)))
     inv, scale, finite = pow2_scale(amax)
@@ -255,14 +286,16 @@ def _e4m3_word(y0, y1, y2, y3, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def quantize_128x1_grouped_kernel(x_ptr, idx_ptr, offsets_ptr, block_offsets_ptr, q_ptr, s_ptr, C, num_experts,
-                                  ld_q, GATHER: tl.constexpr, E_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
-                                  KMAJOR: tl.constexpr, HW_CAST: tl.constexpr):
+def quantize_128x1_grouped_kernel(x_ptr, idx_ptr, offsets_ptr, block_offsets_ptr, q_ptr, s_ptr, q1_ptr, s1_ptr, C,
+                                  num_experts, ld_q, GATHER: tl.constexpr, E_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
+                                  KMAJOR: tl.constexpr, ROWS_1X128: tl.constexpr, HW_CAST: tl.constexpr):
     """Program (b, j): global 128-row block b (of the m-tile table ``block_offsets``) x columns
     [j * BLOCK_C, ...): its rows of x (.., C) contiguous (gathered through idx when GATHER) -> s[b] (NB, C) and
     the bytes: q rows (R, C) uint8 in the buffer's order, or KMAJOR the block-padded transposed layout, column c's
     block b at ``q[c * ld_q + 128 b:][:128]`` (q_ptr the buffer as int32 words, ld_q in bytes), rows past the
-    expert's written as zeros."""
+    expert's written as zeros. ROWS_1X128 (KMAJOR, BLOCK_C = 128): the expert's rows also quantized 1x128 into q1
+    (R, C) uint8 in the buffer's row order and s1 (R, ceil(C / 128)), from the same loads."""
+    tl.static_assert(not ROWS_1X128 or (KMAJOR and BLOCK_C == SCALE_BLOCK))
     blk = tl.program_id(0)
     if blk < tl.load(block_offsets_ptr + num_experts):
         _, row_start, row_end = expert_of_tile(block_offsets_ptr, offsets_ptr, blk, num_experts, E_POW2,
@@ -270,8 +303,8 @@ def quantize_128x1_grouped_kernel(x_ptr, idx_ptr, offsets_ptr, block_offsets_ptr
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         mask_c = cols < C
         if KMAJOR:
-            s = _quantize_128x1_kmajor(x_ptr, idx_ptr, q_ptr, blk, row_start, row_end, cols, mask_c, C, ld_q, GATHER,
-                                       HW_CAST)
+            s = _quantize_128x1_kmajor(x_ptr, idx_ptr, q_ptr, q1_ptr, s1_ptr, blk, row_start, row_end, cols, mask_c, C,
+                                       ld_q, GATHER, ROWS_1X128, HW_CAST)
         else:
             rows = row_start + tl.arange(0, SCALE_BLOCK)
             x = _load_rows(x_ptr, idx_ptr, rows, row_end, cols, mask_c, C, GATHER)

@@ -12,6 +12,8 @@ blocks of an expert-grouped buffer).
   * :func:`quantize_128x1_grouped` (weight-gradient operands): rows of an expert-grouped buffer, cut into 128-row
     blocks from each expert's first row -> q (R, C) in the buffer's row order, or with ``kmajor=True`` block-padded
     and transposed (NB * 128, C) (the weight-gradient GEMM's K-major operand), s (NB, C).
+  * :func:`quantize_1x128_and_128x1_grouped`: both of a row buffer's quantizations (1x128 in its row order, K-major
+    128x1) from one read of its rows.
 
 Inputs: bf16, fp16 or fp32, any strides: read in place when contiguous and 16-byte aligned, otherwise first copied
 to such a tensor (one extra read and write of the input). The kernels read the input through the offsets they write
@@ -32,7 +34,8 @@ from ..kernels.fp8_quant import quantize_1x128_kernel, quantize_128x1_grouped_ke
 from ._common import check_device, check_row_count, is_interpreted, pow2
 from .routing import tile_offsets_for
 
-__all__ = ["quantize_1x128", "quantize_128x128", "quantize_128x1_grouped", "E4M3", "SCALE_BLOCK"]
+__all__ = ["quantize_1x128", "quantize_128x128", "quantize_128x1_grouped", "quantize_1x128_and_128x1_grouped", "E4M3",
+           "SCALE_BLOCK"]
 
 E4M3 = torch.float8_e4m3fn
 SCALE_BLOCK = 128
@@ -42,6 +45,8 @@ _COLS_PER_PROGRAM = 64  # 128x1: a (128, 64) tile per program, 4 warps
 # 128x1 written K-major: a (128, 128) tile per program, 2 warps (H200, qwen3-30b-a3b:16384's gathered x rows:
 # 0.28 ms against 0.46 for (128, 64) with 4 warps; 8 warps was slowest at every width)
 _KMAJOR_COLS, _KMAJOR_WARPS = 128, 2
+# with the 1x128 rows as well: 4 warps (sm_90a compiles: 2 warps spill ~1.7 KB a thread, 4 warps 4-16 bytes, 8 none)
+_DUAL_WARPS = 4
 _ALIGN = 16  # bytes: the pointer alignment Triton specializes on
 
 
@@ -162,7 +167,30 @@ def quantize_128x1_grouped(x: torch.Tensor, offsets_E1: torch.Tensor, idx_R: tor
     is row ``block_offsets[e] + j``). Other rows are not written (unspecified).
     Device values are trusted (offsets in range, idx in [0, T)), as by the grouped GEMMs: no sync.
     """
-    where = "quantize_128x1_grouped"
+    if kmajor and out is not None:
+        raise ValueError("quantize_128x1_grouped: out is not taken with kmajor=True (the bytes go to a new transposed "
+                         "buffer)")
+    q, s, _ = _grouped("quantize_128x1_grouped", x, offsets_E1, idx_R, block_offsets, num_rows, kmajor, False, out,
+                       scale_out)
+    return q, s
+
+
+def quantize_1x128_and_128x1_grouped(x: torch.Tensor, offsets_E1: torch.Tensor, idx_R: torch.Tensor | None = None,
+                                     block_offsets: torch.Tensor | None = None, *, num_rows: int | None = None):
+    """Both quantizations of the rows of an expert-grouped buffer from one read of them: the 1x128 blocks of the
+    rows in the buffer's order (a GEMM's operand, as :func:`quantize_1x128` of the rows, gathered through idx_R
+    where given) and the K-major 128x1 blocks (a weight gradient's operand, as ``quantize_128x1_grouped(...,
+    kmajor=True)``), bit for bit both. Arguments as :func:`quantize_128x1_grouped`.
+
+    Returns ((q_RC e4m3, s_RB fp32): rows ``offsets[0]:offsets[E]`` written, the others not; (q (NB * 128, C), s
+    (NB, C)): as ``quantize_128x1_grouped(..., kmajor=True)``). Sync: none."""
+    q, s, rows = _grouped("quantize_1x128_and_128x1_grouped", x, offsets_E1, idx_R, block_offsets, num_rows, True,
+                          True, None, None)
+    return rows, (q, s)
+
+
+def _grouped(where, x, offsets_E1, idx_R, block_offsets, num_rows, kmajor: bool, rows_1x128: bool, out, scale_out):
+    """Check, allocate and launch the grouped quantizer: (q, s, (q1, s1) or None)."""
     _check_input("x", x, (2,), where)
     if offsets_E1.dim() != 1 or offsets_E1.shape[0] < 1:
         raise ValueError(f"{where}: offsets_E1 must be 1-D of E + 1 >= 1 entries, got {tuple(offsets_E1.shape)}")
@@ -182,23 +210,25 @@ def quantize_128x1_grouped(x: torch.Tensor, offsets_E1: torch.Tensor, idx_R: tor
     x = _dense(x)
     C = x.shape[1]
     NB = triton.cdiv(R, SCALE_BLOCK) + E
-    if kmajor and out is not None:
-        raise ValueError(f"{where}: out is not taken with kmajor=True (the bytes go to a new transposed buffer)")
     if kmajor:
         q_buf = torch.empty((C, NB * SCALE_BLOCK), dtype=E4M3, device=dev)  # rows of 128 * NB bytes: aligned
         q = q_buf.t()
     else:
         q = q_buf = _output(out, (R, C), E4M3, dev, "out", where)
     s = _output(scale_out, (NB, C), torch.float32, dev, "scale_out", where)
+    rows = None
+    if rows_1x128:
+        rows = (torch.empty((R, C), dtype=E4M3, device=dev),
+                torch.empty((R, triton.cdiv(C, SCALE_BLOCK)), dtype=torch.float32, device=dev))
     if R == 0 or C == 0 or E == 0:
-        return q, s
+        return q, s, rows
     if block_offsets is None:
         block_offsets = tile_offsets_for(offsets_E1, SCALE_BLOCK)
-    cols, warps = (_KMAJOR_COLS, _KMAJOR_WARPS) if kmajor else (_COLS_PER_PROGRAM, 4)
-    grid = (NB, triton.cdiv(C, cols))
-    quantize_128x1_grouped_kernel[grid](
+    cols, warps = (_KMAJOR_COLS, _DUAL_WARPS if rows_1x128 else _KMAJOR_WARPS) if kmajor else (_COLS_PER_PROGRAM, 4)
+    q1, s1 = (rows[0].view(torch.uint8), rows[1]) if rows is not None else (s, s)
+    quantize_128x1_grouped_kernel[(NB, triton.cdiv(C, cols))](
         x, idx_R if idx_R is not None else offsets_E1, offsets_E1, block_offsets,
-        q_buf.view(torch.int32) if kmajor else q_buf.view(torch.uint8), s, C, E, q_buf.shape[1],
-        GATHER=idx_R is not None, E_POW2=pow2(E), BLOCK_C=cols, KMAJOR=kmajor,
+        q_buf.view(torch.int32) if kmajor else q_buf.view(torch.uint8), s, q1, s1, C, E, q_buf.shape[1],
+        GATHER=idx_R is not None, E_POW2=pow2(E), BLOCK_C=cols, KMAJOR=kmajor, ROWS_1X128=rows_1x128,
         HW_CAST=not is_interpreted(quantize_128x1_grouped_kernel), num_warps=warps, enable_fp_fusion=True)
-    return q, s
+    return q, s, rows
