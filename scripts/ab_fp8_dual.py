@@ -1,6 +1,6 @@
 """A/B of the experiment megamoe.autograd_fp8.DUAL_DOUT on one GPU: the FP8 layer's forward + backward with the dout
 rows quantized 1x128 (for the dgrad) and 128x1 (for w2's weight gradient) by two kernels that each read the rows
-("separate", main's code) or by one kernel from one read ("dual").
+("separate", main's code) or by one kernel from one read ("dual": 4 warps, the branch's choice; "dual_8warps").
 
 Usage: python scripts/ab_fp8_dual.py [CASE ...]   (CASE = preset:tokens; default qwen3-30b-a3b:16384 deepseek-v3:8192)
 
@@ -24,9 +24,10 @@ from megamoe.bench.problem import make_problem
 from megamoe.bench.routing_models import make_routing
 from megamoe.bench.timing import Timer
 from megamoe.functional import moe_experts
+from megamoe.ops import fp8_quant
 
 ROUNDS, ITERS = (4, 10) if torch.cuda.is_available() else (1, 1)  # the CPU run is a smoke run
-ARMS = {"separate": False, "dual": True}
+ARMS = {"separate": (False, 4), "dual": (True, 4), "dual_8warps": (True, 8)}
 
 
 def _step(p):
@@ -36,7 +37,7 @@ def _step(p):
 
 
 def _arm(name: str) -> None:
-    autograd_fp8.DUAL_DOUT = ARMS[name]
+    autograd_fp8.DUAL_DOUT, fp8_quant._DUAL_WARPS = ARMS[name]
 
 
 def _case(spec: str, arms: list[str]) -> str:
