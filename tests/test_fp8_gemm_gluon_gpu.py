@@ -204,6 +204,20 @@ def _check_wgrad(counts, M, N, extra_rows=0, out_dtype=torch.float32, seed=0, to
 
 
 @needs_hopper
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M, N", [(128, 128), (256, 384), (640, 256)])
+def test_wgrad_prefetch_arm_bitwise_triton(M, N, out_dtype, monkeypatch):
+    """The A/B arm of scripts/ab_fp8_wgrad_prefetch.py (block j + 1's scales loaded during block j's wgmma) on the
+    edge experts and on deepseek-v3-like routing: the same bits as the Triton kernel, every element written."""
+    import megamoe.ops.fp8_gemm_gluon as fg
+
+    monkeypatch.setattr(fg, "WGRAD_PREFETCH", True)
+    assert _check_wgrad(COUNTS, M, N, extra_rows=37, out_dtype=out_dtype, seed=M + N)
+    if (M, N) == (640, 256):
+        _check_wgrad(_routing_counts(8192, 256, 8, seed=3), 1024, 512, out_dtype=out_dtype, seed=3)
+
+
+@needs_hopper
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("M, N", [(128, 128), (256, 384), (640, 256)])
 def test_wgrad_bitwise_triton_on_edge_experts(M, N, out_dtype):

@@ -297,26 +297,49 @@ def _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb):
 
 
 @gluon.jit
+def _wgrad_scales_masked(sp_ptrs, sq_ptrs, j, nb, stride_psb, stride_qsb):
+    """Block j's scales when j < nb, else zeros (block nb may lie past the scale buffers' last row)."""
+    ok = j < nb
+    return (gl.load(sp_ptrs + j * stride_psb, mask=ok, other=0.0),
+            gl.load(sq_ptrs + j * stride_qsb, mask=ok, other=0.0))
+
+
+@gluon.jit
 def _wgrad_k_loop(p_ring, q_ring, ready, empty, s, nb, sp_ptrs, sq_ptrs, stride_psb, stride_qsb,
                   CONSUMER: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                  MMA: gl.constexpr):
+                  MMA: gl.constexpr, PREFETCH: gl.constexpr):
     """One tile's reduction over its expert's nb blocks from step s, acc from zeros, blocks in order: issue block
     j's wgmma, wait for it, release its slot, promote (``acc + p * (sp[:, None] * sq[None, :])``, the Triton
-    kernel's expression: a product, then one fused multiply-add per element)."""
+    kernel's expression: a product, then one fused multiply-add per element). PREFETCH: block j + 1's scales are
+    loaded while block j's wgmma runs (their global-memory latency off the promotion's path); else block j's."""
     acc = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
-    for j in range(nb):
-        p = _issue(p_ring, q_ring, ready, s + j, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES, ROWS)
-        sp, sq = _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb)
-        p, acc = warpgroup_mma_wait(0, deps=[p, acc])
-        mbarrier.arrive(empty.index((s + j) % STAGES))
-        acc = acc + p * (sp[:, None] * sq[None, :])
+    if PREFETCH:
+        sp, sq = _wgrad_scales_masked(sp_ptrs, sq_ptrs, 0, nb, stride_psb, stride_qsb)
+        for j in range(nb):
+            p = _issue(p_ring, q_ring, ready, s + j, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES,
+                       ROWS)
+            sp_next, sq_next = _wgrad_scales_masked(sp_ptrs, sq_ptrs, j + 1, nb, stride_psb, stride_qsb)
+            p, acc = warpgroup_mma_wait(0, deps=[p, acc])
+            mbarrier.arrive(empty.index((s + j) % STAGES))
+            acc = acc + p * (sp[:, None] * sq[None, :])
+            sp = sp_next
+            sq = sq_next
+    else:
+        for j in range(nb):
+            p = _issue(p_ring, q_ring, ready, s + j, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES,
+                       ROWS)
+            sp, sq = _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb)
+            p, acc = warpgroup_mma_wait(0, deps=[p, acc])
+            mbarrier.arrive(empty.index((s + j) % STAGES))
+            acc = acc + p * (sp[:, None] * sq[None, :])
     return acc
 
 
 @gluon.jit
 def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
                          block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb,
-                         CONSUMER: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                         CONSUMER: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         PREFETCH: gl.constexpr):
     """One warpgroup: rows [64 CONSUMER, +64) of every tile of the program: wgmmas, promotion, TMA store."""
     ROWS: gl.constexpr = BLOCK_M // 2
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -335,7 +358,7 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, q
         sp_ptrs = ps_ptr + first64 * stride_psb + m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
         sq_ptrs = qs_ptr + first64 * stride_qsb + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
         acc = _wgrad_k_loop(p_ring, q_ring, ready, empty, s, nb, sp_ptrs, sq_ptrs, stride_psb, stride_qsb, CONSUMER,
-                            STAGES, ROWS, BLOCK_N, MMA)
+                            STAGES, ROWS, BLOCK_N, MMA, PREFETCH)
         tma.store_wait(0)  # this warpgroup's previous store has read the staging buffer
         cta_barrier()
         stage.store(acc.to(out_ty))
@@ -358,6 +381,7 @@ def fp8_k_grouped_ws_kernel(
     M, N, num_experts, stride_psb, stride_qsb,
     # tile config (num_warps = 4: the default partition is MMA warpgroup 0)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    PREFETCH: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one MMA warpgroup")
     gl.static_assert(BLOCK_M == 128, "128-row tiles: two warpgroups of 64 rows")
@@ -377,10 +401,10 @@ def fp8_k_grouped_ws_kernel(
     gl.warp_specialize([
         (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
                                 block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 0,
-                                STAGES, BLOCK_M, BLOCK_N)),
+                                STAGES, BLOCK_M, BLOCK_N, PREFETCH)),
         (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
                                 block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 1,
-                                STAGES, BLOCK_M, BLOCK_N)),
+                                STAGES, BLOCK_M, BLOCK_N, PREFETCH)),
         (_wgrad_load_warp, (p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr,
                             num_m_tiles, num_n_tiles, num_tiles, STAGES, BLOCK_M, BLOCK_N)),
     ], [4, 1], [232, 40])
