@@ -1,10 +1,15 @@
-"""A/B of the FP8 weight gradient's scale loads on one Hopper GPU (the Gluon kernel
-megamoe.kernels.fp8_gemm_gluon.fp8_k_grouped_ws_kernel), switch megamoe.ops.fp8_gemm_gluon.WGRAD_PREFETCH:
+"""A/B of the FP8 weight gradient's scale loads and epilogue on one Hopper GPU (the Gluon kernel
+megamoe.kernels.fp8_gemm_gluon.fp8_k_grouped_ws_kernel), switches megamoe.ops.fp8_gemm_gluon.WGRAD_PREFETCH and
+WGRAD_OVERLAP:
 
   * "base" (main's code): each MMA warpgroup loads block j's scales (P's per row, Q's per column) from global
     memory after issuing block j's wgmma, and needs them right after waiting for it;
   * "prefetch": block j + 1's scales are loaded while block j's wgmma runs (one block ahead, as the m-grouped
-    kernel does), so their latency is off the promotion's path.
+    kernel does), so their latency is off the promotion's path (WGRAD_PREFETCH);
+  * "overlap": each warpgroup issues a tile's first block's wgmma, then casts and stores the previous tile, then
+    promotes (WGRAD_OVERLAP): the epilogue no longer leaves the tensor cores idle (an empty expert's tile runs one
+    zero-filled block);
+  * "both".
 
 Usage: python scripts/ab_fp8_wgrad_prefetch.py [CASE ...]   (CASE = preset:tokens; default qwen3-30b-a3b:16384
 deepseek-v3:8192)
@@ -34,12 +39,12 @@ from megamoe.ops import build_routing_plan, fp8_gemm_gluon, fp8_quant
 from megamoe.ops.fp8_gemm import table_for
 
 ROUNDS, ITERS = 4, 10
-ARMS = {"base": False, "prefetch": True}
+ARMS = {"base": (False, False), "prefetch": (True, False), "overlap": (False, True), "both": (True, True)}
 BASE = "base"
 
 
 def _arm(name: str) -> None:
-    fp8_gemm_gluon.WGRAD_PREFETCH = ARMS[name]
+    fp8_gemm_gluon.WGRAD_PREFETCH, fp8_gemm_gluon.WGRAD_OVERLAP = ARMS[name]
 
 
 def _interleaved(timer: Timer, fn) -> dict[str, float]:

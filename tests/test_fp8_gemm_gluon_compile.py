@@ -146,7 +146,7 @@ _GL_OUT = {"bf16": "bfloat16", "fp32": "float32"}
 WGRAD_BLOCK_N = 128  # the launcher's 128 x 128 tiles (fp8_k_grouped_mm_gluon)
 
 
-def _compile_wgrad(out_dtype, prefetch=False):
+def _compile_wgrad(out_dtype, prefetch=False, overlap=False):
     """fp8_k_grouped_ws_kernel for sm_90a with the launcher's options (M, N and the block counts are run-time
     values: one kernel per output dtype)."""
     import triton
@@ -166,7 +166,7 @@ def _compile_wgrad(out_dtype, prefetch=False):
                c_desc=f"tensordesc<{out}[{c_block[0]}, {c_block[1]}],{c_layout!r}>", M="i32", N="i32",
                num_experts="i32", stride_psb="i32", stride_qsb="i32")
     const = dict(BLOCK_M=128, BLOCK_N=WGRAD_BLOCK_N, STAGES=fp8_gluon_stages(out_dtype), num_warps=4,
-                 PREFETCH=prefetch)
+                 PREFETCH=prefetch, OVERLAP=overlap)
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(kernel.arg_names)
     # M and N are multiples of 128 and the scales (NB, M) / (NB, N) contiguous: the strides are M and N
@@ -176,10 +176,11 @@ def _compile_wgrad(out_dtype, prefetch=False):
                           options=dict(num_warps=4, maxnreg=168, enable_fp_fusion=True))
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["scales", "prefetch"])
+@pytest.mark.parametrize("prefetch, overlap", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["base", "prefetch", "overlap", "prefetch-overlap"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_wgrad_compiles_to_fp8_wgmma_with_promotion_after_each_block(out_dtype, prefetch):
-    k = _compile_wgrad(out_dtype, prefetch)
+def test_wgrad_compiles_to_fp8_wgmma_with_promotion_after_each_block(out_dtype, prefetch, overlap):
+    k = _compile_wgrad(out_dtype, prefetch, overlap)
     ptx = k.asm["ptx"]
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)", ptx)) == {
         f"m64n{WGRAD_BLOCK_N}k32.f32.e4m3.e4m3"}

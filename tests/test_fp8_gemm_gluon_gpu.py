@@ -204,14 +204,19 @@ def _check_wgrad(counts, M, N, extra_rows=0, out_dtype=torch.float32, seed=0, to
 
 
 @needs_hopper
+@pytest.mark.parametrize("prefetch, overlap", [(True, False), (False, True), (True, True)],
+                         ids=["prefetch", "overlap", "prefetch-overlap"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("M, N", [(128, 128), (256, 384), (640, 256)])
-def test_wgrad_prefetch_arm_bitwise_triton(M, N, out_dtype, monkeypatch):
-    """The A/B arm of scripts/ab_fp8_wgrad_prefetch.py (block j + 1's scales loaded during block j's wgmma) on the
-    edge experts and on deepseek-v3-like routing: the same bits as the Triton kernel, every element written."""
+def test_wgrad_prefetch_arm_bitwise_triton(M, N, out_dtype, prefetch, overlap, monkeypatch):
+    """The A/B arms of scripts/ab_fp8_wgrad_prefetch.py (block j + 1's scales loaded during block j's wgmma; the
+    previous tile's epilogue during block 0's wgmma, an empty expert's tile on one zero-filled block) on the edge
+    experts (empty ones first and in the middle: exact +0.0) and on deepseek-v3-like routing: the same bits as the
+    Triton kernel, every element written."""
     import megamoe.ops.fp8_gemm_gluon as fg
 
-    monkeypatch.setattr(fg, "WGRAD_PREFETCH", True)
+    monkeypatch.setattr(fg, "WGRAD_PREFETCH", prefetch)
+    monkeypatch.setattr(fg, "WGRAD_OVERLAP", overlap)
     assert _check_wgrad(COUNTS, M, N, extra_rows=37, out_dtype=out_dtype, seed=M + N)
     if (M, N) == (640, 256):
         _check_wgrad(_routing_counts(8192, 256, 8, seed=3), 1024, 512, out_dtype=out_dtype, seed=3)

@@ -269,7 +269,8 @@ def _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles, num_n_t
 
 @gluon.jit
 def _wgrad_load_warp(p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
-                     num_n_tiles, num_tiles, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                     num_n_tiles, num_tiles, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     OVERLAP: gl.constexpr):
     """One warp: TMA copies of every block of the program's tiles, in order (P^T's rows of the m-tile, Q^T's of
     the n-tile, 128 columns of the block), each into a slot both MMA warpgroups released."""
     G = gl.num_programs(0)
@@ -278,12 +279,13 @@ def _wgrad_load_warp(p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_p
     while tile < num_tiles:
         _, m_tile, n_tile, first, nb = _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
                                                      num_n_tiles)
-        for j in range(nb):
+        nbl = gl.maximum(nb, 1) if OVERLAP else nb
+        for j in range(nbl):
             slot = s % STAGES
             mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1)  # a fresh slot passes at once
             bar = ready.index(slot)
             mbarrier.expect(bar, p_desc.block_type.nbytes + q_desc.block_type.nbytes)
-            k = (first + j) * QB
+            k = (first + j) * QB if nb > 0 else -QB  # an empty expert's block: all out of bounds, zeros
             tma_load(p_desc, [m_tile * BLOCK_M, k], bar, p_ring.index(slot))
             tma_load(q_desc, [n_tile * BLOCK_N, k], bar, q_ring.index(slot))
             s += 1
@@ -371,6 +373,79 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, q
 
 
 @gluon.jit
+def _wgrad_store(acc, stage, c_desc, row, n0):
+    """A warpgroup's epilogue: ``cast(acc)`` through its staging buffer, out by a TMA store."""
+    tma.store_wait(0)  # this warpgroup's previous store has read the staging buffer
+    cta_barrier()
+    stage.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    cta_barrier()  # the warpgroup's whole block is in shared memory
+    tma_store(c_desc, [row, n0], stage)
+
+
+@gluon.jit
+def _wgrad_mma_warpgroup_overlap(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
+                                 block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb,
+                                 CONSUMER: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                                 BLOCK_N: gl.constexpr, PREFETCH: gl.constexpr):
+    """As _wgrad_mma_warpgroup, with the previous tile's epilogue run while the tile's first block's wgmma runs:
+    every tile has at least one block (an empty expert's is zeros, its scales zeros: +0.0 out), block 0 is issued,
+    then the previous tile is cast and stored, then block 0 is promoted (``zeros + p * s``: the first promotion
+    of the other loop) and the rest of the blocks follow as there."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 32])
+    stage = c_smem.index(CONSUMER)
+    G = gl.num_programs(0)
+    s = 0
+    tile = gl.program_id(0)
+    acc_prev = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
+    have = 0
+    row_prev = 0
+    n_prev = 0
+    while tile < num_tiles:
+        expert, m_tile, n_tile, first, nb = _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
+                                                          num_n_tiles)
+        m0 = m_tile * BLOCK_M + CONSUMER * ROWS
+        n0 = n_tile * BLOCK_N
+        first64 = first.to(gl.int64)
+        sp_ptrs = ps_ptr + first64 * stride_psb + m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
+        sq_ptrs = qs_ptr + first64 * stride_qsb + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+        p = _issue(p_ring, q_ring, ready, s, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES, ROWS)
+        sp, sq = _wgrad_scales_masked(sp_ptrs, sq_ptrs, 0, nb, stride_psb, stride_qsb)
+        if have != 0:
+            _wgrad_store(acc_prev, stage, c_desc, row_prev, n_prev)
+        p = warpgroup_mma_wait(0, deps=[p])
+        mbarrier.arrive(empty.index(s % STAGES))
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
+        acc = acc + p * (sp[:, None] * sq[None, :])
+        if PREFETCH:
+            sp, sq = _wgrad_scales_masked(sp_ptrs, sq_ptrs, 1, nb, stride_psb, stride_qsb)
+        for j in range(1, nb):
+            p = _issue(p_ring, q_ring, ready, s + j, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES,
+                       ROWS)
+            if PREFETCH:
+                sp_next, sq_next = _wgrad_scales_masked(sp_ptrs, sq_ptrs, j + 1, nb, stride_psb, stride_qsb)
+            else:
+                sp, sq = _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb)
+            p, acc = warpgroup_mma_wait(0, deps=[p, acc])
+            mbarrier.arrive(empty.index((s + j) % STAGES))
+            acc = acc + p * (sp[:, None] * sq[None, :])
+            if PREFETCH:
+                sp = sp_next
+                sq = sq_next
+        acc_prev = acc
+        have = 1
+        row_prev = expert * M + m0
+        n_prev = n0
+        s += gl.maximum(nb, 1)
+        tile += G
+    if have != 0:
+        _wgrad_store(acc_prev, stage, c_desc, row_prev, n_prev)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def fp8_k_grouped_ws_kernel(
     # inputs: TMA descriptors of P^T (M, 128 NB) and Q^T (N, 128 NB) e4m3, blocks (BLOCK_M, 128) / (BLOCK_N, 128);
     # their scales sp (NB, M), sq (NB, N) fp32 (last dimension contiguous); expert row offsets, block table
@@ -381,7 +456,7 @@ def fp8_k_grouped_ws_kernel(
     M, N, num_experts, stride_psb, stride_qsb,
     # tile config (num_warps = 4: the default partition is MMA warpgroup 0)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-    PREFETCH: gl.constexpr = False,
+    PREFETCH: gl.constexpr = False, OVERLAP: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one MMA warpgroup")
     gl.static_assert(BLOCK_M == 128, "128-row tiles: two warpgroups of 64 rows")
@@ -398,13 +473,25 @@ def fp8_k_grouped_ws_kernel(
     num_m_tiles = M // BLOCK_M
     num_n_tiles = N // BLOCK_N
     num_tiles = num_experts * num_m_tiles * num_n_tiles
-    gl.warp_specialize([
-        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
-                                block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 0,
-                                STAGES, BLOCK_M, BLOCK_N, PREFETCH)),
-        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
-                                block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 1,
-                                STAGES, BLOCK_M, BLOCK_N, PREFETCH)),
-        (_wgrad_load_warp, (p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr,
-                            num_m_tiles, num_n_tiles, num_tiles, STAGES, BLOCK_M, BLOCK_N)),
-    ], [4, 1], [232, 40])
+    if OVERLAP:
+        gl.warp_specialize([
+            (_wgrad_mma_warpgroup_overlap, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr,
+                                            row_offsets_ptr, block_offsets_ptr, M, num_m_tiles, num_n_tiles,
+                                            num_tiles, stride_psb, stride_qsb, 0, STAGES, BLOCK_M, BLOCK_N, PREFETCH)),
+            (_wgrad_mma_warpgroup_overlap, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr,
+                                            row_offsets_ptr, block_offsets_ptr, M, num_m_tiles, num_n_tiles,
+                                            num_tiles, stride_psb, stride_qsb, 1, STAGES, BLOCK_M, BLOCK_N, PREFETCH)),
+            (_wgrad_load_warp, (p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr,
+                                num_m_tiles, num_n_tiles, num_tiles, STAGES, BLOCK_M, BLOCK_N, True)),
+        ], [4, 1], [232, 40])
+    else:
+        gl.warp_specialize([
+            (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
+                                    block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb,
+                                    stride_qsb, 0, STAGES, BLOCK_M, BLOCK_N, PREFETCH)),
+            (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
+                                    block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb,
+                                    stride_qsb, 1, STAGES, BLOCK_M, BLOCK_N, PREFETCH)),
+            (_wgrad_load_warp, (p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr,
+                                num_m_tiles, num_n_tiles, num_tiles, STAGES, BLOCK_M, BLOCK_N, False)),
+        ], [4, 1], [232, 40])

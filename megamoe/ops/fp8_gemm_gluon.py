@@ -48,6 +48,7 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SMEM = 227 * 1024  # a Hopper block's shared memory
 _WS_MAXNREG = 168  # registers per thread at launch (12 warps); the partitions then trade (232 / 40)
 WGRAD_PREFETCH = False  # A/B switch (scripts/ab_fp8_wgrad_prefetch.py): block j + 1's scales loaded during block j
+WGRAD_OVERLAP = False  # A/B switch (the same script): the previous tile's epilogue during block 0's wgmma
 
 
 def fp8_gluon_runs_on(device: torch.device) -> bool:
@@ -248,6 +249,6 @@ def fp8_k_grouped_mm_gluon(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor,
     fp8_k_grouped_ws_kernel[(max(1, min(sm_budget(c.device), num_tiles)),)](
         p_desc, q_desc, ps, qs, offsets_E1, blocks, c_desc, M, N, E, ps.stride(0), qs.stride(0),
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=fp8_gluon_stages(out_dtype), num_warps=4,
-        PREFETCH=WGRAD_PREFETCH, maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
+        PREFETCH=WGRAD_PREFETCH, OVERLAP=WGRAD_OVERLAP, maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
     )
     return c
