@@ -207,8 +207,9 @@ def _check_wgrad(counts, M, N, extra_rows=0, out_dtype=torch.float32, seed=0, to
 @pytest.mark.parametrize("prefetch, overlap", [(True, False), (False, True), (True, True)],
                          ids=["prefetch", "overlap", "prefetch-overlap"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("programs", [None, 1, 3], ids=["grid", "1prog", "3prog"])
 @pytest.mark.parametrize("M, N", [(128, 128), (256, 384), (640, 256)])
-def test_wgrad_prefetch_arm_bitwise_triton(M, N, out_dtype, prefetch, overlap, monkeypatch):
+def test_wgrad_prefetch_arm_bitwise_triton(M, N, out_dtype, prefetch, overlap, programs, monkeypatch):
     """The A/B arms of scripts/ab_fp8_wgrad_prefetch.py (block j + 1's scales loaded during block j's wgmma; the
     previous tile's epilogue during block 0's wgmma, an empty expert's tile on one zero-filled block) on the edge
     experts (empty ones first and in the middle: exact +0.0) and on deepseek-v3-like routing: the same bits as the
@@ -217,6 +218,10 @@ def test_wgrad_prefetch_arm_bitwise_triton(M, N, out_dtype, prefetch, overlap, m
 
     monkeypatch.setattr(fg, "WGRAD_PREFETCH", prefetch)
     monkeypatch.setattr(fg, "WGRAD_OVERLAP", overlap)
+    if programs is not None:  # many tiles per program: deferred stores, tiles after an empty expert, ring wraps
+        monkeypatch.setattr(fg, "sm_budget", lambda device: programs)
+        assert _check_wgrad(COUNTS * 3, M, N, extra_rows=37, out_dtype=out_dtype, seed=M + N + programs)
+        return
     assert _check_wgrad(COUNTS, M, N, extra_rows=37, out_dtype=out_dtype, seed=M + N)
     if (M, N) == (640, 256):
         _check_wgrad(_routing_counts(8192, 256, 8, seed=3), 1024, 512, out_dtype=out_dtype, seed=3)
