@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .gluon_compat import cta_barrier, tma_load, tma_store
 
 QB = gl.constexpr(128)  # the scale group: K-block and B's scale block
+_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # Triton >= 3.7; 3.6: _reinterpret
 
 
 @gluon.jit
@@ -255,6 +256,9 @@ def fp8_m_grouped_ws_kernel(
 # spills, and the 128 x 64 tiles it fits in read 1.5x the L2 bytes per FLOP (measured 1.15-1.31x the time).
 # A tile's epilogue runs while the next tile's first wgmma does (two accumulators live then, as in the loop), so
 # the tensor cores do not wait for the stores: at deepseek-v3's ~256 rows per expert a tile has only 2-3 blocks.
+# The scales ride the load ring: the load warp copies each block's row of sp (over the tile's 128 rows) and of sq
+# (over its 128 columns) by TMA into the block's slot, so a promotion reads them from shared memory (loaded from
+# global memory by the warpgroups, they were the kernel's largest stall: the promotion waiting on their latency).
 
 
 @gluon.jit
@@ -270,11 +274,13 @@ def _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles, num_n_t
 
 
 @gluon.jit
-def _wgrad_load_warp(p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
-                     num_n_tiles, num_tiles, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _wgrad_load_warp(p_desc, q_desc, sp_desc, sq_desc, p_ring, q_ring, sp_ring, sq_ring, ready, empty,
+                     row_offsets_ptr, block_offsets_ptr, num_m_tiles, num_n_tiles, num_tiles, STAGES: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """One warp: TMA copies of every block of the program's tiles, in order (P^T's rows of the m-tile, Q^T's of
-    the n-tile, 128 columns of the block), each into a slot both MMA warpgroups released; a tile of an empty
-    expert gets one block of zeros (TMA fills a box outside the tensor with zeros)."""
+    the n-tile, 128 columns of the block, and the block's row of each scale grid over the tile's rows and
+    columns), each into a slot both MMA warpgroups released; a tile of an empty expert gets one block of zeros
+    with zero scales (TMA fills a box outside the tensor with zeros)."""
     G = gl.num_programs(0)
     s = 0
     tile = gl.program_id(0)
@@ -285,27 +291,31 @@ def _wgrad_load_warp(p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_p
             slot = s % STAGES
             mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1)  # a fresh slot passes at once
             bar = ready.index(slot)
-            mbarrier.expect(bar, p_desc.block_type.nbytes + q_desc.block_type.nbytes)
-            k = (first + j) * QB if nb > 0 else -QB
-            tma_load(p_desc, [m_tile * BLOCK_M, k], bar, p_ring.index(slot))
-            tma_load(q_desc, [n_tile * BLOCK_N, k], bar, q_ring.index(slot))
+            mbarrier.expect(bar, p_desc.block_type.nbytes + q_desc.block_type.nbytes + sp_desc.block_type.nbytes +
+                            sq_desc.block_type.nbytes)
+            b = first + j if nb > 0 else -1
+            tma_load(p_desc, [m_tile * BLOCK_M, b * QB], bar, p_ring.index(slot))
+            tma_load(q_desc, [n_tile * BLOCK_N, b * QB], bar, q_ring.index(slot))
+            tma_load(sp_desc, [b, m_tile * BLOCK_M], bar, sp_ring.index(slot))
+            tma_load(sq_desc, [b, n_tile * BLOCK_N], bar, sq_ring.index(slot))
             s += 1
         tile += G
 
 
 @gluon.jit
-def _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb):
-    """Block j's scales: P's per row of the warpgroup (sp), Q's per column of the tile (sq)."""
-    return gl.load(sp_ptrs + j * stride_psb), gl.load(sq_ptrs + j * stride_qsb)
-
-
-@gluon.jit
-def _wgrad_scales_masked(sp_ptrs, sq_ptrs, j, nb, stride_psb, stride_qsb):
-    """Block j's scales when j < nb, else zeros (an empty expert's block: its first block may be past the scales'
-    last row)."""
-    ok = j < nb
-    return (gl.load(sp_ptrs + j * stride_psb, mask=ok, other=0.0),
-            gl.load(sq_ptrs + j * stride_qsb, mask=ok, other=0.0))
+def _wgrad_scales(sp_ring, sq_ring, s, STAGES: gl.constexpr, CONSUMER: gl.constexpr, ROWS: gl.constexpr,
+                  MMA: gl.constexpr):
+    """Step s's scales from its ring slot (landed with its operands): P's for this warpgroup's rows, Q's for the
+    tile's columns (each slot holds one (1, 128) row of each grid, read as a (128,) row)."""
+    slot = s % STAGES
+    ROW: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    if _REINTERPRET:
+        sp_row = sp_ring.index(slot).reinterpret(gl.float32, [sp_ring.shape[2]], ROW)
+        sq_row = sq_ring.index(slot).reinterpret(gl.float32, [sq_ring.shape[2]], ROW)
+    else:
+        sp_row = sp_ring.index(slot)._reinterpret(gl.float32, [sp_ring.shape[2]], ROW)
+        sq_row = sq_ring.index(slot)._reinterpret(gl.float32, [sq_ring.shape[2]], ROW)
+    return sp_row.slice(CONSUMER * ROWS, ROWS).load(gl.SliceLayout(1, MMA)), sq_row.load(gl.SliceLayout(0, MMA))
 
 
 @gluon.jit
@@ -320,9 +330,9 @@ def _wgrad_store(acc, stage, c_desc, row, n0):
 
 
 @gluon.jit
-def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
-                         block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb,
-                         CONSUMER: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _wgrad_mma_warpgroup(p_ring, q_ring, sp_ring, sq_ring, ready, empty, c_smem, c_desc, row_offsets_ptr,
+                         block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, CONSUMER: gl.constexpr,
+                         STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """One warpgroup: rows [64 CONSUMER, +64) of every tile of the program. Per tile: issue block 0's wgmma, run
     the previous tile's epilogue meanwhile (cast, staging buffer, TMA store), then wait and promote block 0
     (``zeros + p * s``) and the other blocks one at a time (issue, wait, promote). An empty expert's tile runs
@@ -339,15 +349,12 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, q
     row_prev = 0
     n_prev = 0
     while tile < num_tiles:
-        expert, m_tile, n_tile, first, nb = _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
-                                                          num_n_tiles)
+        expert, m_tile, n_tile, _, nb = _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
+                                                      num_n_tiles)
         m0 = m_tile * BLOCK_M + CONSUMER * ROWS
         n0 = n_tile * BLOCK_N
-        first64 = first.to(gl.int64)
-        sp_ptrs = ps_ptr + first64 * stride_psb + m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
-        sq_ptrs = qs_ptr + first64 * stride_qsb + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
         p = _issue(p_ring, q_ring, ready, s, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES, ROWS)
-        sp, sq = _wgrad_scales_masked(sp_ptrs, sq_ptrs, 0, nb, stride_psb, stride_qsb)
+        sp, sq = _wgrad_scales(sp_ring, sq_ring, s, STAGES, CONSUMER, ROWS, MMA)
         if have != 0:
             _wgrad_store(acc_prev, stage, c_desc, row_prev, n_prev)
         p = warpgroup_mma_wait(0, deps=[p])
@@ -357,7 +364,7 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, q
         for j in range(1, nb):
             p = _issue(p_ring, q_ring, ready, s + j, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES,
                        ROWS)
-            sp, sq = _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb)
+            sp, sq = _wgrad_scales(sp_ring, sq_ring, s + j, STAGES, CONSUMER, ROWS, MMA)
             p, acc = warpgroup_mma_wait(0, deps=[p, acc])
             mbarrier.arrive(empty.index((s + j) % STAGES))
             acc = acc + p * (sp[:, None] * sq[None, :])
@@ -374,13 +381,14 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, q
 
 @gluon.jit
 def fp8_k_grouped_ws_kernel(
-    # inputs: TMA descriptors of P^T (M, 128 NB) and Q^T (N, 128 NB) e4m3, blocks (BLOCK_M, 128) / (BLOCK_N, 128);
-    # their scales sp (NB, M), sq (NB, N) fp32 (last dimension contiguous); expert row offsets, block table
-    p_desc, q_desc, ps_ptr, qs_ptr, row_offsets_ptr, block_offsets_ptr,
+    # inputs: TMA descriptors of P^T (M, 128 NB) and Q^T (N, 128 NB) e4m3, blocks (BLOCK_M, 128) / (BLOCK_N, 128),
+    # and of their scales sp (NB, M), sq (NB, N) fp32, blocks (1, BLOCK_M) / (1, BLOCK_N); expert row offsets,
+    # block table
+    p_desc, q_desc, sp_desc, sq_desc, row_offsets_ptr, block_offsets_ptr,
     # output C (E, M, N) as its (E M, N) TMA descriptor, block (BLOCK_M / 2, BLOCK_N)
     c_desc,
-    # shapes and strides (elements)
-    M, N, num_experts, stride_psb, stride_qsb,
+    # shapes
+    M, N, num_experts,
     # tile config (num_warps = 4: the default partition is MMA warpgroup 0)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -390,6 +398,8 @@ def fp8_k_grouped_ws_kernel(
     dtype: gl.constexpr = p_desc.dtype
     p_ring = gl.allocate_shared_memory(dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    sp_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + sp_desc.block_type.shape, sp_desc.layout)
+    sq_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + sq_desc.block_type.shape, sq_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -400,12 +410,13 @@ def fp8_k_grouped_ws_kernel(
     num_n_tiles = N // BLOCK_N
     num_tiles = num_experts * num_m_tiles * num_n_tiles
     gl.warp_specialize([
-        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
-                                block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 0,
-                                STAGES, BLOCK_M, BLOCK_N)),
-        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
-                                block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 1,
-                                STAGES, BLOCK_M, BLOCK_N)),
-        (_wgrad_load_warp, (p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr,
-                            num_m_tiles, num_n_tiles, num_tiles, STAGES, BLOCK_M, BLOCK_N)),
+        (_wgrad_mma_warpgroup, (p_ring, q_ring, sp_ring, sq_ring, ready, empty, c_smem, c_desc, row_offsets_ptr,
+                                block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, 0, STAGES, BLOCK_M,
+                                BLOCK_N)),
+        (_wgrad_mma_warpgroup, (p_ring, q_ring, sp_ring, sq_ring, ready, empty, c_smem, c_desc, row_offsets_ptr,
+                                block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, 1, STAGES, BLOCK_M,
+                                BLOCK_N)),
+        (_wgrad_load_warp, (p_desc, q_desc, sp_desc, sq_desc, p_ring, q_ring, sp_ring, sq_ring, ready, empty,
+                            row_offsets_ptr, block_offsets_ptr, num_m_tiles, num_n_tiles, num_tiles, STAGES, BLOCK_M,
+                            BLOCK_N)),
     ], [4, 1], [232, 40])

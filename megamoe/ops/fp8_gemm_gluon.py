@@ -37,7 +37,7 @@ except Exception:  # noqa: BLE001 - any import problem means: no Gluon kernel
 
 __all__ = [
     "fp8_grouped_mm_nt_gluon", "fp8_k_grouped_mm_gluon", "FP8_GLUON_AVAILABLE", "fp8_gluon_runs_on",
-    "fp8_gluon_stages", "fp8_gluon_unroll",
+    "fp8_gluon_stages", "fp8_gluon_unroll", "fp8_wgrad_stages",
 ]
 
 FP8_GLUON_AVAILABLE = fp8_m_grouped_ws_kernel is not None
@@ -58,11 +58,19 @@ def fp8_gluon_runs_on(device: torch.device) -> bool:
 
 
 def fp8_gluon_stages(out_dtype: torch.dtype) -> int:
-    """Ring depth of both kernels' 128 x 128 tiles (pure function): the most (128 + 128) x 128-byte (A + B) slots
+    """Ring depth of the m-grouped kernel's 128 x 128 tiles (pure function): the most (128 + 128) x 128-byte (A + B) slots
     that fit beside the two staging buffers of the output tile (64 x 128 of out_dtype each) and the barriers, at
     most 6."""
     staging = 2 * (_BLOCK_M // 2) * _BLOCK_N * torch.empty((), dtype=out_dtype).element_size()
     slot = (_BLOCK_M + _BLOCK_N) * QB
+    return min(6, (_SMEM - staging - 1024) // slot)
+
+
+def fp8_wgrad_stages(out_dtype: torch.dtype) -> int:
+    """Ring depth of the weight gradient (pure function): as :func:`fp8_gluon_stages`, each slot also holding the
+    block's two rows of 128 fp32 scales."""
+    staging = 2 * (_BLOCK_M // 2) * _BLOCK_N * torch.empty((), dtype=out_dtype).element_size()
+    slot = (_BLOCK_M + _BLOCK_N) * QB + 4 * (_BLOCK_M + _BLOCK_N)
     return min(6, (_SMEM - staging - 1024) // slot)
 
 
@@ -204,7 +212,7 @@ def _validate_wgrad(where, pq, ps, qq, qs, offsets_E1, block_offsets_E1, out_dty
                              f"E for both tables), got {getattr(t, 'dtype', type(t).__name__)} "
                              f"{tuple(getattr(t, 'shape', ()))}")
     _check_launch(where, "fp8_k_grouped_mm", out_dtype, [pq, ps, qq, qs] + [t for _, t in tables],
-                  {"pq": pq, "qq": qq})
+                  {"pq": pq, "qq": qq, "ps": ps, "qs": qs})
     return R, offsets_E1.numel() - 1, M, N
 
 
@@ -243,10 +251,13 @@ def fp8_k_grouped_mm_gluon(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor,
     c_block = [_BLOCK_M // 2, _BLOCK_N]  # one MMA warpgroup's rows
     c_desc = TensorDescriptor(c.view(E * M, N), [E * M, N], [N, 1], c_block,
                               gl.NVMMASharedLayout.get_default_for(c_block, _gl_dtype(out_dtype)))
+    row = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a block's row of 128 scales
+    sp_desc = TensorDescriptor(ps, list(ps.shape), [M, 1], [1, _BLOCK_M], row)
+    sq_desc = TensorDescriptor(qs, list(qs.shape), [N, 1], [1, _BLOCK_N], row)
     num_tiles = E * (M // _BLOCK_M) * (N // _BLOCK_N)
     fp8_k_grouped_ws_kernel[(max(1, min(sm_budget(c.device), num_tiles)),)](
-        p_desc, q_desc, ps, qs, offsets_E1, blocks, c_desc, M, N, E, ps.stride(0), qs.stride(0),
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=fp8_gluon_stages(out_dtype), num_warps=4,
+        p_desc, q_desc, sp_desc, sq_desc, offsets_E1, blocks, c_desc, M, N, E,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=fp8_wgrad_stages(out_dtype), num_warps=4,
         maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
     )
     return c
