@@ -28,6 +28,7 @@ from megamoe.ops.fp8_gemm_gluon import (
     FP8_GLUON_AVAILABLE,
     fp8_gluon_stages,
     fp8_gluon_unroll,
+    fp8_wgrad_stages,
     fp8_grouped_mm_nt_gluon,
 )
 
@@ -146,7 +147,7 @@ _GL_OUT = {"bf16": "bfloat16", "fp32": "float32"}
 WGRAD_BLOCK_N = 128  # the launcher's 128 x 128 tiles (fp8_k_grouped_mm_gluon)
 
 
-def _compile_wgrad(out_dtype):
+def _compile_wgrad(out_dtype, tma_scales=False):
     """fp8_k_grouped_ws_kernel for sm_90a with the launcher's options (M, N and the block counts are run-time
     values: one kernel per output dtype)."""
     import triton
@@ -165,7 +166,13 @@ def _compile_wgrad(out_dtype):
                row_offsets_ptr="*i32", block_offsets_ptr="*i32",
                c_desc=f"tensordesc<{out}[{c_block[0]}, {c_block[1]}],{c_layout!r}>", M="i32", N="i32",
                num_experts="i32", stride_psb="i32", stride_qsb="i32")
-    const = dict(BLOCK_M=128, BLOCK_N=WGRAD_BLOCK_N, STAGES=fp8_gluon_stages(out_dtype), num_warps=4)
+    const = dict(BLOCK_M=128, BLOCK_N=WGRAD_BLOCK_N, STAGES=fp8_wgrad_stages(out_dtype, tma_scales), num_warps=4,
+                 TMA_SCALES=tma_scales)
+    if tma_scales:
+        row = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        sig.update(sp_desc=f"tensordesc<fp32[1, 128],{row!r}>", sq_desc=f"tensordesc<fp32[1, {WGRAD_BLOCK_N}],{row!r}>")
+    else:
+        const.update(sp_desc=None, sq_desc=None)
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(kernel.arg_names)
     # M and N are multiples of 128 and the scales (NB, M) / (NB, N) contiguous: the strides are M and N
@@ -175,9 +182,10 @@ def _compile_wgrad(out_dtype):
                           options=dict(num_warps=4, maxnreg=168, enable_fp_fusion=True))
 
 
+@pytest.mark.parametrize("tma_scales", [False, True], ids=["ld-scales", "tma-scales"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_wgrad_compiles_to_fp8_wgmma_with_promotion_after_each_block(out_dtype):
-    k = _compile_wgrad(out_dtype)
+def test_wgrad_compiles_to_fp8_wgmma_with_promotion_after_each_block(out_dtype, tma_scales):
+    k = _compile_wgrad(out_dtype, tma_scales)
     ptx = k.asm["ptx"]
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)", ptx)) == {
         f"m64n{WGRAD_BLOCK_N}k32.f32.e4m3.e4m3"}

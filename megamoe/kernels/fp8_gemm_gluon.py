@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .gluon_compat import cta_barrier, tma_load, tma_store
 
 QB = gl.constexpr(128)  # the scale group: K-block and B's scale block
+_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # Triton >= 3.7; 3.6: _reinterpret
 
 
 @gluon.jit
@@ -270,8 +271,9 @@ def _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles, num_n_t
 
 
 @gluon.jit
-def _wgrad_load_warp(p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
-                     num_n_tiles, num_tiles, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _wgrad_load_warp(p_desc, q_desc, p_ring, q_ring, sp_desc, sq_desc, sp_ring, sq_ring, ready, empty,
+                     row_offsets_ptr, block_offsets_ptr, num_m_tiles, num_n_tiles, num_tiles, STAGES: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TMA_SCALES: gl.constexpr):
     """One warp: TMA copies of every block of the program's tiles, in order (P^T's rows of the m-tile, Q^T's of
     the n-tile, 128 columns of the block), each into a slot both MMA warpgroups released; a tile of an empty
     expert gets one block of zeros (TMA fills a box outside the tensor with zeros)."""
@@ -285,8 +287,15 @@ def _wgrad_load_warp(p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_p
             slot = s % STAGES
             mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1)  # a fresh slot passes at once
             bar = ready.index(slot)
-            mbarrier.expect(bar, p_desc.block_type.nbytes + q_desc.block_type.nbytes)
             k = (first + j) * QB if nb > 0 else -QB
+            if TMA_SCALES:  # the block's scale rows too (row -1, out of bounds, for an empty expert: zeros)
+                mbarrier.expect(bar, p_desc.block_type.nbytes + q_desc.block_type.nbytes +
+                                sp_desc.block_type.nbytes + sq_desc.block_type.nbytes)
+                b = first + j if nb > 0 else -1
+                tma_load(sp_desc, [b, m_tile * BLOCK_M], bar, sp_ring.index(slot))
+                tma_load(sq_desc, [b, n_tile * BLOCK_N], bar, sq_ring.index(slot))
+            else:
+                mbarrier.expect(bar, p_desc.block_type.nbytes + q_desc.block_type.nbytes)
             tma_load(p_desc, [m_tile * BLOCK_M, k], bar, p_ring.index(slot))
             tma_load(q_desc, [n_tile * BLOCK_N, k], bar, q_ring.index(slot))
             s += 1
@@ -309,6 +318,23 @@ def _wgrad_scales_masked(sp_ptrs, sq_ptrs, j, nb, stride_psb, stride_qsb):
 
 
 @gluon.jit
+def _wgrad_scales_smem(sp_rows, sq_rows, s, STAGES: gl.constexpr, CONSUMER: gl.constexpr, ROWS: gl.constexpr,
+                       MMA: gl.constexpr):
+    """Step s's scales from its ring slot (landed with the operands): this warpgroup's rows of sp, all of sq."""
+    slot = s % STAGES
+    ROW: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    if _REINTERPRET:  # (1, 128) -> (128,)
+        sp_row = sp_rows.index(slot).reinterpret(gl.float32, [sp_rows.shape[2]], ROW)
+        sq_row = sq_rows.index(slot).reinterpret(gl.float32, [sq_rows.shape[2]], ROW)
+    else:
+        sp_row = sp_rows.index(slot)._reinterpret(gl.float32, [sp_rows.shape[2]], ROW)
+        sq_row = sq_rows.index(slot)._reinterpret(gl.float32, [sq_rows.shape[2]], ROW)
+    sp = sp_row.slice(CONSUMER * ROWS, ROWS).load(gl.SliceLayout(1, MMA))
+    sq = sq_row.load(gl.SliceLayout(0, MMA))
+    return sp, sq
+
+
+@gluon.jit
 def _wgrad_store(acc, stage, c_desc, row, n0):
     """A warpgroup's epilogue: ``cast(acc)`` through its staging buffer, out by a TMA store."""
     tma.store_wait(0)  # this warpgroup's previous store has read the staging buffer
@@ -320,9 +346,10 @@ def _wgrad_store(acc, stage, c_desc, row, n0):
 
 
 @gluon.jit
-def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
-                         block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb,
-                         CONSUMER: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _wgrad_mma_warpgroup(p_ring, q_ring, sp_rows, sq_rows, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr,
+                         row_offsets_ptr, block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb,
+                         stride_qsb, CONSUMER: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, TMA_SCALES: gl.constexpr):
     """One warpgroup: rows [64 CONSUMER, +64) of every tile of the program. Per tile: issue block 0's wgmma, run
     the previous tile's epilogue meanwhile (cast, staging buffer, TMA store), then wait and promote block 0
     (``zeros + p * s``) and the other blocks one at a time (issue, wait, promote). An empty expert's tile runs
@@ -347,7 +374,10 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, q
         sp_ptrs = ps_ptr + first64 * stride_psb + m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
         sq_ptrs = qs_ptr + first64 * stride_qsb + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
         p = _issue(p_ring, q_ring, ready, s, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES, ROWS)
-        sp, sq = _wgrad_scales_masked(sp_ptrs, sq_ptrs, 0, nb, stride_psb, stride_qsb)
+        if TMA_SCALES:
+            sp, sq = _wgrad_scales_smem(sp_rows, sq_rows, s, STAGES, CONSUMER, ROWS, MMA)
+        else:
+            sp, sq = _wgrad_scales_masked(sp_ptrs, sq_ptrs, 0, nb, stride_psb, stride_qsb)
         if have != 0:
             _wgrad_store(acc_prev, stage, c_desc, row_prev, n_prev)
         p = warpgroup_mma_wait(0, deps=[p])
@@ -357,7 +387,10 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, q
         for j in range(1, nb):
             p = _issue(p_ring, q_ring, ready, s + j, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES,
                        ROWS)
-            sp, sq = _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb)
+            if TMA_SCALES:
+                sp, sq = _wgrad_scales_smem(sp_rows, sq_rows, s + j, STAGES, CONSUMER, ROWS, MMA)
+            else:
+                sp, sq = _wgrad_scales(sp_ptrs, sq_ptrs, j, stride_psb, stride_qsb)
             p, acc = warpgroup_mma_wait(0, deps=[p, acc])
             mbarrier.arrive(empty.index((s + j) % STAGES))
             acc = acc + p * (sp[:, None] * sq[None, :])
@@ -383,6 +416,9 @@ def fp8_k_grouped_ws_kernel(
     M, N, num_experts, stride_psb, stride_qsb,
     # tile config (num_warps = 4: the default partition is MMA warpgroup 0)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    # TMA_SCALES: the scales' TMA descriptors (blocks (1, BLOCK_M) of sp, (1, BLOCK_N) of sq) load them with the
+    # operands into the ring; else the MMA warpgroups load them from global memory
+    sp_desc=None, sq_desc=None, TMA_SCALES: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one MMA warpgroup")
     gl.static_assert(BLOCK_M == 128, "128-row tiles: two warpgroups of 64 rows")
@@ -391,6 +427,16 @@ def fp8_k_grouped_ws_kernel(
     p_ring = gl.allocate_shared_memory(dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    if TMA_SCALES:
+        sp_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + sp_desc.block_type.shape, sp_desc.layout)
+        sq_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + sq_desc.block_type.shape, sq_desc.layout)
+        sp_rows = sp_ring
+        sq_rows = sq_ring
+    else:
+        sp_ring = c_smem  # unused
+        sq_ring = c_smem
+        sp_rows = c_smem
+        sq_rows = c_smem
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -400,12 +446,13 @@ def fp8_k_grouped_ws_kernel(
     num_n_tiles = N // BLOCK_N
     num_tiles = num_experts * num_m_tiles * num_n_tiles
     gl.warp_specialize([
-        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
-                                block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 0,
-                                STAGES, BLOCK_M, BLOCK_N)),
-        (_wgrad_mma_warpgroup, (p_ring, q_ring, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr, row_offsets_ptr,
-                                block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, stride_psb, stride_qsb, 1,
-                                STAGES, BLOCK_M, BLOCK_N)),
-        (_wgrad_load_warp, (p_desc, q_desc, p_ring, q_ring, ready, empty, row_offsets_ptr, block_offsets_ptr,
-                            num_m_tiles, num_n_tiles, num_tiles, STAGES, BLOCK_M, BLOCK_N)),
+        (_wgrad_mma_warpgroup, (p_ring, q_ring, sp_rows, sq_rows, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr,
+                                row_offsets_ptr, block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles,
+                                stride_psb, stride_qsb, 0, STAGES, BLOCK_M, BLOCK_N, TMA_SCALES)),
+        (_wgrad_mma_warpgroup, (p_ring, q_ring, sp_rows, sq_rows, ready, empty, c_smem, c_desc, ps_ptr, qs_ptr,
+                                row_offsets_ptr, block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles,
+                                stride_psb, stride_qsb, 1, STAGES, BLOCK_M, BLOCK_N, TMA_SCALES)),
+        (_wgrad_load_warp, (p_desc, q_desc, p_ring, q_ring, sp_desc, sq_desc, sp_ring, sq_ring, ready, empty,
+                            row_offsets_ptr, block_offsets_ptr, num_m_tiles, num_n_tiles, num_tiles, STAGES, BLOCK_M,
+                            BLOCK_N, TMA_SCALES)),
     ], [4, 1], [232, 40])

@@ -47,6 +47,15 @@ _E4M3 = torch.float8_e4m3fn
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SMEM = 227 * 1024  # a Hopper block's shared memory
 _WS_MAXNREG = 168  # registers per thread at launch (12 warps); the partitions then trade (232 / 40)
+WGRAD_TMA_SCALES = False  # A/B switch (scripts/ab_fp8_wgrad_tma_scales.py): the scales ride the TMA ring
+
+
+def fp8_wgrad_stages(out_dtype: torch.dtype, tma_scales: bool) -> int:
+    """Ring depth of the weight gradient: as fp8_gluon_stages, each slot holding the block's two scale rows
+    (2 x 128 fp32) beside the operands when ``tma_scales``."""
+    staging = 2 * (_BLOCK_M // 2) * _BLOCK_N * torch.empty((), dtype=out_dtype).element_size()
+    slot = (_BLOCK_M + _BLOCK_N) * QB + (4 * (_BLOCK_M + _BLOCK_N) if tma_scales else 0)
+    return min(6, (_SMEM - staging - 1024) // slot)
 
 
 def fp8_gluon_runs_on(device: torch.device) -> bool:
@@ -244,9 +253,15 @@ def fp8_k_grouped_mm_gluon(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor,
     c_desc = TensorDescriptor(c.view(E * M, N), [E * M, N], [N, 1], c_block,
                               gl.NVMMASharedLayout.get_default_for(c_block, _gl_dtype(out_dtype)))
     num_tiles = E * (M // _BLOCK_M) * (N // _BLOCK_N)
+    scales = {}
+    if WGRAD_TMA_SCALES:  # one row of 128 scales per block and tile: (1, 128) boxes of sp (NB, M) and sq (NB, N)
+        row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        scales = dict(sp_desc=TensorDescriptor(ps, list(ps.shape), [ps.stride(0), 1], [1, _BLOCK_M], row_layout),
+                      sq_desc=TensorDescriptor(qs, list(qs.shape), [qs.stride(0), 1], [1, _BLOCK_N], row_layout),
+                      TMA_SCALES=True)
     fp8_k_grouped_ws_kernel[(max(1, min(sm_budget(c.device), num_tiles)),)](
         p_desc, q_desc, ps, qs, offsets_E1, blocks, c_desc, M, N, E, ps.stride(0), qs.stride(0),
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=fp8_gluon_stages(out_dtype), num_warps=4,
-        maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=fp8_wgrad_stages(out_dtype, WGRAD_TMA_SCALES), num_warps=4,
+        maxnreg=_WS_MAXNREG, enable_fp_fusion=True, **scales,
     )
     return c
