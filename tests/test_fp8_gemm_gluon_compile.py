@@ -28,8 +28,8 @@ from megamoe.ops.fp8_gemm_gluon import (
     FP8_GLUON_AVAILABLE,
     fp8_gluon_stages,
     fp8_gluon_unroll,
-    fp8_wgrad_stages,
     fp8_grouped_mm_nt_gluon,
+    fp8_wgrad_stages,
 )
 
 # (K, N) of the "nt" GEMMs: gate/up (K = D, N = 2F), down (K = F, N = D), the dgrad on the K-major w2 copy (K = D,
