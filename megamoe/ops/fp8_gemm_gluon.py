@@ -58,9 +58,9 @@ def fp8_gluon_runs_on(device: torch.device) -> bool:
 
 
 def fp8_gluon_stages(out_dtype: torch.dtype) -> int:
-    """Ring depth of the m-grouped kernel's 128 x 128 tiles (pure function): the most (128 + 128) x 128-byte (A + B) slots
-    that fit beside the two staging buffers of the output tile (64 x 128 of out_dtype each) and the barriers, at
-    most 6."""
+    """Ring depth of the m-grouped kernel's 128 x 128 tiles (pure function): the most (128 + 128) x 128-byte
+    (A + B) slots that fit beside the two staging buffers of the output tile (64 x 128 of out_dtype each) and the
+    barriers, at most 6."""
     staging = 2 * (_BLOCK_M // 2) * _BLOCK_N * torch.empty((), dtype=out_dtype).element_size()
     slot = (_BLOCK_M + _BLOCK_N) * QB
     return min(6, (_SMEM - staging - 1024) // slot)
