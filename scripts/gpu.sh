@@ -21,8 +21,9 @@
 #   snippet     the README's usage snippet (tests/test_readme.py on the GPU)
 #   digest      scripts/bits_digest.py: SHA-256 of every output and gradient on the benchmark cases
 #   profile     scripts/profile_layer.py: kernels per step, idle gaps, host and CUDA-graph time ($PROFILE_CASES)
-#   ncu         Nsight Compute on one layer step's grouped GEMMs ($NCU_CASE, default qwen3-30b-a3b:16384;
-#               $NCU_KERNELS kernel-name regex, $PER_STEP grouped-GEMM launches per step, default 6)
+#   ncu         Nsight Compute on one layer step's grouped GEMMs ($NCU_CASE, default qwen3-30b-a3b:16384, add
+#               --fp8 for the FP8 layer; $NCU_KERNELS kernel-name regex, $PER_STEP launches of it per step,
+#               default 6; the FP8 weight gradients: NCU_KERNELS=fp8_k_grouped_ws PER_STEP=2)
 #   sweep       scripts/gemm_sweep.py: per-GEMM tile candidates, bitwise checked ($SWEEP_ARGS)
 #   comm        scripts/comm_bench.py: dispatch / combine GB/s against the peer-copy rate (2 GPUs; $COMM_ARGS;
 #               benchmarks/results/comm-ep2)
@@ -69,10 +70,12 @@ needs() {  # needs N STAGE: true when N GPUs are visible, else a note in the sum
 
 ncu_layer() {  # Nsight Compute on the grouped GEMMs of the third step of scripts/profile_layer.py
   local case="${NCU_CASE:-qwen3-30b-a3b:16384}" per_step="${PER_STEP:-6}"
+  # $case is split into words: "qwen3-30b-a3b:16384 --fp8" profiles the FP8 layer
+  # shellcheck disable=SC2086
   ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-grouped}" --launch-skip $((2 * per_step)) \
     --launch-count "$per_step" --section SpeedOfLight --section ComputeWorkloadAnalysis \
-    --section MemoryWorkloadAnalysis --section Occupancy \
-    env STEPS_ONLY=3 python3 scripts/profile_layer.py "$LOGS" "$case"
+    --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats \
+    env STEPS_ONLY=3 python3 scripts/profile_layer.py "$LOGS" $case
 }
 export -f ncu_layer; export LOGS
 
