@@ -205,6 +205,12 @@ def test_wgrad_compiles_to_fp8_wgmma_with_promotion_after_each_block(out_dtype):
     # loads are the tile coordinates (expert row offsets, block table)
     for segment in re.split(r"wgmma\.mma_async", ptx)[1:]:
         assert "ld.global" not in segment.split("wgmma.wait_group")[0], "a global load between issue and wait"
+    # the scales are read from the slot while the wgmma runs, and the slot is released (one thread's
+    # mbarrier.arrive) only after a warpgroup barrier: every thread has read it before the load warp may refill it
+    for segment in re.split(r"wgmma\.commit_group", ptx)[1:]:
+        assert "ld.shared" in segment.split("wgmma.wait_group")[0], "scales not read between issue and wait"
+    for segment in re.split(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)[1:]:
+        assert re.search(r"\bbar\.sync\s+\d+, 128;", segment.split("mbarrier.arrive")[0]), "release before a barrier"
     assert len(re.findall(r"ld\.global", ptx)) <= 12, len(re.findall(r"ld\.global", ptx))
     assert "ld.local" not in ptx and "st.local" not in ptx
     report = ptxas_report(ptx)

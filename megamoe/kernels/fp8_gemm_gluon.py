@@ -259,6 +259,8 @@ def fp8_m_grouped_ws_kernel(
 # The scales ride the load ring: the load warp copies each block's row of sp (over the tile's 128 rows) and of sq
 # (over its 128 columns) by TMA into the block's slot, so a promotion reads them from shared memory (loaded from
 # global memory by the warpgroups, they were the kernel's largest stall: the promotion waiting on their latency).
+# A slot is released by one thread's mbarrier.arrive, which the compiler puts after a barrier of the warpgroup, so
+# every thread has read the slot's scales by then (tests/test_fp8_gemm_gluon_compile.py checks the PTX for it).
 
 
 @gluon.jit

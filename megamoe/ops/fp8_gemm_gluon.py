@@ -224,9 +224,9 @@ def fp8_k_grouped_mm_gluon(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor,
     with ``padded=True`` (blocks in increasing order, fp32 accumulation, one cast; no atomics, no split-K).
 
     Args:
-        pq, ps: (128 NB, M) e4m3 whose ``.t()`` is contiguous + (NB, M) fp32: the block-padded K-major operand that
-            :func:`megamoe.ops.fp8_quant.quantize_128x1_grouped` writes with ``kmajor=True`` (zeros past each
-            expert's rows).
+        pq, ps: (128 NB, M) e4m3 whose ``.t()`` is contiguous + (NB, M) fp32 contiguous: the block-padded K-major
+            operand that :func:`megamoe.ops.fp8_quant.quantize_128x1_grouped` writes with ``kmajor=True`` (zeros
+            past each expert's rows); all four tensors 16-byte aligned (TMA reads them).
         qq, qs: (128 NB, N) e4m3 (the same layout) + (NB, N) fp32.
         offsets_E1: (E + 1,) int32 expert row offsets.
         block_offsets_E1: (E + 1,) int32 block table (the m-tile table for 128 rows; computed, or taken from
