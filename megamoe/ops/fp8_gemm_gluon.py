@@ -57,21 +57,23 @@ def fp8_gluon_runs_on(device: torch.device) -> bool:
     return FP8_GLUON_AVAILABLE and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def fp8_gluon_stages(out_dtype: torch.dtype) -> int:
-    """Ring depth of the m-grouped kernel's 128 x 128 tiles (pure function): the most (128 + 128) x 128-byte
-    (A + B) slots that fit beside the two staging buffers of the output tile (64 x 128 of out_dtype each) and the
-    barriers, at most 6."""
+def _ring_depth(out_dtype: torch.dtype, slot_bytes: int) -> int:
+    """The most ring slots of slot_bytes that fit beside the two staging buffers of the output tile (64 x 128 of
+    out_dtype each) and the barriers, at most 6."""
     staging = 2 * (_BLOCK_M // 2) * _BLOCK_N * torch.empty((), dtype=out_dtype).element_size()
-    slot = (_BLOCK_M + _BLOCK_N) * QB
-    return min(6, (_SMEM - staging - 1024) // slot)
+    return min(6, (_SMEM - staging - 1024) // slot_bytes)
+
+
+def fp8_gluon_stages(out_dtype: torch.dtype) -> int:
+    """Ring depth of the m-grouped kernel's 128 x 128 tiles (pure function): slots of (128 + 128) x 128 bytes
+    (the A and B blocks of a step)."""
+    return _ring_depth(out_dtype, (_BLOCK_M + _BLOCK_N) * QB)
 
 
 def fp8_wgrad_stages(out_dtype: torch.dtype) -> int:
-    """Ring depth of the weight gradient (pure function): as :func:`fp8_gluon_stages`, each slot also holding the
-    block's two rows of 128 fp32 scales."""
-    staging = 2 * (_BLOCK_M // 2) * _BLOCK_N * torch.empty((), dtype=out_dtype).element_size()
-    slot = (_BLOCK_M + _BLOCK_N) * QB + 4 * (_BLOCK_M + _BLOCK_N)
-    return min(6, (_SMEM - staging - 1024) // slot)
+    """Ring depth of the weight gradient (pure function): each slot holds the P and Q blocks of a step and their
+    two rows of 128 fp32 scales."""
+    return _ring_depth(out_dtype, (_BLOCK_M + _BLOCK_N) * QB + 4 * (_BLOCK_M + _BLOCK_N))
 
 
 def fp8_gluon_unroll(K: int) -> int:
