@@ -46,10 +46,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_compat import cta_barrier, tma_load, tma_store
+from .gluon_compat import cta_barrier, smem_reinterpret, tma_load, tma_store
 
 QB = gl.constexpr(128)  # the scale group: K-block and B's scale block
-_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # Triton >= 3.7; 3.6: _reinterpret
 
 
 @gluon.jit
@@ -311,12 +310,8 @@ def _wgrad_scales(sp_ring, sq_ring, s, STAGES: gl.constexpr, CONSUMER: gl.conste
     tile's columns (each slot holds one (1, 128) row of each grid, read as a (128,) row)."""
     slot = s % STAGES
     ROW: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    if _REINTERPRET:
-        sp_row = sp_ring.index(slot).reinterpret(gl.float32, [sp_ring.shape[2]], ROW)
-        sq_row = sq_ring.index(slot).reinterpret(gl.float32, [sq_ring.shape[2]], ROW)
-    else:
-        sp_row = sp_ring.index(slot)._reinterpret(gl.float32, [sp_ring.shape[2]], ROW)
-        sq_row = sq_ring.index(slot)._reinterpret(gl.float32, [sq_ring.shape[2]], ROW)
+    sp_row = smem_reinterpret(sp_ring.index(slot), gl.float32, sp_ring.shape[2], ROW)
+    sq_row = smem_reinterpret(sq_ring.index(slot), gl.float32, sq_ring.shape[2], ROW)
     return sp_row.slice(CONSUMER * ROWS, ROWS).load(gl.SliceLayout(1, MMA)), sq_row.load(gl.SliceLayout(0, MMA))
 
 
