@@ -118,14 +118,15 @@ def profile_case(name: str, T: int) -> dict:
     path = " (EP path, one-rank group)" if EP1 else ""
     print(f"\n== {name} T={T}{path}: step {wall:.2f} ms (CUDA events, synced steps, median of {STEPS}); kernels sum "
           f"{total:.2f} ms per step; back to back: {span_ms:.2f} ms per step, GPU idle {idle / 1e3 / STEPS:.2f} "
-          f"ms per step; host enqueue {host_ms:.2f} ms per step; CUDA graph replay {graph_ms:.2f} ms")
+          f"ms per step; host enqueue {host_ms:.2f} ms per step; CUDA graph replay "
+          f"{'not measured (out of memory)' if graph_ms is None else f'{graph_ms:.2f} ms'}")
     for k, c, ms in rows:
         print(f"  {ms:7.3f} ms {100 * ms / wall:5.1f}%  x{c:<4g} {k}")
     print("  idle gaps > 8 us between kernels (per step: count, us), largest first:")
     for (k0, k1), (c, us) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:15]:
         print(f"    {us / STEPS:8.1f} us x{c / STEPS:<4g} {k0} -> {k1}")
     return dict(case=f"{name}:{T}", step_ms=wall, kernel_sum_ms=total, back_to_back_ms=span_ms,
-                idle_ms=idle / 1e3 / STEPS, host_ms=host_ms, graph_ms=None if graph_ms != graph_ms else graph_ms,
+                idle_ms=idle / 1e3 / STEPS, host_ms=host_ms, graph_ms=graph_ms,
                 kernels=[dict(name=k, calls=c, ms=ms) for k, c, ms in rows])
 
 
@@ -149,8 +150,8 @@ def _host_profile(prob, case: str) -> None:
     print("\n".join("    " + line for line in buf.getvalue().splitlines()[4:45]))
 
 
-def _graph_ms(prob) -> float:
-    """Median ms of the step captured once into a CUDA graph and replayed (GPU time without host launches); NaN
+def _graph_ms(prob) -> float | None:
+    """Median ms of the step captured once into a CUDA graph and replayed (GPU time without host launches); None
     when the capture runs out of memory (the graph's private pool holds a second step's tensors beside the eager
     steps' cached blocks, which are released first: deepseek-v3:8192 in FP8 on an 80 GB GPU)."""
     torch.cuda.empty_cache()
@@ -159,8 +160,7 @@ def _graph_ms(prob) -> float:
     except torch.OutOfMemoryError:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        print("  CUDA graph capture: out of memory (graph replay not measured)")
-        return float("nan")
+        return None
 
 
 def _graph_replay_ms(prob) -> float:
