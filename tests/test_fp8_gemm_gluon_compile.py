@@ -202,9 +202,11 @@ def test_wgrad_compiles_to_fp8_wgmma_with_promotion_after_each_block(out_dtype):
     assert loads >= 4 and loads % 4 == 0, loads  # the P and Q blocks of a step and their rows of scales
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", ptx)) >= 2  # TMA output stores
     # the promotion reads its scales from the ring (shared memory), never from global memory: the only global
-    # loads are the tile coordinates (expert row offsets, block table)
-    for segment in re.split(r"wgmma\.mma_async", ptx)[1:]:
-        assert "ld.global" not in segment.split("wgmma.wait_group")[0], "a global load between issue and wait"
+    # loads are the tile coordinates (expert row offsets, block table), the next tile's issued while each MMA
+    # warpgroup's first wgmma of a tile runs, and none while the later blocks' run
+    between = [len(re.findall(r"ld\.global", seg.split("wgmma.wait_group")[0]))
+               for seg in re.split(r"wgmma\.mma_async", ptx)[1:]]
+    assert sorted(n for n in between if n) == [2, 2] or sorted(n for n in between if n) == [3, 3], between
     # the scales are read from the slot while the wgmma runs, and the slot is released (one thread's
     # mbarrier.arrive) only after a warpgroup barrier: every thread has read it before the load warp may refill it
     for segment in re.split(r"wgmma\.commit_group", ptx)[1:]:

@@ -345,13 +345,16 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, sp_ring, sq_ring, ready, empty, c_smem,
     have = 0  # a previous tile waits for its epilogue
     row_prev = 0
     n_prev = 0
+    # a tile's coordinates are loaded while the tile before it runs its first wgmma (clamped: a real tile)
+    expert, m_tile, n_tile, _, nb = _wgrad_coords(gl.minimum(tile, num_tiles - 1), row_offsets_ptr,
+                                                  block_offsets_ptr, num_m_tiles, num_n_tiles)
     while tile < num_tiles:
-        expert, m_tile, n_tile, _, nb = _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
-                                                      num_n_tiles)
-        m0 = m_tile * BLOCK_M + CONSUMER * ROWS
-        n0 = n_tile * BLOCK_N
         p = _issue(p_ring, q_ring, ready, s, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES, ROWS)
         sp, sq = _wgrad_scales(sp_ring, sq_ring, s, STAGES, CONSUMER, ROWS, MMA)
+        e_next, m_next, n_next, _, nb_next = _wgrad_coords(gl.minimum(tile + G, num_tiles - 1), row_offsets_ptr,
+                                                           block_offsets_ptr, num_m_tiles, num_n_tiles)
+        m0 = m_tile * BLOCK_M + CONSUMER * ROWS
+        n0 = n_tile * BLOCK_N
         if have != 0:
             _wgrad_store(acc_prev, stage, c_desc, row_prev, n_prev)
         p = warpgroup_mma_wait(0, deps=[p])
@@ -371,6 +374,10 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, sp_ring, sq_ring, ready, empty, c_smem,
         n_prev = n0
         s += gl.maximum(nb, 1)
         tile += G
+        expert = e_next
+        m_tile = m_next
+        n_tile = n_next
+        nb = nb_next
     if have != 0:
         _wgrad_store(acc_prev, stage, c_desc, row_prev, n_prev)
     tma.store_wait(0)
