@@ -148,7 +148,7 @@ _GL_OUT = {"bf16": "bfloat16", "fp32": "float32"}
 WGRAD_BLOCK_N = 128  # the launcher's 128 x 128 tiles (fp8_k_grouped_mm_gluon)
 
 
-def _compile_wgrad(out_dtype):
+def _compile_wgrad(out_dtype, coords_ahead=False):
     """fp8_k_grouped_ws_kernel for sm_90a with the launcher's options (M, N and the block counts are run-time
     values: one kernel per output dtype)."""
     import triton
@@ -169,7 +169,8 @@ def _compile_wgrad(out_dtype):
                row_offsets_ptr="*i32", block_offsets_ptr="*i32",
                c_desc=f"tensordesc<{out}[{c_block[0]}, {c_block[1]}],{c_layout!r}>", M="i32", N="i32",
                num_experts="i32")
-    const = dict(BLOCK_M=128, BLOCK_N=WGRAD_BLOCK_N, STAGES=fp8_wgrad_stages(out_dtype), num_warps=4)
+    const = dict(BLOCK_M=128, BLOCK_N=WGRAD_BLOCK_N, STAGES=fp8_wgrad_stages(out_dtype), num_warps=4,
+                 COORDS_AHEAD=coords_ahead)
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(kernel.arg_names)
     divisible = ("row_offsets_ptr", "block_offsets_ptr", "M", "N")  # M and N are multiples of 128
@@ -178,9 +179,10 @@ def _compile_wgrad(out_dtype):
                           options=dict(num_warps=4, maxnreg=168, enable_fp_fusion=True))
 
 
+@pytest.mark.parametrize("coords_ahead", [False, True], ids=["coords", "coords-ahead"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_wgrad_compiles_to_fp8_wgmma_with_promotion_after_each_block(out_dtype):
-    k = _compile_wgrad(out_dtype)
+def test_wgrad_compiles_to_fp8_wgmma_with_promotion_after_each_block(out_dtype, coords_ahead):
+    k = _compile_wgrad(out_dtype, coords_ahead)
     ptx = k.asm["ptx"]
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)", ptx)) == {
         f"m64n{WGRAD_BLOCK_N}k32.f32.e4m3.e4m3"}
@@ -202,9 +204,11 @@ def test_wgrad_compiles_to_fp8_wgmma_with_promotion_after_each_block(out_dtype):
     assert loads >= 4 and loads % 4 == 0, loads  # the P and Q blocks of a step and their rows of scales
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", ptx)) >= 2  # TMA output stores
     # the promotion reads its scales from the ring (shared memory), never from global memory: the only global
-    # loads are the tile coordinates (expert row offsets, block table)
+    # loads are the tile coordinates (expert row offsets, block table; with COORDS_AHEAD the next tile's three,
+    # issued while the tile's first wgmma runs)
     for segment in re.split(r"wgmma\.mma_async", ptx)[1:]:
-        assert "ld.global" not in segment.split("wgmma.wait_group")[0], "a global load between issue and wait"
+        between = segment.split("wgmma.wait_group")[0]
+        assert len(re.findall(r"ld\.global", between)) <= 3, "scale loads between a wgmma and its wait"
     # the scales are read from the slot while the wgmma runs, and the slot is released (one thread's
     # mbarrier.arrive) only after a warpgroup barrier: every thread has read it before the load warp may refill it
     for segment in re.split(r"wgmma\.commit_group", ptx)[1:]:

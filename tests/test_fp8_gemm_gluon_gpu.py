@@ -217,6 +217,26 @@ def test_wgrad_bitwise_triton_on_edge_experts(M, N, out_dtype):
 
 
 @needs_hopper
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("programs", [None, 1, 3], ids=["grid", "1prog", "3prog"])
+@pytest.mark.parametrize("M, N", [(128, 128), (256, 384), (640, 256)])
+def test_wgrad_coords_ahead_arm_bitwise_triton(M, N, out_dtype, programs, monkeypatch):
+    """The A/B arm of scripts/ab_fp8_wgrad_coords.py (a tile's coordinates loaded during the tile before it) on the
+    edge experts, with few programs walking many tiles, and on deepseek-v3-like routing: the same bits as the
+    Triton kernel, every element written."""
+    import megamoe.ops.fp8_gemm_gluon as fg
+
+    monkeypatch.setattr(fg, "WGRAD_COORDS_AHEAD", True)
+    if programs is not None:
+        monkeypatch.setattr(fg, "sm_budget", lambda device: programs)
+        assert _check_wgrad(COUNTS * 3, M, N, extra_rows=37, out_dtype=out_dtype, seed=M + N + programs)
+        return
+    assert _check_wgrad(COUNTS, M, N, extra_rows=37, out_dtype=out_dtype, seed=M + N)
+    if (M, N) == (640, 256):
+        _check_wgrad(_routing_counts(8192, 256, 8, seed=3), 1024, 512, out_dtype=out_dtype, seed=3)
+
+
+@needs_hopper
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("programs", [1, 3])
 @pytest.mark.parametrize("M, N", [(128, 128), (256, 384)])

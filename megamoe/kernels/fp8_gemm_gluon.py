@@ -334,7 +334,8 @@ def _wgrad_store(acc, stage, c_desc, row, n0):
 @gluon.jit
 def _wgrad_mma_warpgroup(p_ring, q_ring, sp_ring, sq_ring, ready, empty, c_smem, c_desc, row_offsets_ptr,
                          block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, CONSUMER: gl.constexpr,
-                         STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                         STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         COORDS_AHEAD: gl.constexpr):
     """One warpgroup: rows [64 CONSUMER, +64) of every tile of the program. Per tile: issue block 0's wgmma, run
     the previous tile's epilogue meanwhile (cast, staging buffer, TMA store), then wait and promote block 0
     (``zeros + p * s``) and the other blocks one at a time (issue, wait, promote). An empty expert's tile runs
@@ -350,13 +351,24 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, sp_ring, sq_ring, ready, empty, c_smem,
     have = 0  # a previous tile waits for its epilogue
     row_prev = 0
     n_prev = 0
+    if COORDS_AHEAD:  # a tile's coordinates are loaded during the tile before it (clamped: always a real tile)
+        expert, m_tile, n_tile, _, nb = _wgrad_coords(gl.minimum(tile, num_tiles - 1), row_offsets_ptr,
+                                                      block_offsets_ptr, num_m_tiles, num_n_tiles)
     while tile < num_tiles:
-        expert, m_tile, n_tile, _, nb = _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
-                                                      num_n_tiles)
+        if COORDS_AHEAD:
+            p = _issue(p_ring, q_ring, ready, s, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES,
+                       ROWS)
+            sp, sq = _wgrad_scales(sp_ring, sq_ring, s, STAGES, CONSUMER, ROWS, MMA)
+            e_next, m_next, n_next, _, nb_next = _wgrad_coords(gl.minimum(tile + G, num_tiles - 1), row_offsets_ptr,
+                                                               block_offsets_ptr, num_m_tiles, num_n_tiles)
+        else:
+            expert, m_tile, n_tile, _, nb = _wgrad_coords(tile, row_offsets_ptr, block_offsets_ptr, num_m_tiles,
+                                                          num_n_tiles)
+            p = _issue(p_ring, q_ring, ready, s, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES,
+                       ROWS)
+            sp, sq = _wgrad_scales(sp_ring, sq_ring, s, STAGES, CONSUMER, ROWS, MMA)
         m0 = m_tile * BLOCK_M + CONSUMER * ROWS
         n0 = n_tile * BLOCK_N
-        p = _issue(p_ring, q_ring, ready, s, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES, ROWS)
-        sp, sq = _wgrad_scales(sp_ring, sq_ring, s, STAGES, CONSUMER, ROWS, MMA)
         if have != 0:
             _wgrad_store(acc_prev, stage, c_desc, row_prev, n_prev)
         p = warpgroup_mma_wait(0, deps=[p])
@@ -376,6 +388,11 @@ def _wgrad_mma_warpgroup(p_ring, q_ring, sp_ring, sq_ring, ready, empty, c_smem,
         n_prev = n0
         s += gl.maximum(nb, 1)
         tile += G
+        if COORDS_AHEAD:
+            expert = e_next
+            m_tile = m_next
+            n_tile = n_next
+            nb = nb_next
     if have != 0:
         _wgrad_store(acc_prev, stage, c_desc, row_prev, n_prev)
     tma.store_wait(0)
@@ -393,6 +410,7 @@ def fp8_k_grouped_ws_kernel(
     M, N, num_experts,
     # tile config (num_warps = 4: the default partition is MMA warpgroup 0)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    COORDS_AHEAD: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one MMA warpgroup")
     gl.static_assert(BLOCK_M == 128, "128-row tiles: two warpgroups of 64 rows")
@@ -414,10 +432,10 @@ def fp8_k_grouped_ws_kernel(
     gl.warp_specialize([
         (_wgrad_mma_warpgroup, (p_ring, q_ring, sp_ring, sq_ring, ready, empty, c_smem, c_desc, row_offsets_ptr,
                                 block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, 0, STAGES, BLOCK_M,
-                                BLOCK_N)),
+                                BLOCK_N, COORDS_AHEAD)),
         (_wgrad_mma_warpgroup, (p_ring, q_ring, sp_ring, sq_ring, ready, empty, c_smem, c_desc, row_offsets_ptr,
                                 block_offsets_ptr, M, num_m_tiles, num_n_tiles, num_tiles, 1, STAGES, BLOCK_M,
-                                BLOCK_N)),
+                                BLOCK_N, COORDS_AHEAD)),
         (_wgrad_load_warp, (p_desc, q_desc, sp_desc, sq_desc, p_ring, q_ring, sp_ring, sq_ring, ready, empty,
                             row_offsets_ptr, block_offsets_ptr, num_m_tiles, num_n_tiles, num_tiles, STAGES, BLOCK_M,
                             BLOCK_N)),

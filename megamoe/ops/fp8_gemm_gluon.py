@@ -47,6 +47,7 @@ _E4M3 = torch.float8_e4m3fn
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SMEM = 227 * 1024  # a Hopper block's shared memory
 _WS_MAXNREG = 168  # registers per thread at launch (12 warps); the partitions then trade (232 / 40)
+WGRAD_COORDS_AHEAD = False  # A/B switch (scripts/ab_fp8_wgrad_coords.py): tile coordinates loaded a tile ahead
 
 
 def fp8_gluon_runs_on(device: torch.device) -> bool:
@@ -260,6 +261,6 @@ def fp8_k_grouped_mm_gluon(pq: torch.Tensor, ps: torch.Tensor, qq: torch.Tensor,
     fp8_k_grouped_ws_kernel[(max(1, min(sm_budget(c.device), num_tiles)),)](
         p_desc, q_desc, sp_desc, sq_desc, offsets_E1, blocks, c_desc, M, N, E,
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=fp8_wgrad_stages(out_dtype), num_warps=4,
-        maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
+        COORDS_AHEAD=WGRAD_COORDS_AHEAD, maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
     )
     return c
