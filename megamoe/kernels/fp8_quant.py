@@ -45,6 +45,8 @@ lang/triton#11111). tests/test_fp8_quant.py compiles each launch specialization 
 layout; a GEMM epilogue that fuses these helpers should be checked the same way.
   * ``quantize_1x128_kernel``: x (R, C) -> q (R, C), s (R, ceil(C/128)); program = BLOCK_R rows x 128 columns.
   * ``quantize_128x128_kernel``: w (E, N, K) -> q (E, N, K), s (E, ceil(N/128), ceil(K/128)).
+  * ``kmajor_128x128_kernel``: the blocks q (E, N, K) (bytes), s (E, NB, KB) copied with each expert's two
+    dimensions stored in the other order (the input-gradient GEMMs' K-major weight operand); no cast.
   * ``quantize_128x1_grouped_kernel``: 128-row blocks of an expert-grouped buffer (rows gathered through an
     int32 index when GATHER; more than one column then, so that the store's rows are strided like the load's)
     -> q (R, C) in the buffer's order, s (NB, C); program = one 128-row block x BLOCK_C
@@ -181,6 +183,25 @@ def quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, N, K, HW_CAST: tl.constexpr):
     q, s = quantize_block(as_fp32(tl.load(w_ptr + offs, mask=mask, other=0.0)), HW_CAST)
     tl.store(q_ptr + offs, q, mask=mask)
     tl.store(s_ptr + (e * tl.cdiv(N, SCALE_BLOCK) + n) * tl.cdiv(K, SCALE_BLOCK) + k, s)
+
+
+@triton.jit
+def kmajor_128x128_kernel(q_ptr, s_ptr, qk_ptr, sk_ptr, N, K):
+    """Program (n, k, e): block (n, k) of q[e] (N, K) contiguous bytes -> qk[e] stored (K, N) (element (n, k) at
+    ``k * N + n``), and its scale s[e, n, k] -> sk[e] stored (KB, NB). A copy: the bytes change layout, never
+    their values (no cast)."""
+    n = tl.program_id(0)
+    k = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    rows = n * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
+    cols = k * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    base = e * N * K
+    tile = tl.load(q_ptr + base + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask)
+    tl.store(qk_ptr + base + cols.to(tl.int64)[None, :] * N + rows[:, None], tile, mask=mask)
+    NB = tl.cdiv(N, SCALE_BLOCK)
+    KB = tl.cdiv(K, SCALE_BLOCK)
+    tl.store(sk_ptr + (e * KB + k) * NB + n, tl.load(s_ptr + (e * NB + n) * KB + k))
 
 
 @triton.jit

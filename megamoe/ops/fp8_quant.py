@@ -9,6 +9,8 @@ blocks of an expert-grouped buffer).
 
   * :func:`quantize_1x128` (activations, output gradients): x (R, C) -> q (R, C), s (R, B).
   * :func:`quantize_128x128` (weights): w (E, N, K) or (N, K) -> q like w, s (E, ceil(N/128), ceil(K/128)).
+  * :func:`kmajor_128x128` (the input-gradient GEMMs' weight operand): 128x128 blocks (q, s) -> the same values
+    with each expert's two dimensions stored in the other order (a byte copy, no requantization).
   * :func:`quantize_128x1_grouped` (weight-gradient operands): rows of an expert-grouped buffer, cut into 128-row
     blocks from each expert's first row -> q (R, C) in the buffer's row order, or with ``kmajor=True`` block-padded
     and transposed (NB * 128, C) (the weight-gradient GEMM's K-major operand), s (NB, C).
@@ -28,11 +30,16 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..kernels.fp8_quant import quantize_1x128_kernel, quantize_128x1_grouped_kernel, quantize_128x128_kernel
+from ..kernels.fp8_quant import (
+    kmajor_128x128_kernel,
+    quantize_1x128_kernel,
+    quantize_128x1_grouped_kernel,
+    quantize_128x128_kernel,
+)
 from ._common import check_device, check_row_count, is_interpreted, pow2
 from .routing import tile_offsets_for
 
-__all__ = ["quantize_1x128", "quantize_128x128", "quantize_128x1_grouped", "E4M3", "SCALE_BLOCK"]
+__all__ = ["quantize_1x128", "quantize_128x128", "kmajor_128x128", "quantize_128x1_grouped", "E4M3", "SCALE_BLOCK"]
 
 E4M3 = torch.float8_e4m3fn
 SCALE_BLOCK = 128
@@ -131,6 +138,33 @@ def quantize_128x128(w_ENK: torch.Tensor, *, out: torch.Tensor | None = None,
                                       HW_CAST=not is_interpreted(quantize_128x128_kernel), num_warps=8,
                                       enable_fp_fusion=True)
     return q, s
+
+
+def kmajor_128x128(q_ENK: torch.Tensor, s_E_NB_KB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 weight blocks (:func:`quantize_128x128`'s q (E, N, K) or (N, K) e4m3 and s (E, NB, KB) or (NB, KB)
+    fp32, both contiguous) with each expert's last two dimensions stored in the other order: (qk, sk) of the same
+    shapes and values, ``qk.transpose(-2, -1)`` and ``sk.transpose(-2, -1)`` contiguous (the K-major weight operand
+    of the input-gradient GEMMs, which read w[e] as (K, N)). A byte copy, bit for bit
+    ``t.transpose(-2, -1).contiguous().transpose(-2, -1)`` of each, in one launch."""
+    where = "kmajor_128x128"
+    for name, t, dtype in (("q", q_ENK, E4M3), ("s", s_E_NB_KB, torch.float32)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() not in (2, 3) or not t.is_contiguous():
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{where}: {name} must be a contiguous 2-D or 3-D {dtype} tensor, got {got}")
+    N, K = q_ENK.shape[-2:]
+    want = (*q_ENK.shape[:-2], triton.cdiv(N, SCALE_BLOCK), triton.cdiv(K, SCALE_BLOCK))
+    if tuple(s_E_NB_KB.shape) != want:
+        raise ValueError(f"{where}: s must be the scales of q's 128x128 blocks, shape {want}, got "
+                         f"{tuple(s_E_NB_KB.shape)}")
+    dev = check_device(kmajor_128x128_kernel, where, q=q_ENK, s=s_E_NB_KB)
+    lead = tuple(q_ENK.shape[:-2])
+    qk = torch.empty((*lead, K, N), dtype=E4M3, device=dev)
+    sk = torch.empty((*lead, want[-1], want[-2]), dtype=torch.float32, device=dev)
+    E = q_ENK.shape[0] if lead else 1
+    if E and N and K:
+        kmajor_128x128_kernel[(want[-2], want[-1], E)](q_ENK.view(torch.uint8), s_E_NB_KB, qk.view(torch.uint8), sk,
+                                                       N, K, num_warps=4)
+    return qk.transpose(-2, -1), sk.transpose(-2, -1)
 
 
 def quantize_128x1_grouped(x: torch.Tensor, offsets_E1: torch.Tensor, idx_R: torch.Tensor | None = None,
