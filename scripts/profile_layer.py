@@ -7,8 +7,10 @@ step's wall time from CUDA events; then where the GPU idles between kernels when
 (as the benchmark runs them: no sync between steps), the host time to enqueue one step, and the step
 replayed as a CUDA graph (no host launches at all). Writes OUT_DIR/profile_layer.json.
 
-Usage: python scripts/profile_layer.py OUT_DIR [preset:T ...] [--fp8]   (needs a CUDA GPU; installs nothing)
-With --fp8 the routed experts run in block-scaled FP8 (``moe_experts(..., fp8=True)``).
+Usage: python scripts/profile_layer.py OUT_DIR [preset:T ...] [--fp8 [--uncached]]  (a CUDA GPU; installs nothing)
+With --fp8 the routed experts run in block-scaled FP8 (``moe_experts(..., fp8=True)``); add --uncached to quantize
+the weights at every step (``megamoe.ops.fp8_weights.uncached()``: what FSDP2 and one micro-batch per optimizer
+step pay; the CUDA-graph replay always does).
 With PROFILE_EP1=1 it profiles the EP path instead (``functional_ep.moe_experts_ep`` on a one-rank group,
 the benchmark's ``megamoe-ep`` provider): the exchange kernels next to the GEMMs, on one GPU.
 With PROFILE_HOST=1 it also runs the host-enqueue loop under cProfile and prints the 30 functions with the
@@ -39,9 +41,18 @@ STEPS = 5
 
 EP1 = os.environ.get("PROFILE_EP1") == "1"
 FP8 = "--fp8" in sys.argv  # the routed experts in block-scaled FP8 (moe_experts(..., fp8=True))
+UNCACHED = "--uncached" in sys.argv  # FP8: the weights quantized at every step (fp8_weights.uncached())
 
 
 def _layer(*args):
+    if UNCACHED:
+        from megamoe.ops.fp8_weights import uncached
+        with uncached():
+            return _layer_call(*args)
+    return _layer_call(*args)
+
+
+def _layer_call(*args):
     if EP1:
         from megamoe.bench.providers_ep import one_rank_group
         from megamoe.functional_ep import moe_experts_ep
@@ -191,7 +202,7 @@ def main():
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         return
-    cases = [a for a in sys.argv[2:] if a != "--fp8"] or ["qwen3-30b-a3b:16384", "deepseek-v3:4096"]
+    cases = [a for a in sys.argv[2:] if a not in ("--fp8", "--uncached")] or ["qwen3-30b-a3b:16384", "deepseek-v3:4096"]
     os.makedirs(sys.argv[1], exist_ok=True)  # before the first case: a bad path fails at once, not after the runs
     res = []
     for c in cases:
@@ -201,7 +212,8 @@ def main():
     if EP1:
         from megamoe.bench.providers_ep import close_one_rank_group
         close_one_rank_group()
-    with open(f"{sys.argv[1]}/profile_layer{'_ep1' if EP1 else ''}{'_fp8' if FP8 else ''}.json", "w") as f:
+    tag = f"{'_ep1' if EP1 else ''}{'_fp8' if FP8 else ''}{'_uncached' if UNCACHED else ''}"
+    with open(f"{sys.argv[1]}/profile_layer{tag}.json", "w") as f:
         json.dump(res, f, indent=1)
 
 

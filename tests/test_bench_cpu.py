@@ -48,9 +48,9 @@ def test_single_process_all_cpu_providers(tmp_path):
     out = tmp_path / "out"
     assert main(FAST + ["--cases", "tiny:37", "--routing", "uniform", "zipf:1.5", f"trace:{trace}",
                         "--providers", "reference", "torch", "megamoe", "nccl", "megamoe-ep", "megamoe-fp8",
-                        "torch-fp8", "--out", str(out)]) == 0
+                        "megamoe-fp8-uncached", "torch-fp8", "--out", str(out)]) == 0
     rows, js = _read(out)
-    assert len(rows) == 3 * 7
+    assert len(rows) == 3 * 8
     by = {(r["routing"], r["provider"]): r for r in rows}
     for routing in ("uniform", "zipf:1.5", f"trace:{trace}"):
         for p in ("reference", "torch"):
@@ -60,8 +60,9 @@ def test_single_process_all_cpu_providers(tmp_path):
         assert by[(routing, "nccl")]["status"] == "skip"  # EP-only provider at W = 1
         ep1 = by[(routing, "megamoe-ep")]  # the EP path on a one-rank group needs CUDA
         assert ep1["status"] == "skip" and "CUDA" in ep1["note"], ep1
-        fp8 = by[(routing, "megamoe-fp8")]  # the tiny preset's D = 64 has no FP8 form
-        assert fp8["status"] == "skip" and ("multiples of 128" in fp8["note"] or "CUDA" in fp8["note"]), fp8
+        for p in ("megamoe-fp8", "megamoe-fp8-uncached"):
+            fp8 = by[(routing, p)]  # the tiny preset's D = 64 has no FP8 form
+            assert fp8["status"] == "skip" and ("multiples of 128" in fp8["note"] or "CUDA" in fp8["note"]), fp8
         assert by[(routing, "torch-fp8")]["status"] == "skip"  # CUDA sm90 only
         fused = by[(routing, "megamoe")]  # the fused path: CUDA, or the Triton interpreter on CPU
         if os.environ.get("TRITON_INTERPRET") == "1":

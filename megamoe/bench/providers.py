@@ -9,7 +9,8 @@ or :func:`megamoe.reference_ep.moe_experts_ep` (W > 1), differentiable w.r.t. x,
 weights. ``unavailable(ctx)`` returns None or the reason it cannot run here (printed as a note).
 
 Single-device providers (this module): ``reference``, ``torch``, ``megamoe``, and the FP8 ones ``megamoe-fp8``
-(also under EP) and ``torch-fp8`` (:mod:`megamoe.bench.torch_fp8`), checked with an FP8 tolerance
+(also under EP; it quantizes each weight once per version, megamoe.ops.fp8_weights), ``megamoe-fp8-uncached``
+(the weights quantized at every call) and ``torch-fp8`` (:mod:`megamoe.bench.torch_fp8`), checked with an FP8 tolerance
 (:mod:`megamoe.bench.check_fp8`). Expert-parallel providers (``nccl``, ``symm-vdev``, ``deepep``, and
 ``megamoe``/``reference`` under EP) are in :mod:`megamoe.bench.providers_ep`. :func:`get_providers` is the registry
 over both.
@@ -198,6 +199,17 @@ def _build_megamoe_fp8(prob, ctx: Context):
     return _megamoe_fn(ctx.kernel_config, fp8=True)
 
 
+def _build_megamoe_fp8_uncached(prob, ctx: Context):
+    from ..ops.fp8_weights import uncached
+
+    fn = _build_megamoe_fp8(prob, ctx)
+
+    def run(*args):
+        with uncached():  # the forward quantizes the weights; the backward makes fresh K-major copies of them
+            return fn(*args)
+    return run
+
+
 def _torch_fp8_unavailable(ctx: Context, prob) -> str | None:
     if ctx.world_size > 1:
         return _single_only(ctx, prob)
@@ -227,6 +239,9 @@ _SINGLE = [
     Provider("megamoe-fp8", False, "megamoe fused path with the routed experts in block-scaled FP8 "
              "(moe_experts(..., fp8=True); moe_experts_ep under EP)", _megamoe_fp8_unavailable, _build_megamoe_fp8,
              fp8=True),
+    Provider("megamoe-fp8-uncached", False, "megamoe-fp8 with the weights quantized at every call "
+             "(megamoe.ops.fp8_weights.uncached(): what FSDP2, CUDA-graph replays and one micro-batch per optimizer "
+             "step pay)", _megamoe_fp8_unavailable, _build_megamoe_fp8_uncached, fp8=True),
     Provider("torch-fp8", False, "eager PyTorch FP8: sort by expert (groups padded to 16), "
              "torch._scaled_grouped_mm with rowwise scales for every expert GEMM, SwiGLU, fp32 weighted sum (sm90)",
              _torch_fp8_unavailable, _build_torch_fp8, fp8=True),
