@@ -315,31 +315,6 @@ def kernel_128x128_cases(device, failures=None, all_views=False):
                 _assert_same(ops.quantize_128x128(wv), ref.quantize_128x128(wv), what)
 
 
-def _swapped(t):
-    """The specification of the K-major weight blocks: the same values, the last two dimensions stored in the other
-    order (torch's transposed copy)."""
-    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
-
-
-def kernel_kmajor_cases(device, failures=None):
-    """ops.kmajor_128x128 moves every byte and scale (random bytes: NaN bytes and all) into poisoned memory, bit for
-    bit torch's transposed copy, with its strides; shapes not a multiple of 128, one row, 2-D and no experts."""
-    g = torch.Generator().manual_seed(11)
-    for shape in ((3, 256, 384), (2, 200, 130), (1, 1, 129), (4, 130, 1), (260, 100), (0, 128, 256)):
-        what = f"kmajor {shape}"
-        with _case(failures, what):
-            q = torch.randint(0, 256, shape, generator=g, dtype=U8).view(ref.E4M3).to(device)
-            sshape = (*shape[:-2], triton.cdiv(shape[-2], 128), triton.cdiv(shape[-1], 128))
-            s = torch.randn(sshape, generator=g).exp2().to(device)
-            with poisoned_allocations():
-                qk, sk = ops.kmajor_128x128(q, s)
-            _assert_same((qk, sk), (_swapped(q), _swapped(s)), what)
-            assert qk.transpose(-2, -1).is_contiguous() and sk.transpose(-2, -1).is_contiguous(), what
-    with _case(failures, "kmajor of quantized weights"):
-        q, s = ops.quantize_128x128(grid_128x128(torch.bfloat16).to(device))
-        _assert_same(ops.kmajor_128x128(q, s), (_swapped(q), _swapped(s)), "kmajor of quantized weights")
-
-
 def _grouped_specified(got, want, off, what):
     n, nb = int(off[-1]), int(ref.block_offsets_for(off)[-1])
     _assert_same((got[0][:n], got[1][:nb]), (want[0][:n], want[1][:nb]), what)
@@ -485,13 +460,6 @@ def bad_input_cases(device):
         ops.quantize_128x1_grouped(x, off, num_rows=5)
     with pytest.raises(ValueError, match="out is not taken with kmajor"):
         ops.quantize_128x1_grouped(x, off, kmajor=True, out=torch.empty(4, 256, device=device).to(ref.E4M3))
-    q, s = ops.quantize_128x128(torch.randn(2, 256, 130, device=device))
-    with pytest.raises(ValueError, match="q must be a contiguous"):
-        ops.kmajor_128x128(q.transpose(1, 2), s)
-    with pytest.raises(ValueError, match="s must be a contiguous"):
-        ops.kmajor_128x128(q, s.double())
-    with pytest.raises(ValueError, match=r"shape \(2, 2, 2\), got \(2, 2, 1\)"):
-        ops.kmajor_128x128(q, s[:, :, :1].contiguous())
 
 
 # --------------------------------------------------------------------------- interpreter (CPU, CI)
@@ -504,11 +472,6 @@ def test_interpret_1x128_bitexact():
 @interpreted
 def test_interpret_128x128_bitexact():
     kernel_128x128_cases("cpu")
-
-
-@interpreted
-def test_interpret_kmajor_128x128_bitexact():
-    kernel_kmajor_cases("cpu")
 
 
 @interpreted
@@ -549,7 +512,6 @@ def test_gpu_bitexact():
     kernel_1x128_cases("cuda", failures=failures, all_views=True)
     kernel_1x128_cases("cuda", R=4099, C=7168, failures=failures, all_views=True)
     kernel_128x128_cases("cuda", failures=failures, all_views=True)
-    kernel_kmajor_cases("cuda", failures=failures)
     kernel_grouped_cases("cuda", failures=failures, all_views=True)
     for name, run in (("poisoned outputs", poisoned_output_cases), ("bad input", bad_input_cases)):
         with _case(failures, name):

@@ -148,9 +148,11 @@ def kmajor_128x128(q_ENK: torch.Tensor, s_E_NB_KB: torch.Tensor) -> tuple[torch.
     ``t.transpose(-2, -1).contiguous().transpose(-2, -1)`` of each, in one launch."""
     where = "kmajor_128x128"
     for name, t, dtype in (("q", q_ENK, E4M3), ("s", s_E_NB_KB, torch.float32)):
-        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() not in (2, 3) or not t.is_contiguous():
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{where}: {name} must be a contiguous 2-D or 3-D {dtype} tensor, got {got}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dtype or t.dim() not in (2, 3) or not t.is_contiguous():
+            raise ValueError(f"{where}: {name} must be a contiguous 2-D or 3-D {dtype} tensor, got {t.dtype} "
+                             f"{tuple(t.shape)} strides {t.stride()}")
     N, K = q_ENK.shape[-2:]
     want = (*q_ENK.shape[:-2], triton.cdiv(N, SCALE_BLOCK), triton.cdiv(K, SCALE_BLOCK))
     if tuple(s_E_NB_KB.shape) != want:
@@ -163,7 +165,7 @@ def kmajor_128x128(q_ENK: torch.Tensor, s_E_NB_KB: torch.Tensor) -> tuple[torch.
     E = q_ENK.shape[0] if lead else 1
     if E and N and K:
         kmajor_128x128_kernel[(want[-2], want[-1], E)](q_ENK.view(torch.uint8), s_E_NB_KB, qk.view(torch.uint8), sk,
-                                                       N, K, num_warps=4)
+                                                       N, K, num_warps=4, enable_fp_fusion=True)
     return qk.transpose(-2, -1), sk.transpose(-2, -1)
 
 
