@@ -206,7 +206,8 @@ def test_wgrad_compiles_to_fp8_wgmma_with_promotion_after_each_block(out_dtype):
     # warpgroup's first wgmma of a tile runs, and none while the later blocks' run
     between = [len(re.findall(r"ld\.global", seg.split("wgmma.wait_group")[0]))
                for seg in re.split(r"wgmma\.mma_async", ptx)[1:]]
-    assert sorted(n for n in between if n) == [2, 2] or sorted(n for n in between if n) == [3, 3], between
+    # (the expert's two row offsets: the block table's entry, unused by the MMA warpgroups, is not loaded)
+    assert sorted(n for n in between if n) == [2, 2], between
     # the scales are read from the slot while the wgmma runs, and the slot is released (one thread's
     # mbarrier.arrive) only after a warpgroup barrier: every thread has read it before the load warp may refill it
     for segment in re.split(r"wgmma\.commit_group", ptx)[1:]:
