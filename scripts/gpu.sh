@@ -10,8 +10,8 @@
 #               the protocol and kernels at W > 1 on one GPU, not NVLink and not speed; MEGAMOE_TEST_EP_CASES
 #               (e.g. fp8,fp8_zero_tokens) runs only those cases of the suite
 #   fp8tests    the FP8 GPU tests (tests/test_fp8_*.py, the FP8 training bound in tests/test_train.py)
-#   benchfp8    the FP8 benchmark table: bf16 and FP8 layers (FP8 also with the weights quantized at every call),
-#               torch-fp8, the EP path in FP8 at W = 1
+#   benchfp8    the FP8 benchmark tables: bf16 and FP8 layers, torch-fp8, the EP path in FP8 at W = 1; then bf16
+#               beside FP8 with the weights quantized at every call (megamoe-fp8-uncached)
 #   fp8gemm     scripts/fp8_gluon_bench.py: the six FP8 GEMMs, Gluon beside Triton and megamoe's bf16 kernels
 #               (profile the FP8 layer with PROFILE_CASES="qwen3-30b-a3b:16384 --fp8")
 #   bench1      the single-GPU benchmark table (benchmarks/results/one-gpu)
@@ -92,8 +92,11 @@ for s in "${STAGES[@]}"; do
                 tests/test_fp8_gemm.py tests/test_fp8_gemm_gluon_gpu.py tests/test_fp8_quant.py tests/test_fp8_layer.py \
                 tests/test_train.py::test_gpu_fp8_tracks_bf16_over_200_steps ;;
     benchfp8) stage benchfp8 "${LIMIT_BENCHFP8:-300}" "${BENCH[@]}" \
-                --providers megamoe megamoe-fp8 megamoe-fp8-uncached torch-fp8 megamoe-ep-fp8 \
-                --cases qwen3-30b-a3b:16384 deepseek-v3:8192 --out "$LOGS/benchfp8" "${EXTRA[@]}" ;;
+                --providers megamoe megamoe-fp8 torch-fp8 megamoe-ep-fp8 \
+                --cases qwen3-30b-a3b:16384 deepseek-v3:8192 --out "$LOGS/benchfp8" "${EXTRA[@]}"
+              # a run of its own: beside megamoe-fp8's cached blocks deepseek-v3 would not fit an 80 GB GPU
+              stage benchfp8-uncached "${LIMIT_BENCHFP8:-300}" "${BENCH[@]}" --providers megamoe megamoe-fp8-uncached \
+                --cases qwen3-30b-a3b:16384 deepseek-v3:8192 --out "$LOGS/benchfp8-uncached" "${EXTRA[@]}" ;;
     fp8gemm) stage fp8gemm "${LIMIT_FP8GEMM:-240}" python3 scripts/fp8_gluon_bench.py \
                ${FP8GEMM_CASES:-qwen3-30b-a3b:16384 deepseek-v3:8192} ;;
     bench1) stage bench1 "${LIMIT_BENCH1:-200}" "${BENCH[@]}" \

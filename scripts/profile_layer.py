@@ -202,6 +202,8 @@ def main():
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         return
+    if UNCACHED and not FP8:
+        raise SystemExit("--uncached is for the FP8 layer's weight blocks: give --fp8 with it")
     cases = [a for a in sys.argv[2:] if a not in ("--fp8", "--uncached")] or ["qwen3-30b-a3b:16384", "deepseek-v3:4096"]
     os.makedirs(sys.argv[1], exist_ok=True)  # before the first case: a bad path fails at once, not after the runs
     res = []
