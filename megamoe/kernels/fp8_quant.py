@@ -170,19 +170,27 @@ def quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, n_ptr, idx_ptr, R, C, BLOCK_R: tl
 
 
 @triton.jit
-def quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, N, K, HW_CAST: tl.constexpr):
-    """Program (n, k, e): the 128x128 block (n, k) of w[e] (N, K), w (E, N, K) contiguous -> q (E, N, K) uint8,
-    s (E, NB, KB)."""
+def _weight_block(N, K):
+    """Program (n, k, e)'s 128x128 block of w[e] (N, K), w (E, N, K) contiguous: (n, k, e (int64), rows, cols,
+    mask, the elements' offsets in w, the block's offset in the scale grid (E, NB, KB))."""
     n = tl.program_id(0)
     k = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
     rows = n * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
     cols = k * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
     mask = (rows < N)[:, None] & (cols < K)[None, :]
-    offs = e * N * K + rows.to(tl.int64)[:, None] * K + cols[None, :]  # of w and q alike
+    offs = e * N * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
+    return n, k, e, rows, cols, mask, offs, (e * tl.cdiv(N, SCALE_BLOCK) + n) * tl.cdiv(K, SCALE_BLOCK) + k
+
+
+@triton.jit
+def quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, N, K, HW_CAST: tl.constexpr):
+    """Program (n, k, e): the 128x128 block (n, k) of w[e] (N, K), w (E, N, K) contiguous -> q (E, N, K) uint8,
+    s (E, NB, KB)."""
+    _, _, _, _, _, mask, offs, s_off = _weight_block(N, K)  # offs: of w and q alike
     q, s = quantize_block(as_fp32(tl.load(w_ptr + offs, mask=mask, other=0.0)), HW_CAST)
     tl.store(q_ptr + offs, q, mask=mask)
-    tl.store(s_ptr + (e * tl.cdiv(N, SCALE_BLOCK) + n) * tl.cdiv(K, SCALE_BLOCK) + k, s)
+    tl.store(s_ptr + s_off, s)
 
 
 @triton.jit
@@ -190,18 +198,10 @@ def kmajor_128x128_kernel(q_ptr, s_ptr, qk_ptr, sk_ptr, N, K):
     """Program (n, k, e): block (n, k) of q[e] (N, K) contiguous bytes -> qk[e] stored (K, N) (element (n, k) at
     ``k * N + n``), and its scale s[e, n, k] -> sk[e] stored (KB, NB). A copy: the bytes change layout, never
     their values (no cast)."""
-    n = tl.program_id(0)
-    k = tl.program_id(1)
-    e = tl.program_id(2).to(tl.int64)
-    rows = n * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
-    cols = k * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
-    mask = (rows < N)[:, None] & (cols < K)[None, :]
-    base = e * N * K
-    tile = tl.load(q_ptr + base + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask)
-    tl.store(qk_ptr + base + cols.to(tl.int64)[None, :] * N + rows[:, None], tile, mask=mask)
-    NB = tl.cdiv(N, SCALE_BLOCK)
-    KB = tl.cdiv(K, SCALE_BLOCK)
-    tl.store(sk_ptr + (e * KB + k) * NB + n, tl.load(s_ptr + (e * NB + n) * KB + k))
+    n, k, e, rows, cols, mask, offs, s_off = _weight_block(N, K)
+    tile = tl.load(q_ptr + offs, mask=mask)
+    tl.store(qk_ptr + e * N * K + cols.to(tl.int64)[None, :] * N + rows[:, None], tile, mask=mask)
+    tl.store(sk_ptr + (e * tl.cdiv(K, SCALE_BLOCK) + k) * tl.cdiv(N, SCALE_BLOCK) + n, tl.load(s_ptr + s_off))
 
 
 @triton.jit
