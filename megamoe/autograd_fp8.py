@@ -90,6 +90,12 @@ class Fp8Experts:
         self.w13, self.w2 = self.cache.get(w13_EGD), self.cache.get(w2_EDF)
         self.dtype = w13_EGD.dtype
 
+    def adopt_blocks(self, w13_blocks: tuple, w2_blocks: tuple, dtype: torch.dtype) -> None:
+        """The 128x128 blocks ``(q, s)`` of w13 and w2 that a forward made, and the weights' dtype, instead of
+        :meth:`open_forward` (the backward op of megamoe.custom_ops receives them as saved outputs of the forward
+        op)."""
+        self.w13, self.w2, self.dtype = tuple(w13_blocks), tuple(w2_blocks), dtype
+
     def gate_up(self, rows, save_preact: bool | None = None):
         """Gate/up + SwiGLU on the round's x rows: (h as its 1x128 blocks (hq_RF, hs_RB), gu_RG or None). The
         GEMM of :meth:`preact`, then a SwiGLU pass: h = silu(g) * u quantized 1x128 from that [g | u]

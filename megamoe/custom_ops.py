@@ -12,7 +12,8 @@ model computes what the eager one does, kernel for kernel. Ops (namespace ``mega
 
 * ``moe_experts(x, ids, w, w13, w2, shared_w13?, shared_w2?, kernel_config, recipe)`` -> (out_TD, and what the
   backward reads: gu_NG, gus_TH (empty without a shared expert), the routing plan's offsets_E1, row_token_N,
-  row_src_N, row_of_TK); ``moe_experts_backward(...)`` -> the six gradients (an empty tensor where not needed).
+  row_src_N, row_of_TK, and with recipe "fp8" the weights' 128x128 blocks q13, s13, q2, s2 (empty otherwise));
+  ``moe_experts_backward(...)`` -> the six gradients (an empty tensor where not needed).
   One GPU (the local dispatcher); expert parallelism (megamoe.functional_ep) is not a custom op.
 * ``moe_experts_reference(..., recipe)`` / ``moe_experts_reference_backward``: the plain-PyTorch specification
   (megamoe.reference.moe_experts, host-synchronous: it loops over the experts present), run eagerly inside the
@@ -32,11 +33,10 @@ x's dtype), so the fake implementations are the same for every recipe.
 
 FP8 in the fused ops: each op builds its own megamoe.autograd_fp8.Fp8Experts with a weight cache of that call
 only, so an op keeps no tensor beyond its outputs (CUDA-graph trees refuse allocations in their pool that live on
-and are not outputs): compiled, the forward op quantizes the weights at every call, and the backward op, which
-cannot receive the forward's recipe object, quantizes them again (``open_forward(w13, w2)``). Those are the
-forward's blocks: quantization is deterministic (bit-exact, no atomics), and autograd's version check refuses a
-backward after an in-place change of a saved weight. The eager path's cross-call cache (one quantization per
-weight version) does not apply under compile.
+and are not outputs): compiled, the forward op quantizes the weights at every call and returns their blocks as
+outputs, saved for the backward op, which takes them (``Fp8Experts.adopt_blocks``) instead of quantizing again;
+the backward makes their K-major copies. The eager path's cross-call cache (one quantization per weight version)
+does not apply under compile.
 
 Shapes come from shapes only (fake implementations): every routing-dependent size stays inside the ops.
 Sync: none on CUDA (ids are checked with a device-side assertion); CUDA-graph capturable
@@ -98,9 +98,9 @@ def _check_recipe(recipe: str) -> None:
         raise ValueError(f"megamoe: recipe must be one of {RECIPES}, got {recipe!r}")
 
 
-def _fused_recipe(recipe: str, w13_EGD: Tensor | None = None, w2_EDF: Tensor | None = None):
+def _fused_recipe(recipe: str, blocks: tuple | None = None, dtype: torch.dtype | None = None):
     """The stage loop's recipe object: None for "native", a fresh megamoe.autograd_fp8.Fp8Experts for "fp8" (given
-    the weights: with their 128x128 blocks already fetched, as the forward left them, for a backward op)."""
+    the forward op's weight blocks (q13, s13, q2, s2) and the weights' dtype: holding them, for a backward op)."""
     _check_recipe(recipe)
     if recipe == "native":
         return None
@@ -110,8 +110,8 @@ def _fused_recipe(recipe: str, w13_EGD: Tensor | None = None, w2_EDF: Tensor | N
     # a cache of this call only: an op keeps no tensor beyond its outputs (CUDA-graph trees refuse live
     # allocations in their pool that are not outputs), so compiled FP8 quantizes the weights at every call
     fp8 = Fp8Experts(cache=Fp8WeightCache())
-    if w13_EGD is not None:
-        fp8.open_forward(w13_EGD, w2_EDF)
+    if blocks is not None:
+        fp8.adopt_blocks(blocks[:2], blocks[2:], dtype)
     return fp8
 
 
@@ -129,7 +129,8 @@ def _or_none(t: Tensor | None) -> Tensor | None:
 @torch.library.custom_op("megamoe::moe_experts", mutates_args=())
 def _moe_experts_op(x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor, w13_EGD: Tensor, w2_EDF: Tensor,
                     shared_w13_HD: Tensor | None, shared_w2_DS: Tensor | None, kernel_config: str,
-                    recipe: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    recipe: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                          Tensor, Tensor]:
     from .autograd import experts_forward  # lazy: the Triton launchers load when the op first runs
     from .ops.dispatch import LocalDispatcher
 
@@ -142,7 +143,9 @@ def _moe_experts_op(x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor, 
                                                    shared_w13_HD, shared_w2_DS, True, fp8)
     gu_NG = _empty(x_TD) if gu_NG is None else gu_NG
     gus_TH = _empty(x_TD) if gus_TH is None else gus_TH
-    return (out_TD, gu_NG, gus_TH, *saved)
+    # saved for the backward op; four distinct empty tensors without FP8 (a custom op's outputs may not alias)
+    blocks = (*fp8.w13, *fp8.w2) if fp8 is not None else tuple(_empty(x_TD) for _ in range(4))
+    return (out_TD, gu_NG, gus_TH, *saved, *blocks)
 
 
 @_moe_experts_op.register_fake
@@ -153,20 +156,33 @@ def _(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared
               else _empty(x_TD))
     i32 = dict(dtype=torch.int32, device=x_TD.device)
     return (x_TD.new_empty(T, D), x_TD.new_empty(N, G), gus_TH, torch.empty(E + 1, **i32), torch.empty(N, **i32),
-            torch.empty(N, **i32), torch.empty(T, K, **i32))
+            torch.empty(N, **i32), torch.empty(T, K, **i32), *_fake_blocks(x_TD, w13_EGD, w2_EDF, recipe))
+
+
+def _fake_blocks(x_TD, w13_EGD, w2_EDF, recipe):
+    """The forward op's weight blocks (q13, s13, q2, s2): e4m3 like each weight, fp32 per 128x128 block; empty
+    unless recipe "fp8"."""
+    if recipe != "fp8":
+        return tuple(_empty(x_TD) for _ in range(4))
+    out = []
+    for w in (w13_EGD, w2_EDF):
+        E, N, K = w.shape
+        out += [w.new_empty((E, N, K), dtype=torch.float8_e4m3fn),
+                w.new_empty((E, -(-N // 128), -(-K // 128)), dtype=torch.float32)]
+    return tuple(out)
 
 
 @torch.library.custom_op("megamoe::moe_experts_backward", mutates_args=())
 def _moe_experts_backward_op(dout_TD: Tensor, x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor,
                              w13_EGD: Tensor, w2_EDF: Tensor, shared_w13_HD: Tensor | None,
                              shared_w2_DS: Tensor | None, gu_NG: Tensor, gus_TH: Tensor, offsets_E1: Tensor,
-                             row_token_N: Tensor, row_src_N: Tensor, row_of_TK: Tensor, need: list[bool],
-                             kernel_config: str, recipe: str
+                             row_token_N: Tensor, row_src_N: Tensor, row_of_TK: Tensor, q13: Tensor, s13: Tensor,
+                             q2: Tensor, s2: Tensor, need: list[bool], kernel_config: str, recipe: str
                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     from .autograd import experts_backward
     from .ops.dispatch import LocalDispatcher, Needs
 
-    fp8 = _fused_recipe(recipe, w13_EGD, w2_EDF)  # the forward's weight blocks (module doc)
+    fp8 = _fused_recipe(recipe, (q13, s13, q2, s2), w13_EGD.dtype)  # the forward's weight blocks (module doc)
     n = Needs(*need)
     d = LocalDispatcher(w13_EGD.shape[0], kernel_config_from_text(kernel_config), fp8=fp8 is not None)
     grads = experts_backward(d, dout_TD, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD,
@@ -184,7 +200,7 @@ def _grad_shapes(x_TD, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w
 
 @_moe_experts_backward_op.register_fake
 def _(dout_TD, x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, gu_NG, gus_TH,
-      offsets_E1, row_token_N, row_src_N, row_of_TK, need, kernel_config, recipe):
+      offsets_E1, row_token_N, row_src_N, row_of_TK, q13, s13, q2, s2, need, kernel_config, recipe):
     return _grad_shapes(x_TD, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared_w2_DS, need)
 
 
@@ -202,8 +218,9 @@ def _take(grads, need) -> tuple:
 
 def _moe_experts_setup(ctx, inputs, output):
     x_TD, ids_TK, w_TK, w13_EGD, w2_EDF, sw13_HD, sw2_DS, kernel_config, recipe = inputs
-    _, gu_NG, gus_TH, *plan = output
-    ctx.save_for_backward(x_TD, ids_TK, w_TK, w13_EGD, w2_EDF, sw13_HD, sw2_DS, gu_NG, gus_TH, *plan)
+    _, gu_NG, gus_TH, *plan_and_blocks = output
+    ctx.save_for_backward(x_TD, ids_TK, w_TK, w13_EGD, w2_EDF, sw13_HD, sw2_DS, gu_NG, gus_TH, *plan_and_blocks)
+    ctx.mark_non_differentiable(*plan_and_blocks)
     ctx.kernel_config, ctx.recipe = kernel_config, recipe
 
 

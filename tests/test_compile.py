@@ -239,10 +239,11 @@ def test_layer_fused_fp8_compiles_fullgraph_to_eager_bits():
 
 
 @interpreted
-def test_fused_fp8_ops_quantize_the_weights_themselves_and_give_eager_bits():
-    """The ops keep no tensor beyond their outputs: each quantizes the weights itself (the process-wide cache is
-    neither read nor written), and the backward op's blocks, quantized again from the same values, give eager's
-    gradients bit for bit."""
+def test_fused_fp8_ops_quantize_the_weights_themselves_and_give_eager_bits(monkeypatch):
+    """The ops keep no tensor beyond their outputs: the forward op quantizes the weights itself (the process-wide
+    cache is neither read nor written) and returns their blocks, which the backward op takes instead of quantizing
+    again (one quantization per weight per step); eager's output and gradients bit for bit."""
+    from megamoe.ops import fp8_quant
     from megamoe.ops.fp8_weights import WEIGHT_CACHE
 
     x, ids, w, w13, w2 = leaves = _experts_case(T=4, D=128, F=128, dtype=torch.bfloat16)[:5]
@@ -255,9 +256,14 @@ def test_fused_fp8_ops_quantize_the_weights_themselves_and_give_eager_bits():
     want = [out, *torch.autograd.grad(out, wanted, dout)]
     WEIGHT_CACHE.clear()
     lookups = WEIGHT_CACHE.hits + WEIGHT_CACHE.misses
+    f(*leaves)  # compiled (traced with the fake implementations) before the counted step
+    quantized = []
+    real = fp8_quant.quantize_128x128
+    monkeypatch.setattr(fp8_quant, "quantize_128x128", lambda w, **kw: quantized.append(w.shape) or real(w, **kw))
     out = f(*leaves)
     got = [out, *torch.autograd.grad(out, wanted, dout)]
     assert WEIGHT_CACHE.hits + WEIGHT_CACHE.misses == lookups and len(WEIGHT_CACHE) == 0
+    assert quantized == [w13.shape, w2.shape], quantized  # the forward op's only
     for g, wt in zip(got, want):
         assert g.dtype == wt.dtype and torch.equal(g, wt)
 
