@@ -11,7 +11,7 @@
 #               (e.g. fp8,fp8_zero_tokens) runs only those cases of the suite
 #   fp8tests    the FP8 GPU tests (tests/test_fp8_*.py, the FP8 training bound in tests/test_train.py)
 #   benchfp8    the FP8 benchmark tables: bf16 and FP8 layers, torch-fp8, the EP path in FP8 at W = 1; then bf16
-#               beside FP8 with the weights quantized at every call (megamoe-fp8-uncached)
+#               beside FP8 with the weights quantized at every call (megamoe-fp8-uncached), both under torch.compile
 #   fp8gemm     scripts/fp8_gluon_bench.py: the six FP8 GEMMs, Gluon beside Triton and megamoe's bf16 kernels
 #               (profile the FP8 layer with PROFILE_CASES="qwen3-30b-a3b:16384 --fp8")
 #   bench1      the single-GPU benchmark table (benchmarks/results/one-gpu)
@@ -96,7 +96,8 @@ for s in "${STAGES[@]}"; do
                 --providers megamoe megamoe-fp8 torch-fp8 megamoe-ep-fp8 \
                 --cases qwen3-30b-a3b:16384 deepseek-v3:8192 --out "$LOGS/benchfp8" "${EXTRA[@]}"
               # a run of its own: beside megamoe-fp8's cached blocks deepseek-v3 would not fit an 80 GB GPU
-              stage benchfp8-uncached "${LIMIT_BENCHFP8:-300}" "${BENCH[@]}" --providers megamoe megamoe-fp8-uncached \
+              stage benchfp8-uncached "${LIMIT_BENCHFP8:-420}" "${BENCH[@]}" --providers megamoe megamoe-fp8-uncached \
+                megamoe-compiled megamoe-fp8-compiled \
                 --cases qwen3-30b-a3b:16384 deepseek-v3:8192 --out "$LOGS/benchfp8-uncached" "${EXTRA[@]}" ;;
     fp8gemm) stage fp8gemm "${LIMIT_FP8GEMM:-240}" python3 scripts/fp8_gluon_bench.py \
                ${FP8GEMM_CASES:-qwen3-30b-a3b:16384 deepseek-v3:8192} ;;

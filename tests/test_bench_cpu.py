@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ep_utils import free_port, spawn_ranks
+from interpreter import interpreted
 from megamoe.bench.__main__ import build_parser, main
 from megamoe.bench.check import check_provider
 from megamoe.bench.problem import make_problem
@@ -48,9 +49,10 @@ def test_single_process_all_cpu_providers(tmp_path):
     out = tmp_path / "out"
     assert main(FAST + ["--cases", "tiny:37", "--routing", "uniform", "zipf:1.5", f"trace:{trace}",
                         "--providers", "reference", "torch", "megamoe", "nccl", "megamoe-ep", "megamoe-fp8",
-                        "megamoe-fp8-uncached", "torch-fp8", "--out", str(out)]) == 0
+                        "megamoe-fp8-uncached", "torch-fp8", "megamoe-compiled", "megamoe-fp8-compiled",
+                        "--out", str(out)]) == 0
     rows, js = _read(out)
-    assert len(rows) == 3 * 8
+    assert len(rows) == 3 * 10
     by = {(r["routing"], r["provider"]): r for r in rows}
     for routing in ("uniform", "zipf:1.5", f"trace:{trace}"):
         for p in ("reference", "torch"):
@@ -60,15 +62,16 @@ def test_single_process_all_cpu_providers(tmp_path):
         assert by[(routing, "nccl")]["status"] == "skip"  # EP-only provider at W = 1
         ep1 = by[(routing, "megamoe-ep")]  # the EP path on a one-rank group needs CUDA
         assert ep1["status"] == "skip" and "CUDA" in ep1["note"], ep1
-        for p in ("megamoe-fp8", "megamoe-fp8-uncached"):
+        for p in ("megamoe-fp8", "megamoe-fp8-uncached", "megamoe-fp8-compiled"):
             fp8 = by[(routing, p)]  # the tiny preset's D = 64 has no FP8 form
             assert fp8["status"] == "skip" and ("multiples of 128" in fp8["note"] or "CUDA" in fp8["note"]), fp8
         assert by[(routing, "torch-fp8")]["status"] == "skip"  # CUDA sm90 only
-        fused = by[(routing, "megamoe")]  # the fused path: CUDA, or the Triton interpreter on CPU
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            assert fused["status"] == "ok", fused
-        else:
-            assert fused["status"] == "skip" and "needs CUDA" in fused["note"], fused
+        for p in ("megamoe", "megamoe-compiled"):  # the fused path: CUDA, or the Triton interpreter on CPU
+            fused = by[(routing, p)]
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                assert fused["status"] == "ok", fused
+            else:
+                assert fused["status"] == "skip" and "needs CUDA" in fused["note"], fused
     assert float(by[("uniform", "reference")]["speedup_vs_torch"]) > 0
     meta = js["meta"]
     for k in ("gpu", "driver", "cuda", "torch", "triton", "commit", "world_size"):
@@ -84,6 +87,23 @@ def _ep_worker(rank, world, port, out_dir):
     rc = main(FAST + ["--cases", "tiny:16", "--routing", "zipf", "--providers", "reference", "nccl", "megamoe",
                       "symm-vdev", "torch", "megamoe-ep", "--no-ceilings", "--out", out_dir])
     assert rc == 0  # the process group the harness made is torn down by spawn_ranks, after the report
+
+
+@interpreted
+def test_compiled_provider_checks_and_times_under_the_interpreter(tmp_path):
+    """megamoe-compiled (torch.compile of the custom ops) passes the correctness gate and is timed in two cases of
+    different shapes (dynamo reset, a fresh compile per case). fp32: under the interpreter the bf16 fused path
+    differs from the reference by more than the gate's multiple of torch's error at this tiny shape."""
+    out = tmp_path / "out"
+    assert main(FAST + ["--cases", "tiny:37", "tiny:16", "--routing", "uniform", "--dtype", "fp32",
+                        "--providers", "torch", "megamoe-compiled", "--out", str(out)]) == 0
+    rows, _ = _read(out)
+    by = {(r["tokens"], r["provider"]): r for r in rows}
+    assert len(rows) == 4
+    for t in ("37", "16"):
+        compiled = by[(t, "megamoe-compiled")]
+        assert compiled["status"] == "ok" and compiled["check_worst"], compiled
+        assert float(compiled["fwdbwd_ms"]) > 0 and compiled["routed_flops_fwd"] == by[(t, "torch")]["routed_flops_fwd"]
 
 
 @pytest.mark.timeout(120)

@@ -10,7 +10,8 @@ weights. ``unavailable(ctx)`` returns None or the reason it cannot run here (pri
 
 Single-device providers (this module): ``reference``, ``torch``, ``megamoe``, and the FP8 ones ``megamoe-fp8``
 (also under EP; it quantizes each weight once per version, megamoe.ops.fp8_weights), ``megamoe-fp8-uncached``
-(the weights quantized at every call) and ``torch-fp8`` (:mod:`megamoe.bench.torch_fp8`), checked with an FP8 tolerance
+(the weights quantized at every call), ``megamoe-compiled`` and ``megamoe-fp8-compiled`` (under torch.compile)
+and ``torch-fp8`` (:mod:`megamoe.bench.torch_fp8`), checked with an FP8 tolerance
 (:mod:`megamoe.bench.check_fp8`). Expert-parallel providers (``nccl``, ``symm-vdev``, ``deepep``, and
 ``megamoe``/``reference`` under EP) are in :mod:`megamoe.bench.providers_ep`. :func:`get_providers` is the registry
 over both.
@@ -210,6 +211,20 @@ def _build_megamoe_fp8_uncached(prob, ctx: Context):
     return run
 
 
+def _compiled_unavailable(ctx: Context, prob, fp8: bool = False) -> str | None:
+    if ctx.world_size > 1:
+        return _single_only(ctx, prob)
+    return _megamoe_fp8_unavailable(ctx, prob) if fp8 else _megamoe_unavailable(ctx, prob)
+
+
+def _build_compiled(prob, ctx: Context, fp8: bool = False):
+    """The fused entry under ``torch.compile(fullgraph=True, dynamic=False)`` (megamoe's custom ops; inductor and
+    its compile caches). Dynamo's caches are reset first: the providers' functions share one code object, and each
+    case, shape and grad mode would otherwise add entries towards its recompile limit (then eager, silently)."""
+    torch.compiler.reset()
+    return torch.compile(_megamoe_fn(ctx.kernel_config, fp8=fp8), fullgraph=True, dynamic=False)
+
+
 def _torch_fp8_unavailable(ctx: Context, prob) -> str | None:
     if ctx.world_size > 1:
         return _single_only(ctx, prob)
@@ -242,6 +257,12 @@ _SINGLE = [
     Provider("megamoe-fp8-uncached", False, "megamoe-fp8 with the weights quantized at every call "
              "(megamoe.ops.fp8_weights.uncached(): what FSDP2, CUDA-graph replays and one micro-batch per optimizer "
              "step pay)", _megamoe_fp8_unavailable, _build_megamoe_fp8_uncached, fp8=True),
+    Provider("megamoe-compiled", False, "megamoe under torch.compile(fullgraph=True) (the custom ops of "
+             "megamoe.custom_ops)", _compiled_unavailable, _build_compiled),
+    Provider("megamoe-fp8-compiled", False, "megamoe-fp8 under torch.compile(fullgraph=True): the forward op "
+             "quantizes the weights at every call, the backward op takes its blocks",
+             functools.partial(_compiled_unavailable, fp8=True), functools.partial(_build_compiled, fp8=True),
+             fp8=True),
     Provider("torch-fp8", False, "eager PyTorch FP8: sort by expert (groups padded to 16), "
              "torch._scaled_grouped_mm with rowwise scales for every expert GEMM, SwiGLU, fp32 weighted sum (sm90)",
              _torch_fp8_unavailable, _build_torch_fp8, fp8=True),
