@@ -200,7 +200,7 @@ def _routed_backward(d, w13_EGD, w2_EDF, gu0_RG, need: Needs, fp8=None):
                                                   row_dot=rows.row_dot, tile_cache=rows.tiles, pull=rows.pull,
                                                   kernel_config=kc)
         else:
-            dgu_RG, hw_RF, part_RP = fp8.dgrad_swiglu(rows, gu_RG)
+            dgu_RG, hw_RF, part_RP = fp8.dgrad_swiglu(rows, gu_RG, need.w13, need.w2)  # 128x1 blocks of both
         del gu_RG
         if need.w2:
             dw2 = _wgrad(d, r, "w2", rows, (rows.dy_RD, rows.dy_idx_R), (hw_RF, None), dw2, w2_EDF.dtype, fp8)

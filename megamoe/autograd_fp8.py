@@ -15,11 +15,12 @@ fp32 accumulation promoted every 128 of K::
             down: e4m3 h @ w2 blocks -> y (x's dtype)
   backward  dout rows: 1x128, once per round, gathered into expert order
             dgrad + SwiGLU bwd: e4m3 dout @ w2 blocks (read transposed) -> fp32, then a SwiGLU-backward pass:
-            dgu, hw, row dots; dgu quantized 1x128
+            dgu, hw (in 16-bit values, not stored), row dots; dgu quantized 1x128, dgu and hw 128x1
             dx rows: e4m3 dgu @ w13 blocks (read transposed)
             weight gradients: both operands quantized 128 rows x 1 column along the expert's rows, from the
-            16-bit values (dout rows and hw for w2, dgu and x rows for w13), written transposed in 128-row blocks
-            padded with zeros (K-major for the tensor cores), fp32 sums, one cast to the weight dtype
+            16-bit values (dout rows and x rows by the 128x1 quantizer, hw and dgu by the SwiGLU-backward pass),
+            written transposed in 128-row blocks padded with zeros (K-major for the tensor cores), fp32 sums, one
+            cast to the weight dtype
 
 On a Hopper GPU every FP8 GEMM runs on the warp-specialized Gluon kernels (megamoe.ops.fp8_gemm_gluon: the same
 bits; a promotion overlaps the warpgroup's next wgmma, in the weight gradients the other warpgroup's), elsewhere on
@@ -124,33 +125,37 @@ class Fp8Experts:
         self._dgu = None
         self.w13_k, self.w2_k = self.cache.kmajor(self.w13), self.cache.kmajor(self.w2)
 
-    def dgrad_swiglu(self, rows, gu_RG: torch.Tensor):
-        """dout rows @ w2 blocks with the SwiGLU backward: (dgu_RG, hw_RF, part_RP or None); dgu's 1x128 blocks
-        are kept for :meth:`dx` when the round needs dx. A plain GEMM and a SwiGLU-backward pass: dout's rows
-        quantized 1x128 straight into expert order, ``acc = dout rows @ w2 blocks`` in fp32 (the warp-specialized
-        Gluon kernel on Hopper), then the SwiGLU-backward pass on acc (megamoe.ops.fp8_swiglu.fp8_swiglu_bwd)."""
+    def dgrad_swiglu(self, rows, gu_RG: torch.Tensor, need_w13: bool = True, need_w2: bool = True):
+        """dout rows @ w2 blocks with the SwiGLU backward: (dgu, hw, part_RP or None), dgu and hw as the 128x1
+        blocks the weight gradients read (``(q, s)``, block-padded K-major; None where that gradient is not
+        needed); dgu's 1x128 blocks are kept for :meth:`dx` when the round needs dx. A plain GEMM and a
+        SwiGLU-backward pass: dout's rows quantized 1x128 straight into expert order, ``acc = dout rows @ w2
+        blocks`` in fp32 (the warp-specialized Gluon kernel on Hopper), then the SwiGLU-backward pass on acc, which
+        quantizes dgu and hw where they are made (megamoe.ops.fp8_swiglu.fp8_swiglu_bwd_blocks)."""
         self._check_rows(rows, "dgrad")
         off = rows.offsets_E1
         # the gathered dout blocks (R x D bytes) are freed with the call, before the pass
         acc = _grouped_mm(_rows_1x128(rows.dy_RD, rows.dy_idx_R, off), self.w2_k, off, torch.float32, rows.tiles,
                           kmajor=True)
-        dgu, hw, part, dgq, dgs = fp8_swiglu.fp8_swiglu_bwd(acc, gu_RG, valid_rows_1=off[-1:], row_scale_R=rows.scale_R,
-                                                            row_dot=rows.row_dot)
+        part, dgq, dgs, dgu, hw = fp8_swiglu.fp8_swiglu_bwd_blocks(
+            acc, gu_RG, off, fp8_gemm.table_for(off, fp8_gemm.QB, rows.tiles), row_scale_R=rows.scale_R,
+            row_dot=rows.row_dot, dgu_blocks=need_w13, hw_blocks=need_w2)
         self._dgu = (dgq, dgs) if rows.need_dx else None
         return dgu, hw, part
 
     def wgrad(self, rows, p, p_idx_R, q, q_idx_R, out_dtype: torch.dtype, *, out: torch.Tensor | None = None,
               split: RoundSplit | None = None):
         """Weight gradient ``sum over each expert's rows of P^T Q`` on 128x1 blocks of both operands, quantized
-        from their 16-bit rows (read through p_idx_R / q_idx_R where given): (E, M, N) in ``out_dtype``. The
+        from their 16-bit rows (read through p_idx_R / q_idx_R where given), or given as those blocks (a ``(q, s)``
+        pair from :meth:`dgrad_swiglu`, index None): (E, M, N) in ``out_dtype``. The
         128-row block table is the round's m-tile table for BLOCK_M = 128 (made once, in ``rows.tiles``). The
         operands are written block-padded and transposed (K-major, the layout the FP8 tensor cores read).
         ``split``: the round's tables when the exchange runs several rounds (round 0 makes the gradient, later
         rounds complete ``out`` in place through megamoe.ops.wgrad_rounds.fp8_k_grouped_round)."""
         off = rows.offsets_E1
         blocks = fp8_gemm.table_for(off, fp8_gemm.QB, rows.tiles)
-        pq, ps = fp8_quant.quantize_128x1_grouped(p, off, p_idx_R, blocks, kmajor=True)
-        qq, qs = fp8_quant.quantize_128x1_grouped(q, off, q_idx_R, blocks, kmajor=True)
+        pq, ps = p if isinstance(p, tuple) else fp8_quant.quantize_128x1_grouped(p, off, p_idx_R, blocks, kmajor=True)
+        qq, qs = q if isinstance(q, tuple) else fp8_quant.quantize_128x1_grouped(q, off, q_idx_R, blocks, kmajor=True)
         if split is None or split.round_idx == 0:
             if fp8_gemm_gluon.fp8_gluon_runs_on(pq.device):
                 out = fp8_gemm_gluon.fp8_k_grouped_mm_gluon(pq, ps, qq, qs, off, block_offsets_E1=blocks,

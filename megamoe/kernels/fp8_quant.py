@@ -15,6 +15,8 @@ Public helpers (``@triton.jit``; import them into a GEMM epilogue to quantize a 
   * :func:`pow2_scale`: the exponent rule on an amax bit pattern -> (inverse scale ``2**-e``, scale ``2**e``
     or NaN for a non-finite block, finite flag). Integers only (no log2 / exp2, no division).
   * :func:`e4m3_bytes`: fp32 -> e4m3 bit patterns (uint8), round to nearest even, for ``|y| <= 448``.
+  * :func:`scale_cols` and :func:`e4m3_pair_bits`: a 128x1 block's values times their column's inverse scale,
+    and two rows' bytes packed into an int32 (the K-major layout's words, built without 8-bit tiles).
   * :func:`quantize_block_rows` (1x128: one scale per row of a (rows, 128) tile),
     :func:`quantize_block_cols` (128x1: one scale per column of a (128, cols) tile),
     :func:`quantize_block` (128x128: one scale for the tile): (bytes uint8, scales fp32). The tile is fp32
@@ -233,16 +235,17 @@ def _quantize_128x1_kmajor(x_ptr, idx_ptr, q_ptr, blk, row_start, row_end, cols,
     amax = tl.maximum(tl.maximum(tl.max(abs_bits(x0), axis=0), tl.max(abs_bits(x1), axis=0)),
                       tl.maximum(tl.max(abs_bits(x2), axis=0), tl.max(abs_bits(x3), axis=0)))
     inv, scale, finite = pow2_scale(amax)
-    words = _e4m3_word(_scaled(x0, inv, finite), _scaled(x1, inv, finite), _scaled(x2, inv, finite),
-                       _scaled(x3, inv, finite), HW_CAST)
+    words = _e4m3_word(scale_cols(x0, inv, finite), scale_cols(x1, inv, finite), scale_cols(x2, inv, finite),
+                       scale_cols(x3, inv, finite), HW_CAST)
     w_ptrs = q_ptr + cols.to(tl.int64)[None, :] * (ld_q // 4) + blk * (SCALE_BLOCK // 4) + w[:, None]
     tl.store(w_ptrs, words, mask=mask_c[None, :])
     return scale
 
 
 @triton.jit
-def _scaled(x, inv, finite):
-    """x * inv per column, zeros in a non-finite column (its bytes are 0, its scale NaN)."""
+def scale_cols(x, inv, finite):
+    """x * inv per column, zeros in a non-finite column (its bytes are 0, its scale NaN): a 128x1 block's values
+    ready for :func:`e4m3_pair_bits`."""
     return tl.where(finite[None, :], x * inv[None, :], 0.0)
 
 
@@ -263,16 +266,21 @@ def _sign_byte(y, shift: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_word(y0, y1, y2, y3, HW_CAST: tl.constexpr):
-    """int32 words of four fp32 tiles' e4m3 bytes (|values| <= 448), y0 in the low byte: e4m3_bytes's bytes
-    (round to nearest even; the sign ORed in again, so a negative value rounding to zero gives 0x80 as torch's cast
-    does)."""
+def e4m3_pair_bits(y0, y1, HW_CAST: tl.constexpr):
+    """int32 of two fp32 tiles' e4m3 bytes (|values| <= 448), y0's in byte 0 and y1's in byte 1: e4m3_bytes's
+    bytes (round to nearest even; the sign ORed in again, so a negative value rounding to zero gives 0x80 as
+    torch's cast does). Half of a K-major word of four rows; the bytes never reach the compiler as 8-bit values."""
     if HW_CAST:
-        words = _e4m3_pair(y0, y1) | (_e4m3_pair(y2, y3) << 16)
-        return words | _sign_byte(y0, 0) | _sign_byte(y1, 8) | _sign_byte(y2, 16) | _sign_byte(y3, 24)
+        return _e4m3_pair(y0, y1) | _sign_byte(y0, 0) | _sign_byte(y1, 8)
     else:
-        words = e4m3_bytes(y0, False).to(tl.int32) | (e4m3_bytes(y1, False).to(tl.int32) << 8)
-        return words | (e4m3_bytes(y2, False).to(tl.int32) << 16) | (e4m3_bytes(y3, False).to(tl.int32) << 24)
+        return e4m3_bytes(y0, False).to(tl.int32) | (e4m3_bytes(y1, False).to(tl.int32) << 8)
+
+
+@triton.jit
+def _e4m3_word(y0, y1, y2, y3, HW_CAST: tl.constexpr):
+    """int32 words of four fp32 tiles' e4m3 bytes (|values| <= 448), y0 in the low byte (:func:`e4m3_pair_bits`
+    twice)."""
+    return e4m3_pair_bits(y0, y1, HW_CAST) | (e4m3_pair_bits(y2, y3, HW_CAST) << 16)
 
 
 @triton.jit

@@ -22,8 +22,22 @@ interpreter). SiLU: silu(x) = x * s, silu'(x) = s * (1 + x * (1 - s)), s = 1 / (
 import triton
 import triton.language as tl
 
-from .fp8_quant import abs_bits, as_fp32, e4m3_bytes, pow2_scale, quantize_block_rows
+from .fp8_quant import (
+    SCALE_BLOCK as QB,
+)
+from .fp8_quant import (
+    abs_bits,
+    as_fp32,
+    e4m3_bytes,
+    e4m3_pair_bits,
+    pow2_scale,
+    quantize_block_rows,
+    scale_cols,
+)
 from .grouped_gemm import swiglu_h
+from .tiles import expert_of_tile
+
+GROUP: tl.constexpr = tl.constexpr(16)  # rows per step of the block-wise backward pass (a quarter of its words)
 
 
 @triton.jit
@@ -152,3 +166,113 @@ def swiglu_bwd_rows_kernel(acc_ptr, n_ptr, scale_ptr, gu_ptr, c_ptr, aux_ptr, do
                             N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE, HW_CAST)
     if HAS_DOT:
         tl.store(dot_ptr + out_rows * (N // 128) + p, part, mask=mask_m)
+
+
+@triton.jit
+def _bwd_half(acc_ptr, scale_ptr, gu_ptr, rows, mask_r, offs_n, N, stride_am, stride_gm, HAS_SCALE: tl.constexpr):
+    """The SwiGLU backward values of rows ``rows`` (clamped; rows off mask_r give zeros) x the 64 columns offs_n:
+    (row-dot partial, h * scale, dg, du) as :func:`_swiglu_bwd_values` computes them."""
+    acc = tl.load(acc_ptr + rows[:, None] * stride_am + offs_n[None, :], mask=mask_r[:, None], other=0.0)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + rows).to(tl.float32)
+    else:
+        scale = tl.full(rows.shape, 1.0, tl.float32)
+    part, h, dg, du = _swiglu_bwd_values(acc, offs_n, rows, offs_n < N, scale, gu_ptr, gu_ptr, N, stride_gm,
+                                         HAS_SCALE)
+    keep = mask_r[:, None]
+    return part, tl.where(keep, h, 0.0), tl.where(keep, dg, 0.0), tl.where(keep, du, 0.0)
+
+
+@triton.jit
+def _e4m3_byte(y, HW_CAST: tl.constexpr):
+    """e4m3 byte of each value of y (scaled, |y| <= 448) in the low byte of an int32."""
+    return e4m3_pair_bits(y, y, HW_CAST) & 0xFF
+
+
+@triton.jit
+def _kmajor_words(acc_ptr, scale_ptr, gu_ptr, row0, row_end, num_rows, offs_n, N, stride_am, stride_gm,
+                  inv_h, fin_h, inv_g, fin_g, inv_u, fin_u, HAS_SCALE: tl.constexpr, HW_CAST: tl.constexpr):
+    """K-major words of h * scale, dg and du on the 64 columns offs_n for the GROUP words from row row0: word w packs
+    rows row0 + 4w + k, k = 0..3 (little-endian), each row's values computed again as in the first pass."""
+    w = tl.arange(0, GROUP)
+    wh = tl.zeros((GROUP, 64), tl.int32)
+    wg = tl.zeros((GROUP, 64), tl.int32)
+    wu = tl.zeros((GROUP, 64), tl.int32)
+    for k in range(4):  # rows row0 + 4w + k: byte k of each word
+        r = row0 + 4 * w + k
+        _, h, dg, du = _bwd_half(acc_ptr, scale_ptr, gu_ptr, tl.minimum(r, num_rows - 1).to(tl.int64), r < row_end,
+                                 offs_n, N, stride_am, stride_gm, HAS_SCALE)
+        wh |= _e4m3_byte(scale_cols(h, inv_h, fin_h), HW_CAST) << (8 * k)
+        wg |= _e4m3_byte(scale_cols(dg, inv_g, fin_g), HW_CAST) << (8 * k)
+        wu |= _e4m3_byte(scale_cols(du, inv_u, fin_u), HW_CAST) << (8 * k)
+    return wh, wg, wu
+
+
+@triton.jit
+def _amax_cols(amax, x):
+    return tl.maximum(amax, tl.max(abs_bits(x), axis=0))
+
+
+@triton.jit
+def swiglu_bwd_blocks_kernel(acc_ptr, scale_ptr, gu_ptr, dot_ptr, q_ptr, qs_ptr, gk_ptr, gks_ptr, hk_ptr, hks_ptr,
+                             offsets_ptr, block_offsets_ptr, num_rows, N, num_experts, ld_k, stride_am, stride_gm,
+                             stride_qm, stride_qsm, HAS_SCALE: tl.constexpr, HAS_DOT: tl.constexpr,
+                             G_BLOCKS: tl.constexpr, H_BLOCKS: tl.constexpr, E_POW2: tl.constexpr,
+                             HW_CAST: tl.constexpr):
+    """Program (b, p): the SwiGLU backward on 128-row block b of the m-tile table ``block_offsets`` (BLOCK_M = 128)
+    x the columns [128p, 128p + 128) of the dgrad accumulator acc (num_rows, N) fp32, in two passes over the
+    block's rows, GROUP at a time (rows 4w + k of a run of 4 GROUP). First: the row-dot partials, [dg | du]
+    quantized 1x128 into (q, qs), and each column's amax over the block's rows; then (G_BLOCKS / H_BLOCKS) the
+    values again, quantized 128x1 into the block-padded K-major buffers of dgu (gk, 2N columns) and h * scale (hk,
+    N columns), column c's block b at word ``c * ld_k / 4 + 32 b`` (the buffers as int32 words; rows past the
+    expert's as zeros), their scales at ``[b, c]``: the weight gradients' operands, without dgu and h * scale in
+    16 bits."""
+    blk = tl.program_id(0)
+    if blk < tl.load(block_offsets_ptr + num_experts):
+        _, row_start, row_end = expert_of_tile(block_offsets_ptr, offsets_ptr, blk, num_experts, E_POW2, QB)
+        p = tl.program_id(1)
+        n0 = p * QB
+        offs_lo = n0 + tl.arange(0, 64)
+        w = tl.arange(0, GROUP)
+        zero = tl.zeros((64,), tl.int32)
+        am_h_lo, am_h_hi, am_g_lo, am_g_hi, am_u_lo, am_u_hi = zero, zero, zero, zero, zero, zero
+        for i in range(QB // GROUP):
+            r = row_start + 4 * (GROUP * (i // 4) + w) + i % 4
+            mask_r = r < row_end
+            rows = tl.minimum(r, num_rows - 1).to(tl.int64)
+            part_lo, h_lo, dg_lo, du_lo = _bwd_half(acc_ptr, scale_ptr, gu_ptr, rows, mask_r, offs_lo, N, stride_am,
+                                                    stride_gm, HAS_SCALE)
+            part_hi, h_hi, dg_hi, du_hi = _bwd_half(acc_ptr, scale_ptr, gu_ptr, rows, mask_r, offs_lo + 64, N,
+                                                    stride_am, stride_gm, HAS_SCALE)
+            out_rows = r.to(tl.int64)
+            _store_pair_quantized(dg_lo, dg_hi, offs_lo, out_rows, mask_r, q_ptr, qs_ptr, stride_qm, stride_qsm, N,
+                                  HW_CAST)
+            _store_pair_quantized(du_lo, du_hi, offs_lo + N, out_rows, mask_r, q_ptr, qs_ptr, stride_qm, stride_qsm,
+                                  2 * N, HW_CAST)
+            if HAS_DOT:
+                tl.store(dot_ptr + out_rows * (N // QB) + p, part_lo + part_hi, mask=mask_r)
+            am_h_lo, am_h_hi = _amax_cols(am_h_lo, h_lo), _amax_cols(am_h_hi, h_hi)
+            am_g_lo, am_g_hi = _amax_cols(am_g_lo, dg_lo), _amax_cols(am_g_hi, dg_hi)
+            am_u_lo, am_u_hi = _amax_cols(am_u_lo, du_lo), _amax_cols(am_u_hi, du_hi)
+        if G_BLOCKS or H_BLOCKS:
+            for half in tl.static_range(2):
+                offs_n = offs_lo + 64 * half
+                inv_h, s_h, fin_h = pow2_scale(am_h_hi if half else am_h_lo)
+                inv_g, s_g, fin_g = pow2_scale(am_g_hi if half else am_g_lo)
+                inv_u, s_u, fin_u = pow2_scale(am_u_hi if half else am_u_lo)
+                cols = offs_n.to(tl.int64)[None, :]
+                for j in range(QB // (4 * GROUP)):
+                    wh, wg, wu = _kmajor_words(acc_ptr, scale_ptr, gu_ptr, row_start + 4 * GROUP * j, row_end,
+                                               num_rows, offs_n, N, stride_am, stride_gm, inv_h, fin_h, inv_g, fin_g,
+                                               inv_u, fin_u, HAS_SCALE, HW_CAST)
+                    words = blk * (QB // 4) + GROUP * j + w[:, None]
+                    if G_BLOCKS:
+                        tl.store(gk_ptr + cols * (ld_k // 4) + words, wg)
+                        tl.store(gk_ptr + (cols + N) * (ld_k // 4) + words, wu)
+                    if H_BLOCKS:
+                        tl.store(hk_ptr + cols * (ld_k // 4) + words, wh)
+                if G_BLOCKS:
+                    tl.store(gks_ptr + blk.to(tl.int64) * (2 * N) + offs_n, s_g)
+                    tl.store(gks_ptr + blk.to(tl.int64) * (2 * N) + N + offs_n, s_u)
+                if H_BLOCKS:
+                    tl.store(hks_ptr + blk.to(tl.int64) * N + offs_n, s_h)
