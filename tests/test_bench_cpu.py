@@ -73,6 +73,9 @@ def test_single_process_all_cpu_providers(tmp_path):
             else:
                 assert fused["status"] == "skip" and "needs CUDA" in fused["note"], fused
     assert float(by[("uniform", "reference")]["speedup_vs_torch"]) > 0
+    head, _, *lines = (out / "results.txt").read_text().splitlines()
+    col = slice(head.index("provider"), head.index("  fwd ms"))  # the provider column, as wide as the longest name
+    assert [line[col].strip() for line in lines] == [r["provider"] for r in rows]
     meta = js["meta"]
     for k in ("gpu", "driver", "cuda", "torch", "triton", "commit", "world_size"):
         assert k in meta

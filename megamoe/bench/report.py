@@ -152,8 +152,9 @@ def routing_label(spec: str, width: int = 16) -> str:
 
 
 def format_table(rows: list[Row], baselines: list[str]) -> str:
-    """One fixed-width line per (case, provider)."""
-    head = (f"{'preset':<14} {'T':>6} {'routing':<16} {'provider':<10} {'fwd ms':>8} {'bwd ms':>8} "
+    """One fixed-width line per (case, provider) (the provider column as wide as the longest name)."""
+    pw = max([10] + [len(r.provider) for r in rows])
+    head = (f"{'preset':<14} {'T':>6} {'routing':<16} {'provider':<{pw}} {'fwd ms':>8} {'bwd ms':>8} "
             f"{'f+b ms':>8} {'p20-p80 f+b':>15} {'TFLOP/s':>8} {'%peak':>6} {'mem GiB':>8} "
             + " ".join(f"{'x vs ' + b:>10}" for b in baselines) + "  status")
     lines = [head, "-" * len(head)]
@@ -162,7 +163,7 @@ def format_table(rows: list[Row], baselines: list[str]) -> str:
         sp = " ".join(_fmt(r.speedup.get(b, math.nan), "10.2f") for b in baselines)
         note = r.note or (f"check: worst {r.check_worst}" if r.check_worst else "unchecked" if r.status == "ok" else "")
         status = r.status + (f" ({note})" if note else "")
-        lines.append(f"{r.preset:<14} {r.tokens:>6} {routing_label(r.routing):<16} {r.provider:<10} "
+        lines.append(f"{r.preset:<14} {r.tokens:>6} {routing_label(r.routing):<16} {r.provider:<{pw}} "
                      f"{_fmt(r.fwd.median)} "
                      f"{_fmt(r.bwd.median)} {_fmt(r.fwdbwd.median)} {spread:>15} {_fmt(r.tflops, '8.1f')} "
                      f"{_fmt(r.pct_peak, '6.1f')} {_fmt(r.peak_mem_gib)} {sp}  {status}")
