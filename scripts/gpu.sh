@@ -76,7 +76,7 @@ ncu_layer() {  # Nsight Compute on the grouped GEMMs of the third step of script
   ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-grouped}" --launch-skip $((2 * per_step)) \
     --launch-count "$per_step" --section SpeedOfLight --section ComputeWorkloadAnalysis \
     --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats \
-    env STEPS_ONLY=3 python3 scripts/profile_layer.py "$LOGS" $case
+    python3 scripts/profile_layer.py "$LOGS" $case --steps-only 3
 }
 export -f ncu_layer; export LOGS
 

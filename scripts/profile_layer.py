@@ -7,26 +7,28 @@ step's wall time from CUDA events; then where the GPU idles between kernels when
 (as the benchmark runs them: no sync between steps), the host time to enqueue one step, and the step
 replayed as a CUDA graph (no host launches at all). Writes OUT_DIR/profile_layer.json.
 
-Usage: python scripts/profile_layer.py OUT_DIR [preset:T ...] [--fp8 [--uncached]]  (a CUDA GPU; installs nothing)
+Usage: python scripts/profile_layer.py OUT_DIR [preset:T ...] [--fp8 [--uncached]] [--ep1] [--host]
+       [--steps-only N]  (a CUDA GPU; installs nothing)
 With --fp8 the routed experts run in block-scaled FP8 (``moe_experts(..., fp8=True)``); add --uncached to quantize
 the weights at every step (``megamoe.ops.fp8_weights.uncached()``: what FSDP2 and one micro-batch per optimizer
 step pay; the CUDA-graph replay always does).
-With PROFILE_EP1=1 it profiles the EP path instead (``functional_ep.moe_experts_ep`` on a one-rank group,
-the benchmark's ``megamoe-ep`` provider): the exchange kernels next to the GEMMs, on one GPU.
-With PROFILE_HOST=1 it also runs the host-enqueue loop under cProfile and prints the 30 functions with the
-most own time (where the host's per-step cost goes when a shape is host-bound).
-With STEPS_ONLY=N in the environment it only runs N steps per case and exits (for Nsight Compute,
-`scripts/gpu.sh ncu`: no torch.profiler, no graph capture).
+With --ep1 it profiles the EP path instead (``functional_ep.moe_experts_ep`` on a one-rank group, the benchmark's
+``megamoe-ep`` provider): the exchange kernels next to the GEMMs, on one GPU.
+With --host it also runs the host-enqueue loop under cProfile and prints the 30 functions with the most own time
+(where the host's per-step cost goes when a shape is host-bound).
+With --steps-only N it only runs N steps per case and exits (for Nsight Compute, `scripts/gpu.sh ncu`: no
+torch.profiler, no graph capture).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -39,58 +41,64 @@ from megamoe.functional import moe_experts
 STEPS = 5
 
 
-EP1 = os.environ.get("PROFILE_EP1") == "1"
-FP8 = "--fp8" in sys.argv  # the routed experts in block-scaled FP8 (moe_experts(..., fp8=True))
-UNCACHED = "--uncached" in sys.argv  # FP8: the weights quantized at every step (fp8_weights.uncached())
+@dataclass(frozen=True)
+class Options:
+    """What the command line asks for (the module doc)."""
+
+    fp8: bool = False  # the routed experts in block-scaled FP8 (moe_experts(..., fp8=True))
+    uncached: bool = False  # FP8: the weights quantized at every step (fp8_weights.uncached())
+    ep1: bool = False  # the EP path on a one-rank group
+    host: bool = False  # cProfile of the host-enqueue loop
+    steps_only: int = 0  # > 0: run that many steps per case, nothing else
 
 
-def _layer(*args):
-    if UNCACHED:
+def _layer(opts: Options, *args):
+    if opts.uncached:
         from megamoe.ops.fp8_weights import uncached
         with uncached():
-            return _layer_call(*args)
-    return _layer_call(*args)
+            return _layer_call(opts, *args)
+    return _layer_call(opts, *args)
 
 
-def _layer_call(*args):
-    if EP1:
+def _layer_call(opts: Options, *args):
+    if opts.ep1:
         from megamoe.bench.providers_ep import one_rank_group
         from megamoe.functional_ep import moe_experts_ep
-        return moe_experts_ep(*args, group=one_rank_group(args[0].device), fp8=FP8)
-    return moe_experts(*args, backend="fused", fp8=FP8)
+        return moe_experts_ep(*args, group=one_rank_group(args[0].device), fp8=opts.fp8)
+    return moe_experts(*args, backend="fused", fp8=opts.fp8)
 
 
-def _step(prob):
+def _step(prob, opts: Options):
     leaves = [t for t in (prob.x_TD, prob.topk_weights_TK, prob.w13, prob.w2, prob.shared_w13_HD,
                           prob.shared_w2_DS) if t is not None]
-    out = _layer(prob.x_TD, prob.topk_ids_TK, prob.topk_weights_TK, prob.w13, prob.w2, prob.shared_w13_HD,
+    out = _layer(opts, prob.x_TD, prob.topk_ids_TK, prob.topk_weights_TK, prob.w13, prob.w2, prob.shared_w13_HD,
                  prob.shared_w2_DS)
     return torch.autograd.grad(out, leaves, prob.grad_out_TD)
 
 
-def profile_case(name: str, T: int) -> dict:
+def profile_case(name: str, T: int, opts: Options) -> dict:
     cfg = get_preset(name)
     prob = make_problem(name, cfg, T, make_routing("uniform", cfg, T, 1, 0), world_size=1, rank=0, seed=0,
                         dtype=torch.bfloat16, device=torch.device("cuda"))
-    if os.environ.get("STEPS_ONLY"):
-        for _ in range(int(os.environ["STEPS_ONLY"])):
-            _step(prob)
+    if opts.steps_only:
+        for _ in range(opts.steps_only):
+            _step(prob, opts)
         torch.cuda.synchronize()
-        return dict(case=f"{name}:{T}", steps_only=int(os.environ["STEPS_ONLY"]))
+        return dict(case=f"{name}:{T}", steps_only=opts.steps_only)
     for _ in range(3):
-        _step(prob)
+        _step(prob, opts)
     torch.cuda.synchronize()
     times = []
     for _ in range(STEPS):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        _step(prob)
+        _step(prob, opts)
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(STEPS):  # back to back, no sync in between (as the benchmark's W=1 timing)
-            _step(prob)
+            _step(prob, opts)
         torch.cuda.synchronize()
     per = defaultdict(lambda: [0, 0.0])
     kernels = []
@@ -120,13 +128,13 @@ def profile_case(name: str, T: int) -> dict:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(STEPS):
-        _step(prob)
+        _step(prob, opts)
     host_ms = (time.perf_counter() - t0) * 1e3 / STEPS
     torch.cuda.synchronize()
-    if os.environ.get("PROFILE_HOST") == "1":
-        _host_profile(prob, f"{name} T={T}")
-    graph_ms = _graph_ms(prob)
-    path = " (EP path, one-rank group)" if EP1 else ""
+    if opts.host:
+        _host_profile(prob, f"{name} T={T}", opts)
+    graph_ms = _graph_ms(prob, opts)
+    path = " (EP path, one-rank group)" if opts.ep1 else ""
     print(f"\n== {name} T={T}{path}: step {wall:.2f} ms (CUDA events, synced steps, median of {STEPS}); kernels sum "
           f"{total:.2f} ms per step; back to back: {span_ms:.2f} ms per step, GPU idle {idle / 1e3 / STEPS:.2f} "
           f"ms per step; host enqueue {host_ms:.2f} ms per step; CUDA graph replay "
@@ -141,7 +149,7 @@ def profile_case(name: str, T: int) -> dict:
                 kernels=[dict(name=k, calls=c, ms=ms) for k, c, ms in rows])
 
 
-def _host_profile(prob, case: str) -> None:
+def _host_profile(prob, case: str, opts: Options) -> None:
     """cProfile of STEPS enqueued steps (synced only at the end): the 30 largest own times, totals over the
     STEPS steps (printed before the case's summary line, so it names its case)."""
     import cProfile
@@ -151,7 +159,7 @@ def _host_profile(prob, case: str) -> None:
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(STEPS):
-        _step(prob)
+        _step(prob, opts)
     pr.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
@@ -161,29 +169,29 @@ def _host_profile(prob, case: str) -> None:
     print("\n".join("    " + line for line in buf.getvalue().splitlines()[4:45]))
 
 
-def _graph_ms(prob) -> float | None:
+def _graph_ms(prob, opts: Options) -> float | None:
     """Median ms of the step captured once into a CUDA graph and replayed (GPU time without host launches); None
     when the capture runs out of memory (the graph's private pool holds a second step's tensors beside the eager
     steps' cached blocks, which are released first: deepseek-v3:8192 in FP8 on an 80 GB GPU)."""
     torch.cuda.empty_cache()
     try:
-        return _graph_replay_ms(prob)
+        return _graph_replay_ms(prob, opts)
     except torch.OutOfMemoryError:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         return None
 
 
-def _graph_replay_ms(prob) -> float:
+def _graph_replay_ms(prob, opts: Options) -> float:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            _step(prob)
+            _step(prob, opts)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _step(prob)
+        _step(prob, opts)
     graph.replay()
     torch.cuda.synchronize()
     ts = []
@@ -198,24 +206,45 @@ def _graph_replay_ms(prob) -> float:
     return statistics.median(ts)
 
 
-def main():
-    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
-        print(__doc__)
-        return
-    if UNCACHED and not FP8:
-        raise SystemExit("--uncached is for the FP8 layer's weight blocks: give --fp8 with it")
-    cases = [a for a in sys.argv[2:] if a not in ("--fp8", "--uncached")] or ["qwen3-30b-a3b:16384", "deepseek-v3:4096"]
-    os.makedirs(sys.argv[1], exist_ok=True)  # before the first case: a bad path fails at once, not after the runs
+def parse_args(argv: list[str] | None = None) -> tuple[str, list[str], Options]:
+    """(output folder, cases, options) from the command line; SystemExit with a message on bad input."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("cases", nargs="*", default=["qwen3-30b-a3b:16384", "deepseek-v3:4096"], help="preset:T")
+    p.add_argument("--fp8", action="store_true")
+    p.add_argument("--uncached", action="store_true")
+    p.add_argument("--ep1", action="store_true")
+    p.add_argument("--host", action="store_true")
+    p.add_argument("--steps-only", type=int, default=0, metavar="N")
+    a = p.parse_args(argv)
+    if a.uncached and not a.fp8:
+        p.error("--uncached is for the FP8 layer's weight blocks: give --fp8 with it")
+    if a.steps_only < 0:
+        p.error(f"--steps-only must be >= 0, got {a.steps_only}")
+    for c in a.cases:
+        name, _, t = c.partition(":")
+        if not t.isdigit() or int(t) <= 0:
+            p.error(f"a case is preset:T with T > 0, got {c!r}")
+        try:
+            get_preset(name)  # an unknown preset fails here, before any run
+        except KeyError as exc:
+            p.error(str(exc).strip('"'))
+    return a.out_dir, a.cases, Options(a.fp8, a.uncached, a.ep1, a.host, a.steps_only)
+
+
+def main(argv: list[str] | None = None):
+    out_dir, cases, opts = parse_args(argv)
+    os.makedirs(out_dir, exist_ok=True)  # before the first case: a bad path fails at once, not after the runs
     res = []
     for c in cases:
         name, T = c.split(":")
-        res.append(profile_case(name, int(T)) | {"path": "ep1" if EP1 else "direct"})
+        res.append(profile_case(name, int(T), opts) | {"path": "ep1" if opts.ep1 else "direct"})
         torch.cuda.empty_cache()
-    if EP1:
+    if opts.ep1:
         from megamoe.bench.providers_ep import close_one_rank_group
         close_one_rank_group()
-    tag = f"{'_ep1' if EP1 else ''}{'_fp8' if FP8 else ''}{'_uncached' if UNCACHED else ''}"
-    with open(f"{sys.argv[1]}/profile_layer{tag}.json", "w") as f:
+    tag = f"{'_ep1' if opts.ep1 else ''}{'_fp8' if opts.fp8 else ''}{'_uncached' if opts.uncached else ''}"
+    with open(f"{out_dir}/profile_layer{tag}.json", "w") as f:
         json.dump(res, f, indent=1)
 
 

@@ -1,0 +1,39 @@
+"""scripts/profile_layer.py's command line (the profile itself needs a CUDA GPU): options become its frozen
+Options, bad input stops before any run with a message naming it."""
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+
+def _script():
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "profile_layer.py"
+    spec = importlib.util.spec_from_file_location("profile_layer", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_options_from_the_command_line():
+    s = _script()
+    out, cases, opts = s.parse_args(["out", "qwen3-30b-a3b:16384", "--fp8", "--uncached", "--steps-only", "3"])
+    assert (out, cases) == ("out", ["qwen3-30b-a3b:16384"])
+    assert opts == s.Options(fp8=True, uncached=True, ep1=False, host=False, steps_only=3)
+    _, cases, opts = s.parse_args(["out", "--ep1", "--host"])
+    assert cases == ["qwen3-30b-a3b:16384", "deepseek-v3:4096"] and opts.ep1 and opts.host and not opts.fp8
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["out", "--uncached"], "give --fp8 with it"),
+    (["out", "qwen3-30b-a3b:x"], "preset:T with T > 0"),
+    (["out", "qwen3-30b-a3b:0"], "preset:T with T > 0"),
+    (["out", "nosuch:64"], "unknown MoE layer preset 'nosuch'"),
+    (["out", "--fp8", "--steps-only", "-1"], "--steps-only must be >= 0"),
+])
+def test_bad_command_lines_stop_with_a_message(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        _script().parse_args(argv)
+    assert match in capsys.readouterr().err
