@@ -27,8 +27,9 @@ the Triton kernels of megamoe.ops.fp8_gemm; none gathers rows or ends in a SwiGL
 (TMA cannot), and the SwiGLU passes of
 megamoe.ops.fp8_swiglu follow the GEMMs.
 
-The backward reuses the forward's weight blocks (kept by the recipe between the passes; the compiled ops of
-megamoe.custom_ops quantize them again instead) and reads K-major copies of them for the input gradients.
+The backward reuses the forward's weight blocks (kept by the recipe between the passes; under compile the forward
+op of megamoe.custom_ops returns them and the backward op hands them over, :meth:`Fp8Experts.adopt_blocks`) and
+reads K-major copies of them for the input gradients.
 Extra memory kept between the passes: the weight blocks (shared with the cache). Tiles: the FP8 GEMMs' own table
 (megamoe.ops.fp8_gemm.fp8_config, BLOCK_K = 128 = the scale group); the 16-bit ``KernelConfig`` overrides apply to
 the shared expert only. Sync: none.

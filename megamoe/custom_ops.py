@@ -28,8 +28,9 @@ model computes what the eager one does, kernel for kernel. Ops (namespace ``mega
 Arguments beyond tensors: ``kernel_config`` is the text of a :class:`megamoe.config.KernelConfig`
 (:func:`kernel_config_text`; "" for the checked-in table); ``recipe`` names the number format of the routed
 experts' GEMMs (:data:`RECIPES`): "native" (x's dtype) or "fp8" (block-scaled FP8, docs/fp8.md; the reference ops:
-megamoe.reference.moe_experts_fp8 and its hand-written backward). FP8 changes no output shape or dtype (gu stays in
-x's dtype), so the fake implementations are the same for every recipe.
+megamoe.reference.moe_experts_fp8 and its hand-written backward). FP8 keeps gu in x's dtype; the fused forward op's
+four last outputs are the weights' 128x128 blocks with recipe "fp8" (e4m3 bytes, fp32 scales) and four empty
+tensors with "native", and its fake implementation says so per recipe.
 
 FP8 in the fused ops: each op builds its own megamoe.autograd_fp8.Fp8Experts with a weight cache of that call
 only, so an op keeps no tensor beyond its outputs (CUDA-graph trees refuse allocations in their pool that live on
@@ -100,7 +101,10 @@ def _check_recipe(recipe: str) -> None:
 
 def _fused_recipe(recipe: str, blocks: tuple | None = None, dtype: torch.dtype | None = None):
     """The stage loop's recipe object: None for "native", a fresh megamoe.autograd_fp8.Fp8Experts for "fp8" (given
-    the forward op's weight blocks (q13, s13, q2, s2) and the weights' dtype: holding them, for a backward op)."""
+    the forward op's weight blocks (q13, s13, q2, s2) and the weights' dtype, both or neither: holding them, for a
+    backward op)."""
+    if (blocks is None) != (dtype is None):
+        raise ValueError("megamoe: the forward's weight blocks come with the weights' dtype")
     _check_recipe(recipe)
     if recipe == "native":
         return None
@@ -166,9 +170,9 @@ def _fake_blocks(x_TD, w13_EGD, w2_EDF, recipe):
         return tuple(_empty(x_TD) for _ in range(4))
     out = []
     for w in (w13_EGD, w2_EDF):
-        E, N, K = w.shape
-        out += [w.new_empty((E, N, K), dtype=torch.float8_e4m3fn),
-                w.new_empty((E, -(-N // 128), -(-K // 128)), dtype=torch.float32)]
+        experts, rows, cols = w.shape
+        out += [w.new_empty((experts, rows, cols), dtype=torch.float8_e4m3fn),
+                w.new_empty((experts, -(-rows // 128), -(-cols // 128)), dtype=torch.float32)]
     return tuple(out)
 
 

@@ -216,11 +216,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, list[str], Options]:
     p.add_argument("--ep1", action="store_true")
     p.add_argument("--host", action="store_true")
     p.add_argument("--steps-only", type=int, default=0, metavar="N")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # flags before, between or after the cases
     if a.uncached and not a.fp8:
         p.error("--uncached is for the FP8 layer's weight blocks: give --fp8 with it")
     if a.steps_only < 0:
         p.error(f"--steps-only must be >= 0, got {a.steps_only}")
+    if a.host and a.steps_only:
+        p.error("--host profiles the host loop of a full profile: not with --steps-only")
     for c in a.cases:
         name, _, t = c.partition(":")
         if not t.isdigit() or int(t) <= 0:
@@ -229,7 +231,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, list[str], Options]:
             get_preset(name)  # an unknown preset fails here, before any run
         except KeyError as exc:
             p.error(str(exc).strip('"'))
-    return a.out_dir, a.cases, Options(a.fp8, a.uncached, a.ep1, a.host, a.steps_only)
+    return a.out_dir, a.cases, Options(fp8=a.fp8, uncached=a.uncached, ep1=a.ep1, host=a.host,
+                                       steps_only=a.steps_only)
 
 
 def main(argv: list[str] | None = None):

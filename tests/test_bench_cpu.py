@@ -88,18 +88,26 @@ def _ep_worker(rank, world, port, out_dir):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     rc = main(FAST + ["--cases", "tiny:16", "--routing", "zipf", "--providers", "reference", "nccl", "megamoe",
-                      "symm-vdev", "torch", "megamoe-ep", "--no-ceilings", "--out", out_dir])
+                      "symm-vdev", "torch", "megamoe-ep", "megamoe-compiled", "--no-ceilings", "--out", out_dir])
     assert rc == 0  # the process group the harness made is torn down by spawn_ranks, after the report
 
 
 @interpreted
-def test_compiled_provider_checks_and_times_under_the_interpreter(tmp_path):
+def test_compiled_provider_checks_and_times_under_the_interpreter(tmp_path, monkeypatch):
     """megamoe-compiled (torch.compile of the custom ops) passes the correctness gate and is timed in two cases of
-    different shapes (dynamo reset, a fresh compile per case). fp32: under the interpreter the bf16 fused path
-    differs from the reference by more than the gate's multiple of torch's error at this tiny shape."""
+    different shapes: dynamo reset and a fresh compile per case (graphs counted). fp32: under the interpreter the
+    bf16 fused path differs from the reference by more than the gate's multiple of torch's error at this tiny
+    shape."""
+    from torch._dynamo.utils import counters
+
+    resets = []
+    reset = torch.compiler.reset
+    monkeypatch.setattr(torch.compiler, "reset", lambda: resets.append(1) or reset())
+    graphs = counters["stats"]["unique_graphs"]
     out = tmp_path / "out"
     assert main(FAST + ["--cases", "tiny:37", "tiny:16", "--routing", "uniform", "--dtype", "fp32",
                         "--providers", "torch", "megamoe-compiled", "--out", str(out)]) == 0
+    assert len(resets) == 2 and counters["stats"]["unique_graphs"] - graphs >= 2, (resets, counters["stats"])
     rows, _ = _read(out)
     by = {(r["tokens"], r["provider"]): r for r in rows}
     assert len(rows) == 4
@@ -118,6 +126,7 @@ def test_ep2_gloo(tmp_path):
     assert by["reference"]["status"] == "ok" and by["nccl"]["status"] == "ok", rows
     assert by["torch"]["status"] == "skip" and by["symm-vdev"]["status"] == "skip"
     assert by["megamoe-ep"]["status"] == "skip" and "one-GPU" in by["megamoe-ep"]["note"]
+    assert by["megamoe-compiled"]["status"] == "skip" and "single-device" in by["megamoe-compiled"]["note"]
     assert float(by["reference"]["speedup_vs_nccl"]) > 0
     assert js["meta"]["world_size"] == 2 and int(by["nccl"]["dispatch_bytes"]) > 0
 

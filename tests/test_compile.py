@@ -247,8 +247,10 @@ def test_fused_fp8_ops_quantize_the_weights_themselves_and_give_eager_bits(monke
     from megamoe.ops.fp8_weights import WEIGHT_CACHE
 
     x, ids, w, w13, w2 = leaves = _experts_case(T=4, D=128, F=128, dtype=torch.bfloat16)[:5]
+    # the fake implementation's fp8 outputs (gu in x's dtype, the four weight blocks), their schema (no output
+    # aliases an input) and the autograd registration (the blocks non-differentiable)
     torch.library.opcheck(torch.ops.megamoe.moe_experts, (*leaves, None, None, "", "fp8"),
-                          test_utils=("test_faketensor",))  # gu in x's dtype: the fake shapes hold for fp8 too
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     f = torch.compile(lambda *a: mf.moe_experts(*a, fp8=True), fullgraph=True, backend="aot_eager")
     dout = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x.dtype)
     wanted = [t for t in leaves if t.requires_grad]

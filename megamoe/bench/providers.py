@@ -181,13 +181,13 @@ def _build_megamoe(prob, ctx: Context):
     return _megamoe_fn(ctx.kernel_config)
 
 
-def _megamoe_fp8_unavailable(ctx: Context, prob) -> str | None:
+def _megamoe_fp8_unavailable(ctx: Context, prob, name: str = "megamoe-fp8") -> str | None:
     reason = _megamoe_unavailable(ctx, prob)
     if reason:
         return reason
     from ..validation import check_fp8
     try:
-        check_fp8("megamoe-fp8", prob.cfg.hidden_size, prob.cfg.moe_intermediate_size, prob.dtype, ctx.device)
+        check_fp8(name, prob.cfg.hidden_size, prob.cfg.moe_intermediate_size, prob.dtype, ctx.device)
     except (TypeError, ValueError) as exc:
         return str(exc)
     return None
@@ -214,13 +214,15 @@ def _build_megamoe_fp8_uncached(prob, ctx: Context):
 def _compiled_unavailable(ctx: Context, prob, fp8: bool = False) -> str | None:
     if ctx.world_size > 1:
         return _single_only(ctx, prob)
-    return _megamoe_fp8_unavailable(ctx, prob) if fp8 else _megamoe_unavailable(ctx, prob)
+    return _megamoe_fp8_unavailable(ctx, prob, "megamoe-fp8-compiled") if fp8 else _megamoe_unavailable(ctx, prob)
 
 
 def _build_compiled(prob, ctx: Context, fp8: bool = False):
     """The fused entry under ``torch.compile(fullgraph=True, dynamic=False)`` (megamoe's custom ops; inductor and
     its compile caches). Dynamo's caches are reset first: the providers' functions share one code object, and each
-    case, shape and grad mode would otherwise add entries towards its recompile limit (then eager, silently)."""
+    case, shape and grad mode would otherwise add entries towards its recompile limit (a hard error under
+    fullgraph). The reset also drops the other compiled provider's graphs in the same case: it compiles them again
+    in its warm-up (``--warmup`` > 0, the default)."""
     torch.compiler.reset()
     return torch.compile(_megamoe_fn(ctx.kernel_config, fp8=fp8), fullgraph=True, dynamic=False)
 
@@ -256,7 +258,8 @@ _SINGLE = [
              fp8=True),
     Provider("megamoe-fp8-uncached", False, "megamoe-fp8 with the weights quantized at every call "
              "(megamoe.ops.fp8_weights.uncached(): what FSDP2, CUDA-graph replays and one micro-batch per optimizer "
-             "step pay)", _megamoe_fp8_unavailable, _build_megamoe_fp8_uncached, fp8=True),
+             "step pay)", functools.partial(_megamoe_fp8_unavailable, name="megamoe-fp8-uncached"),
+             _build_megamoe_fp8_uncached, fp8=True),
     Provider("megamoe-compiled", False, "megamoe under torch.compile(fullgraph=True) (the custom ops of "
              "megamoe.custom_ops)", _compiled_unavailable, _build_compiled),
     Provider("megamoe-fp8-compiled", False, "megamoe-fp8 under torch.compile(fullgraph=True): the forward op "
