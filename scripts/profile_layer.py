@@ -35,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from megamoe.bench.problem import make_problem
 from megamoe.bench.routing_models import make_routing
+from megamoe.bench.runner import parse_cases
 from megamoe.config import get_preset
 from megamoe.functional import moe_experts
 
@@ -206,8 +207,9 @@ def _graph_replay_ms(prob, opts: Options) -> float:
     return statistics.median(ts)
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[str, list[str], Options]:
-    """(output folder, cases, options) from the command line; SystemExit with a message on bad input."""
+def parse_args(argv: list[str] | None = None) -> tuple[str, list[tuple[str, int]], Options]:
+    """(output folder, cases as (preset, T), options) from the command line; SystemExit with a message on bad
+    input (the cases checked by the benchmark's own parser)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
     p.add_argument("cases", nargs="*", default=["qwen3-30b-a3b:16384", "deepseek-v3:4096"], help="preset:T")
@@ -223,15 +225,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, list[str], Options]:
         p.error(f"--steps-only must be >= 0, got {a.steps_only}")
     if a.host and a.steps_only:
         p.error("--host profiles the host loop of a full profile: not with --steps-only")
-    for c in a.cases:
-        name, _, t = c.partition(":")
-        if not t.isdigit() or int(t) <= 0:
-            p.error(f"a case is preset:T with T > 0, got {c!r}")
-        try:
-            get_preset(name)  # an unknown preset fails here, before any run
-        except KeyError as exc:
-            p.error(str(exc).strip('"'))
-    return a.out_dir, a.cases, Options(fp8=a.fp8, uncached=a.uncached, ep1=a.ep1, host=a.host,
+    try:
+        cases = parse_cases(a.cases, None, None)  # an unknown preset or a bad T fails here, before any run
+    except (KeyError, ValueError) as exc:
+        p.error(str(exc).strip('"'))
+    return a.out_dir, cases, Options(fp8=a.fp8, uncached=a.uncached, ep1=a.ep1, host=a.host,
                                        steps_only=a.steps_only)
 
 
@@ -239,9 +237,8 @@ def main(argv: list[str] | None = None):
     out_dir, cases, opts = parse_args(argv)
     os.makedirs(out_dir, exist_ok=True)  # before the first case: a bad path fails at once, not after the runs
     res = []
-    for c in cases:
-        name, T = c.split(":")
-        res.append(profile_case(name, int(T), opts) | {"path": "ep1" if opts.ep1 else "direct"})
+    for name, T in cases:
+        res.append(profile_case(name, T, opts) | {"path": "ep1" if opts.ep1 else "direct"})
         torch.cuda.empty_cache()
     if opts.ep1:
         from megamoe.bench.providers_ep import close_one_rank_group
