@@ -127,16 +127,24 @@ class Fp8Experts:
 
     def dgrad_swiglu(self, rows, gu_RG: torch.Tensor):
         """dout rows @ w2 blocks with the SwiGLU backward: (dgu_RG, hw_RF, part_RP or None); dgu's 1x128 blocks
-        are kept for :meth:`dx` when the round needs dx. A plain GEMM and a SwiGLU-backward pass: dout's rows
-        quantized 1x128 straight into expert order, ``acc = dout rows @ w2 blocks`` in fp32 (the warp-specialized
-        Gluon kernel on Hopper), then the SwiGLU-backward pass on acc (megamoe.ops.fp8_swiglu.fp8_swiglu_bwd)."""
+        are kept for :meth:`dx` when the round needs dx. dout's rows are quantized 1x128 straight into expert order;
+        on Hopper one warp-specialized Gluon kernel runs the GEMM and the SwiGLU backward in its epilogue
+        (megamoe.ops.fp8_gemm_gluon.fp8_dgrad_swiglu_gluon), elsewhere a plain GEMM writes ``acc = dout rows @ w2
+        blocks`` in fp32 and the SwiGLU-backward pass reads it (megamoe.ops.fp8_swiglu.fp8_swiglu_bwd): the same
+        bits."""
         self._check_rows(rows, "dgrad")
         off = rows.offsets_E1
-        # the gathered dout blocks (R x D bytes) are freed with the call, before the pass
-        acc = _grouped_mm(_rows_1x128(rows.dy_RD, rows.dy_idx_R, off), self.w2_k, off, torch.float32, rows.tiles,
-                          kmajor=True)
-        dgu, hw, part, dgq, dgs = fp8_swiglu.fp8_swiglu_bwd(acc, gu_RG, valid_rows_1=off[-1:], row_scale_R=rows.scale_R,
-                                                            row_dot=rows.row_dot)
+        # the gathered dout blocks (R x D bytes) are freed with the call
+        dy = _rows_1x128(rows.dy_RD, rows.dy_idx_R, off)
+        if fp8_gemm_gluon.fp8_gluon_runs_on(dy[0].device):
+            wq, ws = (t.transpose(1, 2) for t in self.w2_k)
+            dgu, hw, part, dgq, dgs = fp8_gemm_gluon.fp8_dgrad_swiglu_gluon(
+                *dy, wq, ws, off, gu_RG, row_scale_R=rows.scale_R, row_dot=rows.row_dot, tile_cache=rows.tiles)
+        else:
+            acc = _grouped_mm(dy, self.w2_k, off, torch.float32, rows.tiles, kmajor=True)
+            del dy
+            dgu, hw, part, dgq, dgs = fp8_swiglu.fp8_swiglu_bwd(acc, gu_RG, valid_rows_1=off[-1:],
+                                                                row_scale_R=rows.scale_R, row_dot=rows.row_dot)
         self._dgu = (dgq, dgs) if rows.need_dx else None
         return dgu, hw, part
 

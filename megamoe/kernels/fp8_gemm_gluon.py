@@ -52,7 +52,7 @@ QB = gl.constexpr(128)  # the scale group: K-block and B's scale block
 
 
 @gluon.jit
-def _tile_coords(tile, tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles, E_POW2: gl.constexpr,
+def tile_coords(tile, tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles, E_POW2: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT_E: gl.constexpr):
     """(expert, first row, end row, n-tile) of tile ``tile``; empty experts own no tiles."""
     m_tile = tile // num_n_tiles
@@ -67,7 +67,7 @@ def _tile_coords(tile, tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_til
 
 
 @gluon.jit
-def _load_warp(a_desc, b_desc, a_ring, b_ring, ready, empty, tile_offsets_ptr, row_offsets_ptr, num_experts, N,
+def load_warp(a_desc, b_desc, a_ring, b_ring, ready, empty, tile_offsets_ptr, row_offsets_ptr, num_experts, N,
                num_n_tiles, num_tiles, KB: gl.constexpr, STAGES: gl.constexpr, E_POW2: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """One warp: TMA copies of every step of the program's tiles, in order, each into a slot both MMA warpgroups
@@ -77,7 +77,7 @@ def _load_warp(a_desc, b_desc, a_ring, b_ring, ready, empty, tile_offsets_ptr, r
     s = 0
     tile = gl.program_id(0)
     while tile < num_tiles:
-        expert, row, _, n_tile = _tile_coords(tile, tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles,
+        expert, row, _, n_tile = tile_coords(tile, tile_offsets_ptr, row_offsets_ptr, num_experts, num_n_tiles,
                                               E_POW2, BLOCK_M, BLOCK_N, LAYOUT_E)
         b_row = expert * N + n_tile * BLOCK_N
         for kb in range(KB):
@@ -119,7 +119,7 @@ def _promote(p, acc, sc, empty, s, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _k_loop(a_ring, b_ring, ready, empty, s, as_ptrs, bs_ptr, CONSUMER: gl.constexpr, KB: gl.constexpr,
+def k_loop(a_ring, b_ring, ready, empty, s, as_ptrs, bs_ptr, CONSUMER: gl.constexpr, KB: gl.constexpr,
             UNROLL: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
             MMA: gl.constexpr):
     """One tile's K loop from step s, acc from zeros, K-blocks in order: K-block kb + 1's wgmma runs while K-block
@@ -184,14 +184,14 @@ def _mma_warpgroup(a_ring, b_ring, ready, empty, c_smem, c_ptr, c_desc, as_ptr, 
     s = 0
     tile = gl.program_id(0)
     while tile < num_tiles:
-        expert, row, row_end, n_tile = _tile_coords(tile, tile_offsets_ptr, row_offsets_ptr, num_experts,
+        expert, row, row_end, n_tile = tile_coords(tile, tile_offsets_ptr, row_offsets_ptr, num_experts,
                                                     num_n_tiles, E_POW2, BLOCK_M, BLOCK_N, LAYOUT_E)
         row += CONSUMER * ROWS
         offs_m = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
         rows = gl.minimum(offs_m, num_rows - 1).to(gl.int64)  # clamped: computed, never stored
         as_ptrs = as_ptr + rows * stride_asm
         bs_tile = bs_ptr + expert.to(gl.int64) * stride_bse + n_tile * stride_bsn
-        acc = _k_loop(a_ring, b_ring, ready, empty, s, as_ptrs, bs_tile, CONSUMER, KB, UNROLL, STAGES, ROWS, BLOCK_N,
+        acc = k_loop(a_ring, b_ring, ready, empty, s, as_ptrs, bs_tile, CONSUMER, KB, UNROLL, STAGES, ROWS, BLOCK_N,
                       MMA)
         _store_rows(acc, c_ptr, c_desc, stage, row, row_end, n_tile * BLOCK_N, stride_cm, ROWS, BLOCK_N)
         s += KB
@@ -236,7 +236,7 @@ def fp8_m_grouped_ws_kernel(
         (_mma_warpgroup, (a_ring, b_ring, ready, empty, c_smem, c_ptr, c_desc, as_ptr, bs_ptr, tile_offsets_ptr,
                           row_offsets_ptr, num_rows, num_experts, num_n_tiles, num_tiles, stride_asm, stride_bse,
                           stride_bsn, stride_cm, 1, KB, UNROLL, STAGES, E_POW2, BLOCK_M, BLOCK_N)),
-        (_load_warp, (a_desc, b_desc, a_ring, b_ring, ready, empty, tile_offsets_ptr, row_offsets_ptr, num_experts,
+        (load_warp, (a_desc, b_desc, a_ring, b_ring, ready, empty, tile_offsets_ptr, row_offsets_ptr, num_experts,
                       N, num_n_tiles, num_tiles, KB, STAGES, E_POW2, BLOCK_M, BLOCK_N)),
     ], [4, 1], [232, 40])
 

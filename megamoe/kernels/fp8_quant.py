@@ -104,18 +104,19 @@ def e4m3_bytes(y, HW_CAST: tl.constexpr):
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     if HW_CAST:  # the sign ORed in again: -0 for a negative fp32 subnormal even where the cast flushes it to +0
-        return (y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32) | sign).to(tl.uint8)
-    a = bits & 0x7FFFFFFF
-    exp32 = a >> 23
-    # normal e4m3 (|y| >= 2**-6): drop 20 mantissa bits, ties to even; a carry moves into the exponent field,
-    # and (exp32 << 3 | m3) - (120 << 3) rebiases the exponent (127 -> 7)
-    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
-    # subnormal e4m3 (|y| < 2**-6): k * 2**-9 with k = round-to-nearest-even(|y| * 2**9) in 0..8
-    mant = (a & 0x7FFFFF) | 0x800000
-    sh = tl.minimum(tl.maximum(141 - exp32, 1), 31)
-    half_m1 = (tl.full(sh.shape, 1, tl.int32) << (sh - 1)) - 1
-    sub = (mant + half_m1 + ((mant >> sh) & 1)) >> sh
-    byte = tl.where(exp32 >= 121, normal, sub) | sign
+        byte = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32) | sign
+    else:  # (a branch of its own: Gluon kernels call this with HW_CAST, and tl.full below needs a layout there)
+        a = bits & 0x7FFFFFFF
+        exp32 = a >> 23
+        # normal e4m3 (|y| >= 2**-6): drop 20 mantissa bits, ties to even; a carry moves into the exponent field,
+        # and (exp32 << 3 | m3) - (120 << 3) rebiases the exponent (127 -> 7)
+        normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
+        # subnormal e4m3 (|y| < 2**-6): k * 2**-9 with k = round-to-nearest-even(|y| * 2**9) in 0..8
+        mant = (a & 0x7FFFFF) | 0x800000
+        sh = tl.minimum(tl.maximum(141 - exp32, 1), 31)
+        half_m1 = (tl.full(sh.shape, 1, tl.int32) << (sh - 1)) - 1
+        sub = (mant + half_m1 + ((mant >> sh) & 1)) >> sh
+        byte = tl.where(exp32 >= 121, normal, sub) | sign
     return byte.to(tl.uint8)
 
 

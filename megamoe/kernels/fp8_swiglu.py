@@ -82,13 +82,14 @@ def _store_pair_quantized(lo, hi, offs_lo, out_rows, mask_m, q_ptr, qs_ptr, stri
 
 
 @triton.jit
-def _swiglu_bwd_cols(acc_lo, acc_hi, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr, N,
-                     stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE: tl.constexpr,
-                     HW_CAST: tl.constexpr):
-    """SwiGLU backward on the 128 columns [n0, n0 + 128) given as two 64-column halves of the accumulator (the bf16
-    path's structure, so the row-dot partial is the same sum): h * scale into AUX, [dg | du] into C and quantized
-    1x128 into (q, qs); returns the row-dot partial (first half's sum + second half's)."""
-    offs_lo = n0 + tl.arange(0, 64)
+def swiglu_bwd_cols(acc_lo, acc_hi, offs_lo, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr, N,
+                    stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE: tl.constexpr,
+                    HW_CAST: tl.constexpr):
+    """SwiGLU backward on the 128 columns ``offs_lo[0] + [0, 128)`` (offs_lo: the first 64, offs_lo[0] a multiple
+    of 128) given as two 64-column halves of the accumulator (the bf16 path's structure, so the row-dot partial is
+    the same sum): h * scale into AUX, [dg | du] into C and quantized 1x128 into (q, qs); returns the row-dot
+    partial (first half's sum + second half's). Also called by the Gluon dgrad's epilogue
+    (megamoe.kernels.fp8_dgrad_gluon) on tiles in the layout this pass compiles to, hence the same bits."""
     part_lo, h_lo, dg_lo, du_lo = _swiglu_bwd_values(acc_lo, offs_lo, rows, offs_lo < N, scale, gu_ptr, c_ptr, N,
                                                      stride_gm, HAS_SCALE)
     part_hi, h_hi, dg_hi, du_hi = _swiglu_bwd_values(acc_hi, offs_lo + 64, rows, offs_lo < N, scale, gu_ptr, c_ptr,
@@ -148,7 +149,7 @@ def swiglu_bwd_rows_kernel(acc_ptr, n_ptr, scale_ptr, gu_ptr, c_ptr, aux_ptr, do
     else:
         scale = tl.full((BLOCK_M,), 1.0, tl.float32)
     out_rows = offs_m.to(tl.int64)
-    part = _swiglu_bwd_cols(acc_lo, acc_hi, n0, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr,
-                            N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE, HW_CAST)
+    part = swiglu_bwd_cols(acc_lo, acc_hi, cols, rows, out_rows, mask_m, scale, gu_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr,
+                           N, stride_gm, stride_cm, stride_xm, stride_qm, stride_qsm, HAS_SCALE, HW_CAST)
     if HAS_DOT:
         tl.store(dot_ptr + out_rows * (N // 128) + p, part, mask=mask_m)

@@ -27,17 +27,18 @@ try:  # Gluon is experimental: keep the library importable without it
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from ..kernels.fp8_dgrad_gluon import fp8_dgrad_swiglu_ws_kernel
     from ..kernels.fp8_gemm_gluon import fp8_k_grouped_ws_kernel, fp8_m_grouped_ws_kernel
     from ..kernels.gluon_compat import MISSING as _GLUON_MISSING
 
     if _GLUON_MISSING:  # this Triton lacks a builtin the kernel calls: it would fail to compile at run time
-        fp8_m_grouped_ws_kernel = fp8_k_grouped_ws_kernel = None
+        fp8_m_grouped_ws_kernel = fp8_k_grouped_ws_kernel = fp8_dgrad_swiglu_ws_kernel = None
 except Exception:  # noqa: BLE001 - any import problem means: no Gluon kernel
-    fp8_m_grouped_ws_kernel = fp8_k_grouped_ws_kernel = None
+    fp8_m_grouped_ws_kernel = fp8_k_grouped_ws_kernel = fp8_dgrad_swiglu_ws_kernel = None
 
 __all__ = [
-    "fp8_grouped_mm_nt_gluon", "fp8_k_grouped_mm_gluon", "FP8_GLUON_AVAILABLE", "fp8_gluon_runs_on",
-    "fp8_gluon_stages", "fp8_gluon_unroll", "fp8_wgrad_stages",
+    "fp8_dgrad_swiglu_gluon", "fp8_grouped_mm_nt_gluon", "fp8_k_grouped_mm_gluon", "FP8_GLUON_AVAILABLE",
+    "fp8_gluon_runs_on", "fp8_gluon_stages", "fp8_gluon_unroll", "fp8_wgrad_stages",
 ]
 
 FP8_GLUON_AVAILABLE = fp8_m_grouped_ws_kernel is not None
@@ -184,6 +185,60 @@ def fp8_grouped_mm_nt_gluon(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tenso
         maxnreg=_WS_MAXNREG, enable_fp_fusion=True,
     )
     return c
+
+
+def fp8_dgrad_swiglu_gluon(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tensor, bs: torch.Tensor,
+                           offsets_E1: torch.Tensor, gu_RG: torch.Tensor, *, row_scale_R: torch.Tensor | None = None,
+                           row_dot: bool = True, tile_cache: dict | None = None):
+    """The down projection's dgrad with the SwiGLU backward in its epilogue, on Hopper: bitwise
+    ``fp8_swiglu_bwd(fp8_grouped_mm_nt_gluon(aq, as_, bq, bs, offsets_E1, torch.float32), gu_RG, ...)``
+    (megamoe.ops.fp8_swiglu) over the rows ``offsets_E1[E]`` holds, without the fp32 accumulator's trip through
+    memory.
+
+    Args:
+        aq, as_: (R, D) e4m3 + (R, D / 128) fp32: dY's 1x128 rows in expert order.
+        bq, bs: (E, F, D) e4m3 + (E, F / 128, D / 128) fp32, contiguous: W2's blocks K-major for this GEMM.
+        offsets_E1: (E + 1,) int32 expert row offsets (device). gu_RG: (R, 2F) the saved [g | u], rows contiguous
+            (bf16 / fp16 / fp32: the dtype of dgu and hw). row_scale_R: optional (R,) fp32 routing weight per row.
+        row_dot: also return the row-dot partials. tile_cache: as for :func:`fp8_grouped_mm_nt_gluon`.
+    Returns:
+        dgu_RG (R, 2F), hw_RF (R, F), row_dot_RP (R, F / 128) fp32 or None, dgq_RG (R, 2F) e4m3, dgs_RB
+        (R, 2F / 128) fp32; rows past offsets_E1[E] are left uninitialized. Sync: none; CUDA-graph capturable.
+    """
+    where = "fp8_dgrad_swiglu_gluon"
+    R, E, F, D = _validate(where, aq, as_, bq, bs, offsets_E1, torch.float32)
+    dt = gu_RG.dtype if isinstance(gu_RG, torch.Tensor) else None
+    if dt not in _OUT_DTYPES or gu_RG.dim() != 2 or tuple(gu_RG.shape) != (R, 2 * F) or (
+            R and gu_RG.stride(1) != 1) or gu_RG.device != aq.device:
+        raise ValueError(f"{where}: gu_RG must be a ({R}, {2 * F}) bf16 / fp16 / fp32 tensor with contiguous rows on "
+                         f"{aq.device}, got {dt} {tuple(getattr(gu_RG, 'shape', ()))}")
+    if row_scale_R is not None and (not isinstance(row_scale_R, torch.Tensor) or tuple(row_scale_R.shape) != (R,)
+                                    or row_scale_R.dtype != torch.float32 or not row_scale_R.is_contiguous()
+                                    or row_scale_R.device != aq.device):
+        raise ValueError(f"{where}: row_scale_R must be a contiguous fp32 tensor of shape ({R},) on {aq.device}")
+    dev = aq.device
+    dgu = torch.empty((R, 2 * F), dtype=dt, device=dev)
+    hw = torch.empty((R, F), dtype=dt, device=dev)
+    part = torch.empty((R, F // QB), dtype=torch.float32, device=dev) if row_dot else None
+    dgq = torch.empty((R, 2 * F), dtype=_E4M3, device=dev)
+    dgs = torch.empty((R, 2 * F // QB), dtype=torch.float32, device=dev)
+    if R == 0 or F == 0 or E == 0:
+        return dgu, hw, part, dgq, dgs
+    tiles = table_for(offsets_E1, _BLOCK_M, tile_cache)
+    layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, QB], gl.float8e4nv)
+    a_desc = TensorDescriptor(aq, [R, D], [D, 1], [_BLOCK_M, QB], layout)
+    b_desc = TensorDescriptor(bq.view(E * F, D), [E * F, D], [D, 1], [_BLOCK_N, QB], layout)
+    bound = (triton.cdiv(R, _BLOCK_M) + E) * (F // _BLOCK_N)
+    fp8_dgrad_swiglu_ws_kernel[(max(1, min(sm_budget(dev), bound)),)](
+        a_desc, b_desc, as_, bs, offsets_E1, tiles, row_scale_R if row_scale_R is not None else as_, gu_RG, dgu, hw,
+        part if part is not None else as_, dgq.view(torch.uint8), dgs,
+        R, F, E, as_.stride(0), bs.stride(0), bs.stride(1), gu_RG.stride(0), dgu.stride(0), hw.stride(0),
+        dgq.stride(0), dgs.stride(0), D,
+        HAS_SCALE=row_scale_R is not None, HAS_DOT=part is not None, E_POW2=pow2(E),
+        STAGES=fp8_gluon_stages(torch.float32), UNROLL=fp8_gluon_unroll(D), num_warps=4, maxnreg=_WS_MAXNREG,
+        enable_fp_fusion=True,
+    )
+    return dgu, hw, part, dgq, dgs
 
 
 def _validate_wgrad(where, pq, ps, qq, qs, offsets_E1, block_offsets_E1, out_dtype) -> tuple[int, int, int, int]:
