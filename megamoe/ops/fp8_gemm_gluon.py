@@ -94,7 +94,8 @@ def _check(where: str, name: str, t, dims: int, dtype: torch.dtype) -> None:
         raise ValueError(f"{where}: {name} must be contiguous (K-major operands), strides {t.stride()}")
 
 
-def _validate(where, aq, as_, bq, bs, offsets_E1, out_dtype) -> tuple[int, int, int, int]:
+def _validate(where, aq, as_, bq, bs, offsets_E1, out_dtype,
+              twin: str = "fp8_gemm.fp8_grouped_mm_nt") -> tuple[int, int, int, int]:
     """(R, E, N, K) after checking every argument (clear errors naming it)."""
     _check(where, "aq", aq, 2, _E4M3)
     _check(where, "as_", as_, 2, torch.float32)
@@ -115,13 +116,13 @@ def _validate(where, aq, as_, bq, bs, offsets_E1, out_dtype) -> tuple[int, int, 
         raise ValueError(f"{where}: offsets_E1 must be a contiguous int32 tensor of shape ({E + 1},), got "
                          f"{getattr(offsets_E1, 'dtype', type(offsets_E1).__name__)} "
                          f"{tuple(getattr(offsets_E1, 'shape', ()))}")
-    _check_launch(where, "fp8_grouped_mm_nt", out_dtype, (aq, as_, bq, bs, offsets_E1), {"aq": aq, "bq": bq})
+    _check_launch(where, twin, out_dtype, (aq, as_, bq, bs, offsets_E1), {"aq": aq, "bq": bq})
     return R, E, N, K
 
 
 def _check_launch(where: str, triton_twin: str, out_dtype, tensors, tma_operands: dict) -> None:
-    """The checks both launchers share: the output dtype, one device, Gluon present, a Hopper GPU (else the
-    Triton twin in megamoe.ops.fp8_gemm computes the same bits), 16-byte aligned TMA operands."""
+    """The checks the launchers share: the output dtype, one device, Gluon present, a Hopper GPU (else the
+    Triton twin in megamoe.ops, named by the error, computes the same bits), 16-byte aligned TMA operands."""
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"{where}: out_dtype {out_dtype} not supported (bf16, fp16, fp32)")
     devs = {t.device for t in tensors}
@@ -130,11 +131,11 @@ def _check_launch(where: str, triton_twin: str, out_dtype, tensors, tma_operands
     dev = devs.pop()
     if not FP8_GLUON_AVAILABLE:
         raise RuntimeError(f"{where}: Gluon (triton.experimental.gluon, Hopper TMA / wgmma builtins) is not "
-                           f"available in Triton {triton.__version__}; use megamoe.ops.fp8_gemm.{triton_twin} "
+                           f"available in Triton {triton.__version__}; use megamoe.ops.{triton_twin} "
                            f"(the same bits)")
     if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
         raise RuntimeError(f"{where}: the Gluon FP8 kernel needs a Hopper (sm_90) CUDA device, got {dev}; use "
-                           f"megamoe.ops.fp8_gemm.{triton_twin} (the same bits)")
+                           f"megamoe.ops.{triton_twin} (the same bits)")
     for name, t in tma_operands.items():
         if t.data_ptr() % 16:
             raise ValueError(f"{where}: {name} must be 16-byte aligned (TMA), got address {t.data_ptr():#x}")
@@ -187,6 +188,21 @@ def fp8_grouped_mm_nt_gluon(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tenso
     return c
 
 
+def _check_swiglu_operands(where: str, aq: torch.Tensor, F: int, gu_RG, row_scale_R) -> None:
+    """gu_RG (R, 2F) of a 16-bit or fp32 dtype with contiguous rows, row_scale_R None or (R,) fp32 contiguous, both
+    on aq's device (R = aq's rows)."""
+    R = aq.shape[0]
+    dt = gu_RG.dtype if isinstance(gu_RG, torch.Tensor) else None
+    if dt not in _OUT_DTYPES or gu_RG.dim() != 2 or tuple(gu_RG.shape) != (R, 2 * F) or (
+            R and gu_RG.stride(1) != 1) or gu_RG.device != aq.device:
+        raise ValueError(f"{where}: gu_RG must be a ({R}, {2 * F}) bf16 / fp16 / fp32 tensor with contiguous rows on "
+                         f"{aq.device}, got {dt} {tuple(getattr(gu_RG, 'shape', ()))}")
+    if row_scale_R is not None and (not isinstance(row_scale_R, torch.Tensor) or tuple(row_scale_R.shape) != (R,)
+                                    or row_scale_R.dtype != torch.float32 or not row_scale_R.is_contiguous()
+                                    or row_scale_R.device != aq.device):
+        raise ValueError(f"{where}: row_scale_R must be a contiguous fp32 tensor of shape ({R},) on {aq.device}")
+
+
 def fp8_dgrad_swiglu_gluon(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tensor, bs: torch.Tensor,
                            offsets_E1: torch.Tensor, gu_RG: torch.Tensor, *, row_scale_R: torch.Tensor | None = None,
                            row_dot: bool = True, tile_cache: dict | None = None):
@@ -206,16 +222,11 @@ def fp8_dgrad_swiglu_gluon(aq: torch.Tensor, as_: torch.Tensor, bq: torch.Tensor
         (R, 2F / 128) fp32; rows past offsets_E1[E] are left uninitialized. Sync: none; CUDA-graph capturable.
     """
     where = "fp8_dgrad_swiglu_gluon"
-    R, E, F, D = _validate(where, aq, as_, bq, bs, offsets_E1, torch.float32)
-    dt = gu_RG.dtype if isinstance(gu_RG, torch.Tensor) else None
-    if dt not in _OUT_DTYPES or gu_RG.dim() != 2 or tuple(gu_RG.shape) != (R, 2 * F) or (
-            R and gu_RG.stride(1) != 1) or gu_RG.device != aq.device:
-        raise ValueError(f"{where}: gu_RG must be a ({R}, {2 * F}) bf16 / fp16 / fp32 tensor with contiguous rows on "
-                         f"{aq.device}, got {dt} {tuple(getattr(gu_RG, 'shape', ()))}")
-    if row_scale_R is not None and (not isinstance(row_scale_R, torch.Tensor) or tuple(row_scale_R.shape) != (R,)
-                                    or row_scale_R.dtype != torch.float32 or not row_scale_R.is_contiguous()
-                                    or row_scale_R.device != aq.device):
-        raise ValueError(f"{where}: row_scale_R must be a contiguous fp32 tensor of shape ({R},) on {aq.device}")
+    if isinstance(aq, torch.Tensor) and aq.dim() == 2 and isinstance(bq, torch.Tensor) and bq.dim() == 3:
+        _check_swiglu_operands(where, aq, bq.shape[1], gu_RG, row_scale_R)  # (the rest is _validate's)
+    R, E, F, D = _validate(where, aq, as_, bq, bs, offsets_E1, torch.float32,
+                           twin="fp8_gemm.fp8_grouped_mm_nt (fp32 out), then fp8_swiglu.fp8_swiglu_bwd")
+    dt = gu_RG.dtype
     dev = aq.device
     dgu = torch.empty((R, 2 * F), dtype=dt, device=dev)
     hw = torch.empty((R, F), dtype=dt, device=dev)
@@ -268,7 +279,7 @@ def _validate_wgrad(where, pq, ps, qq, qs, offsets_E1, block_offsets_E1, out_dty
             raise ValueError(f"{where}: {name} must be a contiguous 1-D int32 tensor of E + 1 >= 2 entries (the same "
                              f"E for both tables), got {getattr(t, 'dtype', type(t).__name__)} "
                              f"{tuple(getattr(t, 'shape', ()))}")
-    _check_launch(where, "fp8_k_grouped_mm", out_dtype, [pq, ps, qq, qs] + [t for _, t in tables],
+    _check_launch(where, "fp8_gemm.fp8_k_grouped_mm", out_dtype, [pq, ps, qq, qs] + [t for _, t in tables],
                   {"pq": pq, "qq": qq, "ps": ps, "qs": qs})
     return R, offsets_E1.numel() - 1, M, N
 
