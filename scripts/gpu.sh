@@ -89,7 +89,8 @@ for s in "${STAGES[@]}"; do
                "${LIMIT_EPSHARED:-480}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=5 \
                tests/test_ep_gpu.py tests/test_dp_ep_gpu.py ;;
     fp8tests) stage fp8tests "${LIMIT_FP8TESTS:-420}" python3 -m pytest -q -ra -m "gpu or multigpu" --durations=5 \
-                tests/test_fp8_gemm.py tests/test_fp8_gemm_gluon_gpu.py tests/test_fp8_quant.py tests/test_fp8_kmajor.py \
+                tests/test_fp8_gemm.py tests/test_fp8_gemm_gluon_gpu.py tests/test_fp8_dgrad_gluon_gpu.py \
+                tests/test_fp8_quant.py tests/test_fp8_kmajor.py \
                 tests/test_fp8_layer.py \
                 tests/test_train.py::test_gpu_fp8_tracks_bf16_over_200_steps ;;
     benchfp8) stage benchfp8 "${LIMIT_BENCHFP8:-300}" "${BENCH[@]}" \
