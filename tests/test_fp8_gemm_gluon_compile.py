@@ -95,18 +95,25 @@ def test_compiles_with_promotion_overlapping_the_next_wgmma(shape, out_dtype):
     unroll = fp8_gluon_unroll(K)
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)", ptx)) == {"m64n128k32.f32.e4m3.e4m3"}
     assert "mma.sync" not in ptx
-    # two MMA warpgroups, each with one chunk of `unroll` K-blocks in its code: a promotion after each wait 1
-    # (the next K-block's wgmma issued before it) and the chunk's last after the wait 0
+    # two MMA warpgroups, each with the first chunk of `unroll` K-blocks in its code and, when K has more, the
+    # chunk of the loop over the others: a promotion after each wait 1 (the next K-block's wgmma issued before it)
+    # and the chunk's last after the wait 0
+    copies = 1 if K // 128 == unroll else 2
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
-    assert waits.count("1") == 2 * (unroll - 1) and waits.count("0") == 2, waits
+    assert waits.count("1") == 2 * copies * (unroll - 1) and waits.count("0") == 2 * copies, waits
+    # each warpgroup's previous tile leaves (its TMA store issued) while the tile's first wgmma runs: between
+    # that wgmma's commit and its wait
+    issued = [seg.split("wgmma.wait_group")[0] for seg in re.split(r"wgmma\.commit_group\.sync\.aligned;", ptx)[1:]]
+    assert sum("cp.async.bulk.tensor.2d.global.shared::cta" in seg for seg in issued) == 2
     for segment in re.split(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)[1:]:
         before_next_wait = segment.split("wgmma.wait_group")[0]
         assert len(re.findall(r"\bfma\.rn\.f32\b", before_next_wait)) == 64, "the promotion after a wait 1"
     # the promotion is one fused multiply-add per element (the Triton kernel's rounding), none other
-    assert len(re.findall(r"\bfma\.rn\.f32\b", ptx)) == 2 * 64 * unroll
+    assert len(re.findall(r"\bfma\.rn\.f32\b", ptx)) == 2 * 64 * unroll * copies
     loads = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::(?:cluster|cta)\.global", ptx))
     assert loads >= 2 and loads % 2 == 0, loads  # A and B blocks of a step (the load loop may be unrolled)
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", ptx)) == 2  # a store per warpgroup
+    # a store per warpgroup in the loop, and its last tile's after the loop
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", ptx)) == 4
     assert "ld.local" not in ptx and "st.local" not in ptx
     report = ptxas_report(ptx)
     assert "serialized" not in report, report  # ptxas C7512-C7515: wgmmas serialized (in-flight registers touched)

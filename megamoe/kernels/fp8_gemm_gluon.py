@@ -119,31 +119,40 @@ def _promote(p, acc, sc, empty, s, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _k_loop(a_ring, b_ring, ready, empty, s, as_ptrs, bs_ptr, CONSUMER: gl.constexpr, KB: gl.constexpr,
+def _chunk(p, sc, acc, a_ring, b_ring, ready, empty, s, k0, as_ptrs, bs_ptr, CONSUMER: gl.constexpr,
+           UNROLL: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, MMA: gl.constexpr):
+    """UNROLL K-blocks from k0 (step s + k0), unrolled, whose first wgmma (p, scales sc) is already issued: K-block
+    kb + 1's wgmma runs while K-block kb is promoted. Three accumulators rotate (the sum, the block being promoted,
+    the block in flight): each wgmma writes the registers of the block promoted just before it. Only the last
+    promotion waits for the tensor cores to drain (the other MMA warpgroup's wgmmas fill that gap)."""
+    spare = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
+    for u in gl.static_range(1, UNROLL):
+        nxt = _issue(a_ring, b_ring, ready, s + k0 + u, spare, CONSUMER, STAGES, ROWS)
+        sc_next = _scales(as_ptrs, bs_ptr, k0 + u)
+        acc, spare = _promote(p, acc, sc, empty, s + k0 + u - 1, STAGES)
+        p = nxt
+        sc = sc_next
+    p, acc = warpgroup_mma_wait(0, deps=[p, acc])
+    mbarrier.arrive(empty.index((s + k0 + UNROLL - 1) % STAGES))
+    return acc + p * sc[:, None]
+
+
+@gluon.jit
+def _k_loop(p0, sc0, a_ring, b_ring, ready, empty, s, as_ptrs, bs_ptr, CONSUMER: gl.constexpr, KB: gl.constexpr,
             UNROLL: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
             MMA: gl.constexpr):
-    """One tile's K loop from step s, acc from zeros, K-blocks in order: K-block kb + 1's wgmma runs while K-block
-    kb is promoted. Three accumulators rotate (the sum, the block being promoted, the block in flight): each
-    wgmma writes the registers of the block promoted just before it. The loop runs over chunks of UNROLL K-blocks,
-    unrolled, with no wgmma in flight across the loop's back edge (ptxas serializes every wgmma of a loop whose
-    in-flight accumulators other instructions read across iterations); only each chunk's last promotion waits for
-    the tensor cores to drain (the other MMA warpgroup's wgmmas fill that gap)."""
-    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
-    for c in range(KB // UNROLL):
+    """One tile's K loop from step s, acc from zeros, K-blocks in order, K-block 0's wgmma (p0, scales sc0) issued
+    by the caller. It runs over chunks of UNROLL K-blocks (:func:`_chunk`) with no wgmma in flight across the loop's
+    back edge (ptxas serializes every wgmma of a loop whose in-flight accumulators other instructions read across
+    iterations)."""
+    acc = _chunk(p0, sc0, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), a_ring, b_ring, ready, empty, s, 0, as_ptrs,
+                 bs_ptr, CONSUMER, UNROLL, STAGES, ROWS, BLOCK_N, MMA)
+    for c in range(1, KB // UNROLL):
         k0 = c * UNROLL
         p = _issue(a_ring, b_ring, ready, s + k0, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES,
                    ROWS)
-        sc = _scales(as_ptrs, bs_ptr, k0)
-        spare = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
-        for u in gl.static_range(1, UNROLL):
-            nxt = _issue(a_ring, b_ring, ready, s + k0 + u, spare, CONSUMER, STAGES, ROWS)
-            sc_next = _scales(as_ptrs, bs_ptr, k0 + u)
-            acc, spare = _promote(p, acc, sc, empty, s + k0 + u - 1, STAGES)
-            p = nxt
-            sc = sc_next
-        p, acc = warpgroup_mma_wait(0, deps=[p, acc])
-        mbarrier.arrive(empty.index((s + k0 + UNROLL - 1) % STAGES))
-        acc = acc + p * sc[:, None]
+        acc = _chunk(p, _scales(as_ptrs, bs_ptr, k0), acc, a_ring, b_ring, ready, empty, s, k0, as_ptrs, bs_ptr,
+                     CONSUMER, UNROLL, STAGES, ROWS, BLOCK_N, MMA)
     return acc
 
 
@@ -182,20 +191,42 @@ def _mma_warpgroup(a_ring, b_ring, ready, empty, c_smem, c_ptr, c_desc, as_ptr, 
     stage = c_smem.index(CONSUMER)
     G = gl.num_programs(0)
     s = 0
-    tile = gl.program_id(0)
+    first = gl.program_id(0)
+    tile = first
+    # a tile's coordinates are loaded while the tile before it runs (clamped: a real tile)
+    expert, row, row_end, n_tile = _tile_coords(gl.maximum(gl.minimum(tile, num_tiles - 1), 0), tile_offsets_ptr,
+                                                row_offsets_ptr, num_experts, num_n_tiles, E_POW2, BLOCK_M, BLOCK_N,
+                                                LAYOUT_E)
+    acc_prev = gl.zeros([ROWS, BLOCK_N], gl.float32, MMA)
+    row_prev = 0
+    end_prev = 0
+    n_prev = 0
     while tile < num_tiles:
-        expert, row, row_end, n_tile = _tile_coords(tile, tile_offsets_ptr, row_offsets_ptr, num_experts,
-                                                    num_n_tiles, E_POW2, BLOCK_M, BLOCK_N, LAYOUT_E)
         row += CONSUMER * ROWS
         offs_m = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
         rows = gl.minimum(offs_m, num_rows - 1).to(gl.int64)  # clamped: computed, never stored
         as_ptrs = as_ptr + rows * stride_asm
         bs_tile = bs_ptr + expert.to(gl.int64) * stride_bse + n_tile * stride_bsn
-        acc = _k_loop(a_ring, b_ring, ready, empty, s, as_ptrs, bs_tile, CONSUMER, KB, UNROLL, STAGES, ROWS, BLOCK_N,
-                      MMA)
-        _store_rows(acc, c_ptr, c_desc, stage, row, row_end, n_tile * BLOCK_N, stride_cm, ROWS, BLOCK_N)
+        p0 = _issue(a_ring, b_ring, ready, s, gl.zeros([ROWS, BLOCK_N], gl.float32, MMA), CONSUMER, STAGES, ROWS)
+        sc0 = _scales(as_ptrs, bs_tile, 0)
+        if tile != first:  # the previous tile's epilogue while this tile's first wgmma runs
+            _store_rows(acc_prev, c_ptr, c_desc, stage, row_prev, end_prev, n_prev, stride_cm, ROWS, BLOCK_N)
+        e_next, row_next, end_next, n_next = _tile_coords(gl.minimum(tile + G, num_tiles - 1), tile_offsets_ptr,
+                                                          row_offsets_ptr, num_experts, num_n_tiles, E_POW2, BLOCK_M,
+                                                          BLOCK_N, LAYOUT_E)
+        acc_prev = _k_loop(p0, sc0, a_ring, b_ring, ready, empty, s, as_ptrs, bs_tile, CONSUMER, KB, UNROLL, STAGES,
+                           ROWS, BLOCK_N, MMA)
+        row_prev = row
+        end_prev = row_end
+        n_prev = n_tile * BLOCK_N
+        expert = e_next
+        row = row_next
+        row_end = end_next
+        n_tile = n_next
         s += KB
         tile += G
+    if tile != first:
+        _store_rows(acc_prev, c_ptr, c_desc, stage, row_prev, end_prev, n_prev, stride_cm, ROWS, BLOCK_N)
     tma.store_wait(0)
 
 
