@@ -147,8 +147,7 @@ def _moe_experts_op(x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor, 
                                                    shared_w13_HD, shared_w2_DS, True, fp8)
     gu_NG = _empty(x_TD) if gu_NG is None else gu_NG
     gus_TH = _empty(x_TD) if gus_TH is None else gus_TH
-    # saved for the backward op; four distinct empty tensors without FP8 (a custom op's outputs may not alias)
-    blocks = (*fp8.w13, *fp8.w2) if fp8 is not None else tuple(_empty(x_TD) for _ in range(4))
+    blocks = (*fp8.w13, *fp8.w2) if fp8 is not None else _no_blocks(x_TD)  # saved for the backward op
     return (out_TD, gu_NG, gus_TH, *saved, *blocks)
 
 
@@ -163,11 +162,17 @@ def _(x_TD, topk_ids_TK, topk_weights_TK, w13_EGD, w2_EDF, shared_w13_HD, shared
             torch.empty(N, **i32), torch.empty(T, K, **i32), *_fake_blocks(x_TD, w13_EGD, w2_EDF, recipe))
 
 
+def _no_blocks(x_TD) -> tuple:
+    """The weight-block outputs of a recipe without them: four distinct empty tensors (a custom op's outputs may not
+    alias one another)."""
+    return tuple(_empty(x_TD) for _ in range(4))
+
+
 def _fake_blocks(x_TD, w13_EGD, w2_EDF, recipe):
     """The forward op's weight blocks (q13, s13, q2, s2): e4m3 like each weight, fp32 per 128x128 block; empty
     unless recipe "fp8"."""
     if recipe != "fp8":
-        return tuple(_empty(x_TD) for _ in range(4))
+        return _no_blocks(x_TD)
     out = []
     for w in (w13_EGD, w2_EDF):
         experts, rows, cols = w.shape
